@@ -1,0 +1,62 @@
+"""The exception hierarchy of prefixcache.
+
+Every error the package raises on purpose derives from :class:`PrefixCacheError`, so an embedding framework
+can catch one type.  Subclasses also derive from the closest built-in (``ValueError``, ``TypeError``,
+``RuntimeError``) so generic handlers keep working.  An operation that raises one of these leaves the cache
+as it was before the call: no leaked block, no half-inserted node, no lock left held.
+"""
+
+from __future__ import annotations
+
+
+class PrefixCacheError(Exception):
+    """Base class of every error raised on purpose by prefixcache."""
+
+
+class InvalidArgumentError(PrefixCacheError, ValueError):
+    """A configuration value or call argument is out of its allowed range (block size, budget, sampling...)."""
+
+
+class InvalidTokensError(PrefixCacheError, ValueError):
+    """Token ids are not a non-empty 1-D sequence of non-negative integers below the allowed maximum."""
+
+
+class NamespaceError(PrefixCacheError, TypeError):
+    """A namespace (cache salt) is not ``None`` or a ``str``."""
+
+
+class OutOfBlocksError(PrefixCacheError, RuntimeError):
+    """The block pool cannot supply the blocks asked for, even after evicting every unlocked cached block."""
+
+
+class CapacityError(OutOfBlocksError):
+    """A request needs more blocks (or positions) than the pool or model can ever hold."""
+
+
+class LockError(PrefixCacheError, RuntimeError):
+    """A lock handle or block reference was released twice, or used after release."""
+
+
+class ScenarioError(PrefixCacheError, ValueError):
+    """A scenario or trace file has a line that is not a valid conversation/request.
+
+    ``path`` and ``line_no`` (1-based) say where; the message says what was wrong.
+    """
+
+    def __init__(self, message: str, path: str | None = None, line_no: int | None = None) -> None:
+        where = f"{path}:{line_no}: " if path is not None and line_no is not None else (f"{path}: " if path else "")
+        super().__init__(f"{where}{message}")
+        self.path = path
+        self.line_no = line_no
+
+
+class TemplateError(PrefixCacheError, ValueError):
+    """Chat messages cannot be rendered: unknown role, non-string content, malformed tools."""
+
+
+class UnsupportedModelError(PrefixCacheError, ValueError):
+    """A model architecture or feature (sliding window, recurrent state...) that prefix caching cannot serve exactly."""
+
+
+class VerificationError(PrefixCacheError, AssertionError):
+    """Cached output differed from the uncached reference beyond tolerance (``--verify``)."""
