@@ -1,0 +1,26 @@
+"""Models prefix caching can drive: the :class:`CausalLM` protocol and the embedded seeded Llama."""
+
+from prefixcache.models.base import (
+    CausalLM,
+    ModelConfig,
+    check_cached_call,
+    check_reference_call,
+    config_fingerprint,
+    kv_pool_shape,
+    num_blocks_for,
+)
+from prefixcache.models.llama import ARCHITECTURE, PRESETS, LlamaModel, build_model
+
+__all__ = [
+    "ARCHITECTURE",
+    "PRESETS",
+    "CausalLM",
+    "LlamaModel",
+    "ModelConfig",
+    "build_model",
+    "check_cached_call",
+    "check_reference_call",
+    "config_fingerprint",
+    "kv_pool_shape",
+    "num_blocks_for",
+]

@@ -1,0 +1,235 @@
+"""The model protocol that prefix caching drives, its configuration record, and the shared input checks.
+
+A model here is anything that can (a) prefill new tokens against a prefix whose K/V already sit in the
+paged pool, and (b) recompute a whole sequence with no cache at all, on the same weights.  The second
+exists to prove the first exact.
+
+Pool layout, shared with the block pool: one tensor
+``kv[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = K, 1 = V).  The token at
+absolute position ``p`` of a request lives in block ``block_table[p // block_size]``, row
+``p % block_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import xxhash
+
+from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidTokensError
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Architecture and weight seed of a decoder; two equal configs build bit-identical weights.
+
+    Sizes are counts (``head_dim`` in elements, not bytes); ``max_position`` is the most positions one
+    sequence may use, prefix included.  ``init_std`` and ``embed_std`` are the standard deviations of the
+    seeded random projection and embedding weights.  Raises :class:`InvalidArgumentError` on construction if a size
+    is not positive or the heads do not divide into KV groups.
+    """
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_position: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    seed: int = 0
+    init_std: float = 0.02
+    embed_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for field in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position",
+        ):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgumentError(f"ModelConfig.{field} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidArgumentError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        # Half-rotation RoPE pairs element i with i + head_dim / 2.
+        if self.head_dim % 2:
+            raise InvalidArgumentError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if not (self.rope_theta > 0 and self.rms_norm_eps > 0 and self.init_std > 0 and self.embed_std > 0):
+            raise InvalidArgumentError("rope_theta, rms_norm_eps, init_std and embed_std must be positive")
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """Bytes of pool one cached token occupies across all layers, K and V: ``2 * L * H_kv * D * element_size``."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+    def canonical_json(self) -> str:
+        """The config as JSON with sorted keys and no whitespace; the input of every fingerprint."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What the prefix cache needs from a decoder-only model (ours, or an adapter around another).
+
+    Implementations must be exact: ``forward_cached`` over a pool filled by earlier ``forward_cached``
+    calls returns the same logits as ``forward_reference`` on the whole sequence (fp32: within 1e-4).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def fingerprint(self) -> str:
+        """Stable hex id of architecture, weights and KV dtype; caches are never shared across fingerprints."""
+        ...
+
+    def forward_cached(
+        self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor
+    ) -> torch.Tensor:
+        """Prefill ``token_ids[n]`` at positions ``start_pos .. start_pos + n - 1`` against the pooled prefix.
+
+        Writes the K/V of the n new tokens into their slots of ``kv`` (and no other slot), attends over
+        positions ``0 .. start_pos + n - 1`` reading the prefix from the pool through ``block_table``
+        (at least ``ceil((start_pos + n) / block_size)`` ids), and returns ``[n, vocab_size]`` float32
+        logits.  Raises InvalidTokensError, InvalidArgumentError or CapacityError (see
+        :func:`check_cached_call`).
+        """
+        ...
+
+    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Full causal recompute of ``token_ids[T]`` with no pool; returns ``[T, vocab_size]`` float32 logits."""
+        ...
+
+
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``num_tokens`` positions: ``ceil(num_tokens / block_size)``."""
+    return -(-num_tokens // block_size)
+
+
+def kv_pool_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[int, int, int, int, int, int]:
+    """Shape of a pool for ``model``: ``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)``."""
+    return (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+
+
+def config_fingerprint(config: ModelConfig, *, architecture: str, dtype: torch.dtype) -> str:
+    """xxh64 hex of the canonical config plus the code version of the architecture and the KV dtype.
+
+    ``architecture`` names the forward/init code (bump it when either changes the numbers); the dtype is
+    part of the identity because K/V computed in bf16 are not the K/V an fp32 model would read.
+    """
+    payload = f'{{"architecture":{json.dumps(architecture)},"config":{config.canonical_json()},"dtype":"{dtype}"}}'
+    return xxhash.xxh64(payload.encode()).hexdigest()
+
+
+def _is_integer_tensor(x: object) -> bool:
+    return (
+        isinstance(x, torch.Tensor)
+        and not x.dtype.is_floating_point
+        and not x.dtype.is_complex
+        and x.dtype != torch.bool
+    )
+
+
+def _check_token_shape(model: CausalLM, token_ids: object) -> torch.Tensor:
+    if not _is_integer_tensor(token_ids):
+        kind = f"tensor of dtype {token_ids.dtype}" if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__
+        raise InvalidTokensError(f"token_ids must be a 1-D integer torch.Tensor, got a {kind}")
+    assert isinstance(token_ids, torch.Tensor)
+    if token_ids.dim() != 1 or token_ids.numel() == 0:
+        raise InvalidTokensError(f"token_ids must be a non-empty 1-D tensor, got shape {tuple(token_ids.shape)}")
+    return token_ids.to(device=model.device, dtype=torch.long)
+
+
+def _raise_if_out_of_vocab(model: CausalLM, lo: int, hi: int) -> None:
+    if lo < 0 or hi >= model.vocab_size:
+        bad = lo if lo < 0 else hi
+        raise InvalidTokensError(f"token id {bad} is outside the vocabulary: ids must be in [0, {model.vocab_size})")
+
+
+def check_reference_call(model: CausalLM, token_ids: object) -> torch.Tensor:
+    """Validate ``forward_reference`` input; returns the ids as int64 on the model's device.
+
+    Cost: one device sync (min/max of the ids).  Raises InvalidTokensError (not a non-empty 1-D integer
+    tensor, or an id outside ``[0, vocab_size)``) and CapacityError (more than ``max_position`` tokens).
+    """
+    ids = _check_token_shape(model, token_ids)
+    if ids.numel() > model.max_position:
+        raise CapacityError(f"{ids.numel()} tokens exceed the model's max_position {model.max_position}")
+    lo, hi = torch.aminmax(ids)
+    _raise_if_out_of_vocab(model, int(lo), int(hi))
+    return ids
+
+
+def check_cached_call(
+    model: CausalLM, token_ids: object, start_pos: object, kv: object, block_table: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``forward_cached`` inputs; returns ``(ids, used_block_table)``, both int64 on the model device.
+
+    ``used_block_table`` is the first ``ceil((start_pos + n) / block_size)`` entries; extra entries are
+    ignored.  Cost: one device sync (min/max of ids and used block ids together).
+
+    Raises:
+        InvalidTokensError: ids not a non-empty 1-D integer tensor, or an id outside ``[0, vocab_size)``.
+        InvalidArgumentError: ``start_pos`` not an int >= 0; ``kv`` not a contiguous tensor of shape
+            ``[num_layers, 2, *, *, num_kv_heads, head_dim]`` with the model's dtype and device (a copy
+            would silently drop our writes); ``block_table`` not a 1-D integer tensor, too short, or
+            naming a block outside ``[0, num_blocks)``.
+        CapacityError: ``start_pos + n > max_position``.
+    """
+    ids = _check_token_shape(model, token_ids)
+    if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
+        raise InvalidArgumentError(f"start_pos must be an int >= 0, got {start_pos!r}")
+    end_pos = start_pos + ids.numel()
+    if end_pos > model.max_position:
+        raise CapacityError(
+            f"positions up to {end_pos} (start_pos {start_pos} + {ids.numel()} tokens) exceed the model's "
+            f"max_position {model.max_position}"
+        )
+    if not isinstance(kv, torch.Tensor):
+        raise InvalidArgumentError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
+    want = (model.num_layers, 2, "num_blocks", "block_size", model.num_kv_heads, model.head_dim)
+    if kv.dim() != 6 or any(isinstance(w, int) and w != s for w, s in zip(want, kv.shape, strict=False)):
+        raise InvalidArgumentError(f"kv has shape {tuple(kv.shape)}, the model needs {want}")
+    if kv.dtype != model.dtype or kv.device != model.device:
+        raise InvalidArgumentError(f"kv is {kv.dtype} on {kv.device}, the model needs {model.dtype} on {model.device}")
+    if not kv.is_contiguous():
+        raise InvalidArgumentError("kv must be contiguous so that writes through a flat view land in the pool")
+    num_blocks, block_size = kv.shape[2], kv.shape[3]
+    if not _is_integer_tensor(block_table) or block_table.dim() != 1:
+        if isinstance(block_table, torch.Tensor):
+            desc = f"shape {tuple(block_table.shape)} {block_table.dtype}"
+        else:
+            desc = type(block_table).__name__
+        raise InvalidArgumentError(f"block_table must be a 1-D integer tensor, got {desc}")
+    assert isinstance(block_table, torch.Tensor)
+    needed = num_blocks_for(end_pos, block_size)
+    if block_table.numel() < needed:
+        raise InvalidArgumentError(
+            f"block_table has {block_table.numel()} blocks, positions 0..{end_pos - 1} at block_size "
+            f"{block_size} need {needed}"
+        )
+    used = block_table[:needed].to(device=model.device, dtype=torch.long)
+    lo_tok, hi_tok, lo_blk, hi_blk = torch.stack([ids.min(), ids.max(), used.min(), used.max()]).tolist()
+    _raise_if_out_of_vocab(model, lo_tok, hi_tok)
+    if lo_blk < 0 or hi_blk >= num_blocks:
+        bad = lo_blk if lo_blk < 0 else hi_blk
+        raise InvalidArgumentError(f"block_table names block {bad}, the pool has blocks [0, {num_blocks})")
+    return ids, used

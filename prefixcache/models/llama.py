@@ -1,0 +1,294 @@
+"""Our embedded Llama-style decoder with seeded random weights: the default model of prefixcache.
+
+Per layer: RMSNorm -> grouped-query attention with half-rotation rotary embeddings -> residual, then
+RMSNorm -> SwiGLU MLP -> residual; a final RMSNorm and an untied LM head.  Weights are drawn from
+``torch.Generator().manual_seed(config.seed)`` on the CPU in fp32 and then cast, so a preset gives the
+same weights on every machine and device.
+
+Both entry points run one shared forward; they differ only in where a layer's keys and values come
+from (the paged pool, or the tensors just computed), which is what makes cached and uncached logits
+agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from prefixcache.errors import InvalidArgumentError
+from prefixcache.models.base import (
+    ModelConfig,
+    check_cached_call,
+    check_reference_call,
+    config_fingerprint,
+)
+
+# Names the forward and init code below; bump it whenever either changes the numbers, so that no
+# cache built by older code is ever matched against a newer model.
+ARCHITECTURE = "prefixcache.llama/1"
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(
+        name="tiny",
+        vocab_size=512,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        intermediate_size=176,
+        max_position=32768,
+        seed=1234,
+        embed_std=0.05,
+    ),
+    "small": ModelConfig(
+        name="small",
+        vocab_size=512,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=1408,
+        max_position=32768,
+        seed=1234,
+        embed_std=0.3,
+    ),
+}
+
+# Queries per attention call: bounds the [heads, queries, keys] score matrix of a long prefill.
+_QUERY_CHUNK = 1024
+
+# (layer index, new K [n, H_kv, D], new V [n, H_kv, D]) -> (K, V) of all positions [S, H_kv, D].
+_KVSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class _LayerWeights:
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]; Q, K, V rows fused
+    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]; gate rows then up rows
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    # Pools report "cuda:0", never bare "cuda"; normalise so the device check compares like with like.
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class LlamaModel:
+    """A seeded Llama-style decoder implementing :class:`prefixcache.models.base.CausalLM`.
+
+    Build one with :func:`build_model`.  Not thread-safe with respect to a shared pool: the caller (the
+    runner) owns which slots are written.
+    """
+
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+    ) -> None:
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise InvalidArgumentError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.config = config
+        self.num_layers = config.num_layers
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.vocab_size = config.vocab_size
+        self.max_position = config.max_position
+        self.dtype = dtype
+        self.device = _resolve_device(device)
+        self._fingerprint = config_fingerprint(config, architecture=ARCHITECTURE, dtype=dtype)
+        self._init_weights()
+        half = config.head_dim // 2
+        # float64 for the exponent so the frequencies do not depend on fp32 pow rounding.
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(half, dtype=torch.float64) * 2 / config.head_dim))
+        self._inv_freq = inv_freq.to(device=self.device, dtype=torch.float32)
+
+    def _init_weights(self) -> None:
+        c = self.config
+        gen = torch.Generator().manual_seed(c.seed)
+
+        def normal(*shape: int, std: float = c.init_std) -> torch.Tensor:
+            w = torch.randn(*shape, generator=gen, dtype=torch.float32) * std
+            return w.to(device=self.device, dtype=self.dtype)
+
+        def ones(n: int) -> torch.Tensor:
+            return torch.ones(n, device=self.device, dtype=self.dtype)
+
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        # Plain std-0.02 weights everywhere give near-uniform attention and tiny logits, and a residual
+        # stream where the context average drowns the current token, so greedy decoding gets stuck on one
+        # token.  Q/K and the LM head therefore get fan-in-scaled std (attention scores and logits of order
+        # 1), and each preset sets embed_std near one layer's output scale (about init_std**2 * hidden) so
+        # that both the current token and the context move the argmax.
+        qk_std = 1.0 / math.sqrt(c.hidden_size)
+        self.embed = normal(c.vocab_size, c.hidden_size, std=c.embed_std)
+        self.layers: list[_LayerWeights] = []
+        for _ in range(c.num_layers):
+            qkv = torch.cat(
+                [
+                    normal(q_dim, c.hidden_size, std=qk_std),
+                    normal(kv_dim, c.hidden_size, std=qk_std),
+                    normal(kv_dim, c.hidden_size),
+                ]
+            )
+            self.layers.append(
+                _LayerWeights(
+                    attn_norm=ones(c.hidden_size),
+                    qkv=qkv,
+                    o=normal(c.hidden_size, q_dim),
+                    mlp_norm=ones(c.hidden_size),
+                    gate_up=normal(2 * c.intermediate_size, c.hidden_size),
+                    down=normal(c.hidden_size, c.intermediate_size),
+                )
+            )
+        self.final_norm = ones(c.hidden_size)
+        self.lm_head = normal(c.vocab_size, c.hidden_size, std=2.0 / math.sqrt(c.hidden_size))
+
+    def fingerprint(self) -> str:
+        """xxh64 hex of architecture version, config (seed included) and dtype; equal across builds."""
+        return self._fingerprint
+
+    def parameter_count(self) -> int:
+        """Number of weight elements (embedding, layers, final norm, LM head)."""
+        tensors = [self.embed, self.final_norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up, layer.down]
+        return sum(t.numel() for t in tensors)
+
+    @torch.inference_mode()
+    def forward_cached(
+        self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor
+    ) -> torch.Tensor:
+        """Prefill ``token_ids[n]`` at positions ``start_pos ..`` against the prefix K/V in the pool.
+
+        Args:
+            token_ids: ``[n]`` integer ids in ``[0, vocab_size)``.
+            start_pos: number of positions already in the pool for this request (the cached prefix).
+            kv: the pool ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, contiguous,
+                in the model's dtype and device.  Only the slots of positions ``start_pos .. start_pos+n-1``
+                are written; prefix slots may belong to blocks shared with other requests.
+            block_table: ``[>= ceil((start_pos + n) / block_size)]`` block ids of this request, in order.
+
+        Returns:
+            ``[n, vocab_size]`` float32 logits; row i predicts position ``start_pos + i + 1``.
+
+        Cost: O(n * (start_pos + n)) attention plus a gather of ``start_pos + n`` K/V rows per layer.
+        Raises InvalidTokensError, InvalidArgumentError, CapacityError (see ``check_cached_call``).
+        """
+        ids, table = check_cached_call(self, token_ids, start_pos, kv, block_table)
+        num_blocks, block_size = kv.shape[2], kv.shape[3]
+        end_pos = start_pos + ids.numel()
+        all_pos = torch.arange(end_pos, device=self.device)
+        slots_all = table[all_pos // block_size] * block_size + all_pos % block_size  # [start_pos + n]
+        slots_new = slots_all[start_pos:]  # [n]
+        # [num_layers, 2, num_blocks * block_size, H_kv, D]: a view, so index_copy_ writes the pool itself.
+        flat = kv.view(self.num_layers, 2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+
+        def from_pool(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            flat[layer].index_copy_(1, slots_new, torch.stack([k, v]))
+            kv_all = flat[layer].index_select(1, slots_all)  # [2, start_pos + n, H_kv, D]
+            return kv_all[0], kv_all[1]
+
+        return self._forward(ids, all_pos[start_pos:], from_pool)
+
+    @torch.inference_mode()
+    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Uncached full causal forward of ``token_ids[T]``; returns ``[T, vocab_size]`` float32 logits.
+
+        Touches no pool.  Cost: O(T^2) attention.  Raises InvalidTokensError, CapacityError
+        (``T > max_position``).
+        """
+        ids = check_reference_call(self, token_ids)
+        positions = torch.arange(ids.numel(), device=self.device)
+        return self._forward(ids, positions, lambda _layer, k, v: (k, v))
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, kv_source: _KVSource) -> torch.Tensor:
+        """ids ``[n]`` at ``positions[n]`` (consecutive); K/V of every earlier position come from ``kv_source``."""
+        n, heads, kv_heads, d = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self._rope(positions)
+        x = self.embed[ids]  # [n, hidden]
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.attn_norm)
+            q, k, v = F.linear(h, layer.qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+            q = self._apply_rope(q.view(n, heads, d), cos, sin)
+            k = self._apply_rope(k.view(n, kv_heads, d), cos, sin)
+            k_all, v_all = kv_source(i, k, v.view(n, kv_heads, d))
+            x = x + F.linear(self._attention(q, k_all, v_all, positions), layer.o)
+            h = self._rms_norm(x, layer.mlp_norm)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        h = self._rms_norm(x, self.final_norm)
+        return F.linear(h, self.lm_head).float()
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """q ``[n, H, D]`` at ``positions[n]``; k, v ``[S, H_kv, D]`` of positions ``0..S-1`` -> ``[n, H * D]``.
+
+        Query i sees keys at positions <= positions[i]; head h reads KV head ``h // (H / H_kv)``.
+        """
+        n = q.shape[0]
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D]
+        v = v.transpose(0, 1).unsqueeze(0)
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            # Explicit head repeat rather than SDPA's enable_gqa, which needs torch >= 2.5.
+            k = k.repeat_interleave(group, dim=1)  # [1, H, S, D]
+            v = v.repeat_interleave(group, dim=1)
+        key_pos = torch.arange(k.shape[2], device=q.device)
+        out = []
+        for lo in range(0, n, _QUERY_CHUNK):
+            hi = min(lo + _QUERY_CHUNK, n)
+            mask = key_pos[None, :] <= positions[lo:hi, None]  # [chunk, S]: causal, prefix included
+            out.append(F.scaled_dot_product_attention(q[:, :, lo:hi], k, v, attn_mask=mask))
+        o = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # [1, H, n, D]
+        return o[0].transpose(0, 1).reshape(n, -1)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[n, 1, D]`` (fp32) for half-rotation RoPE at integer ``positions[n]``."""
+        angles = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]  # [n, D/2]
+        angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+        return angles.cos(), angles.sin()
+
+    def _apply_rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x[n, heads, D]``: element i pairs with i + D/2 (Llama's rotate_half), in fp32."""
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return (xf * cos + rotated * sin).to(self.dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dim, computed in fp32 so bf16/fp16 models stay stable."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.config.rms_norm_eps)
+        return (xf * weight.float()).to(self.dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"LlamaModel({self.config.name!r}, params={self.parameter_count():,}, dtype={self.dtype}, "
+            f"device={self.device})"
+        )
+
+
+def build_model(
+    preset: str = "tiny", *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+) -> LlamaModel:
+    """Build the named preset (see ``PRESETS``); ``device=None`` picks CUDA when available, else CPU.
+
+    Raises InvalidArgumentError for an unknown preset (the message lists the known ones) or a
+    non-floating dtype.
+    """
+    if preset not in PRESETS:
+        raise InvalidArgumentError(f"unknown model preset {preset!r}; choose one of {sorted(PRESETS)}")
+    return LlamaModel(PRESETS[preset], dtype=dtype, device=device)
