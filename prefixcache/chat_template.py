@@ -1,0 +1,171 @@
+"""A ChatML chat template (Qwen-style) that renders OpenAI-format messages as text and special-token segments.
+
+Every message becomes ``<|im_start|>{role}\\n{content}<|im_end|>\\n``.  A ``tools`` list (OpenAI function
+schemas) is written into the system message, after the system prompt, as one JSON object per line; without a
+system message a default one carries them, so tools always sit in the prefix every turn shares.
+``add_generation_prompt`` appends ``<|im_start|>assistant\\n``.
+
+The rendering is a list of :class:`Segment` rather than a string so that any tokenizer turns the special
+markers into their ids while encoding the text around them as plain text (a user typing ``<|im_end|>`` must
+not end the turn).  Rendering is append-only: the prompt for turn *i* plus the assistant's answer equals the
+rendering of the conversation through that answer, which is what makes multi-turn prefix caching hit.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
+
+from prefixcache.errors import TemplateError
+
+__all__ = [
+    "DEFAULT_SYSTEM_PROMPT",
+    "IM_END",
+    "IM_START",
+    "ROLES",
+    "Segment",
+    "encode_segments",
+    "render_segments",
+    "render_text",
+    "validate_messages",
+    "validate_tools",
+]
+
+ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+"""System prompt used only to hold the tools block when the conversation has no system message."""
+
+_TOOLS_HEADER = (
+    "\n\n# Tools\n\n"
+    "You may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>"
+)
+_TOOLS_FOOTER = (
+    "\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n"
+    '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+
+
+class Segment(NamedTuple):
+    """One piece of a rendering: ``("text", s)`` is encoded as plain text, ``("special", name)`` as one id."""
+
+    kind: Literal["text", "special"]
+    value: str
+
+
+def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
+    """Check that ``messages`` is a sequence of ``{"role": <one of ROLES>, "content": str}`` mappings.
+
+    Extra keys are allowed and ignored.  O(len(messages)).
+    Raises :class:`TemplateError` naming the offending message index and what is allowed.
+    """
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise TemplateError(f"messages must be a list of objects, got {type(messages).__name__}")
+    allowed = ", ".join(sorted(ROLES))
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TemplateError(
+                f"message {index} must be an object with role and content, got {type(message).__name__}"
+            )
+        role = message.get("role")
+        if not isinstance(role, str) or role not in ROLES:
+            raise TemplateError(f"message {index} has role {role!r}; allowed roles: {allowed}")
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise TemplateError(
+                f"message {index} ({role}) has content of type {type(content).__name__}; content must be a string"
+            )
+
+
+def validate_tools(tools: Sequence[Mapping[str, Any]] | None) -> None:
+    """Check that ``tools`` is ``None`` or a list of JSON-serialisable objects (OpenAI function schemas).
+
+    Raises :class:`TemplateError` naming the offending tool index.
+    """
+    if tools is None:
+        return
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise TemplateError(f"tools must be a list of objects, got {type(tools).__name__}")
+    for index, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise TemplateError(f"tool {index} must be an object (function schema), got {type(tool).__name__}")
+        try:
+            json.dumps(tool)
+        except (TypeError, ValueError) as exc:
+            raise TemplateError(f"tool {index} is not JSON-serialisable: {exc}") from None
+
+
+def _tools_block(tools: Sequence[Mapping[str, Any]]) -> str:
+    # Key order is kept (not sorted) so the text matches what the caller wrote, as Qwen's template does;
+    # the same tools object therefore always renders to the same bytes.
+    lines = "".join("\n" + json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return _TOOLS_HEADER + lines + _TOOLS_FOOTER
+
+
+def render_segments(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[Segment]:
+    """Render ``messages`` (and ``tools``) as ChatML segments.
+
+    An empty ``tools`` list counts as no tools.  An empty ``messages`` list is allowed (it renders the tools
+    block, if any, and the generation prompt).  O(total characters).
+    Raises :class:`TemplateError` for an unknown role, non-string content, or malformed tools.
+    """
+    validate_messages(messages)
+    validate_tools(tools)
+    segments: list[Segment] = []
+
+    def emit(role: str, content: str) -> None:
+        segments.append(Segment("special", IM_START))
+        segments.append(Segment("text", f"{role}\n{content}"))
+        segments.append(Segment("special", IM_END))
+        segments.append(Segment("text", "\n"))
+
+    rest: Sequence[Mapping[str, Any]] = messages
+    if tools:
+        has_system = bool(messages) and messages[0]["role"] == "system"
+        system_prompt = messages[0]["content"] if has_system else DEFAULT_SYSTEM_PROMPT
+        emit("system", system_prompt + _tools_block(tools))
+        rest = messages[1:] if has_system else messages
+    for message in rest:
+        emit(message["role"], message["content"])
+    if add_generation_prompt:
+        segments.append(Segment("special", IM_START))
+        segments.append(Segment("text", "assistant\n"))
+    return segments
+
+
+def render_text(
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The rendering as one string, specials spelled out; same arguments and errors as :func:`render_segments`."""
+    return "".join(segment.value for segment in render_segments(messages, tools, add_generation_prompt))
+
+
+def encode_segments(
+    segments: Sequence[Segment],
+    encode: Callable[[str], list[int]],
+    special_token_id: Callable[[str], int],
+) -> list[int]:
+    """Token ids of ``segments``: text through ``encode``, specials through ``special_token_id``.
+
+    Text segments are encoded one by one, never merged across a special, exactly as a server applying this
+    template would.  Errors are those of the two callables.
+    """
+    ids: list[int] = []
+    for kind, value in segments:
+        if kind == "special":
+            ids.append(special_token_id(value))
+        else:
+            ids.extend(encode(value))
+    return ids

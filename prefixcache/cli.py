@@ -1,0 +1,191 @@
+"""The ``prefixcache`` command line: ``replay``, ``bench`` and ``plan``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from prefixcache.errors import InvalidArgumentError, PrefixCacheError, VerificationError
+
+logger = logging.getLogger("prefixcache")
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "t": 10**12,
+    "tb": 10**12,
+}
+_DTYPES = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"512MiB"``, ``"24GiB"``, ``"1.5GB"`` or a plain number.
+
+    Raises:
+        argparse.ArgumentTypeError: not a size.
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 24GiB, 1e9)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_count(text: str) -> int:
+    """A positive token count, also written ``1e6``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
+    return int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixcache", description="Exact prefix caching for LLM inference.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    replay = commands.add_parser("replay", help="replay chat transcripts or traces and report prefill savings")
+    replay.add_argument("paths", nargs="+", metavar="PATH", help="scenario JSONL files (chat or Mooncake trace)")
+    replay.add_argument("--model", default="tiny", help="embedded preset: tiny (default) or small")
+    replay.add_argument("--no-model", action="store_true", help="cache accounting only, no model (fast)")
+    replay.add_argument("--block-size", type=int, default=16, help="tokens per KV block (1..256, default 16)")
+    size = replay.add_mutually_exclusive_group()
+    size.add_argument("--cache-tokens", type=parse_count, help="pool capacity in tokens (default: unlimited)")
+    size.add_argument("--cache-memory", type=parse_size, help="pool capacity in bytes of KV, e.g. 512MiB")
+    replay.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="eviction policy")
+    replay.add_argument("--verify", action="store_true", help="check every request against the no-cache reference")
+    replay.add_argument("--order", default="round-robin", choices=["round-robin", "random", "file"])
+    replay.add_argument("--seed", type=int, default=0, help="seed of --order random")
+    replay.add_argument("--limit", type=int, help="replay only the first N conversations (trace lines) per file")
+    replay.add_argument("--format", default="auto", choices=["auto", "chat", "mooncake"], dest="file_format")
+    replay.add_argument("--skip-invalid", action="store_true", help="skip bad lines (reported) instead of failing")
+    replay.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    replay.add_argument("--requests-jsonl", metavar="OUT", help="write one JSON line of usage per request")
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    bench = commands.add_parser("bench", help="run benchmarks and print figures")
+    bench.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
+    bench.add_argument("--quick", action="store_true", help="small sizes (seconds)")
+    bench.add_argument("--json", metavar="OUT", help="write results as JSON")
+
+    plan = commands.add_parser("plan", help="how many tokens and blocks of KV fit in a memory budget")
+    plan.add_argument("--layers", type=int, required=True)
+    plan.add_argument("--kv-heads", type=int, required=True)
+    plan.add_argument("--head-dim", type=int, required=True)
+    plan.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    plan.add_argument("--memory", type=parse_size, required=True, help="KV budget, e.g. 24GiB")
+    plan.add_argument("--block-size", type=int, default=16)
+    return parser
+
+
+def _progress(quiet: bool):
+    if quiet:
+        return None
+    from tqdm import tqdm
+
+    def bar(items, path: str, total: int):
+        return tqdm(items, total=total, desc=path.rsplit("/", 1)[-1], unit="req", leave=False, file=sys.stderr)
+
+    return bar
+
+
+def _run_replay(args: argparse.Namespace) -> int:
+    from prefixcache.models.llama import build_model
+    from prefixcache.replay import Replayer, replay_paths
+    from prefixcache.report import format_replay
+
+    model = None if args.no_model else build_model(args.model)
+    replayer = Replayer(
+        model,
+        block_size=args.block_size,
+        cache_tokens=args.cache_tokens,
+        cache_memory=args.cache_memory,
+        policy=args.policy,
+        verify=args.verify,
+    )
+    report = replay_paths(
+        args.paths,
+        replayer,
+        order=args.order,
+        seed=args.seed,
+        limit=args.limit,
+        skip_invalid=args.skip_invalid,
+        file_format=args.file_format,
+        progress=_progress(args.no_progress),
+        log_requests=args.requests_jsonl is not None,
+    )
+    print(format_replay(report))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report.to_json(), out, indent=2)
+    if args.requests_jsonl:
+        with open(args.requests_jsonl, "w") as out:
+            for record in report.requests_log:
+                out.write(json.dumps(record) + "\n")
+    return 0
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from prefixcache import bench
+
+    bench.run(args.names or None, quick=args.quick, json_path=args.json)
+    return 0
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from prefixcache.pool import kv_bytes_per_token
+
+    if min(args.layers, args.kv_heads, args.head_dim, args.block_size) < 1:
+        raise InvalidArgumentError("--layers, --kv-heads, --head-dim and --block-size must be positive")
+    per_token = kv_bytes_per_token(args.layers, args.kv_heads, args.head_dim, _DTYPES[args.dtype])
+    tokens = args.memory // per_token
+    blocks = tokens // args.block_size
+    print(
+        f"bytes per token: {per_token:,} (2 x {args.layers} layers x {args.kv_heads} KV heads x "
+        f"{args.head_dim} head_dim x {torch.empty((), dtype=_DTYPES[args.dtype]).element_size()} bytes)"
+    )
+    print(f"tokens that fit: {tokens:,}")
+    print(f"blocks of {args.block_size} tokens: {blocks:,} ({blocks * args.block_size:,} tokens in whole blocks)")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 1 verification failed, 2 bad input or other error)."""
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    handlers = {"replay": _run_replay, "bench": _run_bench, "plan": _run_plan}
+    try:
+        return handlers[args.command](args)
+    except VerificationError as error:
+        print(f"VERIFICATION FAILED: {error}", file=sys.stderr)
+        return 1
+    except PrefixCacheError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
