@@ -40,6 +40,8 @@ class SamplingParams:
     """How to pick tokens.  ``temperature == 0`` is greedy (the default); ``top_p`` keeps the smallest set of
     tokens whose probability reaches it; ``seed`` makes sampling repeatable; generation stops after
     ``max_new_tokens`` tokens or on a token of ``stop_token_ids`` (which is kept in the output ids).
+    ``vocab_limit`` restricts sampling to ids below it (``chat`` sets it to the tokenizer's vocabulary size, since
+    a model's embedding table is often padded beyond the ids its tokenizer can decode).
 
     Raises:
         InvalidArgumentError: ``max_new_tokens < 0``, ``temperature < 0``, ``top_p`` outside (0, 1].
@@ -50,6 +52,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    vocab_limit: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -60,6 +63,8 @@ class SamplingParams:
             raise InvalidArgumentError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.vocab_limit is not None and (not isinstance(self.vocab_limit, int) or self.vocab_limit < 1):
+            raise InvalidArgumentError(f"vocab_limit must be a positive int or None, got {self.vocab_limit!r}")
         object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
 
 
@@ -221,7 +226,9 @@ class PrefixCachingRunner:
         if not isinstance(sampling, SamplingParams):
             raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         prompt = self._check_tokens(prompt_ids, "prompt")
-        forced = self._check_tokens(forced_tokens, "forced_tokens", allow_empty=True) if forced_tokens is not None else None
+        forced = (
+            self._check_tokens(forced_tokens, "forced_tokens", allow_empty=True) if forced_tokens is not None else None
+        )
         num_new = len(forced) if forced is not None else sampling.max_new_tokens
         self._check_capacity(len(prompt) + num_new)
         return self._steps(prompt, sampling, self.namespace_key(namespace), forced, return_logits, on_token)
@@ -244,6 +251,7 @@ class PrefixCachingRunner:
         stop generation unless ``stop_token_ids`` is given.  Raises TemplateError for bad messages, else as
         :meth:`generate`."""
         sampling.setdefault("stop_token_ids", self.tokenizer.eos_token_ids)
+        sampling.setdefault("vocab_limit", self.tokenizer.vocab_size)
         params = SamplingParams(**sampling)
         prompt = self.tokenizer.render_chat(messages, tools, add_generation_prompt=True)
         result = self.generate(prompt, params, namespace=namespace)
@@ -377,6 +385,8 @@ def _sampling_generator(sampling: SamplingParams, device: torch.device) -> torch
 
 def _sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from ``logits[vocab]``: argmax when greedy, else temperature + top-p (nucleus) sampling."""
+    if sampling.vocab_limit is not None:
+        logits = logits[: sampling.vocab_limit]
     if sampling.temperature == 0:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
