@@ -271,7 +271,6 @@ class Replayer:
         verify: bool = False,
         atol: float = 1e-4,
         measure_uncached: bool = True,
-        log_requests: bool = False,
     ) -> None:
         if model is None and cache_memory is not None:
             raise InvalidArgumentError("--cache-memory needs a model (bytes per token); use --cache-tokens")
@@ -286,7 +285,6 @@ class Replayer:
         self.verify = verify
         self.atol = atol
         self.measure_uncached = measure_uncached
-        self.log_requests = log_requests
 
     def replay(
         self,
@@ -362,9 +360,8 @@ class Replayer:
             num_blocks = -(-self.cache_tokens // bs)
         elif self.cache_memory is None:
             # Enough that nothing is evicted: every request's new tokens, plus the partial blocks at its seams.
-            num_blocks = sum(
-                -(-(len(r.prompt) + len(r.answer) - hit) // bs) + 2 for r, hit in zip(requests, ideal_hits, strict=False)
-            )
+            new_tokens = (len(r.prompt) + len(r.answer) - hit for r, hit in zip(requests, ideal_hits, strict=True))
+            num_blocks = sum(-(-n // bs) + 2 for n in new_tokens)
             num_blocks = max(num_blocks, 1)
         else:
             num_blocks = None
@@ -469,10 +466,14 @@ def replay_paths(
             skip_invalid=skip_invalid,
             file_format=file_format,
         )
-        bar = (lambda items, p=str(path), n=len(requests): progress(items, p, n)) if progress else None
+        bar = _bound_progress(progress, str(path), len(requests)) if progress else None
         scenario_report = replayer.replay(
             str(path), requests, progress=bar, log=report.requests_log if log_requests else None
         )
         scenario_report.skipped_lines = skipped
         report.scenarios.append(scenario_report)
     return report
+
+
+def _bound_progress(progress: Callable[[Iterable, str, int], Iterable], path: str, total: int):
+    return lambda items: progress(items, path, total)

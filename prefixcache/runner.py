@@ -18,7 +18,7 @@ threads compute in parallel and only wait for each other during bookkeeping.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -396,8 +396,3 @@ def _sample(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Gen
         sorted_probs = sorted_probs * keep
         return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def token_list(ids: Iterable[int]) -> list[int]:
-    """Plain list of ints (for JSON output)."""
-    return [int(t) for t in ids]
