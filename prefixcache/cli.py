@@ -72,7 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay = commands.add_parser("replay", help="replay chat transcripts or traces and report prefill savings")
     replay.add_argument("paths", nargs="+", metavar="PATH", help="scenario JSONL files (chat or Mooncake trace)")
-    replay.add_argument("--model", default="tiny", help="embedded preset: tiny (default) or small")
+    replay.add_argument(
+        "--model", default="tiny", help="embedded preset tiny (default) or small, or hf:PATH (local HF model folder)"
+    )
+    replay.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
+    replay.add_argument("--layers", type=int, help="with --model-config: keep only the first N layers")
+    replay.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer folder (default: byte tokenizer)")
     replay.add_argument("--no-model", action="store_true", help="cache accounting only, no model (fast)")
     replay.add_argument("--block-size", type=int, default=16, help="tokens per KV block (1..256, default 16)")
     size = replay.add_mutually_exclusive_group()
@@ -87,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--skip-invalid", action="store_true", help="skip bad lines (reported) instead of failing")
     replay.add_argument("--json", metavar="OUT", help="write the report as JSON")
     replay.add_argument("--requests-jsonl", metavar="OUT", help="write one JSON line of usage per request")
+    replay.add_argument(
+        "--explain", action="store_true", help="show where requests diverge from the cache (token, message, text)"
+    )
+    replay.add_argument("--plot", metavar="OUT.png", help="draw hit rate vs ideal and pool occupancy (matplotlib)")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     bench = commands.add_parser("bench", help="run benchmarks and print figures")
@@ -120,14 +129,41 @@ def _run_replay(args: argparse.Namespace) -> int:
     from prefixcache.replay import Replayer, replay_paths
     from prefixcache.report import format_replay
 
-    model = None if args.no_model else build_model(args.model)
+    if args.plot:
+        from prefixcache.plot import require_matplotlib
+
+        require_matplotlib()  # fail before a long replay, not after it
+    if args.layers is not None and not args.model_config:
+        raise InvalidArgumentError("--layers needs --model-config")
+    try:
+        tokenizer = None
+        if args.tokenizer:
+            from prefixcache.hf_tokenizer import HFTokenizer
+
+            tokenizer = HFTokenizer(args.tokenizer)
+        if args.no_model:
+            model = None
+        elif args.model_config:
+            from prefixcache.models.hf import random_model_from_config
+
+            model = random_model_from_config(args.model_config, layers=args.layers)
+        elif args.model.startswith("hf:"):
+            from prefixcache.models.hf import load_hf_model
+
+            model = load_hf_model(args.model[3:])
+        else:
+            model = build_model(args.model)
+    except ImportError as error:
+        raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
     replayer = Replayer(
         model,
+        tokenizer,
         block_size=args.block_size,
         cache_tokens=args.cache_tokens,
         cache_memory=args.cache_memory,
         policy=args.policy,
         verify=args.verify,
+        explain=args.explain,
     )
     report = replay_paths(
         args.paths,
@@ -138,12 +174,51 @@ def _run_replay(args: argparse.Namespace) -> int:
         skip_invalid=args.skip_invalid,
         file_format=args.file_format,
         progress=_progress(args.no_progress),
-        log_requests=args.requests_jsonl is not None,
+        log_requests=True,  # the drift summary below reads it
     )
+    if hasattr(model, "name"):
+        report.model = model.name
+    # Template drift: where a turn's prompt leaves the previous prompt + answer, relative to the latter's end.
+    from collections import Counter
+
+    previous_len: dict[tuple[str, str], int] = {}
+    drift_offsets: dict[str, Counter[int]] = {}
+    for record in report.requests_log:
+        key = (record["scenario"], record["conversation_id"])
+        if record["drift_at"] is not None and key in previous_len:
+            drift_offsets.setdefault(key[0], Counter())[record["drift_at"] - previous_len[key]] += 1
+        previous_len[key] = record["usage"]["prompt_tokens"] + record["usage"]["completion_tokens"]
+    print(f"tokenizer: {replayer.tokenizer.name}")
     print(format_replay(report))
+    for scenario, offsets in drift_offsets.items():
+        offset, count = offsets.most_common(1)[0]
+        print(
+            f"template drift in {scenario}: {offsets.total()} requests do not extend the previous prompt+answer; "
+            f"{count} of them diverge {-offset} tokens before its end"
+        )
+    if args.explain:
+        from prefixcache.explain import format_divergences
+
+        for scenario in report.scenarios:
+            print()
+            print(format_divergences(scenario.scenario, scenario.explain_kinds or {}, scenario.divergences))
+    if args.plot:
+        from prefixcache.plot import plot_replay
+
+        print(f"plot written to {plot_replay(report, args.plot)}")
     if args.json:
+        out_json = report.to_json()
+        for scenario, scenario_json in out_json["scenarios"].items():
+            offsets = drift_offsets.get(scenario, Counter())
+            top = offsets.most_common(1)
+            scenario_json["drift"] = {
+                "requests": offsets.total(),
+                "most_common_offset": top[0][0] if top else None,
+                "most_common_offset_requests": top[0][1] if top else 0,
+                "offsets": {str(k): v for k, v in offsets.most_common(5)},
+            }
         with open(args.json, "w") as out:
-            json.dump(report.to_json(), out, indent=2)
+            json.dump(out_json, out, indent=2)
     if args.requests_jsonl:
         with open(args.requests_jsonl, "w") as out:
             for record in report.requests_log:

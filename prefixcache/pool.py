@@ -119,7 +119,7 @@ class KVBlockPool:
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes one token takes: ``2 * num_layers * num_kv_heads * head_dim * element_size`` (0 if metadata-only)."""
+        """KV bytes of one token: ``2 * num_layers * num_kv_heads * head_dim * element_size`` (0 if metadata-only)."""
         if self.kv is None:
             return 0
         return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
@@ -143,12 +143,12 @@ class KVBlockPool:
         return self.num_blocks - self._num_free
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        """Blocks needed to hold ``num_tokens`` tokens starting at a block boundary: ``ceil(num_tokens / block_size)``."""
+        """Blocks to hold ``num_tokens`` tokens starting at a block boundary: ``ceil(num_tokens / block_size)``."""
         return -(-num_tokens // self.block_size)
 
     def ref_count(self, block_id: int) -> int:
         """Current reference count of one block (0 means free)."""
-        return int(self._ref[block_id])
+        return self._ref.item(block_id)
 
     def ref_counts(self) -> np.ndarray:
         """A copy of all reference counts, shape ``[num_blocks]``."""
@@ -173,7 +173,7 @@ class KVBlockPool:
         top = self._num_free
         taken = self._free[top - num_blocks : top].copy()
         self._num_free = top - num_blocks
-        self._ref[taken] = 1
+        self._ref[_as_index(taken)] = 1
         return taken
 
     def incref(self, block_ids: BlockIds) -> None:
@@ -182,10 +182,12 @@ class KVBlockPool:
         Raises:
             LockError: a block is free (count 0): sharing a free block would be a use-after-free.
         """
-        ids = np.asarray(block_ids, dtype=BLOCK_ID_DTYPE)
-        if ids.size and (self._ref[ids] <= 0).any():
-            raise LockError("incref of a free block")
-        self._ref[ids] += 1
+        ids = _as_index(block_ids)
+        if ids.size:
+            counts = self._ref[ids]
+            if counts[counts.argmin()] <= 0:
+                raise LockError("incref of a free block")
+            self._ref[ids] = counts + 1
 
     def decref(self, block_ids: BlockIds) -> int:
         """Drop one holder from each block; blocks whose count reaches 0 go back on the free list.
@@ -195,19 +197,37 @@ class KVBlockPool:
         Raises:
             LockError: a block is already free (double release); nothing is changed.
         """
-        ids = np.asarray(block_ids, dtype=BLOCK_ID_DTYPE)
+        ids = _as_index(block_ids)
         if ids.size == 0:
             return 0
         counts = self._ref[ids]
-        if (counts <= 0).any():
+        if counts[counts.argmin()] <= 0:
             raise LockError(f"double release of block(s) {ids[counts <= 0][:8].tolist()}")
         counts -= 1
         self._ref[ids] = counts
-        freed = ids[counts == 0]
-        top = self._num_free
-        self._free[top : top + freed.size] = freed
-        self._num_free = top + freed.size
-        return int(freed.size)
+        num_freed = ids.size - int(np.count_nonzero(counts))
+        if num_freed:
+            # Usually every block is freed (a leaf's blocks have one holder): push them without a mask.
+            freed = ids if num_freed == ids.size else ids[counts == 0]
+            top = self._num_free
+            self._free[top : top + num_freed] = freed
+            self._num_free = top + num_freed
+        return num_freed
+
+    def free_exclusive(self, block_ids: np.ndarray) -> int:
+        """Free blocks whose only holder is the caller; returns how many.
+
+        :meth:`decref` without its checks (two numpy calls instead of eight): the caller guarantees that every
+        count is exactly 1 and the ids are distinct, as :class:`~prefixcache.radix.RadixCache` has verified for
+        blocks a request allocated and still owns.  ``block_ids`` must be an intp array.
+        """
+        num_freed = block_ids.size
+        if num_freed:
+            self._ref[block_ids] = 0
+            top = self._num_free
+            self._free[top : top + num_freed] = block_ids
+            self._num_free = top + num_freed
+        return num_freed
 
     def copy_rows(self, src_block: int, dst_block: int, num_rows: int) -> None:
         """Copy the first ``num_rows`` token rows of K and V of every layer from one block to another.
@@ -237,6 +257,16 @@ class KVBlockPool:
             raise AssertionError("free list differs from the blocks whose reference count is 0")
         if (self._ref < 0).any():
             raise AssertionError("negative reference count")
+
+
+def _as_index(block_ids: BlockIds) -> np.ndarray:
+    """Block ids as an intp array.
+
+    numpy converts int32 indices to intp inside every fancy-indexing call, which costs several times the
+    indexing itself on the short arrays of a request; converting once per operation is cheaper.  Small-array
+    checks below use ``argmin`` and ``count_nonzero`` instead of ufunc reductions for the same reason.
+    """
+    return np.asarray(block_ids, dtype=np.intp)
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -29,8 +29,10 @@ serialized; model compute happens outside, on blocks the request owns privately.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from array import array
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,11 +45,23 @@ from prefixcache.errors import (
     NamespaceError,
     OutOfBlocksError,
 )
+from prefixcache.events import (
+    AllCleared,
+    BlockRemoved,
+    BlockStored,
+    EventListener,
+    KVEvent,
+    chain_hashes,
+    namespace_root_hash,
+)
 from prefixcache.evictor import EvictionPolicy, Evictor
 from prefixcache.pool import BLOCK_ID_DTYPE, BlockIds, KVBlockPool
 from prefixcache.tokens import TOKEN_TYPECODE, TokenIds, as_token_array
 
+logger = logging.getLogger(__name__)
+
 _EMPTY_BLOCKS = np.zeros(0, dtype=BLOCK_ID_DTYPE)
+_NOT_OWNED = "block(s) not owned by the caller: freed already, held by the tree, or listed twice"
 
 
 class _Node:
@@ -66,6 +80,8 @@ class _Node:
         "evict_key",
         "namespace",
         "evicted",
+        "origin",
+        "block_hashes",
     )
 
     def __init__(self, node_id: int, parent: _Node | None, tokens: array, start: int, blocks: np.ndarray) -> None:
@@ -81,6 +97,10 @@ class _Node:
         self.evict_key: tuple | None = None
         self.namespace: str | None = None
         self.evicted = False
+        # The request id that inserted these tokens, so its retries count as self-hits, not hits.
+        self.origin: str | None = None
+        # Chained hashes of the full blocks this node owns (see prefixcache.events); kept only while listened to.
+        self.block_hashes: list[int] | None = None
 
     @property
     def end(self) -> int:
@@ -126,7 +146,10 @@ class CacheStats:
     """A snapshot of the cache.  Tokens are token counts, blocks block counts.
 
     ``query_tokens`` / ``hit_tokens`` count the tokens asked for and found by :meth:`RadixCache.match` and
-    :meth:`RadixCache.acquire`; ``hit_rate = hit_tokens / query_tokens``.
+    :meth:`RadixCache.acquire`; ``hit_rate = hit_tokens / query_tokens``.  Tokens found on nodes inserted by the
+    same ``request_id`` as the query's (a retried request finding its own tokens) count as ``self_hit_tokens``
+    instead, never as hits.  The ``window_*`` fields cover the last ``window_requests`` :meth:`RadixCache.acquire`
+    calls (at most the cache's ``hit_rate_window``): ``window_hit_rate`` is the recent hit rate.
     """
 
     num_blocks: int
@@ -142,10 +165,18 @@ class CacheStats:
     evictions: int
     evicted_tokens: int
     evicted_blocks: int
+    self_hit_tokens: int = 0
+    window_requests: int = 0
+    window_query_tokens: int = 0
+    window_hit_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def window_hit_rate(self) -> float:
+        return self.window_hit_tokens / self.window_query_tokens if self.window_query_tokens else 0.0
 
 
 class LockHandle:
@@ -179,6 +210,7 @@ class Lease:
     lock: LockHandle
     block_size: int
     closed: bool = False
+    request_id: str | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -209,16 +241,34 @@ class RadixCache:
 
     Complexities: ``match``/``insert`` cost O(depth) dict lookups plus O(n) C-speed token comparison;
     evicting one leaf costs O(log c) in the number of eviction candidates ``c``.
+
+    Observation: :meth:`stats` (with a recent hit rate over the last ``hit_rate_window`` requests), and KV events
+    (:mod:`prefixcache.events`, block hashes seeded with ``hash_seed``) sent to ``event_listener`` and to callbacks
+    given to :meth:`subscribe`.  With no listener the event machinery costs one test per insert and per evicted
+    leaf.
     """
 
-    def __init__(self, pool: KVBlockPool, policy: str | EvictionPolicy = "lru") -> None:
+    def __init__(
+        self,
+        pool: KVBlockPool,
+        policy: str | EvictionPolicy = "lru",
+        *,
+        hit_rate_window: int = 100,
+        event_listener: EventListener | None = None,
+        hash_seed: int = 0,
+    ) -> None:
         if not isinstance(pool, KVBlockPool):
             raise InvalidArgumentError(f"pool must be a KVBlockPool, got {type(pool).__name__}")
+        if isinstance(hit_rate_window, bool) or not isinstance(hit_rate_window, int) or hit_rate_window < 1:
+            raise InvalidArgumentError(f"hit_rate_window must be a positive int, got {hit_rate_window!r}")
         self.pool = pool
         self.block_size = pool.block_size
         self._evictor = Evictor(policy)
         self._roots: dict[str | None, _Node] = {}
         self._owned = np.zeros(pool.num_blocks, dtype=bool)
+        # Scratch for the duplicate test of a block table (see _distinct); its contents mean nothing between calls.
+        self._slot = np.zeros(pool.num_blocks, dtype=np.int32)
+        self._positions = np.arange(0, dtype=np.int32)  # 0, 1, 2...: grown to the longest table checked
         self._handles: dict[int, LockHandle] = {}
         self._ids = itertools.count(1)
         self._clock = 0
@@ -231,6 +281,14 @@ class RadixCache:
         self._evictions = 0
         self._evicted_tokens = 0
         self._evicted_blocks = 0
+        self._self_hit_tokens = 0
+        self._window: deque[tuple[int, int]] = deque(maxlen=hit_rate_window)
+        self._window_query_tokens = 0
+        self._window_hit_tokens = 0
+        self.hash_seed = hash_seed
+        self._listeners: list[EventListener] = []
+        if event_listener is not None:
+            self.subscribe(event_listener)
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -238,13 +296,21 @@ class RadixCache:
 
     # ---- lookup -------------------------------------------------------------------------------------------
 
-    def match(self, token_ids: TokenIds, namespace: str | None = None, *, for_prefill: bool = False) -> MatchResult:
+    def match(
+        self,
+        token_ids: TokenIds,
+        namespace: str | None = None,
+        *,
+        for_prefill: bool = False,
+        request_id: str | None = None,
+    ) -> MatchResult:
         """Longest cached prefix of ``token_ids`` in ``namespace``.
 
         With ``for_prefill=True`` at most ``len(token_ids) - 1`` tokens are matched: a request must compute at
         least its last token to get logits.  With ``for_prefill=False`` (pure lookup) a fully cached sequence
         matches in full.  Does not change the tree's shape; refreshes the access time (and LFU hit count) of the
-        matched path; counts the query in :meth:`stats`.
+        matched path; counts the query in :meth:`stats` (tokens on nodes inserted under ``request_id`` as
+        self-hits).
 
         Raises:
             InvalidTokensError, NamespaceError: bad input (nothing changes).
@@ -252,9 +318,11 @@ class RadixCache:
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
         with self._mutex:
-            return self._match(q, namespace, len(q) - 1 if for_prefill else len(q), record=True)
+            return self._match(q, namespace, len(q) - 1 if for_prefill else len(q), record=True, request_id=request_id)
 
-    def _match(self, q: array, namespace: str | None, limit: int, *, record: bool) -> MatchResult:
+    def _match(
+        self, q: array, namespace: str | None, limit: int, *, record: bool, request_id: str | None = None
+    ) -> MatchResult:
         root = self._roots.get(namespace)
         if root is None:
             if record:
@@ -290,9 +358,20 @@ class RadixCache:
         # Only the final node can be a candidate (a leaf); its ancestors are re-filed when they become leaves.
         table = np.concatenate(parts)[: -(-pos // bs)] if parts else _EMPTY_BLOCKS
         if record:
+            own = self._own_tokens(node, pos, request_id) if request_id is not None else 0
             self._query_tokens += len(q)
-            self._hit_tokens += pos
+            self._hit_tokens += pos - own
+            self._self_hit_tokens += own
         return MatchResult(pos, table, namespace, node)
+
+    def _own_tokens(self, node: _Node, pos: int, request_id: str) -> int:
+        """Of the ``pos`` matched tokens ending in ``node``, those on nodes ``request_id`` inserted.  O(depth)."""
+        own = 0
+        while node.parent is not None:
+            if node.origin == request_id:
+                own += min(node.start + len(node.tokens), pos) - node.start
+            node = node.parent
+        return own
 
     # ---- locks --------------------------------------------------------------------------------------------
 
@@ -380,7 +459,7 @@ class RadixCache:
                 f"{int(self._owned.sum())} blocks owned by requests)"
             )
         blocks = pool.allocate(num_blocks)
-        self._owned[blocks] = True
+        self._owned[blocks.astype(np.intp)] = True
         return blocks
 
     def free(self, block_ids: BlockIds) -> int:
@@ -390,39 +469,57 @@ class RadixCache:
             LockError: a block is not owned by a caller (already freed, or held by the tree); nothing changes.
         """
         with self._mutex:
-            ids = self._check_owned(block_ids)
-            self._owned[ids] = False
-            return self.pool.decref(ids)
+            index = self._as_block_ids(block_ids)
+            if np.count_nonzero(self._owned[index]) != index.size or not self._distinct(index):
+                raise LockError(_NOT_OWNED)
+            self._owned[index] = False
+            return self.pool.free_exclusive(index)
 
     def _as_block_ids(self, block_ids: BlockIds) -> np.ndarray:
+        """``block_ids`` checked to be 1-D ints in range, as an intp array.
+
+        intp because numpy converts any other index type on every fancy-indexing call, which costs more than the
+        indexing itself on a request's short arrays.  For the same reason the checks here and below use
+        ``argmin``/``argmax`` and ``count_nonzero`` rather than ufunc reductions (``min()``, ``.all()``).
+        """
         try:
             ids = np.asarray(block_ids)
         except (TypeError, ValueError):
             raise InvalidArgumentError("block ids must be a 1-D sequence of ints") from None
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
             raise InvalidArgumentError(f"block ids must be a 1-D sequence of ints, got shape {ids.shape} {ids.dtype}")
-        if ids.size and (ids.min() < 0 or ids.max() >= self.pool.num_blocks):
+        index = ids.astype(np.intp, copy=False)
+        # One range check for both ends: read as unsigned, a negative id (or a uint64 id past the intp range,
+        # wrapped negative by the cast) is larger than any block id.
+        unsigned = index.view(np.uintp)
+        if index.size and unsigned[unsigned.argmax()] >= self.pool.num_blocks:
             raise InvalidArgumentError(f"block ids must be in 0..{self.pool.num_blocks - 1}")
-        return ids.astype(BLOCK_ID_DTYPE, copy=False)
+        return index
 
-    def _check_owned(self, block_ids: BlockIds) -> np.ndarray:
-        ids = self._as_block_ids(block_ids)
-        if ids.size == 0:
-            return ids
-        if not self._owned[ids].all() or np.unique(ids).size != ids.size:
-            raise LockError("block(s) not owned by the caller: freed already, held by the tree, or listed twice")
-        return ids
+    def _distinct(self, index: np.ndarray) -> bool:
+        """Whether no block id is listed twice.  O(len(index)) without sorting (``np.unique`` costs ~20x more): each
+        id writes its position into its scratch slot; an id listed twice keeps only one of its positions there, so
+        the other one reads back wrong."""
+        if len(self._positions) < index.size:
+            self._positions = np.arange(index.size, dtype=np.int32)
+        positions = self._positions[: index.size]
+        self._slot[index] = positions
+        # Comparing the bytes is one memcmp, a third of the cost of a ufunc comparison on a request's table.
+        return self._slot[index].tobytes() == positions.tobytes()
 
     # ---- insert -------------------------------------------------------------------------------------------
 
-    def insert(self, token_ids: TokenIds, block_ids: BlockIds, namespace: str | None = None) -> InsertResult:
+    def insert(
+        self, token_ids: TokenIds, block_ids: BlockIds, namespace: str | None = None, *, request_id: str | None = None
+    ) -> InsertResult:
         """Cache ``token_ids`` whose KV the caller has written into ``block_ids`` (its block table).
 
         ``block_ids[j]`` holds positions ``j * block_size ..``; at least ``ceil(len(token_ids) / block_size)``
         ids are needed.  Leading ids may be the tree's own blocks of a prefix the caller matched and locked; the
         rest must be owned by the caller (from :meth:`allocate`).  Insert takes over the caller's ownership: the
         blocks of the new suffix move into a new leaf (splitting a node where the sequences diverge); owned blocks
-        of the part that was already cached, and any beyond the sequence, are released.
+        of the part that was already cached, and any beyond the sequence, are released.  The new leaf remembers
+        ``request_id`` (see :attr:`CacheStats.self_hit_tokens`).
 
         Raises:
             InvalidTokensError, NamespaceError, InvalidArgumentError, LockError: bad input; the cache is unchanged.
@@ -430,12 +527,18 @@ class RadixCache:
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
         with self._mutex:
-            table = self._as_block_ids(block_ids)
-            owned = self._owned[table]
-            first_owned = int(np.argmax(owned)) if owned.any() else len(table)
-            return self._insert(q, table, first_owned, namespace)
+            return self._insert(q, self._as_block_ids(block_ids), None, namespace, request_id)
 
-    def _insert(self, q: array, table: np.ndarray, first_owned: int, namespace: str | None) -> InsertResult:
+    def _insert(
+        self,
+        q: array,
+        table: np.ndarray,
+        first_owned: int | None,
+        namespace: str | None,
+        origin: str | None = None,
+    ) -> InsertResult:
+        """Insert with ``table`` from :meth:`_as_block_ids`; ``first_owned`` is found from the ownership flags when
+        None (the caller's blocks follow the borrowed ones)."""
         bs = self.block_size
         n = len(q)
         need = -(-n // bs)
@@ -443,9 +546,17 @@ class RadixCache:
             raise InvalidArgumentError(
                 f"{n} tokens need {need} blocks of {bs} tokens, but the block table has {len(table)}"
             )
-        self._check_owned(table[first_owned:])
-        if first_owned and (self.pool._ref[table[:first_owned]] <= 0).any():
-            raise LockError("the block table starts with blocks that are neither owned by the caller nor cached")
+        owned = self._owned[table]
+        if first_owned is None:
+            first = int(owned.argmax()) if owned.size else 0
+            first_owned = first if owned.size and owned[first] else len(table)
+        num_owned = len(table) - first_owned
+        if np.count_nonzero(owned[first_owned:]) != num_owned or not self._distinct(table[first_owned:]):
+            raise LockError(_NOT_OWNED)
+        if first_owned:
+            counts = self.pool._ref[table[:first_owned]]
+            if counts[counts.argmin()] <= 0:
+                raise LockError("the block table starts with blocks that are neither owned by the caller nor cached")
         root = self._roots.get(namespace)
         if root is None:
             root = self._roots[namespace] = _Node(0, None, array(TOKEN_TYPECODE), 0, _EMPTY_BLOCKS)
@@ -478,21 +589,27 @@ class RadixCache:
         if pos < n:
             self._check_borrowed(pos, first_owned, root)
             first_new = pos // bs
-            leaf = _Node(next(self._ids), node, q[pos:], pos, table[first_new:need].copy())
+            leaf = _Node(next(self._ids), node, q[pos:], pos, table[first_new:need].astype(BLOCK_ID_DTYPE))
             leaf.last_access = tick
             leaf.namespace = namespace
+            leaf.origin = origin
             if node.evict_key is not None:
                 self._evictor.discard(node)
             node.children[q[pos]] = leaf
             self._num_nodes += 1
             self._evictable_tokens += n - pos
             self._evictor.add(leaf)
-            self._owned[leaf.blocks] = False
-            released = np.concatenate((table[first_owned:first_new], table[need:]))
+            if self._listeners:
+                self._announce_leaf(leaf, q)
+            released = table[first_owned:first_new]
+            if need < len(table):
+                released = np.concatenate((released, table[need:]))
         else:
             released = table[first_owned:]
-        self._owned[released] = False
-        num_released = self.pool.decref(released)
+        # Every block the caller owned now belongs to the new leaf or goes back to the pool.  Owned blocks have
+        # one holder (the caller; checked above), so they are freed without decref's checks.
+        self._owned[table[first_owned:]] = False
+        num_released = self.pool.free_exclusive(released)
         return InsertResult(n - num_cached, num_cached, num_released)
 
     def _check_borrowed(self, divergence: int, first_owned: int, root: _Node) -> None:
@@ -519,6 +636,11 @@ class RadixCache:
         upper.last_access = node.last_access
         upper.hit_count = node.hit_count
         upper.namespace = node.namespace
+        upper.origin = node.origin
+        if node.block_hashes is not None:
+            owned_by_upper = new_start // bs - first_index
+            upper.block_hashes = node.block_hashes[:owned_by_upper]
+            node.block_hashes = node.block_hashes[owned_by_upper:]
         upper.children[node.tokens[at]] = node
         node.parent.children[node.tokens[0]] = upper
         if new_start % bs:
@@ -548,32 +670,61 @@ class RadixCache:
     def _evict(self, num_blocks: int) -> EvictResult:
         freed = nodes = tokens = 0
         evictor = self._evictor
+        pool = self.pool
+        bs = self.block_size
+        events: list[KVEvent] = []
         while freed < num_blocks and len(evictor):
-            leaf = evictor.pop()
-            parent = leaf.parent
-            del parent.children[leaf.tokens[0]]
-            freed += self.pool.decref(leaf.blocks)
-            size = len(leaf.tokens)
-            tokens += size
-            nodes += 1
-            self._evictable_tokens -= size
-            self._num_nodes -= 1
-            leaf.evicted = True
-            if parent.parent is not None:
-                if not parent.children and parent.lock_count == 0:
-                    evictor.add(parent)
-            elif not parent.children:
-                del self._roots[parent.namespace]
+            # Unlink leaves until their blocks should cover what is asked, then release all their blocks in one
+            # decref: a decref per leaf would cost more than the rest of the eviction.  A leaf's blocks have no other
+            # holder, except that a leaf starting inside a block may share that first block with its parent; such a
+            # block is released at once and not counted.  The outer loop goes by what decref actually freed, so the
+            # count here only sizes the batch.
+            batch: list[np.ndarray] = []
+            expected = 0
+            while freed + expected < num_blocks and len(evictor):
+                leaf = evictor.pop()
+                parent = leaf.parent
+                del parent.children[leaf.tokens[0]]
+                if self._listeners and leaf.block_hashes:
+                    events.append(BlockRemoved(leaf.namespace, tuple(leaf.block_hashes)))
+                blocks = leaf.blocks
+                if leaf.start % bs and pool.ref_count(blocks.item(0)) > 1:
+                    pool.decref(blocks[:1])
+                    blocks = blocks[1:]
+                batch.append(blocks)
+                expected += len(blocks)
+                size = len(leaf.tokens)
+                tokens += size
+                nodes += 1
+                self._evictable_tokens -= size
+                self._num_nodes -= 1
+                leaf.evicted = True
+                if parent.parent is not None:
+                    if not parent.children and parent.lock_count == 0:
+                        evictor.add(parent)
+                elif not parent.children:
+                    del self._roots[parent.namespace]
+            freed += pool.decref(batch[0] if len(batch) == 1 else np.concatenate(batch))
         self._evictions += nodes
         self._evicted_tokens += tokens
         self._evicted_blocks += freed
+        if nodes:
+            logger.debug("evicted %d nodes: %d tokens, %d blocks freed (%d asked)", nodes, tokens, freed, num_blocks)
+            if self._listeners:
+                if not self._roots:
+                    events.append(AllCleared())
+                self._emit(events)
         return EvictResult(freed, nodes, tokens)
 
     # ---- request-level ------------------------------------------------------------------------------------
 
-    def acquire(self, token_ids: TokenIds, namespace: str | None = None) -> Lease:
+    def acquire(self, token_ids: TokenIds, namespace: str | None = None, *, request_id: str | None = None) -> Lease:
         """Admit a request: match at most ``len - 1`` prompt tokens, lock them, and copy the rows of a partially
         matched last block into a block the request owns (copy-on-write).
+
+        ``request_id`` names the request in the stats: tokens it finds that it inserted itself (a retry) count as
+        self-hits, and :meth:`commit` marks what it inserts with it.  Each call counts as one request in the
+        recent hit rate window.
 
         Raises:
             InvalidTokensError, NamespaceError: bad input.
@@ -582,7 +733,9 @@ class RadixCache:
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
         with self._mutex:
-            match = self._match(q, namespace, len(q) - 1, record=True)
+            hits_before = self._hit_tokens
+            match = self._match(q, namespace, len(q) - 1, record=True, request_id=request_id)
+            self._record_request(len(q), self._hit_tokens - hits_before)
             handle = self._lock_node(match.node)
             table = match.block_table.copy()
             first_owned = len(table)
@@ -596,7 +749,19 @@ class RadixCache:
                 self.pool.copy_rows(int(table[-1]), int(private[0]), copied)
                 table[-1] = private[0]
                 first_owned -= 1
-            return Lease(q, namespace, match.num_tokens, copied, table, first_owned, handle, self.block_size)
+            lease = Lease(q, namespace, match.num_tokens, copied, table, first_owned, handle, self.block_size)
+            lease.request_id = request_id
+            return lease
+
+    def _record_request(self, query_tokens: int, hit_tokens: int) -> None:
+        window = self._window
+        if len(window) == window.maxlen:
+            old_query, old_hit = window[0]
+            self._window_query_tokens -= old_query
+            self._window_hit_tokens -= old_hit
+        window.append((query_tokens, hit_tokens))
+        self._window_query_tokens += query_tokens
+        self._window_hit_tokens += hit_tokens
 
     def reserve(self, lease: Lease, num_tokens: int) -> np.ndarray:
         """Grow the lease's block table to address ``num_tokens`` tokens (evicting if needed); returns the table.
@@ -634,7 +799,8 @@ class RadixCache:
             m = lease.num_cached_tokens
             if len(q) < m or q[:m] != lease.token_ids[:m]:
                 raise InvalidTokensError("committed tokens must start with the prefix the lease matched")
-            result = self._insert(q, lease.block_table, lease.first_owned_block, lease.namespace)
+            table = self._as_block_ids(lease.block_table)
+            result = self._insert(q, table, lease.first_owned_block, lease.namespace, lease.request_id)
             lease.closed = True
             self._unlock(lease.lock)
             return result
@@ -649,7 +815,7 @@ class RadixCache:
             if lease.closed:
                 raise LockError("lease released twice")
             lease.closed = True
-            owned = lease.block_table[lease.first_owned_block :]
+            owned = lease.block_table[lease.first_owned_block :].astype(np.intp)
             self._owned[owned] = False
             self.pool.decref(owned)
             self._unlock(lease.lock)
@@ -674,7 +840,82 @@ class RadixCache:
                 evictions=self._evictions,
                 evicted_tokens=self._evicted_tokens,
                 evicted_blocks=self._evicted_blocks,
+                self_hit_tokens=self._self_hit_tokens,
+                window_requests=len(self._window),
+                window_query_tokens=self._window_query_tokens,
+                window_hit_tokens=self._window_hit_tokens,
             )
+
+    # ---- KV events ----------------------------------------------------------------------------------------
+
+    def subscribe(self, callback: EventListener) -> None:
+        """Send KV events (:mod:`prefixcache.events`) to ``callback`` from now on, starting with a
+        :class:`~prefixcache.events.BlockStored` for every full block already cached, so its view is complete.
+
+        O(cached tokens): every node's block hashes are recomputed.
+        """
+        with self._mutex:
+            self._listeners.append(callback)
+            self._emit(self._hash_tree(), [callback])
+
+    def unsubscribe(self, callback: EventListener) -> None:
+        """Stop sending events to ``callback``.
+
+        Raises:
+            InvalidArgumentError: ``callback`` is not subscribed.
+        """
+        with self._mutex:
+            if callback not in self._listeners:
+                raise InvalidArgumentError("unsubscribe: that callback is not subscribed")
+            self._listeners.remove(callback)
+
+    def _emit(self, events: list[KVEvent], listeners: list[EventListener] | None = None) -> None:
+        for event in events:
+            for callback in listeners if listeners is not None else tuple(self._listeners):
+                try:
+                    callback(event)
+                except Exception:
+                    logger.exception("KV event listener %r failed on %s", callback, type(event).__name__)
+
+    def _announce_leaf(self, leaf: _Node, q: array) -> None:
+        """Hash the full blocks a new leaf owns (those ending inside it) and announce them."""
+        bs = self.block_size
+        first = leaf.start // bs
+        parent_hash = self._hash_before(leaf.parent, first)
+        leaf.block_hashes = chain_hashes(q, bs, parent_hash, self.hash_seed, first, len(q) // bs)
+        if leaf.block_hashes:
+            self._emit([self._stored_event(leaf, q, parent_hash)])
+
+    def _hash_before(self, node: _Node, block: int) -> int:
+        """The hash of block ``block - 1`` on the path ending at ``node`` (the root hash for block 0).  O(depth)."""
+        if block == 0:
+            return namespace_root_hash(node.namespace, self.hash_seed)
+        last = block * self.block_size - 1
+        while node.start > last:
+            node = node.parent
+        return node.block_hashes[block - 1 - node.start // self.block_size]
+
+    def _stored_event(self, node: _Node, path: array, parent_hash: int) -> BlockStored:
+        bs = self.block_size
+        first = node.start // bs
+        tokens = tuple(path[first * bs : (first + len(node.block_hashes)) * bs])
+        return BlockStored(node.namespace, tuple(node.block_hashes), parent_hash, first, tokens, bs)
+
+    def _hash_tree(self) -> list[BlockStored]:
+        """Recompute every node's block hashes; return a BlockStored event per node owning full blocks."""
+        bs, seed = self.block_size, self.hash_seed
+        events: list[BlockStored] = []
+        for namespace, root in self._roots.items():
+            stack = [(child, root.tokens, namespace_root_hash(namespace, seed)) for child in root.children.values()]
+            while stack:
+                node, prefix, parent_hash = stack.pop()
+                path = prefix + node.tokens
+                node.block_hashes = chain_hashes(path, bs, parent_hash, seed, node.start // bs, node.end // bs)
+                if node.block_hashes:
+                    events.append(self._stored_event(node, path, parent_hash))
+                last = node.block_hashes[-1] if node.block_hashes else parent_hash
+                stack.extend((child, path, last) for child in node.children.values())
+        return events
 
     def cached_sequences(self, namespace: str | None = None) -> list[list[int]]:
         """Every root-to-leaf token sequence cached in ``namespace`` (for tests and debugging; O(tokens))."""
@@ -756,6 +997,8 @@ class RadixCache:
                         candidates.add(node.node_id)
                 if (node.evict_key is not None) != (not node.children and node.lock_count == 0):
                     fail(f"node {node.node_id} candidate status is wrong")
+                if self._listeners and len(node.block_hashes or ()) != node.end // bs - node.start // bs:
+                    fail(f"node {node.node_id} keeps {len(node.block_hashes or ())} block hashes")
                 if node.evict_key is not None and node.evict_key != (*self.policy.priority(node), node.node_id):
                     fail(f"node {node.node_id} is filed under a stale eviction key")
                 held.append(node.blocks)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from prefixcache.errors import InvalidArgumentError, ScenarioError, VerificationError
+from prefixcache.explain import DivergencePoint, DivergenceTally, Explanation, MessageSpan, explain, message_spans
 from prefixcache.ideal import IdealCache
 from prefixcache.models.base import CausalLM
 from prefixcache.pool import KVBlockPool
@@ -45,7 +46,8 @@ class ReplayRequest:
     """One request of a replay: where it comes from, its prompt and teacher-forced answer token ids.
 
     ``drift_at`` is set when the prompt is not a token-level extension of the previous turn's prompt + answer of
-    the same conversation: the token index where the two first differ (template drift).
+    the same conversation: the token index where the two first differ (template drift).  ``conversation`` is the
+    transcript it comes from (``None`` for traces), which ``--explain`` uses to name messages.
     """
 
     scenario: str
@@ -54,6 +56,40 @@ class ReplayRequest:
     prompt: array
     answer: array
     drift_at: int | None = None
+    conversation: Conversation | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(slots=True)
+class ReplaySeries:
+    """Samples taken after each request of a scenario (index ``i``: after request ``i``), for plots.
+
+    ``prompt_tokens``, ``cached_tokens``, ``ideal_cached_tokens``, ``evictions`` and ``evicted_tokens`` are
+    cumulative.  ``evictable_blocks`` is ``used_blocks`` less the blocks of locked tokens (rounded up); between
+    requests of a replay nothing is locked, so it equals ``used_blocks``.
+    """
+
+    prompt_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    ideal_cached_tokens: list[int] = field(default_factory=list)
+    used_blocks: list[int] = field(default_factory=list)
+    evictable_blocks: list[int] = field(default_factory=list)
+    free_blocks: list[int] = field(default_factory=list)
+    evictions: list[int] = field(default_factory=list)
+    evicted_tokens: list[int] = field(default_factory=list)
+
+    def sample(self, prompt: int, cached: int, ideal: int, cache: RadixCache) -> None:
+        """Append one sample: this request's prompt, cached and ideal tokens, and the cache's sizes.  O(1)."""
+        stats = cache.stats()
+        last = len(self.prompt_tokens) - 1
+        self.prompt_tokens.append(prompt + (self.prompt_tokens[last] if last >= 0 else 0))
+        self.cached_tokens.append(cached + (self.cached_tokens[last] if last >= 0 else 0))
+        self.ideal_cached_tokens.append(ideal + (self.ideal_cached_tokens[last] if last >= 0 else 0))
+        locked = min(stats.used_blocks, -(-stats.locked_tokens // stats.block_size))
+        self.used_blocks.append(stats.used_blocks)
+        self.evictable_blocks.append(stats.used_blocks - locked)
+        self.free_blocks.append(stats.free_blocks)
+        self.evictions.append(stats.evictions)
+        self.evicted_tokens.append(stats.evicted_tokens)
 
 
 @dataclass(slots=True)
@@ -77,6 +113,9 @@ class ScenarioReport:
     verified: bool | None = None
     max_abs_logit_diff: float | None = None
     skipped_lines: int = 0
+    series: ReplaySeries | None = None
+    explain_kinds: dict[str, int] | None = None
+    divergences: list[DivergencePoint] = field(default_factory=list)
 
     @property
     def hit_rate(self) -> float:
@@ -94,6 +133,7 @@ class ScenarioReport:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        del out["series"]  # one sample per request: too big for the report, it is for plots
         out["hit_rate"] = self.hit_rate
         out["ideal_hit_rate"] = self.ideal_hit_rate
         out["speedup"] = self.speedup
@@ -166,7 +206,7 @@ def conversation_requests(conversation: Conversation, tokenizer: Tokenizer, scen
         drift_at = None
         if previous is not None and prompt[: len(previous)] != previous:
             drift_at = _common_prefix(prompt, previous)
-        requests.append(ReplayRequest(scenario, conversation.id, turn, prompt, answer, drift_at))
+        requests.append(ReplayRequest(scenario, conversation.id, turn, prompt, answer, drift_at, conversation))
         previous = prompt + answer
     return requests
 
@@ -257,6 +297,8 @@ class Replayer:
 
     ``model=None`` is the cache-only mode.  The pool holds ``cache_tokens`` tokens (``cache_memory`` bytes with a
     model); with neither, it is sized so that nothing is ever evicted (an infinite cache for this replay).
+    With ``explain``, each request is explained against the cache just before it runs
+    (:func:`~prefixcache.explain.explain`) and the report keeps the most frequent divergence points.
     """
 
     def __init__(
@@ -271,6 +313,7 @@ class Replayer:
         verify: bool = False,
         atol: float = 1e-4,
         measure_uncached: bool = True,
+        explain: bool = False,
     ) -> None:
         if model is None and cache_memory is not None:
             raise InvalidArgumentError("--cache-memory needs a model (bytes per token); use --cache-tokens")
@@ -285,6 +328,7 @@ class Replayer:
         self.verify = verify
         self.atol = atol
         self.measure_uncached = measure_uncached
+        self.explain = explain
 
     def replay(
         self,
@@ -310,12 +354,25 @@ class Replayer:
         runner, cache = self._make_cache(requests, ideal_hits)
         scratch = self._scratch_pool(requests) if runner is not None and self.measure_uncached else None
         namespace = None
+        tree_namespace = runner.namespace_key(None) if runner is not None else namespace
+        tally = DivergenceTally() if self.explain else None
+        spans: dict[int, list[MessageSpan]] = {}
+        report.series = ReplaySeries()
+        logger.info(
+            "%s: replaying %d requests, pool of %d blocks of %d tokens",
+            scenario,
+            len(requests),
+            cache.pool.num_blocks,
+            self.block_size,
+        )
         if runner is not None:
             report.prefill_s_cached = 0.0
             report.prefill_s_uncached = 0.0 if scratch is not None else None
             report.max_abs_logit_diff = 0.0 if self.verify else None
         iterator = progress(requests) if progress is not None else requests
         for index, request in enumerate(iterator):
+            if tally is not None:
+                tally.add(self._explain(cache, request, tree_namespace, spans))
             if runner is None:
                 lease = cache.acquire(request.prompt, namespace)
                 try:
@@ -343,6 +400,7 @@ class Replayer:
             report.ideal_cached_tokens += ideal_hits[index]
             report.drift_requests += request.drift_at is not None
             report.peak_blocks_used = max(report.peak_blocks_used, cache.pool.num_used_blocks)
+            report.series.sample(len(request.prompt), cached, ideal_hits[index], cache)
             if log is not None:
                 log.append(_request_record(request, cached, copied, ideal_hits[index], ttft))
         stats = cache.stats()
@@ -350,7 +408,32 @@ class Replayer:
         report.evicted_tokens = stats.evicted_tokens
         report.num_blocks = cache.pool.num_blocks
         report.verified = True if self.verify else None
+        if tally is not None:
+            report.explain_kinds = dict(tally.kinds)
+            report.divergences = tally.top(3)
+        logger.info(
+            "%s: %d requests, hit rate %.1f%% (ideal %.1f%%), %d evictions",
+            scenario,
+            report.requests,
+            100 * report.hit_rate,
+            100 * report.ideal_hit_rate,
+            report.evictions,
+        )
         return report
+
+    def _explain(
+        self, cache: RadixCache, request: ReplayRequest, namespace: str | None, spans: dict[int, list[MessageSpan]]
+    ) -> Explanation:
+        """Explain ``request`` against the cache as it is now, naming its messages when it has a transcript."""
+        conversation = request.conversation
+        message_list = None
+        if conversation is not None:
+            key = id(conversation)
+            if key not in spans:
+                spans[key] = message_spans(self.tokenizer, conversation.messages, conversation.tools)
+            # The prompt renders messages[:turn]; later spans belong to the answer and beyond.
+            message_list = spans[key][: request.turn]
+        return explain(cache, request.prompt, namespace, self.tokenizer, message_list)
 
     def _make_cache(
         self, requests: Sequence[ReplayRequest], ideal_hits: Sequence[int]

@@ -17,6 +17,7 @@ threads compute in parallel and only wait for each other during bookkeeping.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +45,8 @@ class SamplingParams:
     a model's embedding table is often padded beyond the ids its tokenizer can decode).
 
     Raises:
-        InvalidArgumentError: ``max_new_tokens < 0``, ``temperature < 0``, ``top_p`` outside (0, 1].
+        InvalidArgumentError: ``max_new_tokens < 0``, ``temperature < 0``, ``top_p`` outside (0, 1],
+            ``stop_token_ids`` not a collection of non-negative ints.
     """
 
     max_new_tokens: int = 32
@@ -65,7 +67,21 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.vocab_limit is not None and (not isinstance(self.vocab_limit, int) or self.vocab_limit < 1):
             raise InvalidArgumentError(f"vocab_limit must be a positive int or None, got {self.vocab_limit!r}")
-        object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", _check_stop_token_ids(self.stop_token_ids))
+
+
+def _check_stop_token_ids(stop_token_ids: object) -> frozenset[int]:
+    # int() would turn 1.5 into 1 and "7" into 7: a stop token that silently differs from the one asked for.
+    try:
+        ids = list(stop_token_ids)  # type: ignore[call-overload]
+        bad = [t for t in ids if isinstance(t, bool) or operator.index(t) < 0]
+    except TypeError:
+        bad = None
+    if bad != []:
+        raise InvalidArgumentError(
+            f"stop_token_ids must be a collection of non-negative int token ids, got {stop_token_ids!r}"
+        )
+    return frozenset(operator.index(t) for t in ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,11 +219,16 @@ class PrefixCachingRunner:
         steps = self.stream(
             prompt_ids, sampling, namespace=namespace, forced_tokens=forced_tokens, return_logits=return_logits
         )
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        try:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value
+        finally:
+            # An exception landing here between steps (KeyboardInterrupt) would otherwise leave the generator
+            # suspended, holding its blocks and locks for as long as the traceback keeps this frame alive.
+            steps.close()
 
     def stream(
         self,

@@ -26,12 +26,16 @@ def as_token_array(token_ids: TokenIds, *, allow_empty: bool = False) -> array:
     """Validate ``token_ids`` and return them as ``array('I')``.
 
     Accepts a list or tuple of ints, an ``array.array`` of an integer typecode, a 1-D integer numpy array
-    or a 1-D integer torch tensor on the CPU.  Cost is O(n) at C speed on the happy path.
+    or a 1-D integer torch tensor on the CPU.  Cost is O(n) at C speed on the happy path; an ``array('I')`` is
+    returned as is, in O(1).
 
     Raises:
         InvalidTokensError: empty (unless ``allow_empty``), not 1-D, not integers (floats, bools in a tensor,
             nested lists, strings), negative, above ``MAX_TOKEN_ID``, or a tensor that is not on the CPU.
     """
+    if type(token_ids) is array and token_ids.typecode == TOKEN_TYPECODE and (allow_empty or len(token_ids)):
+        # Already what the tree stores (the form hot callers pre-convert to): skip the dispatch below.
+        return token_ids
     if isinstance(token_ids, array):
         if token_ids.typecode == TOKEN_TYPECODE:
             out = token_ids

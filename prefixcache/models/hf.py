@@ -1,0 +1,329 @@
+"""Hugging Face causal LMs behind the :class:`~prefixcache.models.base.CausalLM` protocol (extra ``prefixcache[hf]``).
+
+:class:`HFCausalLM` wraps a local ``AutoModelForCausalLM``.  A cached prefill gathers the prefix's K/V from the
+paged pool (a copy: the model never holds a view of the pool), hands them to the model as a ``DynamicCache``, runs
+only the new tokens with explicit ``position_ids`` starting at the cached length, and scatters the new tokens' K/V
+from the cache back into their pool slots.  The reference path is the model's own forward with no cache.
+
+Supported: decoders whose every layer is full causal attention with a plain per-token K/V cache.  Tested with
+transformers 5.24 on Llama, Qwen2 and GPT-2 (learned absolute positions).  Sliding-window or chunked attention
+(Mistral with a window, Gemma-2/3), recurrent or linear-attention state (Mamba, hybrids), rotary scalings that depend
+on the call's length (dynamic NTK, LongRoPE) and encoder-decoders raise
+:class:`~prefixcache.errors.UnsupportedModelError`: a pool of per-token K/V cannot reproduce them exactly.  Other
+full-attention architectures pass the checks but are untested; replay them with ``--verify``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import xxhash
+
+from prefixcache.errors import InvalidArgumentError, UnsupportedModelError
+from prefixcache.models.base import check_cached_call, check_reference_call
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TESTED_MODEL_TYPES", "HFCausalLM", "load_hf_model", "random_model_from_config"]
+
+TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "gpt2"})
+"""``config.model_type`` values whose exactness ``tests/test_hf.py`` checks; others log a warning."""
+
+# Model types whose state is not (only) per-token K/V, for a clear message even where DynamicCache cannot say so.
+_RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma"})
+
+# Rotary scalings that pick frequencies from the longest position of each forward call (not prefix-stable).
+_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+# Elements sampled per parameter for the weight checksum of the fingerprint.
+_WEIGHT_SAMPLES = 64
+
+
+class HFCausalLM:
+    """A Hugging Face ``*ForCausalLM`` implementing :class:`~prefixcache.models.base.CausalLM`.
+
+    Sizes come from the model's config: ``num_layers`` (``num_hidden_layers``), ``num_kv_heads``
+    (``num_key_value_heads``, else the attention heads), ``head_dim`` (``head_dim``, else hidden / heads),
+    ``max_position`` (``max_position_embeddings``).  The pool must be in the model's dtype and on its device.
+    Puts the model in eval mode (dropout would break exactness).
+
+    Raises:
+        UnsupportedModelError: the architecture has layers a per-token K/V pool cannot serve exactly (sliding or
+            chunked attention, recurrent/linear state), is an encoder-decoder, or its forward takes no cache or
+            ``position_ids``.
+    """
+
+    def __init__(self, model: Any) -> None:
+        config = getattr(model, "config", None)
+        if config is None or not callable(model):
+            raise InvalidArgumentError(f"expected a transformers *ForCausalLM model, got {type(model).__name__}")
+        self.model = model.eval()
+        self.config = config
+        self._cache_kwarg = _check_supported(model)
+        heads = config.num_attention_heads
+        self.num_layers = int(config.num_hidden_layers)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self.vocab_size = int(config.vocab_size)
+        self.max_position = int(config.max_position_embeddings)
+        self.dtype: torch.dtype = model.dtype
+        self.device: torch.device = model.device
+        self._fingerprint: str | None = None
+        if config.model_type not in TESTED_MODEL_TYPES:
+            logger.warning(
+                "%s (model_type %r) passes the support checks but its cached prefill is untested; replay with "
+                "--verify to check it",
+                type(model).__name__,
+                config.model_type,
+            )
+
+    @property
+    def name(self) -> str:
+        """Class name and size, for reports: ``"Qwen2ForCausalLM(4 layers)"``."""
+        return f"{type(self.model).__name__}({self.num_layers} layers)"
+
+    def fingerprint(self) -> str:
+        """xxh64 hex of the config JSON (less its load path), the model class, the dtype and a strided weight sample.
+
+        The weight sample (``_WEIGHT_SAMPLES`` elements a parameter, one device-to-host copy, computed once)
+        tells apart checkpoints or random seeds that share a config.
+        """
+        if self._fingerprint is None:
+            digest = xxhash.xxh64()
+            config = json.loads(self.config.to_json_string(use_diff=False))
+            config.pop("_name_or_path", None)  # where it was loaded from, not what it computes
+            digest.update(json.dumps(config, sort_keys=True).encode())
+            digest.update(f"|{type(self.model).__name__}|{self.dtype}|".encode())
+            samples = []
+            with torch.no_grad():
+                for _, param in sorted(self.model.named_parameters(), key=lambda item: item[0]):
+                    flat = param.detach().reshape(-1)
+                    samples.append(flat[:: max(1, flat.numel() // _WEIGHT_SAMPLES)][:_WEIGHT_SAMPLES].float())
+                if samples:
+                    digest.update(torch.cat(samples).cpu().numpy().tobytes())
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
+
+    @torch.inference_mode()
+    def forward_cached(
+        self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor
+    ) -> torch.Tensor:
+        """Prefill ``token_ids[n]`` at positions ``start_pos ..`` against the prefix K/V in the pool.
+
+        Args:
+            token_ids: ``[n]`` integer ids in ``[0, vocab_size)``.
+            start_pos: positions already in the pool for this request (the cached prefix).
+            kv: the pool ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, in the
+                model's dtype and device.  Only the slots of positions ``start_pos .. start_pos + n - 1`` are
+                written, after the forward; the prefix is read through a gather (a copy).
+            block_table: ``[>= ceil((start_pos + n) / block_size)]`` block ids of this request, in order.
+
+        Returns:
+            ``[n, vocab_size]`` float32 logits; row i predicts position ``start_pos + i + 1``.
+
+        Cost: the model's forward over n queries and ``start_pos + n`` keys, plus a gather of ``start_pos`` and a
+        scatter of n K/V rows per layer (the DynamicCache concatenation copies the prefix once more).
+        Raises InvalidTokensError, InvalidArgumentError, CapacityError (see ``check_cached_call``), and
+        UnsupportedModelError if the model's cache holds K/V of another shape than the config says.
+        """
+        ids, table = check_cached_call(self, token_ids, start_pos, kv, block_table)
+        num_blocks, block_size = kv.shape[2], kv.shape[3]
+        end_pos = start_pos + ids.numel()
+        all_pos = torch.arange(end_pos, device=self.device)
+        slots = table[all_pos // block_size] * block_size + all_pos % block_size  # [start_pos + n]
+        # [num_layers, 2, num_blocks * block_size, H_kv, D]: a view, so index_copy_ writes the pool itself.
+        flat = kv.view(self.num_layers, 2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        cache = self._new_cache()
+        if start_pos:
+            # index_select copies; [L, 2, start_pos, H_kv, D] -> per layer [1, H_kv, start_pos, D] as HF lays it out.
+            prefix = flat.index_select(2, slots[:start_pos]).transpose(2, 3).unsqueeze(2)
+            for layer in range(self.num_layers):
+                cache.update(prefix[layer, 0], prefix[layer, 1], layer)
+        out = self.model(
+            input_ids=ids.unsqueeze(0),
+            position_ids=all_pos[start_pos:].unsqueeze(0),
+            use_cache=True,
+            **{self._cache_kwarg: cache},
+        )
+        flat.index_copy_(2, slots[start_pos:], self._new_kv(cache, start_pos, end_pos))
+        return out.logits[0].float()
+
+    @torch.inference_mode()
+    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The model's own full forward of ``token_ids[T]`` with no cache; returns ``[T, vocab_size]`` float32.
+
+        Touches no pool.  Raises InvalidTokensError, CapacityError (``T > max_position``).
+        """
+        ids = check_reference_call(self, token_ids)
+        positions = torch.arange(ids.numel(), device=self.device)
+        out = self.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
+        return out.logits[0].float()
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def _new_kv(self, cache: Any, start_pos: int, end_pos: int) -> torch.Tensor:
+        """K/V of positions ``start_pos .. end_pos - 1`` from ``cache`` as ``[num_layers, 2, n, H_kv, D]``."""
+        want = (1, self.num_kv_heads, end_pos, self.head_dim)
+        rows = []
+        for index, layer in enumerate(cache.layers):
+            if tuple(layer.keys.shape) != want or tuple(layer.values.shape) != want:
+                raise UnsupportedModelError(
+                    f"{type(self.model).__name__} layer {index} cached K {tuple(layer.keys.shape)} and V "
+                    f"{tuple(layer.values.shape)}, expected {want} [batch, kv_heads, positions, head_dim] from its "
+                    "config; its attention does not keep plain per-token K/V"
+                )
+            rows.append(torch.stack([layer.keys[0, :, start_pos:], layer.values[0, :, start_pos:]]))
+        if len(rows) != self.num_layers:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} filled {len(rows)} cache layers, expected {self.num_layers}"
+            )
+        return torch.stack(rows).transpose(2, 3)  # [L, 2, H_kv, n, D] -> [L, 2, n, H_kv, D]
+
+    def __repr__(self) -> str:
+        return f"HFCausalLM({self.name}, dtype={self.dtype}, device={self.device})"
+
+
+def _check_supported(model: Any) -> str:
+    """Raise UnsupportedModelError unless every layer is full attention with a plain K/V cache.
+
+    Returns the name of the forward's cache argument (``cache`` in transformers >= 5.x, else ``past_key_values``).
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    config = model.config
+    arch = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{arch} is an encoder-decoder; prefix caching needs a decoder-only model")
+    if config.model_type in _RECURRENT_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{arch} ({config.model_type}) carries recurrent state, not per-token K/V; a prefix cannot be resumed "
+            "from a KV pool"
+        )
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    # One dict, or (for models with several layer types) one dict per layer type.
+    ropes = (
+        list(rope.values()) if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    )
+    rope_types = {r.get("rope_type", r.get("type")) for r in ropes if isinstance(r, dict)}
+    if rope_types & _LENGTH_DEPENDENT_ROPE:
+        raise UnsupportedModelError(
+            f"{arch} uses {sorted(rope_types & _LENGTH_DEPENDENT_ROPE)} rotary scaling, whose frequencies depend on "
+            "the length of the forward call: K/V cached by a shorter call would not match a full recompute"
+        )
+    try:
+        probe = DynamicCache(config=config)
+    except Exception as error:  # noqa: BLE001 - any failure here means the cache layout is not one we understand
+        raise UnsupportedModelError(f"cannot build a KV cache for {arch}: {error}") from None
+    layer_types = list(getattr(config, "layer_types", None) or [type(layer).__name__ for layer in probe.layers])
+    sliding = [i for i, layer in enumerate(probe.layers) if isinstance(layer, DynamicSlidingWindowLayer)]
+    if sliding:
+        window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+        raise UnsupportedModelError(
+            f"{arch} uses sliding-window or chunked attention (window {window}) in layers {sliding[:8]}"
+            f"{'...' if len(sliding) > 8 else ''} (layer types {sorted(set(layer_types))}); a prefix cache of "
+            "full per-token K/V would attend beyond the window, so cached logits would not be exact"
+        )
+    other = [i for i, layer in enumerate(probe.layers) if type(layer) is not DynamicLayer]
+    if other:
+        kinds = sorted({type(probe.layers[i]).__name__ for i in other})
+        raise UnsupportedModelError(
+            f"{arch} has layers without plain per-token K/V ({kinds} in layers {other[:8]}"
+            f"{'...' if len(other) > 8 else ''}; layer types {sorted(set(layer_types))}): recurrent, linear or "
+            "shared state cannot be restored from a KV pool"
+        )
+    if probe.layers and len(probe.layers) != config.num_hidden_layers:
+        raise UnsupportedModelError(
+            f"{arch} has {config.num_hidden_layers} layers but {len(probe.layers)} cache layers; cannot map them"
+        )
+    params = inspect.signature(model.forward).parameters
+    cache_kwarg = next((name for name in ("cache", "past_key_values") if name in params), None)
+    if cache_kwarg is None or "position_ids" not in params:
+        raise UnsupportedModelError(f"{arch}.forward takes no cache or no position_ids; cannot prefill a suffix")
+    if getattr(config, "max_position_embeddings", None) is None:
+        raise UnsupportedModelError(f"{arch} config has no max_position_embeddings")
+    return cache_kwarg
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device)
+
+
+def load_hf_model(
+    path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> HFCausalLM:
+    """Load a local model folder (``config.json`` + weights) offline and wrap it; ``hf:PATH`` on the CLI.
+
+    ``dtype=None`` keeps the checkpoint's dtype; ``device=None`` picks CUDA when available, else the CPU.
+    Raises InvalidArgumentError (no such folder, or transformers cannot load it) and UnsupportedModelError.
+    """
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(path)
+    if not folder.is_dir():
+        raise InvalidArgumentError(f"model path {str(folder)!r} is not a folder")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(folder), dtype=dtype if dtype is not None else "auto", local_files_only=True
+        )
+    except (OSError, ValueError) as error:
+        raise InvalidArgumentError(f"cannot load a causal LM from {str(folder)!r}: {error}") from None
+    return HFCausalLM(model.to(_resolve_device(device)))
+
+
+def random_model_from_config(
+    config_path: str | os.PathLike[str],
+    layers: int | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> HFCausalLM:
+    """A randomly initialised model of the architecture in ``config_path`` (a ``config.json`` or its folder).
+
+    ``layers`` keeps only the first N layers (for timing runs of a large config on small hardware).  Weights come
+    from the architecture's own initialiser under ``torch.manual_seed(seed)`` (the global RNG state is restored),
+    so equal arguments give equal weights.  Raises InvalidArgumentError (unreadable config, unknown model type,
+    ``layers`` < 1) and UnsupportedModelError.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(config_path)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+        model_type = values.pop("model_type")
+    except (OSError, ValueError, KeyError, AttributeError) as error:
+        raise InvalidArgumentError(f"cannot read a model config from {str(path)!r}: {error}") from None
+    for key in ("torch_dtype", "dtype", "transformers_version", "architectures", "_name_or_path"):
+        values.pop(key, None)
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise InvalidArgumentError(f"layers must be a positive int, got {layers!r}")
+        # Set before construction so derived per-layer fields (layer_types) are built for N layers.
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            if key in values:
+                values[key] = layers
+        if isinstance(values.get("layer_types"), list):
+            values["layer_types"] = values["layer_types"][:layers]
+    try:
+        config = AutoConfig.for_model(model_type, **values)
+    except ValueError as error:
+        raise InvalidArgumentError(f"{str(path)!r}: {error}") from None
+    if layers is not None and config.num_hidden_layers != layers:
+        raise InvalidArgumentError(f"{str(path)!r}: could not scale the config to {layers} layers")
+    # Built on the CPU, so only the CPU generator needs saving and restoring.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return HFCausalLM(model.to(_resolve_device(device)))

@@ -1,0 +1,230 @@
+"""Helpers for testing code that drives a prefix cache: fault injection, cache snapshots, uncached references.
+
+:class:`FaultyModel` wraps any :class:`~prefixcache.models.base.CausalLM` and raises on a chosen
+``forward_cached`` call (the first call of a request is its prefill, later ones its decode steps), optionally
+after scribbling garbage over the K/V slots that call was allowed to write, so that a test can tell whether a
+half-written block was ever reused.  :func:`fail_on_call` makes any method of an object raise on its k-th call
+(``RadixCache._allocate`` to run the pool dry at a chosen allocation, ``RadixCache._insert`` to fail an insert).
+:func:`assert_quiescent` checks what must hold once no request is running: invariants, no lock, no block owned by
+a caller.  :func:`snapshot` records what a rejected call must not change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixcache.models.base import CausalLM
+from prefixcache.radix import CacheStats, RadixCache
+
+__all__ = [
+    "CacheSnapshot",
+    "FaultyModel",
+    "InjectedFault",
+    "assert_quiescent",
+    "fail_on_call",
+    "greedy_reference",
+    "snapshot",
+]
+
+# Written over K/V slots by a failing FaultyModel: finite (so attention over it gives wrong numbers, not NaN
+# propagation that a test might mistake for a different failure) and far outside what the model produces.
+GARBAGE = 1.0e4
+
+
+class InjectedFault(RuntimeError):
+    """The error raised on purpose by :class:`FaultyModel` and :func:`fail_on_call` unless told otherwise."""
+
+
+ExceptionSpec = BaseException | type[BaseException]
+
+
+def _make_exception(spec: ExceptionSpec, message: str) -> BaseException:
+    if isinstance(spec, BaseException):
+        return spec
+    if isinstance(spec, type) and issubclass(spec, BaseException):
+        return spec(message)
+    raise TypeError(f"exception must be a BaseException instance or class, got {spec!r}")
+
+
+class FaultyModel:
+    """A :class:`CausalLM` that forwards to ``model`` and raises on the ``fail_at``-th ``forward_cached`` call.
+
+    Calls are counted from 1 since construction or the last :meth:`arm`; ``fail_at=None`` never fails.  With
+    ``scribble=True`` the failing call first runs the real forward (which writes the K/V of its new positions)
+    and then overwrites those slots with :data:`GARBAGE` before raising: the state a crash halfway through a
+    write would leave.  ``forward_reference`` is never faulted, so the same object serves as its own oracle.
+    Thread-safe: the call counter is guarded by a lock.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        *,
+        fail_at: int | None = None,
+        exception: ExceptionSpec = InjectedFault,
+        scribble: bool = False,
+    ) -> None:
+        self.inner = model
+        self.num_layers = model.num_layers
+        self.num_kv_heads = model.num_kv_heads
+        self.head_dim = model.head_dim
+        self.vocab_size = model.vocab_size
+        self.max_position = model.max_position
+        self.dtype = model.dtype
+        self.device = model.device
+        self._lock = threading.Lock()
+        self.calls = 0
+        self.faults = 0
+        self.arm(fail_at, exception=exception, scribble=scribble)
+
+    def arm(self, fail_at: int | None, *, exception: ExceptionSpec = InjectedFault, scribble: bool = False) -> None:
+        """Reset the call counter and fail on call ``fail_at`` (1-based) from now on; ``None`` disarms."""
+        if fail_at is not None and (isinstance(fail_at, bool) or not isinstance(fail_at, int) or fail_at < 1):
+            raise ValueError(f"fail_at must be a positive int or None, got {fail_at!r}")
+        with self._lock:
+            self.calls = 0
+            self.fail_at = fail_at
+            self.exception = exception
+            self.scribble = scribble
+
+    def fingerprint(self) -> str:
+        return self.inner.fingerprint()
+
+    def forward_cached(
+        self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor
+    ) -> torch.Tensor:
+        with self._lock:
+            self.calls += 1
+            failing = self.calls == self.fail_at
+            scribble = self.scribble
+            exception = self.exception
+        if not failing:
+            return self.inner.forward_cached(token_ids, start_pos, kv, block_table)
+        if scribble:
+            self.inner.forward_cached(token_ids, start_pos, kv, block_table)
+            _scribble(kv, block_table, start_pos, len(token_ids))
+        with self._lock:
+            self.faults += 1
+        raise _make_exception(exception, f"injected fault in forward_cached call {self.fail_at}")
+
+    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward_reference(token_ids)
+
+
+def _scribble(kv: torch.Tensor, block_table: torch.Tensor, start_pos: int, num_tokens: int) -> None:
+    """Overwrite the K and V of positions ``start_pos .. start_pos + num_tokens - 1`` in every layer."""
+    block_size = kv.shape[3]
+    positions = torch.arange(start_pos, start_pos + num_tokens, device=block_table.device)
+    blocks = block_table[positions // block_size].to(kv.device)
+    rows = (positions % block_size).to(kv.device)
+    kv[:, :, blocks, rows] = GARBAGE
+
+
+@contextlib.contextmanager
+def fail_on_call(
+    obj: object,
+    name: str,
+    k: int,
+    exception: ExceptionSpec = InjectedFault,
+    *,
+    times: int = 1,
+) -> Iterator[list[int]]:
+    """Make ``obj.name`` raise ``exception`` (before doing anything) on calls ``k .. k + times - 1`` (1-based).
+
+    Patches the attribute on the instance, so calls through ``self.name`` inside the object's own methods are
+    caught too, and restores it on exit.  Yields a one-element list holding the number of calls so far.
+    """
+    original = getattr(obj, name)
+    shadowed = name in vars(obj)
+    counter = [0]
+    lock = threading.Lock()
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            counter[0] += 1
+            failing = k <= counter[0] < k + times
+        if failing:
+            raise _make_exception(exception, f"injected fault in {name} call {counter[0]}")
+        return original(*args, **kwargs)
+
+    setattr(obj, name, wrapper)
+    try:
+        yield counter
+    finally:
+        if shadowed:
+            setattr(obj, name, original)
+        else:
+            delattr(obj, name)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    """What a rejected call must leave as it was: counters, cached sequences, reference counts, the free set."""
+
+    stats: CacheStats
+    sequences: dict[str | None, list[tuple[int, ...]]]
+    ref_counts: tuple[int, ...]
+    free_block_ids: tuple[int, ...]
+    owned_block_ids: tuple[int, ...]
+
+
+def snapshot(cache: RadixCache, namespaces: Iterable[str | None]) -> CacheSnapshot:
+    """Record ``cache``'s observable state (the sequences of ``namespaces`` sorted, so order does not matter)."""
+    with cache._mutex:
+        return CacheSnapshot(
+            stats=cache.stats(),
+            sequences={ns: sorted(tuple(s) for s in cache.cached_sequences(ns)) for ns in namespaces},
+            ref_counts=tuple(cache.pool.ref_counts().tolist()),
+            free_block_ids=tuple(sorted(cache.pool.free_block_ids().tolist())),
+            owned_block_ids=tuple(np.flatnonzero(cache._owned).tolist()),
+        )
+
+
+def assert_quiescent(cache: RadixCache) -> None:
+    """Assert the state of a cache no request is using: invariants hold, nothing is locked, no lock handle is
+    registered, and no block is owned by a caller (every used block is held by the tree).
+
+    Raises:
+        AssertionError: naming what is wrong.
+    """
+    with cache._mutex:
+        cache.check_invariants()
+        stats = cache.stats()
+        assert stats.locked_tokens == 0, f"{stats.locked_tokens} tokens still locked"
+        assert not cache._handles, f"{len(cache._handles)} lock handles still registered"
+        owned = int(cache._owned.sum())
+        assert owned == 0, f"{owned} blocks still owned by callers"
+        held = np.zeros(cache.pool.num_blocks, dtype=bool)
+        for root in cache._roots.values():
+            stack = list(root.children.values())
+            while stack:
+                node = stack.pop()
+                held[node.blocks] = True
+                stack.extend(node.children.values())
+        assert int(held.sum()) == stats.used_blocks, (
+            f"{stats.used_blocks} blocks in use but the tree holds {int(held.sum())}"
+        )
+
+
+def greedy_reference(model: CausalLM, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and prompt logits computed with no cache at all (``forward_reference`` on the whole sequence
+    at every step).  Returns ``(new_token_ids, prompt_logits[len(prompt), vocab])``.  O(n^2) forwards: for tests
+    with short sequences."""
+    ids = [int(t) for t in prompt]
+    prompt_logits = model.forward_reference(torch.tensor(ids, dtype=torch.long)).float().cpu()
+    logits = prompt_logits
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(torch.argmax(logits[-1]))
+        generated.append(token)
+        if len(generated) == max_new_tokens:
+            break
+        logits = model.forward_reference(torch.tensor(ids + generated, dtype=torch.long)).float().cpu()
+    return generated, prompt_logits
