@@ -1,18 +1,18 @@
 """Eviction: which cached leaf goes first when the pool runs short.
 
-The candidates are exactly the unlocked leaves of the radix tree.  They sit in a binary heap ordered by the
-policy's priority, so adding, re-ranking and popping the next victim cost O(log n) and removing one costs
-O(1) however large the tree is.  (SGLang rebuilds a heap of all evictable leaves on every eviction call,
-which is O(n); keeping the set incrementally avoids that.)
+The candidates are exactly the unlocked leaves of the radix tree.  They sit in a
+``sortedcontainers.SortedList`` ordered by the policy's priority, so adding, removing, re-ranking and
+popping the next victim each cost O(log n) however large the tree is.  (SGLang rebuilds a heap of all
+evictable leaves on every eviction call, which is O(n); keeping the set incrementally avoids that.)
 
 A policy is a small object with a ``priority(node)`` method: a tuple, smallest evicted first.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from typing import Protocol, runtime_checkable
+
+from sortedcontainers import SortedList
 
 from prefixcache.errors import InvalidArgumentError
 
@@ -76,67 +76,49 @@ def make_policy(policy: str | EvictionPolicy) -> EvictionPolicy:
 class Evictor:
     """The set of eviction candidates, ordered by a policy.
 
-    Each member node carries the key it was filed under (``node.evict_key``, the policy's priority plus the
-    node id), so it can be found again after its access time has moved on.  The heap (``heapq``, in C) holds
-    ``(key, push number, node)`` entries; removing or re-ranking a member leaves its old entry behind, and an
-    entry whose key is no longer its node's key is stale and skipped when it reaches the top.  This is much
-    cheaper in CPython than a sorted container's O(log n) Python-level remove.  Stale entries are dropped
-    whenever they outnumber the members, so the heap stays O(n) in size.
-
-    ``add``, ``refresh``: O(log n); ``discard``: O(1); ``pop``: O(log n) amortized.
+    Each member node carries the key it was filed under (``node.evict_key``), so it can be found again after
+    its access time has moved on.  All operations O(log n) in the number of candidates.
     """
 
-    __slots__ = ("policy", "_heap", "_size", "_pushes")
+    __slots__ = ("policy", "_order", "_nodes")
 
     def __init__(self, policy: str | EvictionPolicy = "lru") -> None:
         self.policy = make_policy(policy)
-        self._heap: list[tuple] = []
-        self._size = 0
-        # Breaks ties between a stale entry and a live one of equal key, so nodes are never compared.
-        self._pushes = itertools.count()
+        self._order: SortedList = SortedList()
+        self._nodes: dict[int, object] = {}
 
     def __len__(self) -> int:
-        return self._size
+        return len(self._nodes)
 
     def __contains__(self, node: object) -> bool:
         return getattr(node, "evict_key", None) is not None
 
     def add(self, node) -> None:
-        """File ``node`` under its current priority (re-files it if it is a member already).  O(log n)."""
-        if node.evict_key is None:
-            self._size += 1
-        self._push(node)
-
-    def discard(self, node) -> None:
-        """Remove ``node`` if it is a member.  O(1): its heap entry goes stale."""
-        if node.evict_key is not None:
-            node.evict_key = None
-            self._size -= 1
-
-    def refresh(self, node) -> None:
-        """Re-rank a member whose access time or hit count changed (no-op for non-members).  O(log n)."""
-        if node.evict_key is not None:
-            self._push(node)
-
-    def pop(self):
-        """Remove and return the first victim.  Raises IndexError when empty."""
-        heap = self._heap
-        while True:
-            key, _, node = heapq.heappop(heap)
-            if node.evict_key is key:
-                node.evict_key = None
-                self._size -= 1
-                return node
-
-    def members(self) -> list:
-        """The candidates in eviction order (for invariant checks and tests), O(n log n)."""
-        return [node for key, _, node in sorted(self._heap) if node.evict_key is key]
-
-    def _push(self, node) -> None:
         key = (*self.policy.priority(node), node.node_id)
         node.evict_key = key
-        heap = self._heap
-        if len(heap) > 2 * self._size + 64:
-            heap[:] = [entry for entry in heap if entry[2].evict_key is entry[0]]
-            heapq.heapify(heap)
-        heapq.heappush(heap, (key, next(self._pushes), node))
+        self._order.add(key)
+        self._nodes[node.node_id] = node
+
+    def discard(self, node) -> None:
+        key = node.evict_key
+        if key is not None:
+            self._order.remove(key)
+            del self._nodes[node.node_id]
+            node.evict_key = None
+
+    def refresh(self, node) -> None:
+        """Re-rank a member whose access time or hit count changed (no-op for non-members)."""
+        if node.evict_key is not None:
+            self.discard(node)
+            self.add(node)
+
+    def pop(self):
+        """Remove and return the first victim. Raises IndexError when empty."""
+        key = self._order.pop(0)
+        node = self._nodes.pop(key[-1])
+        node.evict_key = None
+        return node
+
+    def members(self) -> list:
+        """The candidates in eviction order (for invariant checks and tests), O(n)."""
+        return [self._nodes[key[-1]] for key in self._order]

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from prefixcache.errors import InvalidTokensError
 from prefixcache.radix import RadixCache, check_namespace
 from prefixcache.tokenizer import Tokenizer
 from prefixcache.tokens import TokenIds, as_token_array
@@ -55,8 +56,9 @@ class Explanation:
     different token at ``diverge_at``), ``"extends"`` (the prompt runs past the end of a cached sequence: new
     tokens, nothing contradicts them) or ``"cold"`` (nothing is cached in the namespace).  ``diverge_at`` is the
     number of leading prompt tokens the cache holds, token-exact.  ``closest_length`` is the length of the cached
-    sequence it came closest to (the most recently used one where several tie); ``closest_ids`` and
-    ``request_ids`` are up to a few ids of each from ``diverge_at`` on.  The texts are set when a tokenizer is
+    sequence it came closest to (the most recently used one where several tie; for a hit, the cached sequence
+    the prompt is a prefix of); ``closest_ids`` and ``request_ids`` are up to a few ids of each from ``diverge_at``
+    on.  The texts are set when a tokenizer is
     given: ``text_before`` ends at the divergence, ``cached_text`` / ``request_text`` start there.  The message
     fields are set when spans are given and the divergence falls inside one.
     """
@@ -94,7 +96,8 @@ class Explanation:
 
 
 def snippet(explanation: Explanation) -> str:
-    """```...before``  cached ``...``  request ``...``` with newlines shown as ``\\n``."""
+    """The text around the divergence, backquoted: before it, then what the cache holds (when it diverged) and
+    what the request holds after it; newlines are shown as ``\\n``."""
     text = f"`...{_visible(explanation.text_before or '')}`"
     if explanation.kind == "diverged":
         text += f" then cached `{_visible(explanation.cached_text or '')}...`"
@@ -146,7 +149,8 @@ def explain(
     """Explain how much of ``token_ids`` the cache holds and where, and why, it stops.
 
     Read-only: the tree, its eviction order and its stats are left exactly as they were.  O(depth) dict lookups
-    plus O(n) C-speed comparison, plus decoding a few tokens when ``tokenizer`` is given.
+    plus O(n) C-speed comparison, plus decoding a few tokens when ``tokenizer`` is given (texts stay ``None``
+    when the tokenizer cannot decode the ids).
 
     Raises:
         InvalidTokensError, NamespaceError: bad input.
@@ -168,16 +172,15 @@ def explain(
             node, pos, edge_offset = child, pos + matched, matched
             if matched < len(child.tokens):
                 break
-        if pos == n:
-            return _finish("hit", q, n, n, (), tokenizer, messages_spans, before_tokens, after_tokens)
+        # The closest cached sequence runs on from here: the rest of this edge, or the most recently used child.
         continuation = list(node.tokens[edge_offset : edge_offset + after_tokens])
         if edge_offset == len(node.tokens):
             node = _most_recent_child(node)
             continuation = [] if node is None else list(node.tokens[:after_tokens])
         if node is None:
-            kind, length = "extends", pos
+            kind, length = ("hit" if pos == n else "extends"), pos
         else:
-            kind = "diverged"
+            kind = "hit" if pos == n else "diverged"
             while node.children:
                 node = _most_recent_child(node)
                 if len(continuation) < after_tokens:
@@ -213,9 +216,12 @@ def _finish(
     request_ids = tuple(q[pos : pos + after_tokens])
     texts: dict[str, Any] = {}
     if tokenizer is not None:
-        texts["text_before"] = tokenizer.decode(q[max(0, pos - before_tokens) : pos])
-        texts["cached_text"] = tokenizer.decode(closest_ids)
-        texts["request_text"] = tokenizer.decode(request_ids)
+        try:
+            texts["text_before"] = tokenizer.decode(q[max(0, pos - before_tokens) : pos])
+            texts["cached_text"] = tokenizer.decode(closest_ids)
+            texts["request_text"] = tokenizer.decode(request_ids)
+        except InvalidTokensError:
+            texts.clear()  # ids from another vocabulary (a synthetic trace): positions only, no text
     span = locate_message(spans, pos) if spans is not None and kind != "hit" else None
     if span is not None:
         texts["message_index"] = span.index

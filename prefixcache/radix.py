@@ -261,6 +261,8 @@ class RadixCache:
             raise InvalidArgumentError(f"pool must be a KVBlockPool, got {type(pool).__name__}")
         if isinstance(hit_rate_window, bool) or not isinstance(hit_rate_window, int) or hit_rate_window < 1:
             raise InvalidArgumentError(f"hit_rate_window must be a positive int, got {hit_rate_window!r}")
+        if isinstance(hash_seed, bool) or not isinstance(hash_seed, int) or not 0 <= hash_seed < 2**64:
+            raise InvalidArgumentError(f"hash_seed must be an int in [0, 2**64), got {hash_seed!r}")
         self.pool = pool
         self.block_size = pool.block_size
         self._evictor = Evictor(policy)
@@ -736,17 +738,27 @@ class RadixCache:
             hits_before = self._hit_tokens
             match = self._match(q, namespace, len(q) - 1, record=True, request_id=request_id)
             self._record_request(len(q), self._hit_tokens - hits_before)
-            handle = self._lock_node(match.node)
+            node = match.node
+            if node.parent is not None and match.num_tokens < node.end:
+                # Lock only what matched: a lock on the whole edge would pin its unmatched tail, and a lone request
+                # that fits the pool could then run out of blocks.  Lookup never splits; admission does, at the
+                # point where this request's sequence leaves the edge (where commit would split anyway).
+                node = self._split(node, match.num_tokens - node.start)
+            handle = self._lock_node(node)
             table = match.block_table.copy()
             first_owned = len(table)
             copied = match.num_tokens % self.block_size
             if copied:
+                private = None
                 try:
                     private = self._allocate(1)
+                    self.pool.copy_rows(int(table[-1]), int(private[0]), copied)
                 except BaseException:
+                    if private is not None:
+                        self._owned[private] = False
+                        self.pool.decref(private)
                     self._unlock(handle)
                     raise
-                self.pool.copy_rows(int(table[-1]), int(private[0]), copied)
                 table[-1] = private[0]
                 first_owned -= 1
             lease = Lease(q, namespace, match.num_tokens, copied, table, first_owned, handle, self.block_size)
@@ -788,8 +800,10 @@ class RadixCache:
         lease: the new suffix is cached, duplicate blocks released, the lock dropped.
 
         Raises:
-            InvalidTokensError: ``token_ids`` do not start with the lease's matched prefix, or need more blocks than
-                the lease holds (the lease stays open: call :meth:`release`).
+            InvalidTokensError: ``token_ids`` do not start with the lease's matched prefix (the lease stays open:
+                call :meth:`release`).
+            InvalidArgumentError: the tokens need more blocks than the lease holds (call :meth:`reserve` first;
+                the lease stays open).
             LockError: the lease is closed.
         """
         q = as_token_array(token_ids)

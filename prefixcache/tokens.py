@@ -62,8 +62,11 @@ def as_token_array(token_ids: TokenIds, *, allow_empty: bool = False) -> array:
 
 def _from_list(values: Sequence[Any]) -> array:
     try:
-        # 'I' rejects negatives, floats and values >= 2**32 in C; bool is an int subclass and is refused below.
-        return array(TOKEN_TYPECODE, values)
+        # 'I' rejects negatives, floats and values >= 2**32 in C.  bool is an int subclass that 'I' accepts, so
+        # look for it separately (a C-speed pass over the element types).
+        out = array(TOKEN_TYPECODE, values)
+        if bool not in set(map(type, values)):
+            return out
     except (TypeError, OverflowError, ValueError):
         pass
     for index, value in enumerate(values):

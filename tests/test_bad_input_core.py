@@ -123,14 +123,7 @@ CASES = {
     "bool tensor": Case(insert_owned(torch.tensor([True, False])), InvalidTokensError, "got dtype torch.bool"),
     "id 2**32": Case(match([1, 2**32]), InvalidTokensError, "allowed token ids are 0 .. 4294967295"),
     "float array typecode": Case(match(array("d", [1.0])), InvalidTokensError, "typecode 'd'"),
-    "bool list": pytest.param(
-        Case(match([True, False]), InvalidTokensError, "of type bool"),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="bug: a list of bools is accepted as token ids [1, 0]; bool numpy arrays and tensors are refused "
-            "and tokens._from_list says bools are refused",
-        ),
-    ),
+    "bool list": Case(match([True, False]), InvalidTokensError, "of type bool"),
     "int namespace": Case(match([1], 1), NamespaceError, "got int"),
     "bytes namespace": Case(insert_owned([1], b"a"), NamespaceError, "got bytes"),
     "tuple namespace": Case(acquire([1, 2], ("a",)), NamespaceError, "got tuple"),
@@ -166,13 +159,8 @@ CASES = {
     "commit not starting with the matched prefix": Case(
         lambda w: w.cache.commit(w.open_lease, [9, 9, 9, 9, 9]), InvalidTokensError, "must start with the prefix"
     ),
-    "commit of more tokens than the lease holds": pytest.param(
-        Case(lambda w: w.cache.commit(w.open_lease, [1, 2, 3, 4, 50, 51]), InvalidTokensError, "need 2 blocks"),
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="bug: commit's docstring promises InvalidTokensError when the tokens need more blocks than the "
-            "lease holds; it raises InvalidArgumentError",
-        ),
+    "commit of more tokens than the lease holds": Case(
+        lambda w: w.cache.commit(w.open_lease, [1, 2, 3, 4, 50, 51]), InvalidArgumentError, "need 2 blocks"
     ),
     "reserve beyond the pool": Case(
         lambda w: w.cache.reserve(w.open_lease, 33), CapacityError, "33 tokens need 9 blocks"

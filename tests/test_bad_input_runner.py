@@ -109,13 +109,7 @@ TABLE = [
     ),
     ("2-D numpy array", generate(np.ones((2, 2), dtype=np.int64)), InvalidTokensError, "must be 1-D, got an array"),
     ("float numpy array", generate(np.ones(3)), InvalidTokensError, "must be an integer array, got dtype float64"),
-    pytest.param(
-        generate([True, False]),
-        InvalidTokensError,
-        "of type bool",
-        marks=pytest.mark.xfail(strict=True, reason="bug: as_token_array accepts a list of bools as ids 1 and 0"),
-        id="bools",
-    ),
+    ("bools", generate([True, False]), InvalidTokensError, "of type bool"),
     (
         "prompt beyond the model's positions",
         generate(list(range(MAX_POSITION + 1)), SamplingParams(max_new_tokens=0)),

@@ -201,3 +201,9 @@ def test_replaying_the_events_reconstructs_exactly_the_cached_full_blocks(block_
         expected = _expected_blocks(cache, [None, "b"])
         for mirror in mirrors:
             assert mirror.hashes == expected
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True])
+def test_the_hash_seed_must_fit_xxh64(seed) -> None:
+    with pytest.raises(InvalidArgumentError):
+        RadixCache(KVBlockPool(4, 2), hash_seed=seed)

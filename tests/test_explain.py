@@ -80,7 +80,8 @@ def test_kinds_cold_hit_extends_and_diverged_at_the_first_token(make_cache, put)
     assert explain(cache, [1, 2]).kind == "cold"
     put(cache, [1, 2, 3, 4, 5])
     hit = explain(cache, [1, 2, 3])
-    assert (hit.kind, hit.diverge_at, hit.closest_length) == ("hit", 3, 3)
+    assert (hit.kind, hit.diverge_at, hit.closest_length, hit.closest_ids, hit.request_ids) == ("hit", 3, 5, (4, 5), ())
+    assert explain(cache, [1, 2, 3, 4, 5]).closest_length == 5
     extends = explain(cache, [1, 2, 3, 4, 5, 6, 7])
     assert (extends.kind, extends.diverge_at, extends.closest_length, extends.request_ids) == ("extends", 5, 5, (6, 7))
     other = explain(cache, [8, 1])
@@ -139,3 +140,22 @@ def test_replay_explain_prints_the_timestamp(capsys) -> None:
     out = capsys.readouterr().out
     assert "75% of requests (9/12) diverge at token 46, message 0 (system)" in out
     assert "2024-05-15" in out
+
+
+def test_ids_the_tokenizer_cannot_decode_give_positions_without_text(make_cache, put) -> None:
+    cache = make_cache(num_blocks=32, block_size=4)
+    put(cache, [1000, 1001, 1002])
+    e = explain(cache, [1000, 1005], tokenizer=TOK)
+    assert (e.kind, e.diverge_at, e.text_before, e.request_text) == ("diverged", 1, None, None)
+    assert e.summary() == "diverges from a cached sequence of 3 tokens at token 1"
+
+
+def test_replay_explain_of_a_mooncake_trace_reports_token_positions(tmp_path, capsys) -> None:
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [7, 8]}',
+        '{"timestamp": 1, "input_length": 1024, "output_length": 1, "hash_ids": [7, 9]}',
+    ]
+    trace.write_text("\n".join(lines) + "\n")
+    assert main(["replay", str(trace), "--no-model", "--no-progress", "--explain"]) == 0
+    assert "50% of requests (1/2) diverge at token 512\n" in capsys.readouterr().out

@@ -51,7 +51,7 @@ def common_prefix_length(a: Seq, b: Seq) -> int:
 def maximal(sequences: set[Seq]) -> list[Seq]:
     """The sequences that are not a proper prefix of another one, sorted: what the tree's leaves spell."""
     ordered = sorted(sequences)
-    return [s for s, t in zip(ordered, [*ordered[1:], ()], strict=True) if t[: len(s)] != s]
+    return [s for i, s in enumerate(ordered) if i + 1 == len(ordered) or ordered[i + 1][: len(s)] != s]
 
 
 def distinct_prefixes(sequences: set[Seq]) -> set[Seq]:
