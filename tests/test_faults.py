@@ -282,7 +282,7 @@ def test_copy_on_write_failing_in_acquire_releases_the_lock_and_the_private_bloc
 FAULTS = st.sampled_from(["none", "model", "model-scribble", "interrupt", "allocate", "insert"])
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     plan=st.lists(
         st.tuples(st.integers(0, len(PROMPTS) - 1), FAULTS, st.integers(1, MAX_NEW + 1), st.booleans()),

@@ -128,7 +128,7 @@ def test_pressure_from_one_namespace_never_corrupts_another(model) -> None:
     assert alice_hits > 0  # some of alice's cache survived the pressure and was reused, exactly
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     requests=st.lists(
         st.tuples(st.sampled_from(["alice", "bob", None]), st.integers(0, 5), st.integers(0, 3)),
