@@ -203,11 +203,13 @@ class PrefixCachingRunner:
         namespace: str | None = None,
         forced_tokens: TokenIds | None = None,
         return_logits: bool = False,
+        request_id: str | None = None,
     ) -> GenerationResult:
         """Serve one request: prefill the uncached part of ``prompt_ids``, then decode.
 
         With ``forced_tokens`` (teacher forcing, used by replay) those tokens are appended as the answer without
-        sampling: their K/V are computed in one pass and cached with the prompt.
+        sampling: their K/V are computed in one pass and cached with the prompt.  ``request_id`` names the request
+        in the cache's stats: a retry that finds its own earlier tokens counts them as self-hits, not hits.
 
         Raises:
             InvalidTokensError: prompt empty, not integers, or ids outside the model's vocabulary.
@@ -217,7 +219,12 @@ class PrefixCachingRunner:
         Whatever is raised, the cache is left with no lock or block of this request.
         """
         steps = self.stream(
-            prompt_ids, sampling, namespace=namespace, forced_tokens=forced_tokens, return_logits=return_logits
+            prompt_ids,
+            sampling,
+            namespace=namespace,
+            forced_tokens=forced_tokens,
+            return_logits=return_logits,
+            request_id=request_id,
         )
         try:
             while True:
@@ -239,6 +246,7 @@ class PrefixCachingRunner:
         forced_tokens: TokenIds | None = None,
         return_logits: bool = False,
         on_token: Callable[[int], None] | None = None,
+        request_id: str | None = None,
     ) -> Generator[int, None, GenerationResult]:
         """Like :meth:`generate`, yielding each new token id as it is produced; the generator's return value
         (``StopIteration.value``) is the :class:`GenerationResult`.  Closing the generator early, or an exception
@@ -252,7 +260,8 @@ class PrefixCachingRunner:
         )
         num_new = len(forced) if forced is not None else sampling.max_new_tokens
         self._check_capacity(len(prompt) + num_new)
-        return self._steps(prompt, sampling, self.namespace_key(namespace), forced, return_logits, on_token)
+        namespace = self.namespace_key(namespace)
+        return self._steps(prompt, sampling, namespace, forced, return_logits, on_token, request_id)
 
     def prefill(self, prompt_ids: TokenIds, *, namespace: str | None = None) -> Usage:
         """Compute and cache ``prompt_ids`` without generating (warm a shared system prompt).  Raises as
@@ -265,6 +274,7 @@ class PrefixCachingRunner:
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         namespace: str | None = None,
+        request_id: str | None = None,
         **sampling: Any,
     ) -> ChatResult:
         """Render OpenAI-format ``messages`` (and ``tools``) with the tokenizer's chat template, generate, and
@@ -275,7 +285,7 @@ class PrefixCachingRunner:
         sampling.setdefault("vocab_limit", self.tokenizer.vocab_size)
         params = SamplingParams(**sampling)
         prompt = self.tokenizer.render_chat(messages, tools, add_generation_prompt=True)
-        result = self.generate(prompt, params, namespace=namespace)
+        result = self.generate(prompt, params, namespace=namespace, request_id=request_id)
         text_ids = [t for t in result.token_ids if t not in params.stop_token_ids]
         return ChatResult(self.tokenizer.decode(text_ids), result.token_ids, result.finish_reason, result.usage)
 
@@ -313,10 +323,11 @@ class PrefixCachingRunner:
         forced,
         return_logits: bool,
         on_token: Callable[[int], None] | None,
+        request_id: str | None,
     ) -> Generator[int, None, GenerationResult]:
         model, cache, pool = self.model, self.cache, self.pool
         device = model.device
-        lease: Lease = cache.acquire(prompt, namespace)
+        lease: Lease = cache.acquire(prompt, namespace, request_id=request_id)
         try:
             start = time.perf_counter()
             cached = lease.num_cached_tokens
