@@ -1,10 +1,11 @@
 """The radix cache against a naive model: a set of cached token sequences per namespace plus the locked prefixes.
 
 Hypothesis drives random interleavings of insert, match, lock/unlock, acquire/reserve/commit/release and evict
-over a tiny vocabulary (so prefixes collide) and a small pool (so allocation evicts).  The pool holds a real KV
-tensor in which every written row carries an id of the exact prefix it belongs to, so every block table the
-cache hands out is checked row by row: a wrong block, a missed copy-on-write or a block reused while still cached
-shows up as a wrong row.
+over a tiny vocabulary (so prefixes collide) and a small pool (so allocation evicts), in two namespaces whose
+sequences come from one shared history (so a namespace that saw the other's tokens would match too much).  The
+pool holds a real KV tensor in which every written row carries an id of the exact prefix it belongs to, so every
+block table the cache hands out is checked row by row: a wrong block, a missed copy-on-write or a block reused
+while still cached shows up as a wrong row.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 
+import numpy as np
 import torch
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -77,8 +79,6 @@ class RadixCacheMachine(RuleBasedStateMachine):
         pool = KVBlockPool(num_blocks, bs, num_layers=1, num_kv_heads=1, head_dim=1, device="cpu")
         self.cache = RadixCache(pool, policy=policy)
 
-    # ---- the model ------------------------------------------------------------------------------------
-
     def compose(self, spec: tuple[int, int, list[int]]) -> Seq:
         base, cut, tail = spec
         head = self.known[base % len(self.known)][:cut] if self.known else ()
@@ -110,8 +110,6 @@ class RadixCacheMachine(RuleBasedStateMachine):
         for ns, prefix in self.locked_prefixes():
             assert self.lcp(ns, prefix) == len(prefix), f"locked {prefix} in {ns!r} was evicted"
 
-    # ---- KV rows: row p of a sequence holds the id of its prefix seq[:p + 1] ---------------------------
-
     def prefix_id(self, prefix: Seq) -> int:
         return self.prefix_ids.setdefault(prefix, len(self.prefix_ids) + 1)
 
@@ -136,8 +134,6 @@ class RadixCacheMachine(RuleBasedStateMachine):
         assert kv[0, 0, blocks, rows, 0, 0].tolist() == expected
         assert kv[0, 1, blocks, rows, 0, 0].tolist() == [-x for x in expected]
 
-    # ---- rules ----------------------------------------------------------------------------------------
-
     @rule(ns=namespaces, spec=sequence_specs)
     def insert(self, ns: str, spec) -> None:
         seq = self.compose(spec)
@@ -158,6 +154,37 @@ class RadixCacheMachine(RuleBasedStateMachine):
         result = self.cache.insert(seq, blocks, ns)
 
         released = need if cached == len(seq) else cached // bs
+        assert result == InsertResult(len(seq) - cached, cached, released)
+        self.ref[ns].add(seq)
+        self.remember(seq)
+
+    @rule(ns=namespaces, spec=sequence_specs)
+    def insert_borrowing_a_locked_prefix(self, ns: str, spec) -> None:
+        """Low-level insert whose block table starts with the tree's own blocks of a locked match."""
+        seq = self.compose(spec)
+        bs = self.block_size
+        match = self.cache.match(seq, ns)
+        assert match.num_tokens == self.lcp(ns, seq)
+        handle = self.cache.lock(match)
+        # Only whole blocks are borrowed: the rows after a partial match in a shared block are another sequence's.
+        borrowed = match.num_tokens // bs
+        before = self.evictions()
+        try:
+            own = self.cache.allocate(-(-len(seq) // bs) - borrowed)
+        except OutOfBlocksError:
+            self.sync_after_eviction(before)
+            self.cache.unlock(handle)
+            return
+        self.sync_after_eviction(before)
+        assert self.lcp(ns, seq) >= match.num_tokens, "a locked match was evicted"
+        table = np.concatenate((match.block_table[:borrowed], own))
+        self.write_kv(table, seq, borrowed * bs)
+        cached = self.lcp(ns, seq)
+
+        result = self.cache.insert(seq, table, ns)
+        self.cache.unlock(handle)
+
+        released = len(own) if cached == len(seq) else cached // bs - borrowed
         assert result == InsertResult(len(seq) - cached, cached, released)
         self.ref[ns].add(seq)
         self.remember(seq)
@@ -301,8 +328,6 @@ class RadixCacheMachine(RuleBasedStateMachine):
         self.sync_after_eviction(before)
         prefixes_after = sum(len(distinct_prefixes(self.ref[ns])) for ns in NAMESPACES)
         assert result.num_tokens == prefixes_before - prefixes_after
-
-    # ---- after every step -----------------------------------------------------------------------------
 
     @invariant()
     def tree_matches_the_model(self) -> None:
