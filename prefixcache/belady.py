@@ -16,8 +16,10 @@ hits" equal "hits", and the tree-shaped cache of :mod:`prefixcache.radix` has th
   on ties.  A parent is used by every prompt that uses its child, so its next use is never later.  An offered
   block that is itself the farthest is not admitted (bypass), and neither is anything deeper in that request.
 
-Belady is the upper bound: no policy, online or offline, gets more hits on this model (``tests/test_bench_policy.py``
-checks it against an exhaustive search on small traces).  Next uses are precomputed from the whole request list.
+Belady's rule is optimal for plain paging.  Here a request only hits its leading run of cached blocks, and then
+farthest-next-use can fall short of the true offline optimum on rare traces (``tests/test_bench_policy.py`` has one:
+2 hits against 3); it never exceeds it and always beats or ties LRU in the tests, so it serves as the practical
+upper bound for the online policies.  Next uses are precomputed from the whole request list.
 """
 
 from __future__ import annotations

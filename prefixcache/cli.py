@@ -48,7 +48,7 @@ def parse_size(text: str) -> int:
     Raises:
         argparse.ArgumentTypeError: not a size.
     """
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 24GiB, 1e9)")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

@@ -721,8 +721,10 @@ class RadixCache:
     # ---- request-level ------------------------------------------------------------------------------------
 
     def acquire(self, token_ids: TokenIds, namespace: str | None = None, *, request_id: str | None = None) -> Lease:
-        """Admit a request: match at most ``len - 1`` prompt tokens, lock them, and copy the rows of a partially
-        matched last block into a block the request owns (copy-on-write).
+        """Admit a request: match at most ``len - 1`` prompt tokens, lock their whole blocks, and copy the rows of a
+        partially matched last block into a block the request owns (copy-on-write).  The copy is made at once, so
+        the partial block's node stays evictable; if not even one block can be found for it, those rows are left
+        to be recomputed (``num_cached_tokens`` drops to the block boundary) rather than failing the request.
 
         ``request_id`` names the request in the stats: tokens it finds that it inserted itself (a retry) count as
         self-hits, and :meth:`commit` marks what it inserts with it.  Each call counts as one request in the
@@ -730,40 +732,80 @@ class RadixCache:
 
         Raises:
             InvalidTokensError, NamespaceError: bad input.
-            OutOfBlocksError: no block for the copy even after eviction (nothing is held afterwards).
+        It never runs out of blocks: the copy falls back to recomputation as said above.
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
         with self._mutex:
-            hits_before = self._hit_tokens
-            match = self._match(q, namespace, len(q) - 1, record=True, request_id=request_id)
-            self._record_request(len(q), self._hit_tokens - hits_before)
-            node = match.node
-            if node.parent is not None and match.num_tokens < node.end:
-                # Lock only what matched: a lock on the whole edge would pin its unmatched tail, and a lone request
-                # that fits the pool could then run out of blocks.  Lookup never splits; admission does, at the
-                # point where this request's sequence leaves the edge (where commit would split anyway).
-                node = self._split(node, match.num_tokens - node.start)
-            handle = self._lock_node(node)
+            match = self._match(q, namespace, len(q) - 1, record=False)
+            bs = self.block_size
             table = match.block_table.copy()
+            num_cached = match.num_tokens
+            copied = num_cached % bs
+            aligned = num_cached - copied
+            own = self._own_tokens(match.node, num_cached, request_id) if request_id is not None else 0
+            end = self._lock_point(match.node, aligned, num_cached)
+            handle = self._lock_node(end)
             first_owned = len(table)
-            copied = match.num_tokens % self.block_size
             if copied:
-                private = None
-                try:
-                    private = self._allocate(1)
-                    self.pool.copy_rows(int(table[-1]), int(private[0]), copied)
-                except BaseException:
-                    if private is not None:
-                        self._owned[private] = False
-                        self.pool.decref(private)
-                    self._unlock(handle)
-                    raise
-                table[-1] = private[0]
+                private = self._copy_partial_block(int(table[-1]), copied, handle)
+                if private is None:
+                    # Too tight to copy: recompute those rows instead of failing the request.
+                    table = table[:-1]
+                    own = self._own_tokens(end, aligned, request_id) if request_id is not None else 0
+                    num_cached, copied = aligned, 0
+                else:
+                    table[-1] = private
                 first_owned -= 1
-            lease = Lease(q, namespace, match.num_tokens, copied, table, first_owned, handle, self.block_size)
+            self._query_tokens += len(q)
+            self._hit_tokens += num_cached - own
+            self._self_hit_tokens += own
+            self._record_request(len(q), num_cached - own)
+            lease = Lease(q, namespace, num_cached, copied, table, first_owned, handle, self.block_size)
             lease.request_id = request_id
             return lease
+
+    def _copy_partial_block(self, source: int, num_rows: int, handle: LockHandle) -> int | None:
+        """Copy-on-write: a block owned by the caller holding the first ``num_rows`` rows of ``source``, or None
+        if no block can be had.  Only the block-aligned prefix of a match is locked, so finding the block may
+        evict ``source``'s node: a temporary reference keeps its rows alive meanwhile, and if that reference is
+        all that is left of it, the block itself is taken over (nothing to copy).  On any other error the lock
+        ``handle`` is released."""
+        pool = self.pool
+        pool.incref([source])
+        try:
+            private = self._allocate(1)
+        except OutOfBlocksError:
+            if pool.ref_count(source) == 1:
+                self._owned[source] = True
+                return source
+            pool.decref([source])
+            return None
+        except BaseException:
+            pool.decref([source])
+            self._unlock(handle)
+            raise
+        try:
+            pool.copy_rows(source, int(private[0]), num_rows)
+        except BaseException:
+            self._owned[private] = False
+            pool.decref(private)
+            pool.decref([source])
+            self._unlock(handle)
+            raise
+        pool.decref([source])
+        return int(private[0])
+
+    def _lock_point(self, node: _Node, aligned: int, matched: int) -> _Node:
+        """The node whose lock protects the whole blocks of a match (``aligned`` tokens of ``matched``): the node
+        holding token ``aligned - 1``.  If its edge runs past the match, it is split at ``aligned`` so the lock
+        pins neither the unmatched tail nor the partial block (a lone request that fits the pool must be able to
+        evict them); lookup never splits, admission does.  The root when ``aligned == 0``."""
+        while node.parent is not None and node.start >= aligned:
+            node = node.parent
+        if node.parent is not None and node.end > matched:
+            node = self._split(node, aligned - node.start)
+        return node
 
     def _record_request(self, query_tokens: int, hit_tokens: int) -> None:
         window = self._window

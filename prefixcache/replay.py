@@ -171,7 +171,8 @@ class ReplayReport:
             total.peak_blocks_used = max(total.peak_blocks_used, s.peak_blocks_used)
         if timed:
             total.prefill_s_cached = sum(s.prefill_s_cached for s in timed)
-            total.prefill_s_uncached = sum(s.prefill_s_uncached for s in timed)
+            uncached = [s.prefill_s_uncached for s in timed]
+            total.prefill_s_uncached = None if None in uncached else sum(uncached)
         verified = [s.verified for s in self.scenarios]
         total.verified = None if any(v is None for v in verified) else all(verified)
         diffs = [s.max_abs_logit_diff for s in self.scenarios if s.max_abs_logit_diff is not None]

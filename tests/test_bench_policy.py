@@ -153,7 +153,7 @@ def test_simulate_rejects_an_unknown_policy() -> None:
         simulate(build_block_trace(CYCLE, block_size=1), 2, "fifo")
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=request_lists, block_size=st.sampled_from([1, 2]))
 def test_next_use_is_the_next_request_whose_prompt_holds_the_block(requests, block_size) -> None:
     trace = build_block_trace(requests, block_size)
@@ -162,7 +162,7 @@ def test_next_use_is_the_next_request_whose_prompt_holds_the_block(requests, blo
     assert trace.next_use.tolist() == flat
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=request_lists, block_size=st.sampled_from([1, 2]))
 def test_both_policies_match_their_plain_reference_at_every_capacity(requests, block_size) -> None:
     trace = build_block_trace(requests, block_size)
@@ -172,7 +172,7 @@ def test_both_policies_match_their_plain_reference_at_every_capacity(requests, b
         assert _simulate_belady(trace, capacity) == reference_simulation(trace, capacity, "belady"), capacity
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=request_lists, block_size=st.sampled_from([1, 2]))
 def test_belady_hits_at_least_as_much_as_lru_at_every_capacity(requests, block_size) -> None:
     trace = build_block_trace(requests, block_size)
@@ -181,14 +181,24 @@ def test_belady_hits_at_least_as_much_as_lru_at_every_capacity(requests, block_s
         assert simulate(trace, capacity, "belady").hit_blocks >= simulate(trace, capacity, "lru").hit_blocks
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(requests=request_lists, block_size=st.sampled_from([1, 2]))
-def test_belady_reaches_the_exhaustive_optimum(requests, block_size) -> None:
+def test_belady_never_beats_the_exhaustive_optimum(requests, block_size) -> None:
+    # Farthest-next-use is optimal for plain paging; with prefix hits (only a leading run of cached blocks counts)
+    # it can fall short of the exhaustive optimum, e.g. requests [0]+[1], [1], [1,0], [0], [0,1,0] at capacity 2
+    # (2 hits against 3).  So it bounds the online policies from above in practice, not provably.
     trace = build_block_trace(requests, block_size)
     assume(trace.num_blocks <= 9)
 
     for capacity in range(1, trace.num_blocks + 1):
-        assert simulate(trace, capacity, "belady").hit_blocks == optimum_hits(trace, capacity), capacity
+        assert simulate(trace, capacity, "belady").hit_blocks <= optimum_hits(trace, capacity), capacity
+
+
+def test_belady_falls_short_of_the_optimum_on_a_prefix_dependent_trace() -> None:
+    requests = [([0], [1]), ([1], []), ([1, 0], []), ([0], []), ([0, 1, 0], [])]
+    trace = build_block_trace(requests, 1)
+
+    assert (simulate(trace, 2, "belady").hit_blocks, optimum_hits(trace, 2)) == (2, 3)
 
 
 @settings(max_examples=100, deadline=None)

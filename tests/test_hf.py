@@ -303,3 +303,52 @@ def test_runner_reuses_a_shared_system_prompt_with_qwen_ids(qwen: HFTokenizer) -
     assert result.usage.cached_tokens == shared
     reference = model.forward_reference(torch.tensor(second))[shared:]
     torch.testing.assert_close(result.prompt_logits, reference, atol=TOL, rtol=0)
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def chat_file(tmp_path: Path) -> Path:
+    system = {"role": "system", "content": "You are terse."}
+    lines = [
+        {
+            "id": f"c{i}",
+            "messages": [system, {"role": "user", "content": f"Q{i}"}, {"role": "assistant", "content": "A"}],
+        }
+        for i in range(2)
+    ]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _replay_json(argv: list[str], out: Path) -> dict:
+    from prefixcache.cli import main
+
+    assert main([*argv, "--no-progress", "--json", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+def test_cli_replays_a_random_model_from_config_with_verify(chat_file: Path, tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen2", **_DECODER}))
+    report = _replay_json(
+        ["replay", str(chat_file), "--model-config", str(config), "--layers", "1", "--verify"], tmp_path / "r.json"
+    )
+    assert report["model"] == "Qwen2ForCausalLM(1 layers)"
+    assert report["verified"] is True and report["cached_tokens"] > 0
+
+
+def test_cli_replays_a_saved_model_folder(chat_file: Path, tmp_path: Path) -> None:
+    _hf_model("gpt2").save_pretrained(tmp_path / "gpt2")
+    report = _replay_json(
+        ["replay", str(chat_file), "--model", f"hf:{tmp_path / 'gpt2'}", "--verify"], tmp_path / "r.json"
+    )
+    assert report["model"] == "GPT2LMHeadModel(2 layers)" and report["verified"] is True
+
+
+def test_cli_refuses_layers_without_model_config(chat_file: Path) -> None:
+    from prefixcache.cli import main
+
+    assert main(["replay", str(chat_file), "--layers", "2", "--no-progress"]) == 2

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from prefixcache.errors import InvalidArgumentError, LockError, OutOfBlocksError
+from prefixcache.errors import InvalidArgumentError, LockError
 from prefixcache.radix import CacheStats, InsertResult, RadixCache
 
 TEN = list(range(1, 11))
@@ -293,14 +293,17 @@ def test_a_match_whose_node_was_evicted_cannot_be_locked(make_cache, put) -> Non
         cache.lock(match)
 
 
-def test_acquire_that_cannot_get_its_copy_block_holds_nothing_afterwards(make_cache, put) -> None:
+def test_acquire_that_cannot_get_its_copy_block_recomputes_the_partial_rows(make_cache, put) -> None:
     cache = make_cache(num_blocks=2, block_size=4)
     put(cache, [1, 2, 3, 4, 5, 6])
     handle = cache.lock(cache.match([1, 2, 3, 4, 5, 6]))
 
-    with pytest.raises(OutOfBlocksError, match="1 blocks needed, 0 free"):
-        cache.acquire([1, 2, 3, 4, 5, 6, 9])
+    lease = cache.acquire([1, 2, 3, 4, 5, 6, 9])
 
+    assert (lease.num_cached_tokens, lease.num_copied_tokens, lease.first_owned_block) == (4, 0, 1)
+    assert len(lease.block_table) == 1
+    cache.check_invariants()
+    cache.release(lease)
     assert cache.stats().locked_tokens == 6
     cache.unlock(handle)
     assert cache.stats().locked_tokens == 0

@@ -93,7 +93,10 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
     def locked_prefixes(self) -> list[tuple[str, Seq]]:
         held = [(ns, prefix) for ns, prefix, _ in self.locks]
-        return held + [(ns, tuple(lease.token_ids[: lease.num_cached_tokens])) for ns, lease, _ in self.leases]
+        # A lease locks the whole blocks of its match; the rows of a partial block were copied at admission.
+        return held + [
+            (ns, tuple(lease.token_ids[: lease.first_owned_block * self.block_size])) for ns, lease, _ in self.leases
+        ]
 
     def evictions(self) -> int:
         return self.cache.stats().evictions
@@ -258,19 +261,16 @@ class RadixCacheMachine(RuleBasedStateMachine):
         prompt = self.compose(spec)
         full = (prompt + tuple(generated))[:MAX_LEN]
         cached = min(self.lcp(ns, prompt), len(prompt) - 1)
-        locked_before = self.cache.stats().locked_tokens
         before = self.evictions()
-        try:
-            lease = self.cache.acquire(prompt, ns)
-        except OutOfBlocksError:
-            assert cached % bs, "only the copy-on-write block can be short"
-            self.sync_after_eviction(before)
-            stats = self.cache.stats()
-            assert stats.free_blocks == 0 and stats.locked_tokens == locked_before
-            return
+        lease = self.cache.acquire(prompt, ns)  # never short: with no block for the copy, the rows are recomputed
         self.sync_after_eviction(before)
 
-        assert (lease.num_cached_tokens, lease.num_copied_tokens) == (cached, cached % bs)
+        if lease.num_copied_tokens or not cached % bs:
+            assert (lease.num_cached_tokens, lease.num_copied_tokens) == (cached, cached % bs)
+        else:
+            assert lease.num_cached_tokens == cached - cached % bs, "a dry pool falls back to the block boundary"
+            assert self.cache.stats().free_blocks == 0
+        cached = lease.num_cached_tokens
         assert lease.first_owned_block == cached // bs
         self.assert_kv(lease.block_table, prompt, cached)
 
@@ -291,7 +291,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
     def commit(self, pick: int) -> None:
         ns, lease, full = self.leases.pop(pick % len(self.leases))
         cached = self.lcp(ns, full)
-        assert cached >= lease.num_cached_tokens
+        assert cached >= lease.first_owned_block * self.block_size, "the locked blocks of the match stay cached"
         owned = len(lease.block_table) - lease.first_owned_block
         released = owned if cached == len(full) else cached // self.block_size - lease.first_owned_block
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidTokensError, OutOfBlocksError
+from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidTokensError
 from prefixcache.models import LlamaModel, build_model
 from prefixcache.runner import ChatResult, PrefixCachingRunner, SamplingParams, Usage
 from prefixcache.tokenizer import ByteTokenizer
@@ -423,12 +423,6 @@ def test_request_larger_than_the_pool_is_a_capacity_error_and_holds_nothing(tiny
     assert_nothing_held(runner)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OutOfBlocksError,
-    reason="bug: a match ending inside a cached edge locks the whole edge, so a request that fits an idle pool "
-    "fails with OutOfBlocksError instead of evicting the edge's unmatched tail",
-)
 def test_request_that_fits_an_idle_full_pool_evicts_what_it_does_not_reuse(tiny: LlamaModel) -> None:
     runner = PrefixCachingRunner(tiny, cache_tokens=16, block_size=4)
     cached = ids(16, seed=98)

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixcache.errors import OutOfBlocksError
 from prefixcache.models.llama import build_model
 from prefixcache.radix import RadixCache
 from prefixcache.replay import Replayer, ReplayRequest, ScenarioReport, load_requests
@@ -121,11 +120,6 @@ def test_replaying_every_scenario_under_constant_eviction_stays_bounded_and_matc
         )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OutOfBlocksError,
-    reason="bug: acquire locks the whole last matched edge, so a lone request in a pool 1.5x its size runs out",
-)
 def test_a_pool_half_again_as_large_as_the_longest_request_replays_without_running_out(scenario_requests) -> None:
     requests = scenario_requests["timestamp_system_prompt"]
     longest = max(len(r.prompt) + len(r.answer) for r in requests)  # 4,547 tokens

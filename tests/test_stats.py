@@ -42,7 +42,9 @@ def test_stats_split_cross_request_hits_from_a_request_reusing_its_own_tokens() 
         cached_tokens=12,
         evictable_tokens=12,
         locked_tokens=0,
-        num_nodes=3,
+        # [0,4) [4,6) [6,8) [8,10) and b's [6,8): admission splits at block boundaries inside an edge that runs
+        # past the match (the retry at 8, "b" at 4), insert splits where "b" diverges (6).
+        num_nodes=5,
         query_tokens=10 + 10 + 8 + 9,
         hit_tokens=6 + 6,
         evictions=0,

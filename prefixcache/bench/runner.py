@@ -41,15 +41,19 @@ from prefixcache.radix import RadixCache
 from prefixcache.runner import PrefixCachingRunner, SamplingParams
 from prefixcache.tokenizer import BYTE_SPECIAL_TOKENS, ByteTokenizer
 
-SYSTEM_PROMPT_TOKENS = (512, 2048, 8192)
 NUM_QUESTIONS = 64
-NUM_UNCACHED = 4
+NUM_UNCACHED = {512: 4, 2048: 4, 8192: 2}
+"""No-cache prefills timed per system-prompt length: each 8,192-token one takes the small model ~10-20 s here."""
 QUESTION_BODY_TOKENS = (16, 48)
 BLOCK_SIZE = 16
 GOAL_FRACTION_OF_IDEAL = 0.90
 GOAL_OVERHEAD_SHARE = 0.05
-QUICK = {"model": "tiny", "questions": 8, "uncached": 2, "system_tokens": (256, 1024, 4096)}
-FULL = {"model": "small", "questions": NUM_QUESTIONS, "uncached": NUM_UNCACHED, "system_tokens": SYSTEM_PROMPT_TOKENS}
+TORCH_THREADS = 1
+"""Intra-op threads while measuring.  On a small shared machine, two threads make each op wait for a descheduled
+thread whenever anything else runs (the tiny model's 1 ms question prefill took 170-240 ms so); one thread keeps
+the figures reproducible, and every path (cache, ideal, no cache) runs the same way."""
+QUICK = {"model": "tiny", "questions": 8, "uncached": {256: 2, 1024: 2, 4096: 2}}
+FULL = {"model": "small", "questions": NUM_QUESTIONS, "uncached": NUM_UNCACHED}
 PARTS = ("acquire", "reserve", "block_table", "commit")
 
 _tokenizer = ByteTokenizer()
@@ -214,12 +218,17 @@ def measure_prompt(model, system_tokens: int, num_questions: int, num_uncached: 
 
 
 def run(quick: bool = False) -> BenchResult:
-    """The ``small`` model, 64 questions per prompt, no-cache on 4 of them; with ``quick`` the ``tiny`` model,
-    system prompts of 256, 1,024 and 4,096 tokens, 8 questions, no-cache on 2."""
+    """The ``small`` model, 64 questions per prompt, no-cache on 4 of them (2 for 8,192 tokens); with ``quick`` the
+    ``tiny`` model, system prompts of 256, 1,024 and 4,096 tokens, 8 questions, no-cache on 2."""
     setup = QUICK if quick else FULL
     model = build_model(setup["model"])
     load_before = os.getloadavg()[0]
-    results = [measure_prompt(model, n, setup["questions"], setup["uncached"]) for n in setup["system_tokens"]]
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(TORCH_THREADS)
+    try:
+        results = [measure_prompt(model, n, setup["questions"], samples) for n, samples in setup["uncached"].items()]
+    finally:
+        torch.set_num_threads(default_threads)
     load_after = os.getloadavg()[0]
 
     rows = []
@@ -229,6 +238,7 @@ def run(quick: bool = False) -> BenchResult:
         rows.append(
             (
                 r["system_tokens"],
+                r["uncached_samples"],
                 r["ttft_ms_uncached"],
                 r["ttft_ms_cache"],
                 r["ttft_ms_ideal"],
@@ -240,15 +250,16 @@ def run(quick: bool = False) -> BenchResult:
                 "met" if met_overhead else "not met",
             )
         )
-    threads = torch.get_num_threads()
+    threads = TORCH_THREADS
     main = Table(
         title=(
-            f"runner: {setup['model']} model on {model.device}, {threads} threads; TTFT (median ms) of "
+            f"runner: {setup['model']} model on {model.device}, {threads} torch thread(s); TTFT (median ms) of "
             f"{setup['questions']} questions behind a shared system prompt"
         ),
         headers=(
             "system tokens",
-            f"no cache (n={setup['uncached']})",
+            "no-cache n",
+            "no cache",
             "cache",
             "ideal",
             "speed-up",
@@ -260,16 +271,16 @@ def run(quick: bool = False) -> BenchResult:
         ),
         rows=tuple(rows),
         notes=(
-            f"no cache: the full prompt prefilled from position 0, timed on {setup['uncached']} evenly spaced "
-            f"questions only (every question's no-cache prefill has the same shape); cache and ideal on all "
-            f"{setup['questions']}.",
+            "no cache: the full prompt prefilled from position 0, timed on only n evenly spaced questions (each "
+            f"no-cache prefill has nearly the same shape); cache and ideal on all {setup['questions']} questions.",
             "cache: runner.stream until the first token (acquire, reserve, block table, forward, argmax); "
             "ideal: forward of only the uncached tokens on a pool already holding the prefix, plus argmax.",
             "% of ideal: median over questions of ideal / cache TTFT, each pair measured back to back.",
             "cache overhead: acquire + reserve + block_table_tensor + commit over the request's wall time (median).",
             "every question's first token is checked equal between the cache and the ideal prefill.",
             f"machine load (1-minute average) {load_before:.1f} before, {load_after:.1f} after, on {os.cpu_count()} "
-            "CPUs: other work on the machine inflates and scatters every time here.",
+            f"CPUs; torch held to {TORCH_THREADS} thread(s) while measuring (threads waiting on each other under "
+            "load scatter every figure); other work on the machine still inflates the times.",
         ),
     )
     breakdown = Table(
