@@ -744,7 +744,7 @@ class RadixCache:
             copied = num_cached % bs
             aligned = num_cached - copied
             own = self._own_tokens(match.node, num_cached, request_id) if request_id is not None else 0
-            end = self._lock_point(match.node, aligned, num_cached)
+            end = self._lock_point(match.node, aligned)
             handle = self._lock_node(end)
             first_owned = len(table)
             if copied:
@@ -796,14 +796,14 @@ class RadixCache:
         pool.decref([source])
         return int(private[0])
 
-    def _lock_point(self, node: _Node, aligned: int, matched: int) -> _Node:
-        """The node whose lock protects the whole blocks of a match (``aligned`` tokens of ``matched``): the node
-        holding token ``aligned - 1``.  If its edge runs past the match, it is split at ``aligned`` so the lock
-        pins neither the unmatched tail nor the partial block (a lone request that fits the pool must be able to
-        evict them); lookup never splits, admission does.  The root when ``aligned == 0``."""
+    def _lock_point(self, node: _Node, aligned: int) -> _Node:
+        """The node whose lock protects exactly the first ``aligned`` tokens (the whole blocks of a match): the node
+        holding token ``aligned - 1``, split at ``aligned`` if its edge goes on, so the lock pins neither an
+        unmatched tail nor the partial block the request has copied (a lone request that fits the pool must be
+        able to evict them).  Lookup never splits; admission does.  The root when ``aligned == 0``."""
         while node.parent is not None and node.start >= aligned:
             node = node.parent
-        if node.parent is not None and node.end > matched:
+        if node.parent is not None and node.end > aligned:
             node = self._split(node, aligned - node.start)
         return node
 

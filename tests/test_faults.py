@@ -346,11 +346,6 @@ def test_a_lone_request_that_fits_the_pool_never_runs_out_of_blocks() -> None:
     cache.reserve(lease, 8 * BLOCK_SIZE)  # the whole pool: the other 4 blocks must be evictable
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a match ending exactly at an edge's end inside a block locks the whole edge, pinning the partial "
-    "block the request has already copied, so a lone request that fits the pool runs out",
-)
 def test_a_lone_request_whose_match_ends_at_an_edge_end_inside_a_block_can_use_the_whole_pool() -> None:
     cache = RadixCache(KVBlockPool(8, BLOCK_SIZE))
     cache.insert(list(range(1, 11)), cache.allocate(3))  # one edge of 10 tokens: 2 whole blocks and 2 rows
