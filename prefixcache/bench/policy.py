@@ -11,7 +11,8 @@ and 100% of it, in two ways:
 - through the block-level model of :mod:`prefixcache.belady` with LRU and with Belady's policy, the same number
   of blocks; hits are whole blocks only, so this is the apples-to-apples comparison with the optimum.
 
-Belady's is the practical upper bound for online policies on the block model (see ``prefixcache/belady.py``); the gap column says how far LRU is from it.
+Belady's is the practical upper bound for online policies on the block model (see ``prefixcache/belady.py``);
+the gap column says how far LRU is from it.
 """
 
 from __future__ import annotations
