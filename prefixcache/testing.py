@@ -228,3 +228,23 @@ def greedy_reference(model: CausalLM, prompt: Sequence[int], max_new_tokens: int
             break
         logits = model.forward_reference(torch.tensor(ids + generated, dtype=torch.long)).float().cpu()
     return generated, prompt_logits
+
+
+class ShiftedLogits:
+    """A model whose cached-path logits are all shifted by ``shift``: greedy tokens agree with the reference, logits
+    do not, so ``--verify`` must fail (for tests of verification)."""
+
+    def __init__(self, model: CausalLM, shift: float = 0.01) -> None:
+        self.model = model
+        self.shift = shift
+        for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_position", "dtype", "device"):
+            setattr(self, name, getattr(model, name))
+
+    def fingerprint(self) -> str:
+        return self.model.fingerprint()
+
+    def forward_cached(self, *args: object) -> torch.Tensor:
+        return self.model.forward_cached(*args) + self.shift
+
+    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_reference(token_ids)

@@ -1,14 +1,37 @@
-"""Fixtures shared by the core cache tests: a cache factory and a helper that caches one sequence."""
+"""Shared fixtures: one torch thread, the tiny model, a cache factory and a helper that caches one sequence."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 import torch
 
+from prefixcache.models.llama import LlamaModel, build_model
 from prefixcache.pool import KVBlockPool
 from prefixcache.radix import InsertResult, RadixCache
+
+
+@pytest.fixture(scope="session", autouse=True)
+def single_torch_thread() -> Iterator[None]:
+    # The tiny model's ops are microseconds long: on a shared 2-core machine a second intra-op thread only
+    # spin-waits (seen 15-100x slower).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny() -> LlamaModel:
+    """The embedded ``tiny`` model on the CPU, built once."""
+    return build_model("tiny", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def model(tiny: LlamaModel) -> LlamaModel:
+    """The same ``tiny`` model, under the name the stress tests use."""
+    return tiny
 
 
 @pytest.fixture

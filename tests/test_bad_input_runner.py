@@ -5,7 +5,7 @@ counters, cached sequences, reference counts and the free list."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,14 +41,6 @@ class World:
 
     def snapshots(self) -> list[CacheSnapshot]:
         return [snapshot(r.cache, [r.namespace_key(ns) for ns in NAMESPACES]) for r in self.runners()]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from prefixcache import cli
 from prefixcache.cli import main
-from prefixcache.models import LlamaModel, build_model
+from prefixcache.models import build_model
 from prefixcache.replay import load_requests
+from prefixcache.testing import ShiftedLogits
 from prefixcache.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,15 +30,6 @@ REPORT_KEYS = {
     "hit_rate",
     "verified",
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # The tiny model's ops are short: on a busy machine, a second intra-op thread only spin-waits.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def replay(*args: object) -> int:
@@ -181,24 +171,6 @@ def test_verify_without_a_model_exits_2(capsys: pytest.CaptureFixture[str]) -> N
     assert replay(CHAT, "--no-model", "--verify") == 2
 
     assert "--verify needs a model" in capsys.readouterr().err
-
-
-class ShiftedLogits:
-    """The tiny model with every cached-path logit shifted by 0.01: greedy tokens agree, logits do not."""
-
-    def __init__(self, model: LlamaModel) -> None:
-        self.model = model
-        for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_position", "dtype", "device"):
-            setattr(self, name, getattr(model, name))
-
-    def fingerprint(self) -> str:
-        return self.model.fingerprint()
-
-    def forward_cached(self, *args: object) -> torch.Tensor:
-        return self.model.forward_cached(*args) + 0.01
-
-    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_reference(token_ids)
 
 
 def test_failed_verification_exits_1(

@@ -11,10 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 from prefixcache.errors import OutOfBlocksError
-from prefixcache.models.llama import LlamaModel, build_model
 from prefixcache.pool import KVBlockPool
 from prefixcache.radix import Lease, RadixCache
 from prefixcache.runner import PrefixCachingRunner, SamplingParams
@@ -30,14 +28,6 @@ class Cancelled(Exception):
     """Raised by a stream callback to abandon a request."""
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def frequent_thread_switches() -> Iterator[None]:
     # Switch between Python threads every microsecond rather than every 5 ms, so bookkeeping interleaves finely.
@@ -45,11 +35,6 @@ def frequent_thread_switches() -> Iterator[None]:
     sys.setswitchinterval(1e-6)
     yield
     sys.setswitchinterval(before)
-
-
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return build_model("tiny", device="cpu")
 
 
 @dataclass(frozen=True, slots=True)

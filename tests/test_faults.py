@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -17,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache.errors import OutOfBlocksError
-from prefixcache.models.llama import LlamaModel, build_model
+from prefixcache.models.llama import LlamaModel
 from prefixcache.pool import KVBlockPool
 from prefixcache.radix import RadixCache
 from prefixcache.runner import GenerationResult, PrefixCachingRunner, SamplingParams
@@ -40,20 +39,6 @@ PROMPTS = [
 ]
 MAX_NEW = 5
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    # Intra-op threads only add overhead on these tiny tensors (about 15x slower on two cores).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return build_model("tiny", device="cpu")
 
 
 _REFERENCE: dict[tuple[int, ...], tuple[list[int], torch.Tensor]] = {}

@@ -4,7 +4,6 @@ two namespaces never share a block, never see each other's hits, and pressure fr
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -32,19 +31,6 @@ class RenamedTokenizer(ByteTokenizer):
     @property
     def name(self) -> str:
         return "byte-utf8+chatml-v1-renamed"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return build_model("tiny", device="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,6 @@ from prefixcache.models import (
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def tiny() -> LlamaModel:
-    return build_model("tiny", device="cpu")
-
-
 def _ids(n: int, seed: int, vocab: int = 512) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 

@@ -2,31 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 import torch
 
-from prefixcache.models.llama import LlamaModel, build_model
+from prefixcache.models.llama import LlamaModel
 from prefixcache.pool import KVBlockPool
 from prefixcache.radix import InsertResult, RadixCache
 from prefixcache.runner import PrefixCachingRunner, SamplingParams
 from prefixcache.testing import assert_quiescent
 
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return build_model("tiny", device="cpu")
 
 
 def reference_logits(model: LlamaModel, prompt: list[int]) -> torch.Tensor:

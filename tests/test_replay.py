@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import os
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-import torch
 
 from prefixcache.errors import (
     CapacityError,
@@ -18,7 +17,7 @@ from prefixcache.errors import (
     ScenarioError,
     VerificationError,
 )
-from prefixcache.models import LlamaModel, build_model
+from prefixcache.models import LlamaModel
 from prefixcache.radix import RadixCache
 from prefixcache.replay import (
     Replayer,
@@ -31,6 +30,7 @@ from prefixcache.replay import (
     replay_paths,
 )
 from prefixcache.scenarios import Conversation
+from prefixcache.testing import ShiftedLogits
 from prefixcache.tokenizer import ByteTokenizer
 from prefixcache.tokens import TOKEN_TYPECODE
 
@@ -39,20 +39,6 @@ SCENARIOS = sorted((ROOT / "scenarios").glob("*.jsonl"))
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 SHARED_FILES = ["tau_bench_airline_gpt4o.jsonl", "mtbench_31models.jsonl", "oasst_en100_tree_paths.jsonl"]
 SLOW = os.environ.get("PREFIXCACHE_SLOW_TESTS") == "1"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # The tiny model's ops are short: on a busy machine, a second intra-op thread only spin-waits.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny() -> LlamaModel:
-    return build_model("tiny", device="cpu")
 
 
 def message(role: str, content: str) -> dict[str, str]:
@@ -319,24 +305,6 @@ def test_edited_conversations_reuse_up_to_the_edit(tiny: LlamaModel, tmp_path: P
     assert report.verified is True
     assert report.cached_tokens == report.ideal_cached_tokens
     assert report.copied_tokens > 0
-
-
-class ShiftedLogits:
-    """The tiny model with every cached-path logit shifted by 0.01: greedy tokens agree, logits do not."""
-
-    def __init__(self, model: LlamaModel) -> None:
-        self.model = model
-        for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size", "max_position", "dtype", "device"):
-            setattr(self, name, getattr(model, name))
-
-    def fingerprint(self) -> str:
-        return self.model.fingerprint()
-
-    def forward_cached(self, *args: object) -> torch.Tensor:
-        return self.model.forward_cached(*args) + 0.01
-
-    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_reference(token_ids)
 
 
 def test_verify_raises_when_cached_logits_differ_from_the_reference(tiny: LlamaModel, tmp_path: Path) -> None:

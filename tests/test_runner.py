@@ -4,32 +4,17 @@ asked, and leaves nothing behind when a request is cancelled or fails."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidTokensError
-from prefixcache.models import LlamaModel, build_model
+from prefixcache.models import LlamaModel
 from prefixcache.runner import ChatResult, PrefixCachingRunner, SamplingParams, Usage
 from prefixcache.tokenizer import ByteTokenizer
 
 TOL = 1e-4
 GREEDY_NONE = SamplingParams(max_new_tokens=0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # The tiny model's ops are microseconds long: on a busy machine, a second intra-op thread only spin-waits.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tiny() -> LlamaModel:
-    return build_model("tiny", device="cpu")
 
 
 def ids(n: int, seed: int) -> list[int]:

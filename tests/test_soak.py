@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-import torch
 
 from prefixcache.models.llama import build_model
 from prefixcache.radix import RadixCache
@@ -40,14 +39,6 @@ class Watch:
     peak_nodes: int = 0
     peak_used_blocks: int = 0
     evictions: list[int] = field(default_factory=list)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def single_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -102,13 +102,6 @@ def test_the_window_must_be_a_positive_int(window) -> None:
         RadixCache(KVBlockPool(4, 4), hit_rate_window=window)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from prefixcache.models.llama import build_model
-
-    return build_model("tiny", device="cpu")
-
-
 def test_usage_reports_cached_tokens_and_a_measured_ttft(tiny) -> None:
     runner = PrefixCachingRunner(tiny, cache_tokens=256, block_size=4)
     first = runner.generate(list(range(1, 21)), SamplingParams(max_new_tokens=2)).usage
