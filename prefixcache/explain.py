@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from prefixcache.errors import InvalidTokensError
+from prefixcache.errors import InvalidTokensError, TemplateError
 from prefixcache.radix import RadixCache, check_namespace
 from prefixcache.tokenizer import Tokenizer
 from prefixcache.tokens import TokenIds, as_token_array
@@ -120,7 +120,10 @@ def message_spans(
     O(len(messages) * rendered tokens).  Raises TemplateError as ``render_chat``.
     """
     spans: list[MessageSpan] = []
-    start = len(tokenizer.render_chat(messages[:0], tools, add_generation_prompt=False))
+    try:
+        start = len(tokenizer.render_chat(messages[:0], tools, add_generation_prompt=False))
+    except TemplateError:
+        start = 0  # Hugging Face templates refuse an empty conversation: no preamble to skip then
     for index, message in enumerate(messages):
         end = len(tokenizer.render_chat(messages[: index + 1], tools, add_generation_prompt=False))
         spans.append(MessageSpan(index, str(message["role"]), start, end))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prefixcache.cli import main
+from prefixcache.errors import TemplateError
 from prefixcache.explain import (
     DivergenceTally,
     Explanation,
@@ -159,3 +160,18 @@ def test_replay_explain_of_a_mooncake_trace_reports_token_positions(tmp_path, ca
     trace.write_text("\n".join(lines) + "\n")
     assert main(["replay", str(trace), "--no-model", "--no-progress", "--explain"]) == 0
     assert "50% of requests (1/2) diverge at token 512\n" in capsys.readouterr().out
+
+
+def test_message_spans_start_at_zero_when_the_template_refuses_an_empty_conversation() -> None:
+    class RefusesEmpty(ByteTokenizer):
+        def render_chat(self, messages, tools=None, add_generation_prompt=True):
+            if not messages:
+                raise TemplateError("Cannot apply chat template to an empty conversation")
+            return super().render_chat(messages, tools, add_generation_prompt)
+
+    messages = [{"role": "system", "content": "hi"}, {"role": "user", "content": "yo"}]
+
+    spans = message_spans(RefusesEmpty(), messages)
+
+    # <|im_start|> "system\nhi" <|im_end|> "\n" = 1 + 9 + 1 + 1 tokens, then 1 + 7 + 1 + 1 for the user turn.
+    assert [(s.start, s.end) for s in spans] == [(0, 12), (12, 22)]
