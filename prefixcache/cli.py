@@ -51,7 +51,10 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not match or match.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512MiB, 24GiB, 1e9)")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not value < 2**63:
+        raise argparse.ArgumentTypeError(f"size too large: {text!r}")
+    return int(value)
 
 
 def parse_count(text: str) -> int:
@@ -60,7 +63,7 @@ def parse_count(text: str) -> int:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value < 1 or value != int(value):
+    if not 1 <= value < 2**63 or value != int(value):
         raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
     return int(value)
 
@@ -87,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--verify", action="store_true", help="check every request against the no-cache reference")
     replay.add_argument("--order", default="round-robin", choices=["round-robin", "random", "file"])
     replay.add_argument("--seed", type=int, default=0, help="seed of --order random")
-    replay.add_argument("--limit", type=int, help="replay only the first N conversations (trace lines) per file")
+    replay.add_argument(
+        "--limit", type=parse_count, help="replay only the first N conversations (trace lines) per file"
+    )
     replay.add_argument("--format", default="auto", choices=["auto", "chat", "mooncake"], dest="file_format")
     replay.add_argument("--skip-invalid", action="store_true", help="skip bad lines (reported) instead of failing")
     replay.add_argument("--json", metavar="OUT", help="write the report as JSON")
@@ -261,6 +266,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except VerificationError as error:
         print(f"VERIFICATION FAILED: {error}", file=sys.stderr)
         return 1
-    except PrefixCacheError as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (PrefixCacheError, OSError, MemoryError) as error:
+        print(f"error: {error or type(error).__name__}", file=sys.stderr)
         return 2

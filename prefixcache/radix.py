@@ -121,6 +121,7 @@ class MatchResult:
     block_table: np.ndarray
     namespace: str | None
     node: _Node = field(repr=False)
+    owner: object = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,12 +183,13 @@ class CacheStats:
 class LockHandle:
     """Proof that a matched path is locked; give it back to :meth:`RadixCache.unlock` exactly once."""
 
-    __slots__ = ("handle_id", "node", "released")
+    __slots__ = ("handle_id", "node", "released", "owner")
 
-    def __init__(self, handle_id: int, node: _Node) -> None:
+    def __init__(self, handle_id: int, node: _Node, owner: object = None) -> None:
         self.handle_id = handle_id
         self.node = node
         self.released = False
+        self.owner = owner  # the RadixCache that issued it: handles never cross caches
 
 
 @dataclass(slots=True, eq=False)
@@ -329,7 +331,7 @@ class RadixCache:
         if root is None:
             if record:
                 self._query_tokens += len(q)
-            return MatchResult(0, _EMPTY_BLOCKS, namespace, _detached_root(namespace))
+            return MatchResult(0, _EMPTY_BLOCKS, namespace, _detached_root(namespace), self)
         self._clock += 1
         tick = self._clock
         node = root
@@ -364,7 +366,7 @@ class RadixCache:
             self._query_tokens += len(q)
             self._hit_tokens += pos - own
             self._self_hit_tokens += own
-        return MatchResult(pos, table, namespace, node)
+        return MatchResult(pos, table, namespace, node, self)
 
     def _own_tokens(self, node: _Node, pos: int, request_id: str) -> int:
         """Of the ``pos`` matched tokens ending in ``node``, those on nodes ``request_id`` inserted.  O(depth)."""
@@ -384,12 +386,14 @@ class RadixCache:
             LockError: the match is stale (its node was evicted since).
         """
         with self._mutex:
+            if not isinstance(match, MatchResult) or match.owner is not self:
+                raise LockError("lock takes a MatchResult returned by this cache's match()")
             return self._lock_node(match.node)
 
     def _lock_node(self, node: _Node) -> LockHandle:
         if node.evicted:
             raise LockError("cannot lock a stale match: its node was evicted after the match; match again")
-        handle = LockHandle(next(self._ids), node)
+        handle = LockHandle(next(self._ids), node, self)
         while node.parent is not None:
             if node.lock_count == 0:
                 size = len(node.tokens)
@@ -414,6 +418,8 @@ class RadixCache:
     def _unlock(self, handle: LockHandle) -> None:
         if not isinstance(handle, LockHandle):
             raise LockError(f"unlock takes the LockHandle returned by lock(), got {type(handle).__name__}")
+        if handle.owner is not self:
+            raise LockError("this lock handle was issued by another cache")
         if handle.released or handle.handle_id not in self._handles:
             raise LockError("lock handle released twice")
         handle.released = True
@@ -825,8 +831,9 @@ class RadixCache:
             LockError: the lease is closed.
         """
         with self._mutex:
-            if lease.closed:
-                raise LockError("reserve on a closed lease")
+            self._check_lease(lease, "reserve")
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+                raise InvalidArgumentError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
             need = -(-num_tokens // self.block_size) - len(lease.block_table)
             if need > 0:
                 if -(-num_tokens // self.block_size) > self.pool.num_blocks:
@@ -850,11 +857,15 @@ class RadixCache:
         """
         q = as_token_array(token_ids)
         with self._mutex:
-            if lease.closed:
-                raise LockError("commit on a closed lease")
+            self._check_lease(lease, "commit")
             m = lease.num_cached_tokens
-            if len(q) < m or q[:m] != lease.token_ids[:m]:
-                raise InvalidTokensError("committed tokens must start with the prefix the lease matched")
+            prompt = lease.token_ids
+            shared = min(len(q), len(prompt))
+            if len(q) < m or q[:shared] != prompt[:shared]:
+                raise InvalidTokensError(
+                    "committed tokens must start with the prefix the lease matched and agree with its prompt: the "
+                    "prompt (or a prefix of it at least as long as the match) followed by tokens computed after it"
+                )
             table = self._as_block_ids(lease.block_table)
             result = self._insert(q, table, lease.first_owned_block, lease.namespace, lease.request_id)
             lease.closed = True
@@ -868,13 +879,26 @@ class RadixCache:
             LockError: the lease is already closed.
         """
         with self._mutex:
-            if lease.closed:
-                raise LockError("lease released twice")
+            self._check_lease(lease, "release", closed_message="lease released twice")
             lease.closed = True
             owned = lease.block_table[lease.first_owned_block :].astype(np.intp)
+            if not self._owned[owned].all():
+                self._unlock(lease.lock)
+                raise LockError(
+                    "the lease's own blocks were already given away (inserted or freed directly); its lock is "
+                    "released, its blocks left with their holders"
+                )
             self._owned[owned] = False
             self.pool.decref(owned)
             self._unlock(lease.lock)
+
+    def _check_lease(self, lease: Lease, what: str, closed_message: str | None = None) -> None:
+        if not isinstance(lease, Lease) or lease.lock.owner is not self:
+            raise LockError(f"{what} takes a Lease returned by this cache's acquire()")
+        if lease.closed:
+            raise LockError(closed_message or f"{what} on a closed lease")
+        if lease.lock.released:
+            raise LockError(f"{what} on a lease whose lock was released directly; release() it")
 
     # ---- observation --------------------------------------------------------------------------------------
 
@@ -930,7 +954,7 @@ class RadixCache:
             for callback in listeners if listeners is not None else tuple(self._listeners):
                 try:
                     callback(event)
-                except Exception:
+                except BaseException:  # noqa: B036 - a listener must never leave the tree half-updated
                     logger.exception("KV event listener %r failed on %s", callback, type(event).__name__)
 
     def _announce_leaf(self, leaf: _Node, q: array) -> None:

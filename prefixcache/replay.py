@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from prefixcache.errors import InvalidArgumentError, ScenarioError, VerificationError
+from prefixcache.errors import CapacityError, InvalidArgumentError, ScenarioError, VerificationError
 from prefixcache.explain import DivergencePoint, DivergenceTally, Explanation, MessageSpan, explain, message_spans
 from prefixcache.ideal import IdealCache
 from prefixcache.models.base import CausalLM
-from prefixcache.pool import KVBlockPool
+from prefixcache.pool import MAX_BLOCK_SIZE, KVBlockPool
 from prefixcache.radix import RadixCache
 from prefixcache.runner import PrefixCachingRunner
 from prefixcache.scenarios import Conversation, default_tools_for, detect_format, iter_mooncake, load_scenario
@@ -320,6 +320,8 @@ class Replayer:
             raise InvalidArgumentError("--cache-memory needs a model (bytes per token); use --cache-tokens")
         if model is None and verify:
             raise InvalidArgumentError("--verify needs a model; drop --no-model")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
+            raise InvalidArgumentError(f"block_size must be in 1..{MAX_BLOCK_SIZE} tokens, got {block_size!r}")
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.block_size = block_size
@@ -352,6 +354,14 @@ class Replayer:
             sequence = request.prompt + request.answer
             ideal_hits.append(min(ideal.lookup(request.prompt), len(request.prompt) - 1))
             ideal.add(sequence)
+        if self.model is not None and requests:
+            # Before any pool is allocated: a prompt beyond the model's positions must not cost gigabytes first.
+            longest = max(requests, key=lambda r: len(r.prompt) + len(r.answer))
+            if len(longest.prompt) + len(longest.answer) > self.model.max_position:
+                raise CapacityError(
+                    f"{scenario}: conversation {longest.conversation_id} turn {longest.turn} needs "
+                    f"{len(longest.prompt) + len(longest.answer)} positions; the model has {self.model.max_position}"
+                )
         runner, cache = self._make_cache(requests, ideal_hits)
         scratch = self._scratch_pool(requests) if runner is not None and self.measure_uncached else None
         namespace = None

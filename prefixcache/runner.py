@@ -61,11 +61,23 @@ class SamplingParams:
             raise InvalidArgumentError(f"max_new_tokens must be an int, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 0:
             raise InvalidArgumentError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
+        ):
+            raise InvalidArgumentError(f"seed must be None or an int in 0 .. 2**63 - 1, got {self.seed!r}")
         if not self.temperature >= 0:
             raise InvalidArgumentError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature != 0 and self.temperature < 1e-4:
+            raise InvalidArgumentError(f"temperature must be 0 (greedy) or at least 1e-4, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.vocab_limit is not None and (not isinstance(self.vocab_limit, int) or self.vocab_limit < 1):
+        if self.vocab_limit is not None and (
+            isinstance(self.vocab_limit, bool) or not isinstance(self.vocab_limit, int) or self.vocab_limit < 1
+        ):
             raise InvalidArgumentError(f"vocab_limit must be a positive int or None, got {self.vocab_limit!r}")
         object.__setattr__(self, "stop_token_ids", _check_stop_token_ids(self.stop_token_ids))
 

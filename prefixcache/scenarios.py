@@ -127,6 +127,9 @@ def _iter_json_lines(path: Path) -> Iterator[tuple[int, Any, ScenarioError | Non
                     ScenarioError(f"not valid JSON: {exc.msg} at column {exc.colno}", str(path), line_no),
                 )
                 continue
+            except (ValueError, RecursionError) as exc:  # nesting too deep, integers of thousands of digits
+                yield line_no, None, ScenarioError(f"not usable JSON: {type(exc).__name__}: {exc}", str(path), line_no)
+                continue
             yield line_no, obj, None
 
 
