@@ -20,6 +20,19 @@ BLOCK_ID_DTYPE = np.int32
 BlockIds = np.ndarray | Sequence[int]
 
 
+def check_block_size(block_size: object) -> int:
+    """Return ``block_size`` if it is an int in 1..``MAX_BLOCK_SIZE`` tokens.
+
+    Raises:
+        InvalidArgumentError: anything else (0, 257, a float, a bool).
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise InvalidArgumentError(f"block_size must be an int, got {block_size!r}")
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise InvalidArgumentError(f"block_size must be in 1..{MAX_BLOCK_SIZE} tokens, got {block_size}")
+    return block_size
+
+
 def default_device() -> torch.device:
     """CUDA when a GPU is present, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,11 +68,9 @@ class KVBlockPool:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
-        if not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise InvalidArgumentError(f"block_size must be in 1..{MAX_BLOCK_SIZE} tokens, got {block_size}")
+        check_block_size(block_size)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int):
+            raise InvalidArgumentError(f"num_blocks must be an int, got {num_blocks!r}")
         if num_blocks < 1:
             raise InvalidArgumentError(f"num_blocks must be at least 1, got {num_blocks}")
         if min(num_layers, num_kv_heads, head_dim) < 0:
@@ -99,6 +110,7 @@ class KVBlockPool:
         Raises:
             InvalidArgumentError: the budget holds less than one block, or the shape is not positive.
         """
+        check_block_size(block_size)
         if num_layers < 1 or num_kv_heads < 1 or head_dim < 1:
             raise InvalidArgumentError("from_memory_budget needs num_layers, num_kv_heads, head_dim >= 1")
         per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)

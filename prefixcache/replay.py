@@ -29,7 +29,7 @@ from prefixcache.errors import CapacityError, InvalidArgumentError, ScenarioErro
 from prefixcache.explain import DivergencePoint, DivergenceTally, Explanation, MessageSpan, explain, message_spans
 from prefixcache.ideal import IdealCache
 from prefixcache.models.base import CausalLM
-from prefixcache.pool import MAX_BLOCK_SIZE, KVBlockPool
+from prefixcache.pool import KVBlockPool, check_block_size
 from prefixcache.radix import RadixCache
 from prefixcache.runner import PrefixCachingRunner
 from prefixcache.scenarios import Conversation, default_tools_for, detect_format, iter_mooncake, load_scenario
@@ -320,8 +320,7 @@ class Replayer:
             raise InvalidArgumentError("--cache-memory needs a model (bytes per token); use --cache-tokens")
         if model is None and verify:
             raise InvalidArgumentError("--verify needs a model; drop --no-model")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or not 1 <= block_size <= MAX_BLOCK_SIZE:
-            raise InvalidArgumentError(f"block_size must be in 1..{MAX_BLOCK_SIZE} tokens, got {block_size!r}")
+        check_block_size(block_size)
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
         self.block_size = block_size

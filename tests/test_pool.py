@@ -196,3 +196,8 @@ def test_block_table_tensor_is_int64_in_order() -> None:
 
     assert table.dtype == torch.int64
     assert table.tolist() == [3, 1, 2]
+
+
+def test_from_memory_budget_refuses_block_size_0_before_dividing_by_it() -> None:
+    with pytest.raises(InvalidArgumentError, match="block_size must be in 1..256 tokens, got 0"):
+        KVBlockPool.from_memory_budget(10**6, 0, num_layers=1, num_kv_heads=1, head_dim=4)
