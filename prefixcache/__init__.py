@@ -1,8 +1,24 @@
 """prefixcache: exact prefix caching for LLM inference.
 
-Token ids -> radix tree match -> block table -> model prefill/decode -> tree insert.
+Token ids -> radix tree match -> block table -> model prefill/decode -> tree insert.  The layers, each a folder
+importing only those below it: ``cache`` (tokens, pool, tree, eviction, admission, events) <- ``models`` and
+``chat`` (tokenizers, chat templates) <- ``engine`` (runner, sampling) <- ``replay`` and ``bench`` <- ``cli``.
+This module is the stable public surface.
 """
 
+from prefixcache.cache import (
+    CacheStats,
+    EvictResult,
+    InsertResult,
+    KVBlockPool,
+    Lease,
+    LFUPolicy,
+    LockHandle,
+    LRUPolicy,
+    MatchResult,
+    RadixCache,
+)
+from prefixcache.engine import ChatResult, GenerationResult, PrefixCachingRunner, SamplingParams, Usage
 from prefixcache.errors import (
     CapacityError,
     InvalidArgumentError,
@@ -11,16 +27,20 @@ from prefixcache.errors import (
     NamespaceError,
     OutOfBlocksError,
     PrefixCacheError,
+    ScenarioError,
+    TemplateError,
+    UnsupportedModelError,
+    VerificationError,
 )
-from prefixcache.evictor import LFUPolicy, LRUPolicy
-from prefixcache.pool import KVBlockPool
-from prefixcache.radix import CacheStats, InsertResult, Lease, LockHandle, MatchResult, RadixCache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CacheStats",
     "CapacityError",
+    "ChatResult",
+    "EvictResult",
+    "GenerationResult",
     "InsertResult",
     "InvalidArgumentError",
     "InvalidTokensError",
@@ -34,5 +54,12 @@ __all__ = [
     "NamespaceError",
     "OutOfBlocksError",
     "PrefixCacheError",
+    "PrefixCachingRunner",
     "RadixCache",
+    "SamplingParams",
+    "ScenarioError",
+    "TemplateError",
+    "UnsupportedModelError",
+    "Usage",
+    "VerificationError",
 ]

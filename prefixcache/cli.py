@@ -131,11 +131,11 @@ def _progress(quiet: bool):
 
 def _run_replay(args: argparse.Namespace) -> int:
     from prefixcache.models.llama import build_model
-    from prefixcache.replay import Replayer, replay_paths
-    from prefixcache.report import format_replay
+    from prefixcache.replay.replayer import Replayer, replay_paths
+    from prefixcache.replay.report import format_replay
 
     if args.plot:
-        from prefixcache.plot import require_matplotlib
+        from prefixcache.replay.plot import require_matplotlib
 
         require_matplotlib()  # fail before a long replay, not after it
     if args.layers is not None and not args.model_config:
@@ -143,7 +143,7 @@ def _run_replay(args: argparse.Namespace) -> int:
     try:
         tokenizer = None
         if args.tokenizer:
-            from prefixcache.hf_tokenizer import HFTokenizer
+            from prefixcache.chat.hf_tokenizer import HFTokenizer
 
             tokenizer = HFTokenizer(args.tokenizer)
         if args.no_model:
@@ -202,13 +202,13 @@ def _run_replay(args: argparse.Namespace) -> int:
             f"{count} of them diverge {-offset} tokens before its end"
         )
     if args.explain:
-        from prefixcache.explain import format_divergences
+        from prefixcache.replay.explain import format_divergences
 
         for scenario in report.scenarios:
             print()
             print(format_divergences(scenario.scenario, scenario.explain_kinds or {}, scenario.divergences))
     if args.plot:
-        from prefixcache.plot import plot_replay
+        from prefixcache.replay.plot import plot_replay
 
         print(f"plot written to {plot_replay(report, args.plot)}")
     if args.json:
@@ -239,7 +239,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from prefixcache.pool import kv_bytes_per_token
+    from prefixcache.cache.pool import kv_bytes_per_token
 
     if min(args.layers, args.kv_heads, args.head_dim, args.block_size) < 1:
         raise InvalidArgumentError("--layers, --kv-heads, --head-dim and --block-size must be positive")

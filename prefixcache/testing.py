@@ -4,7 +4,8 @@
 ``forward_cached`` call (the first call of a request is its prefill, later ones its decode steps), optionally
 after scribbling garbage over the K/V slots that call was allowed to write, so that a test can tell whether a
 half-written block was ever reused.  :func:`fail_on_call` makes any method of an object raise on its k-th call
-(``RadixCache._allocate`` to run the pool dry at a chosen allocation, ``RadixCache._insert`` to fail an insert).
+(``cache._blocks.allocate`` to run the pool dry at a chosen allocation, ``cache._blocks.insert`` to fail an
+insert).
 :func:`assert_quiescent` checks what must hold once no request is running: invariants, no lock, no block owned by
 a caller.  :func:`snapshot` records what a rejected call must not change.
 """
@@ -20,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from prefixcache.cache.radix_cache import CacheStats, RadixCache
 from prefixcache.models.base import CausalLM
-from prefixcache.radix import CacheStats, RadixCache
 
 __all__ = [
     "CacheSnapshot",
@@ -183,7 +184,7 @@ def snapshot(cache: RadixCache, namespaces: Iterable[str | None]) -> CacheSnapsh
             sequences={ns: sorted(tuple(s) for s in cache.cached_sequences(ns)) for ns in namespaces},
             ref_counts=tuple(cache.pool.ref_counts().tolist()),
             free_block_ids=tuple(sorted(cache.pool.free_block_ids().tolist())),
-            owned_block_ids=tuple(np.flatnonzero(cache._owned).tolist()),
+            owned_block_ids=tuple(np.flatnonzero(cache._blocks.owned).tolist()),
         )
 
 
@@ -198,11 +199,11 @@ def assert_quiescent(cache: RadixCache) -> None:
         cache.check_invariants()
         stats = cache.stats()
         assert stats.locked_tokens == 0, f"{stats.locked_tokens} tokens still locked"
-        assert not cache._handles, f"{len(cache._handles)} lock handles still registered"
-        owned = int(cache._owned.sum())
+        assert not cache._locks.handles, f"{len(cache._locks.handles)} lock handles still registered"
+        owned = int(cache._blocks.owned.sum())
         assert owned == 0, f"{owned} blocks still owned by callers"
         held = np.zeros(cache.pool.num_blocks, dtype=bool)
-        for root in cache._roots.values():
+        for root in cache._tree.roots.values():
             stack = list(root.children.values())
             while stack:
                 node = stack.pop()

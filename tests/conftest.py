@@ -7,9 +7,8 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 import torch
 
+from prefixcache import InsertResult, KVBlockPool, RadixCache
 from prefixcache.models.llama import LlamaModel, build_model
-from prefixcache.pool import KVBlockPool
-from prefixcache.radix import InsertResult, RadixCache
 
 
 @pytest.fixture(scope="session", autouse=True)

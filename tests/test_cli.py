@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from prefixcache import cli
+from prefixcache.chat.tokenizer import ByteTokenizer
 from prefixcache.cli import main
 from prefixcache.models import build_model
-from prefixcache.replay import load_requests
+from prefixcache.replay.replayer import load_requests
 from prefixcache.testing import ShiftedLogits
-from prefixcache.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = ROOT / "scenarios" / "multi_turn_chat.jsonl"

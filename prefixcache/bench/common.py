@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import numpy as np
 from tqdm import tqdm
 
-from prefixcache.tokens import TOKEN_TYPECODE
+from prefixcache.cache.tokens import TOKEN_TYPECODE
 
 T = TypeVar("T")
 

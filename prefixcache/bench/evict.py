@@ -13,9 +13,9 @@ from array import array
 import numpy as np
 
 from prefixcache.bench.common import BenchResult, Table, frozen_gc, now_ns, progress, us_per
-from prefixcache.pool import KVBlockPool
-from prefixcache.radix import RadixCache
-from prefixcache.tokens import TOKEN_TYPECODE
+from prefixcache.cache.pool import KVBlockPool
+from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.cache.tokens import TOKEN_TYPECODE
 
 BLOCK_SIZE = 16
 PREFIX_BLOCKS = 4

@@ -13,8 +13,8 @@ import tracemalloc
 import torch
 
 from prefixcache.bench.common import BenchResult, Table, progress, standard_workload
-from prefixcache.pool import KVBlockPool, kv_bytes_per_token
-from prefixcache.radix import RadixCache
+from prefixcache.cache.pool import KVBlockPool, kv_bytes_per_token
+from prefixcache.cache.radix_cache import RadixCache
 
 BLOCK_SIZES = (16, 1)
 GOAL_BYTES_PER_TOKEN = 16

@@ -1,14 +1,14 @@
 """The ``policy`` benchmark: how close LRU (and LFU) come to the infinite cache and to Belady's offline optimum.
 
 Workloads are the shared chat transcripts (``../shared/data`` beside the project), rendered with the byte-level
-:class:`~prefixcache.tokenizer.ByteTokenizer` and interleaved round-robin, one request per assistant turn
+:class:`~prefixcache.chat.tokenizer.ByteTokenizer` and interleaved round-robin, one request per assistant turn
 (:func:`prefixcache.replay.load_requests`).  The *working set* of a file is what an unbounded cache holds at the
 end: the blocks our radix tree uses when nothing is evicted.  Each file is replayed with caches of 10%, 25%, 50%
 and 100% of it, in two ways:
 
-- through our :class:`~prefixcache.radix.RadixCache`, as ``prefixcache replay --no-model`` does (acquire, reserve,
+- through our :class:`~prefixcache.RadixCache`, as ``prefixcache replay --no-model`` does (acquire, reserve,
   commit on a metadata-only pool), with LRU and with LFU; hits are token-exact;
-- through the block-level model of :mod:`prefixcache.belady` with LRU and with Belady's policy, the same number
+- through the block-level model of :mod:`prefixcache.replay.belady` with LRU and with Belady's policy, the same number
   of blocks; hits are whole blocks only, so this is the apples-to-apples comparison with the optimum.
 
 Belady's is the practical upper bound for online policies on the block model (see ``prefixcache/belady.py``);
@@ -20,13 +20,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from prefixcache.belady import BlockTrace, build_block_trace, simulate
 from prefixcache.bench.common import BenchResult, Table, progress
+from prefixcache.cache.pool import KVBlockPool
+from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.chat.tokenizer import ByteTokenizer
 from prefixcache.errors import OutOfBlocksError
-from prefixcache.pool import KVBlockPool
-from prefixcache.radix import RadixCache
-from prefixcache.replay import ReplayRequest, load_requests
-from prefixcache.tokenizer import ByteTokenizer
+from prefixcache.replay.belady import BlockTrace, build_block_trace, simulate
+from prefixcache.replay.replayer import ReplayRequest, load_requests
 
 DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 """``../shared/data`` relative to the repository root."""
@@ -163,7 +163,8 @@ def run(quick: bool = False) -> BenchResult:
         + (f"; first {QUICK_CONVERSATIONS} conversations per file (--quick)." if quick else "."),
         "Cache sizes are fractions of the working set: blocks our radix tree holds at the end with no eviction.",
         "radix: our RadixCache via the --no-model replay path (token-exact hits, partial blocks included).",
-        "block sim: prefixcache.belady, same number of blocks, whole-block hits only; Belady = offline optimum there.",
+        "block sim: prefixcache.replay.belady, same number of blocks, whole-block hits only; "
+        "Belady = offline optimum there.",
     ]
     for name, r in results.items():
         too_long = sum(c["radix_too_long"] for c in r["capacities"])

@@ -35,11 +35,11 @@ import numpy as np
 import torch
 
 from prefixcache.bench.common import BenchResult, Table, progress
+from prefixcache.cache.pool import KVBlockPool
+from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.chat.tokenizer import BYTE_SPECIAL_TOKENS, ByteTokenizer
+from prefixcache.engine.runner import PrefixCachingRunner, SamplingParams
 from prefixcache.models.llama import build_model
-from prefixcache.pool import KVBlockPool
-from prefixcache.radix import RadixCache
-from prefixcache.runner import PrefixCachingRunner, SamplingParams
-from prefixcache.tokenizer import BYTE_SPECIAL_TOKENS, ByteTokenizer
 
 NUM_QUESTIONS = 64
 NUM_UNCACHED = {512: 4, 2048: 4, 8192: 2}

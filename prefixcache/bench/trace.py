@@ -1,7 +1,7 @@
 """The ``trace`` benchmark: LRU token hit rate on the Mooncake production traces, by cache capacity, and the
 request rate of the ``--no-model`` replay.
 
-Each trace is read once, lazily (:func:`prefixcache.scenarios.iter_mooncake`: hash id ``h`` becomes the 512 token
+Each trace is read once, lazily (:func:`prefixcache.replay.scenarios.iter_mooncake`: hash id ``h`` becomes the 512 token
 ids ``h*512 ..``), and every request goes through one cache per capacity in lockstep, so the ~145M tokens of the
 conversation trace are expanded once and never held together.  Each cache is a metadata-only pool with our default
 block size of 16 (the pool allows at most 256, so one 512-token hash block is 32 pool blocks), driven by the same
@@ -22,11 +22,11 @@ from pathlib import Path
 
 from prefixcache.bench.common import BenchResult, Table, progress
 from prefixcache.bench.policy import DATA_DIR
+from prefixcache.cache.pool import KVBlockPool
+from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.errors import OutOfBlocksError
-from prefixcache.pool import KVBlockPool
-from prefixcache.radix import RadixCache
-from prefixcache.scenarios import MOONCAKE_BLOCK_TOKENS, iter_mooncake
-from prefixcache.tokens import TOKEN_TYPECODE
+from prefixcache.replay.scenarios import MOONCAKE_BLOCK_TOKENS, iter_mooncake
 
 TRACE_DIR = DATA_DIR / "mooncake"
 assert array(TOKEN_TYPECODE).itemsize == array("i").itemsize, "trace ids are reinterpreted as stored token ids"

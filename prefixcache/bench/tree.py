@@ -20,9 +20,9 @@ from prefixcache.bench.common import (
     standard_workload,
     us_per,
 )
-from prefixcache.pool import KVBlockPool
-from prefixcache.radix import RadixCache
-from prefixcache.tokens import as_token_array
+from prefixcache.cache.pool import KVBlockPool
+from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.cache.tokens import as_token_array
 
 BLOCK_SIZES = (1, 16)
 

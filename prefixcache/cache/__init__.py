@@ -1,0 +1,32 @@
+"""The cache layer: token ids, the KV block pool, the radix tree and everything that keeps it (eviction, block
+ownership, locks, admission, hit accounting, KV events, invariants).  It knows nothing of models.
+
+Data flows token ids -> :mod:`~prefixcache.cache.tree` match -> block table (:mod:`~prefixcache.cache.pool`) ->
+the caller's model -> tree insert; :class:`~prefixcache.cache.radix_cache.RadixCache` is the thread-safe face.
+"""
+
+from prefixcache.cache.admission import Lease
+from prefixcache.cache.events import AllCleared, BlockIndex, BlockRemoved, BlockStored
+from prefixcache.cache.evictor import LFUPolicy, LRUPolicy
+from prefixcache.cache.locks import LockHandle
+from prefixcache.cache.pool import KVBlockPool
+from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.cache.stats import CacheStats
+from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult
+
+__all__ = [
+    "AllCleared",
+    "BlockIndex",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheStats",
+    "EvictResult",
+    "InsertResult",
+    "KVBlockPool",
+    "LFUPolicy",
+    "LRUPolicy",
+    "Lease",
+    "LockHandle",
+    "MatchResult",
+    "RadixCache",
+]

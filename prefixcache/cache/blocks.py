@@ -1,0 +1,152 @@
+"""Which pool blocks callers own, and the hand-over of those blocks to the tree.
+
+Each block's reference count (:class:`~prefixcache.cache.pool.KVBlockPool`) is the number of tree nodes holding it
+plus one while a caller owns it: from :meth:`BlockLedger.allocate` until the caller hands it to the tree
+(:meth:`BlockLedger.insert`) or gives it back (:meth:`BlockLedger.free`).  The ledger keeps one flag per block for
+that "plus one", so a block can never be handed over twice, freed twice, or freed while the tree holds it.
+Callers hold the cache's mutex.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+
+from prefixcache.cache.pool import BlockIds, KVBlockPool
+from prefixcache.cache.tree import InsertResult, RadixTree
+from prefixcache.errors import CapacityError, InvalidArgumentError, LockError, OutOfBlocksError
+
+NOT_OWNED = "block(s) not owned by the caller: freed already, held by the tree, or listed twice"
+
+
+class BlockLedger:
+    """The blocks callers own (``owned[block_id]``), allocation that evicts from ``tree`` when the pool is short,
+    and inserts that move a caller's blocks into the tree.  All checks are O(len(block ids)) numpy passes."""
+
+    def __init__(self, pool: KVBlockPool, tree: RadixTree) -> None:
+        self.pool = pool
+        self.tree = tree
+        self.owned = np.zeros(pool.num_blocks, dtype=bool)
+        # Scratch for the duplicate test of a block table (see distinct); its contents mean nothing between calls.
+        self._slot = np.zeros(pool.num_blocks, dtype=np.int32)
+        self._positions = np.arange(0, dtype=np.int32)  # 0, 1, 2...: grown to the longest table checked
+
+    @property
+    def num_owned(self) -> int:
+        """Blocks owned by callers now.  O(num_blocks)."""
+        return int(np.count_nonzero(self.owned))
+
+    def allocate(self, num_blocks: int) -> np.ndarray:
+        """Take ``num_blocks`` blocks for the caller (int32 ids), evicting unlocked leaves if the pool is short.
+
+        Raises:
+            InvalidArgumentError: ``num_blocks`` is not a non-negative int.
+            CapacityError: more blocks than the pool has at all (nothing is evicted).
+            OutOfBlocksError: not enough blocks even after evicting every unlocked leaf; what was evicted stays
+                evicted (the cache stays consistent), nothing is allocated.
+        """
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 0:
+            raise InvalidArgumentError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        pool = self.pool
+        if num_blocks > pool.num_blocks:
+            raise CapacityError(
+                f"{num_blocks} blocks needed but the pool only has {pool.num_blocks} blocks of {pool.block_size} tokens"
+            )
+        if num_blocks > pool.num_free_blocks:
+            self.tree.evict(num_blocks - pool.num_free_blocks)
+        if num_blocks > pool.num_free_blocks:
+            raise OutOfBlocksError(
+                f"{num_blocks} blocks needed, {pool.num_free_blocks} free after evicting every unlocked leaf "
+                f"({self.tree.locked_tokens} tokens locked by running requests, "
+                f"{self.num_owned} blocks owned by requests)"
+            )
+        blocks = pool.allocate(num_blocks)
+        self.owned[blocks.astype(np.intp)] = True
+        return blocks
+
+    def free(self, block_ids: BlockIds) -> int:
+        """Give back blocks the caller owns without caching them.  Returns blocks freed.
+
+        Raises:
+            InvalidArgumentError: malformed ids.
+            LockError: a block is not owned by a caller (already freed, or held by the tree); nothing changes.
+        """
+        index = self.as_block_ids(block_ids)
+        if np.count_nonzero(self.owned[index]) != index.size or not self.distinct(index):
+            raise LockError(NOT_OWNED)
+        self.owned[index] = False
+        return self.pool.free_exclusive(index)
+
+    def insert(
+        self, q: array, table: np.ndarray, first_owned: int | None, namespace: str | None, origin: str | None
+    ) -> InsertResult:
+        """Insert ``q`` into the tree with its KV in ``table`` (from :meth:`as_block_ids`): the tree takes the
+        caller's blocks it needs, the rest go back to the pool.  ``first_owned`` is found from the ownership flags
+        when None (the caller's blocks follow the borrowed, tree-held ones).
+
+        Raises:
+            InvalidArgumentError: too few blocks for the tokens, or the sequence leaves the cached path inside
+                the borrowed blocks.
+            LockError: a block the caller hands over is not its own, or a borrowed block is not cached.
+        Nothing changes when it raises.
+        """
+        bs = self.pool.block_size
+        n = len(q)
+        need = -(-n // bs)
+        if len(table) < need:
+            raise InvalidArgumentError(
+                f"{n} tokens need {need} blocks of {bs} tokens, but the block table has {len(table)}"
+            )
+        owned = self.owned[table]
+        if first_owned is None:
+            first = int(owned.argmax()) if owned.size else 0
+            first_owned = first if owned.size and owned[first] else len(table)
+        num_owned = len(table) - first_owned
+        if np.count_nonzero(owned[first_owned:]) != num_owned or not self.distinct(table[first_owned:]):
+            raise LockError(NOT_OWNED)
+        if first_owned:
+            counts = self.pool._ref[table[:first_owned]]
+            if counts[counts.argmin()] <= 0:
+                raise LockError("the block table starts with blocks that are neither owned by the caller nor cached")
+        num_cached, released = self.tree.insert(q, table, first_owned, namespace, origin)
+        # Every block the caller owned now belongs to the new leaf or goes back to the pool.  Owned blocks have
+        # one holder (the caller; checked above), so they are freed without decref's checks.
+        self.owned[table[first_owned:]] = False
+        num_released = self.pool.free_exclusive(released)
+        return InsertResult(n - num_cached, num_cached, num_released)
+
+    def as_block_ids(self, block_ids: BlockIds) -> np.ndarray:
+        """``block_ids`` checked to be 1-D ints in range, as an intp array.
+
+        intp because numpy converts any other index type on every fancy-indexing call, which costs more than the
+        indexing itself on a request's short arrays.  For the same reason the checks here and below use
+        ``argmin``/``argmax`` and ``count_nonzero`` rather than ufunc reductions (``min()``, ``.all()``).
+
+        Raises:
+            InvalidArgumentError: not a 1-D sequence of ints in ``0 .. num_blocks - 1``.
+        """
+        try:
+            ids = np.asarray(block_ids)
+        except (TypeError, ValueError):
+            raise InvalidArgumentError("block ids must be a 1-D sequence of ints") from None
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+            raise InvalidArgumentError(f"block ids must be a 1-D sequence of ints, got shape {ids.shape} {ids.dtype}")
+        index = ids.astype(np.intp, copy=False)
+        # One range check for both ends: read as unsigned, a negative id (or a uint64 id past the intp range,
+        # wrapped negative by the cast) is larger than any block id.
+        unsigned = index.view(np.uintp)
+        if index.size and unsigned[unsigned.argmax()] >= self.pool.num_blocks:
+            raise InvalidArgumentError(f"block ids must be in 0..{self.pool.num_blocks - 1}")
+        return index
+
+    def distinct(self, index: np.ndarray) -> bool:
+        """Whether no block id is listed twice.  O(len(index)) without sorting (``np.unique`` costs ~20x more): each
+        id writes its position into its scratch slot; an id listed twice keeps only one of its positions there, so
+        the other one reads back wrong."""
+        if len(self._positions) < index.size:
+            self._positions = np.arange(index.size, dtype=np.int32)
+        positions = self._positions[: index.size]
+        self._slot[index] = positions
+        # Comparing the bytes is one memcmp, a third of the cost of a ufunc comparison on a request's table.
+        return self._slot[index].tobytes() == positions.tobytes()

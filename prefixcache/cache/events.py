@@ -1,0 +1,229 @@
+"""KV events: what a :class:`~prefixcache.cache.radix_cache.RadixCache` announces when full blocks enter or leave it.
+
+A router or a second-tier store can mirror which blocks a cache holds without reading the tree, as vLLM's and
+SGLang's KV event publishers allow.  Three events exist: :class:`BlockStored`, :class:`BlockRemoved` and
+:class:`AllCleared`.  Listeners are plain callables taking one event (``RadixCache(pool, event_listener=f)`` or
+``cache.subscribe(f)``); they run synchronously, inside the cache's lock, so they must be quick and must not call
+back into the cache.  An exception from a listener is logged and swallowed: it never breaks the cache.
+
+Block identity.  Only *full* blocks are announced: block ``j`` of a sequence holds positions
+``[j * block_size, (j + 1) * block_size)`` and is named by a chained hash of everything up to its end::
+
+    hash_j = xxh64(hash_{j-1}.to_bytes(8, "little") + tokens_of_block_j as little-endian uint32, seed)
+    hash_{-1} = namespace_root_hash(namespace, seed)    # xxh64 of the namespace's UTF-8, or of b"\\xff" for None
+
+so equal hashes mean equal token prefixes (up to 64-bit collisions) in the same namespace.  ``seed`` is the
+cache's ``hash_seed`` (0 unless configured); a consumer computes the same hashes with :func:`block_hashes`.
+``b"\\xff"`` never occurs in UTF-8, so the ``None`` namespace cannot collide with any named one.
+
+Ownership, which keeps the events consistent with the tree: block ``j`` belongs to the tree node that holds its
+last token, position ``(j + 1) * block_size - 1``.  Inserting a leaf for positions ``[p, n)`` stores the blocks
+with ``p < (j + 1) * block_size <= n``; evicting a leaf ``[s, e)`` removes those with
+``s < (j + 1) * block_size <= e``; splitting a node announces nothing.  Replaying every event into a set
+(:class:`BlockIndex`) therefore gives exactly the full blocks of the cached sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from array import array
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from prefixcache.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from prefixcache.cache.node import Node
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AllCleared",
+    "BlockIndex",
+    "BlockRemoved",
+    "BlockStored",
+    "EventListener",
+    "EventPublisher",
+    "KVEvent",
+    "block_hashes",
+    "chain_hashes",
+    "namespace_root_hash",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Full blocks newly cached, in sequence order.
+
+    ``block_hashes[i]`` names block ``first_block + i``; ``parent_block_hash`` is the hash of block
+    ``first_block - 1`` (the namespace root hash when ``first_block == 0``); ``token_ids`` are the tokens of the
+    stored blocks, ``len(block_hashes) * block_size`` of them.
+    """
+
+    namespace: str | None
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int
+    first_block: int
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Full blocks evicted from the cache."""
+
+    namespace: str | None
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllCleared:
+    """The cache became empty (after removing its blocks one event at a time): drop everything held for it."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllCleared
+EventListener = Callable[[KVEvent], None]
+
+
+def namespace_root_hash(namespace: str | None, seed: int = 0) -> int:
+    """The chain's starting value for ``namespace``: xxh64 of its UTF-8 bytes (``b"\\xff"`` for ``None``)."""
+    data = b"\xff" if namespace is None else namespace.encode("utf-8", errors="surrogatepass")
+    return xxhash.xxh64_intdigest(data, seed)
+
+
+def _le_bytes(token_ids: Iterable[int]) -> memoryview:
+    if isinstance(token_ids, array) and token_ids.itemsize == 4 and sys.byteorder == "little":
+        return memoryview(token_ids).cast("B")
+    return memoryview(np.asarray(token_ids, dtype="<u4").tobytes())
+
+
+def chain_hashes(
+    token_ids: Iterable[int], block_size: int, parent_hash: int, seed: int, first_block: int, stop_block: int
+) -> list[int]:
+    """Hashes of blocks ``first_block .. stop_block - 1`` of ``token_ids`` (absolute positions), chained from
+    ``parent_hash`` (the hash of block ``first_block - 1``).  O(tokens hashed), one xxh64 call per block."""
+    data = _le_bytes(token_ids)
+    step = 4 * block_size
+    out: list[int] = []
+    h = parent_hash
+    for j in range(first_block, stop_block):
+        h = xxhash.xxh64_intdigest(h.to_bytes(8, "little") + data[j * step : (j + 1) * step], seed)
+        out.append(h)
+    return out
+
+
+def block_hashes(token_ids: Iterable[int], block_size: int, namespace: str | None = None, seed: int = 0) -> list[int]:
+    """Chained hashes of every full block of a sequence cached in ``namespace`` with ``hash_seed == seed``.
+
+    Raises:
+        InvalidArgumentError: ``block_size < 1``.
+    """
+    if block_size < 1:
+        raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
+    ids = token_ids if isinstance(token_ids, array) else array("I", token_ids)
+    return chain_hashes(ids, block_size, namespace_root_hash(namespace, seed), seed, 0, len(ids) // block_size)
+
+
+class BlockIndex:
+    """A consumer that mirrors the cached blocks from events: ``index(event)`` applies one, ``hashes`` holds
+    ``(namespace, block_hash)`` pairs.
+
+    With ``strict`` (the default) an event that contradicts the mirror raises ``AssertionError``: a block
+    stored twice, or removed while not held.
+    """
+
+    def __init__(self, *, strict: bool = True) -> None:
+        self.strict = strict
+        self.hashes: set[tuple[str | None, int]] = set()
+        self.num_events = 0
+
+    def __call__(self, event: KVEvent) -> None:
+        self.num_events += 1
+        if isinstance(event, BlockStored):
+            for h in event.block_hashes:
+                key = (event.namespace, h)
+                if self.strict and key in self.hashes:
+                    raise AssertionError(f"block {h:#x} stored twice")
+                self.hashes.add(key)
+        elif isinstance(event, BlockRemoved):
+            for h in event.block_hashes:
+                key = (event.namespace, h)
+                if self.strict and key not in self.hashes:
+                    raise AssertionError(f"block {h:#x} removed but not held")
+                self.hashes.discard(key)
+        elif isinstance(event, AllCleared):
+            if self.strict and self.hashes:
+                raise AssertionError(f"cache cleared while {len(self.hashes)} blocks are still held")
+            self.hashes.clear()
+        else:
+            raise TypeError(f"not a KV event: {type(event).__name__}")
+
+
+class EventPublisher:
+    """The cache's side of KV events: its listeners, and the block hashes kept on tree nodes while anyone listens.
+
+    Each node owning full blocks keeps their chained hashes (``node.block_hashes``), so eviction can announce
+    exactly what it removes without rehashing.  With no listener nothing is hashed: the tree's cost is one test of
+    :attr:`listeners` per insert and per eviction call.  Callers hold the cache's mutex.
+    """
+
+    def __init__(self, block_size: int, hash_seed: int) -> None:
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.listeners: list[EventListener] = []
+
+    def emit(self, events: list[KVEvent], listeners: list[EventListener] | None = None) -> None:
+        """Send ``events`` in order to every listener (or to ``listeners``); a listener's exception is logged."""
+        for event in events:
+            for callback in listeners if listeners is not None else tuple(self.listeners):
+                try:
+                    callback(event)
+                except BaseException:  # noqa: B036 - a listener must never leave the tree half-updated
+                    logger.exception("KV event listener %r failed on %s", callback, type(event).__name__)
+
+    def announce_leaf(self, leaf: Node, path: array) -> None:
+        """Hash the full blocks a new leaf owns (those ending inside it) and announce them.  ``path`` is the whole
+        token sequence ending in the leaf."""
+        bs = self.block_size
+        first = leaf.start // bs
+        parent_hash = self._hash_before(leaf.parent, first)
+        leaf.block_hashes = chain_hashes(path, bs, parent_hash, self.hash_seed, first, len(path) // bs)
+        if leaf.block_hashes:
+            self.emit([self._stored_event(leaf, path, parent_hash)])
+
+    def _hash_before(self, node: Node, block: int) -> int:
+        """The hash of block ``block - 1`` on the path ending at ``node`` (the root hash for block 0).  O(depth)."""
+        if block == 0:
+            return namespace_root_hash(node.namespace, self.hash_seed)
+        last = block * self.block_size - 1
+        while node.start > last:
+            node = node.parent
+        return node.block_hashes[block - 1 - node.start // self.block_size]
+
+    def _stored_event(self, node: Node, path: array, parent_hash: int) -> BlockStored:
+        bs = self.block_size
+        first = node.start // bs
+        tokens = tuple(path[first * bs : (first + len(node.block_hashes)) * bs])
+        return BlockStored(node.namespace, tuple(node.block_hashes), parent_hash, first, tokens, bs)
+
+    def hash_tree(self, roots: dict[str | None, Node]) -> list[BlockStored]:
+        """Recompute every node's block hashes; return a :class:`BlockStored` per node owning full blocks.
+        O(cached tokens)."""
+        bs, seed = self.block_size, self.hash_seed
+        events: list[BlockStored] = []
+        for namespace, root in roots.items():
+            stack = [(child, root.tokens, namespace_root_hash(namespace, seed)) for child in root.children.values()]
+            while stack:
+                node, prefix, parent_hash = stack.pop()
+                path = prefix + node.tokens
+                node.block_hashes = chain_hashes(path, bs, parent_hash, seed, node.start // bs, node.end // bs)
+                if node.block_hashes:
+                    events.append(self._stored_event(node, path, parent_hash))
+                last = node.block_hashes[-1] if node.block_hashes else parent_hash
+                stack.extend((child, path, last) for child in node.children.values())
+        return events

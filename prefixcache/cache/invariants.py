@@ -1,0 +1,102 @@
+"""Invariants of a cache, recomputed from scratch: what the property and fault tests call after every step.
+
+Checks: the pool's free list holds exactly the blocks of count 0; every count equals its holders (tree nodes
+holding the block plus one if a caller owns it); node blocks are in range and never caller-owned; edges are
+non-empty, keyed by first token, at the right positions, with the right number of blocks; lock counts equal the
+live handles through each node; locked and evictable token totals; the eviction candidates are exactly the
+unlocked leaves, filed under their current priority; the node count; block hashes while events are listened to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prefixcache.cache.blocks import BlockLedger
+from prefixcache.cache.locks import LockRegistry
+from prefixcache.cache.node import EMPTY_BLOCKS
+from prefixcache.cache.tree import RadixTree
+
+
+def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) -> None:
+    """Recompute every piece of bookkeeping of ``tree``, ``blocks`` and ``locks`` and compare.  O(total tokens).
+
+    Raises:
+        AssertionError: naming the first broken invariant.
+    """
+
+    def fail(message: str) -> None:
+        raise AssertionError(message)
+
+    pool = tree.pool
+    bs = tree.block_size
+    policy = tree.evictor.policy
+    listening = bool(tree.events.listeners)
+    pool.check_invariants()
+    expected_locks: dict[int, int] = {}
+    for handle in locks.handles.values():
+        if handle.released:
+            fail("a released handle is still registered")
+        node = handle.node
+        if node.evicted:
+            fail("a locked node was evicted")
+        while node.parent is not None:
+            expected_locks[node.node_id] = expected_locks.get(node.node_id, 0) + 1
+            node = node.parent
+    held: list[np.ndarray] = []
+    locked = evictable = count = 0
+    candidates = set()
+    for namespace, root in tree.roots.items():
+        if root.parent is not None or root.namespace != namespace or len(root.tokens) or root.start:
+            fail("malformed root")
+        if not root.children:
+            fail(f"empty root kept for namespace {namespace!r}")
+        stack = list(root.children.values())
+        while stack:
+            node = stack.pop()
+            count += 1
+            parent = node.parent
+            size = len(node.tokens)
+            if size == 0:
+                fail(f"node {node.node_id} has an empty edge")
+            if parent.children.get(node.tokens[0]) is not node:
+                fail(f"node {node.node_id} is not filed under its first token")
+            if node.start != parent.start + len(parent.tokens):
+                fail(f"node {node.node_id} starts at {node.start}, its parent ends at {parent.end}")
+            if node.namespace != namespace or node.evicted:
+                fail(f"node {node.node_id} has the wrong namespace or is marked evicted")
+            if len(node.blocks) != (node.end - 1) // bs - node.start // bs + 1:
+                fail(f"node {node.node_id} holds {len(node.blocks)} blocks for positions {node.start}..{node.end}")
+            if node.lock_count != expected_locks.get(node.node_id, 0):
+                fail(f"node {node.node_id} lock count {node.lock_count} != {expected_locks.get(node.node_id, 0)}")
+            if node.lock_count:
+                locked += size
+            else:
+                evictable += size
+                if not node.children:
+                    candidates.add(node.node_id)
+            if (node.evict_key is not None) != (not node.children and node.lock_count == 0):
+                fail(f"node {node.node_id} candidate status is wrong")
+            if listening and len(node.block_hashes or ()) != node.end // bs - node.start // bs:
+                fail(f"node {node.node_id} keeps {len(node.block_hashes or ())} block hashes")
+            if node.evict_key is not None and node.evict_key != (*policy.priority(node), node.node_id):
+                fail(f"node {node.node_id} is filed under a stale eviction key")
+            held.append(node.blocks)
+            stack.extend(node.children.values())
+    all_blocks = np.concatenate(held) if held else EMPTY_BLOCKS
+    if all_blocks.size and (all_blocks.min() < 0 or all_blocks.max() >= pool.num_blocks):
+        fail("a node refers to a block outside the pool")
+    holders = np.bincount(all_blocks, minlength=pool.num_blocks)
+    if (holders[blocks.owned] > 0).any():
+        fail("a block is both owned by a caller and held by the tree")
+    holders += blocks.owned
+    if not np.array_equal(holders, pool._ref):
+        bad = np.flatnonzero(holders != pool._ref)[:5].tolist()
+        fail(f"reference counts differ from holders for blocks {bad}")
+    if pool.num_free_blocks + int((holders > 0).sum()) != pool.num_blocks:
+        fail("free + referenced != capacity")
+    if count != tree.num_nodes:
+        fail(f"node count {tree.num_nodes} != {count}")
+    if (locked, evictable) != (tree.locked_tokens, tree.evictable_tokens):
+        fail(f"token totals locked/evictable {tree.locked_tokens}/{tree.evictable_tokens} != {locked}/{evictable}")
+    if {node.node_id for node in tree.evictor.members()} != candidates or len(tree.evictor) != len(candidates):
+        fail("eviction candidates differ from the unlocked leaves")

@@ -1,0 +1,339 @@
+"""The cache: a radix tree over exact token ids whose KV lives in a pool of reference-counted blocks.
+
+:class:`RadixCache` is the thread-safe face of the parts beside it, each with one job:
+
+- :mod:`~prefixcache.cache.tree`: the radix tree (match, insert, split, evict leaves), after SGLang's RadixAttention;
+- :mod:`~prefixcache.cache.blocks`: which blocks callers own, allocation (evicting when short), hand-over on insert;
+- :mod:`~prefixcache.cache.locks`: lock handles on matched paths;
+- :mod:`~prefixcache.cache.admission`: request leases (acquire / reserve / commit / release, copy-on-write);
+- :mod:`~prefixcache.cache.stats`, :mod:`~prefixcache.cache.events`, :mod:`~prefixcache.cache.invariants`:
+  hit accounting, KV events, invariant checks.
+
+Ownership.  Each block's reference count is the number of tree nodes holding it plus one while a caller owns it
+(from :meth:`RadixCache.allocate` until it hands the block to :meth:`RadixCache.insert` or :meth:`RadixCache.free`).
+A request keeps the blocks of its matched prefix alive by *locking* the matched path (lock count on each node up
+to the root), not by reference counts: locked nodes are never evicted.
+
+Thread safety: every public method holds one re-entrant mutex for its whole duration, so tree bookkeeping is
+serialized; model compute happens outside, on blocks the request owns privately.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from prefixcache.cache.admission import Admission, Lease
+from prefixcache.cache.blocks import BlockLedger
+from prefixcache.cache.events import EventListener, EventPublisher
+from prefixcache.cache.evictor import EvictionPolicy, Evictor
+from prefixcache.cache.invariants import check_invariants
+from prefixcache.cache.locks import LockHandle, LockRegistry
+from prefixcache.cache.pool import BlockIds, KVBlockPool
+from prefixcache.cache.stats import CacheStats, HitCounters
+from prefixcache.cache.tokens import TokenIds, as_token_array
+from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult, RadixTree
+from prefixcache.errors import InvalidArgumentError, LockError, NamespaceError
+
+__all__ = [
+    "CacheStats",
+    "EvictResult",
+    "InsertResult",
+    "Lease",
+    "LockHandle",
+    "MatchResult",
+    "RadixCache",
+    "check_namespace",
+]
+
+
+def check_namespace(namespace: object) -> str | None:
+    """Return ``namespace`` if it is ``None`` or a ``str``.
+
+    Raises:
+        NamespaceError: any other type.
+    """
+    if namespace is None or type(namespace) is str:
+        return namespace  # type: ignore[return-value]
+    raise NamespaceError(f"namespace must be None or a str (a cache salt), got {type(namespace).__name__}")
+
+
+class RadixCache:
+    """A prefix cache over exact token-id sequences, backed by a :class:`~prefixcache.KVBlockPool`.
+
+    Low-level operations: :meth:`match` (read-only lookup), :meth:`lock` / :meth:`unlock`, :meth:`allocate` /
+    :meth:`free`, :meth:`insert`, :meth:`evict`.  Request-level operations, which the runner uses:
+    :meth:`acquire` (match + lock + copy-on-write), :meth:`reserve` (blocks for new tokens), :meth:`commit`
+    (insert + release) and :meth:`release` (give everything back after a failure).
+
+    Sequences in different namespaces (cache salt) share nothing: each namespace has its own root.
+
+    Complexities: ``match``/``insert`` cost O(depth) dict lookups plus O(n) C-speed token comparison;
+    evicting one leaf costs O(log c) in the number of eviction candidates ``c``.
+
+    Observation: :meth:`stats` (with a recent hit rate over the last ``hit_rate_window`` requests), and KV events
+    (:mod:`prefixcache.cache.events`, block hashes seeded with ``hash_seed``) sent to ``event_listener`` and to
+    callbacks given to :meth:`subscribe`.  With no listener the event machinery costs one test per insert and per
+    eviction call.
+
+    Raises:
+        InvalidArgumentError: ``pool`` is not a KVBlockPool, ``hit_rate_window`` not a positive int, ``hash_seed``
+            not an int in ``[0, 2**64)``, or an unknown policy.
+    """
+
+    def __init__(
+        self,
+        pool: KVBlockPool,
+        policy: str | EvictionPolicy = "lru",
+        *,
+        hit_rate_window: int = 100,
+        event_listener: EventListener | None = None,
+        hash_seed: int = 0,
+    ) -> None:
+        if not isinstance(pool, KVBlockPool):
+            raise InvalidArgumentError(f"pool must be a KVBlockPool, got {type(pool).__name__}")
+        if isinstance(hit_rate_window, bool) or not isinstance(hit_rate_window, int) or hit_rate_window < 1:
+            raise InvalidArgumentError(f"hit_rate_window must be a positive int, got {hit_rate_window!r}")
+        if isinstance(hash_seed, bool) or not isinstance(hash_seed, int) or not 0 <= hash_seed < 2**64:
+            raise InvalidArgumentError(f"hash_seed must be an int in [0, 2**64), got {hash_seed!r}")
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.hash_seed = hash_seed
+        self._mutex = threading.RLock()
+        self._events = EventPublisher(pool.block_size, hash_seed)
+        self._tree = RadixTree(pool, Evictor(policy), self._events)
+        self._blocks = BlockLedger(pool, self._tree)
+        self._locks = LockRegistry(self._tree, self)
+        self._counters = HitCounters(hit_rate_window)
+        self._admission = Admission(self._tree, self._blocks, self._locks, self._counters, self)
+        if event_listener is not None:
+            self.subscribe(event_listener)
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._tree.evictor.policy
+
+    # ---- lookup and locks ---------------------------------------------------------------------------------
+
+    def match(
+        self,
+        token_ids: TokenIds,
+        namespace: str | None = None,
+        *,
+        for_prefill: bool = False,
+        request_id: str | None = None,
+    ) -> MatchResult:
+        """Longest cached prefix of ``token_ids`` in ``namespace``.
+
+        With ``for_prefill=True`` at most ``len(token_ids) - 1`` tokens are matched: a request must compute at
+        least its last token to get logits.  With ``for_prefill=False`` (pure lookup) a fully cached sequence
+        matches in full.  Does not change the tree's shape; refreshes the access time (and LFU hit count) of the
+        matched path; counts the query in :meth:`stats` (tokens on nodes inserted under ``request_id`` as
+        self-hits).
+
+        Raises:
+            InvalidTokensError, NamespaceError: bad input (nothing changes).
+        """
+        q = as_token_array(token_ids)
+        namespace = check_namespace(namespace)
+        with self._mutex:
+            result = self._tree.match(q, namespace, len(q) - 1 if for_prefill else len(q), self)
+            own = self._tree.own_tokens(result.node, result.num_tokens, request_id) if request_id is not None else 0
+            self._counters.record_query(len(q), result.num_tokens, own)
+            return result
+
+    def lock(self, match: MatchResult) -> LockHandle:
+        """Lock the matched path so none of its nodes (the match's node and every ancestor) can be evicted.
+
+        O(depth).  Raises:
+            LockError: the match is not this cache's, or is stale (its node was evicted since).
+        """
+        with self._mutex:
+            if not isinstance(match, MatchResult) or match.owner is not self:
+                raise LockError("lock takes a MatchResult returned by this cache's match()")
+            return self._locks.lock(match.node)
+
+    def unlock(self, handle: LockHandle) -> None:
+        """Release a lock taken by :meth:`lock`.  O(depth).
+
+        Raises:
+            LockError: the handle is another cache's or was already released (nothing changes).
+        """
+        with self._mutex:
+            self._locks.unlock(handle)
+
+    # ---- blocks, insert, evict ----------------------------------------------------------------------------
+
+    def allocate(self, num_blocks: int) -> np.ndarray:
+        """Take ``num_blocks`` blocks for the caller, evicting least valuable unlocked leaves if the pool is short.
+
+        The caller owns the returned blocks (int32 ids) until it passes them to :meth:`insert` or :meth:`free`.
+
+        Raises:
+            CapacityError: more blocks than the pool has at all (nothing is evicted).
+            OutOfBlocksError: not enough blocks even after evicting every unlocked leaf; what was evicted stays
+                evicted (the cache stays consistent), nothing is allocated.
+        """
+        with self._mutex:
+            return self._blocks.allocate(num_blocks)
+
+    def free(self, block_ids: BlockIds) -> int:
+        """Give back blocks the caller owns (from :meth:`allocate`) without caching them.  Returns blocks freed.
+
+        Raises:
+            LockError: a block is not owned by a caller (already freed, or held by the tree); nothing changes.
+        """
+        with self._mutex:
+            return self._blocks.free(block_ids)
+
+    def insert(
+        self, token_ids: TokenIds, block_ids: BlockIds, namespace: str | None = None, *, request_id: str | None = None
+    ) -> InsertResult:
+        """Cache ``token_ids`` whose KV the caller has written into ``block_ids`` (its block table).
+
+        ``block_ids[j]`` holds positions ``j * block_size ..``; at least ``ceil(len(token_ids) / block_size)``
+        ids are needed.  Leading ids may be the tree's own blocks of a prefix the caller matched and locked; the
+        rest must be owned by the caller (from :meth:`allocate`).  Insert takes over the caller's ownership: the
+        blocks of the new suffix move into a new leaf (splitting a node where the sequences diverge); owned blocks
+        of the part that was already cached, and any beyond the sequence, are released.  The new leaf remembers
+        ``request_id`` (see :attr:`CacheStats.self_hit_tokens`).
+
+        Raises:
+            InvalidTokensError, NamespaceError, InvalidArgumentError, LockError: bad input; the cache is unchanged.
+        """
+        q = as_token_array(token_ids)
+        namespace = check_namespace(namespace)
+        with self._mutex:
+            blocks = self._blocks
+            return blocks.insert(q, blocks.as_block_ids(block_ids), None, namespace, request_id)
+
+    def evict(self, num_blocks: int) -> EvictResult:
+        """Evict unlocked leaves in policy order until ``num_blocks`` blocks were freed or none is left.
+
+        A parent whose last child goes becomes a candidate in turn.  O(log c) per evicted leaf.
+        """
+        with self._mutex:
+            return self._tree.evict(num_blocks)
+
+    def evict_all(self) -> EvictResult:
+        """Evict every unlocked node."""
+        with self._mutex:
+            return self._tree.evict(self.pool.num_blocks + 1)
+
+    # ---- request-level ------------------------------------------------------------------------------------
+
+    def acquire(self, token_ids: TokenIds, namespace: str | None = None, *, request_id: str | None = None) -> Lease:
+        """Admit a request: match at most ``len - 1`` prompt tokens, lock their whole blocks, and copy the rows of a
+        partially matched last block into a block the request owns (copy-on-write).  The copy is made at once, so
+        the partial block's node stays evictable; if not even one block can be found for it, those rows are left
+        to be recomputed (``num_cached_tokens`` drops to the block boundary) rather than failing the request.
+
+        ``request_id`` names the request in the stats: tokens it finds that it inserted itself (a retry) count as
+        self-hits, and :meth:`commit` marks what it inserts with it.  Each call counts as one request in the
+        recent hit rate window.
+
+        Raises:
+            InvalidTokensError, NamespaceError: bad input.
+        It never runs out of blocks: the copy falls back to recomputation as said above.
+        """
+        q = as_token_array(token_ids)
+        namespace = check_namespace(namespace)
+        with self._mutex:
+            return self._admission.acquire(q, namespace, request_id)
+
+    def reserve(self, lease: Lease, num_tokens: int) -> np.ndarray:
+        """Grow the lease's block table to address ``num_tokens`` tokens (evicting if needed); returns the table.
+
+        Raises:
+            CapacityError: ``num_tokens`` exceed the whole pool.  OutOfBlocksError: as :meth:`allocate`.
+            LockError: the lease is closed.
+        """
+        with self._mutex:
+            return self._admission.reserve(lease, num_tokens)
+
+    def commit(self, lease: Lease, token_ids: TokenIds) -> InsertResult:
+        """Insert the request's tokens (prompt and anything generated after it, all with KV written) and close the
+        lease: the new suffix is cached, duplicate blocks released, the lock dropped.
+
+        Raises:
+            InvalidTokensError: ``token_ids`` do not start with the lease's matched prefix (the lease stays open:
+                call :meth:`release`).
+            InvalidArgumentError: the tokens need more blocks than the lease holds (call :meth:`reserve` first;
+                the lease stays open).
+            LockError: the lease is closed.
+        """
+        q = as_token_array(token_ids)
+        with self._mutex:
+            return self._admission.commit(lease, q)
+
+    def release(self, lease: Lease) -> None:
+        """Drop a lease without caching anything: free its own blocks and unlock its prefix.
+
+        Raises:
+            LockError: the lease is already closed.
+        """
+        with self._mutex:
+            self._admission.release(lease)
+
+    # ---- observation --------------------------------------------------------------------------------------
+
+    def stats(self) -> CacheStats:
+        """A consistent snapshot of sizes and counters.  O(1)."""
+        with self._mutex:
+            pool, tree, counters = self.pool, self._tree, self._counters
+            return CacheStats(
+                num_blocks=pool.num_blocks,
+                block_size=self.block_size,
+                free_blocks=pool.num_free_blocks,
+                used_blocks=pool.num_used_blocks,
+                cached_tokens=tree.evictable_tokens + tree.locked_tokens,
+                evictable_tokens=tree.evictable_tokens,
+                locked_tokens=tree.locked_tokens,
+                num_nodes=tree.num_nodes,
+                query_tokens=counters.query_tokens,
+                hit_tokens=counters.hit_tokens,
+                evictions=tree.evictions,
+                evicted_tokens=tree.evicted_tokens,
+                evicted_blocks=tree.evicted_blocks,
+                self_hit_tokens=counters.self_hit_tokens,
+                window_requests=len(counters.window),
+                window_query_tokens=counters.window_query_tokens,
+                window_hit_tokens=counters.window_hit_tokens,
+            )
+
+    def subscribe(self, callback: EventListener) -> None:
+        """Send KV events (:mod:`prefixcache.cache.events`) to ``callback`` from now on, starting with a
+        :class:`~prefixcache.cache.events.BlockStored` for every full block already cached, so its view is complete.
+
+        O(cached tokens): every node's block hashes are recomputed.
+        """
+        with self._mutex:
+            self._events.listeners.append(callback)
+            self._events.emit(self._events.hash_tree(self._tree.roots), [callback])
+
+    def unsubscribe(self, callback: EventListener) -> None:
+        """Stop sending events to ``callback``.
+
+        Raises:
+            InvalidArgumentError: ``callback`` is not subscribed.
+        """
+        with self._mutex:
+            if callback not in self._events.listeners:
+                raise InvalidArgumentError("unsubscribe: that callback is not subscribed")
+            self._events.listeners.remove(callback)
+
+    def cached_sequences(self, namespace: str | None = None) -> list[list[int]]:
+        """Every root-to-leaf token sequence cached in ``namespace`` (for tests and debugging; O(depth x tokens))."""
+        with self._mutex:
+            return self._tree.cached_sequences(namespace)
+
+    def check_invariants(self) -> None:
+        """Recompute every piece of bookkeeping from scratch and compare (:mod:`prefixcache.cache.invariants`).
+        O(total tokens).
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        with self._mutex:
+            check_invariants(self._tree, self._blocks, self._locks)

@@ -1,0 +1,79 @@
+"""Hit accounting: tokens asked for and found, overall and over a window of recent requests, and the stats record.
+
+A token a request finds on nodes it inserted itself (a retried request, named by the same ``request_id``) counts as
+a *self-hit*, never as a hit, so a retry loop cannot inflate the hit rate.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """A snapshot of the cache.  Tokens are token counts, blocks block counts.
+
+    ``query_tokens`` / ``hit_tokens`` count the tokens asked for and found by :meth:`~prefixcache.RadixCache.match`
+    and :meth:`~prefixcache.RadixCache.acquire`; ``hit_rate = hit_tokens / query_tokens``.  Tokens found on nodes
+    inserted by the same ``request_id`` as the query's (a retried request finding its own tokens) count as
+    ``self_hit_tokens`` instead, never as hits.  The ``window_*`` fields cover the last ``window_requests``
+    :meth:`~prefixcache.RadixCache.acquire` calls (at most the cache's ``hit_rate_window``): ``window_hit_rate`` is
+    the recent hit rate.
+    """
+
+    num_blocks: int
+    block_size: int
+    free_blocks: int
+    used_blocks: int
+    cached_tokens: int
+    evictable_tokens: int
+    locked_tokens: int
+    num_nodes: int
+    query_tokens: int
+    hit_tokens: int
+    evictions: int
+    evicted_tokens: int
+    evicted_blocks: int
+    self_hit_tokens: int = 0
+    window_requests: int = 0
+    window_query_tokens: int = 0
+    window_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def window_hit_rate(self) -> float:
+        return self.window_hit_tokens / self.window_query_tokens if self.window_query_tokens else 0.0
+
+
+class HitCounters:
+    """Query, hit and self-hit token totals, and the last ``window`` requests' query and hit tokens.  O(1) per
+    record."""
+
+    def __init__(self, window: int) -> None:
+        self.query_tokens = 0
+        self.hit_tokens = 0
+        self.self_hit_tokens = 0
+        self.window: deque[tuple[int, int]] = deque(maxlen=window)
+        self.window_query_tokens = 0
+        self.window_hit_tokens = 0
+
+    def record_query(self, query_tokens: int, found_tokens: int, own_tokens: int) -> None:
+        """A lookup of ``query_tokens`` that found ``found_tokens``, ``own_tokens`` of them self-hits."""
+        self.query_tokens += query_tokens
+        self.hit_tokens += found_tokens - own_tokens
+        self.self_hit_tokens += own_tokens
+
+    def record_request(self, query_tokens: int, hit_tokens: int) -> None:
+        """One admitted request, for the recent window (its tokens are recorded by :meth:`record_query` too)."""
+        window = self.window
+        if len(window) == window.maxlen:
+            old_query, old_hit = window[0]
+            self.window_query_tokens -= old_query
+            self.window_hit_tokens -= old_hit
+        window.append((query_tokens, hit_tokens))
+        self.window_query_tokens += query_tokens
+        self.window_hit_tokens += hit_tokens

@@ -1,0 +1,158 @@
+"""Hugging Face tokenizers behind our :class:`~prefixcache.chat.tokenizer.Tokenizer`
+protocol (extra ``prefixcache[hf]``).
+
+:class:`HFTokenizer` loads a local tokenizer folder offline and renders chats with the folder's own chat template,
+tools included, exactly as a server that calls ``apply_chat_template`` would.  Unlike the embedded ChatML renderer,
+such a template renders the whole history in one piece, and BPE may merge tokens across a turn boundary, so a
+turn's prompt is not always a token-level extension of the previous prompt + answer; replay marks those requests
+(``drift_at``).  Tested with transformers 5.24.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from prefixcache.chat.template import validate_messages, validate_tools
+from prefixcache.errors import InvalidArgumentError, InvalidTokensError, TemplateError
+
+__all__ = ["HFTokenizer"]
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer folder (``vocab.json`` + ``merges.txt``, or ``tokenizer.json``).
+
+    ``name`` is ``<tokenizer class>:<folder name>:<xxh64>``, the hash covering the vocabulary (ids and strings) and
+    the chat template, so a changed template or vocabulary never matches an old cache.  ``vocab_size`` counts added
+    tokens too (``len(tokenizer)``).  ``eos_token_ids`` are the tokenizer's EOS plus those of a sibling
+    ``generation_config.json`` (Qwen ends turns with ``<|im_end|>`` and documents with ``<|endoftext|>``).
+
+    Raises:
+        InvalidArgumentError: ``path`` is not a folder, or transformers cannot load a tokenizer from it.
+        ImportError: transformers is not installed (``pip install "prefixcache[hf]"``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        from transformers import AutoTokenizer
+
+        folder = Path(path)
+        if not folder.is_dir():
+            raise InvalidArgumentError(f"tokenizer path {str(folder)!r} is not a folder")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise InvalidArgumentError(f"cannot load a tokenizer from {str(folder)!r}: {error}") from None
+        self.path = folder
+        tok = self.tokenizer
+        self._vocab_size = len(tok)
+        self._added: dict[str, int] = dict(tok.get_added_vocab())
+        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        eos |= _generation_config_eos(folder)
+        self._eos = frozenset(int(t) for t in eos)
+        template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template)
+        digest = xxhash.xxh64()
+        digest.update(f"{self._vocab_size}|{template}|".encode())
+        digest.update(json.dumps(sorted(tok.get_vocab().items(), key=lambda kv: kv[1]), ensure_ascii=False).encode())
+        self._name = f"{type(tok).__name__}:{folder.resolve().name}:{digest.hexdigest()}"
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with no BOS/EOS added; ``"<|im_end|>"`` inside it is encoded as plain text.
+
+        Raises :class:`InvalidArgumentError` if ``text`` is not a ``str``.
+        """
+        if not isinstance(text, str):
+            raise InvalidArgumentError(f"encode expects str, got {type(text).__name__}")
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``, special tokens spelled out.  O(len(ids)).
+
+        Raises :class:`InvalidTokensError` for a non-integer id or one outside ``[0, vocab_size)``.
+        """
+        checked: list[int] = []
+        for position, raw in enumerate(ids):
+            try:
+                token_id = operator.index(raw)
+            except TypeError:
+                raise InvalidTokensError(f"token at position {position} is not an integer: {raw!r}") from None
+            if not 0 <= token_id < self._vocab_size:
+                raise InvalidTokensError(
+                    f"token id {token_id} at position {position} is outside [0, {self._vocab_size})"
+                )
+            checked.append(token_id)
+        return self.tokenizer.decode(checked, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def special_token_id(self, name: str) -> int:
+        """Id of the added token spelled ``name`` (``"<|im_start|>"``, ``"<tool_call>"``).
+
+        Raises :class:`InvalidArgumentError` naming the known added tokens.
+        """
+        token_id = self._added.get(name) if isinstance(name, str) else None
+        if token_id is None:
+            known = ", ".join(sorted(self._added, key=self._added.__getitem__)) or "none"
+            raise InvalidArgumentError(f"unknown special token {name!r}; known: {known}")
+        return token_id
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Ids of the tokenizer's own chat-template rendering of ``messages`` and ``tools``.
+
+        Cost: the whole history is rendered and tokenized, O(total characters).  Raises :class:`TemplateError` for
+        invalid messages or tools, a tokenizer without a chat template, or an error raised by the template.
+        """
+        validate_messages(messages)
+        validate_tools(tools)
+        if not self.tokenizer.chat_template:
+            raise TemplateError(f"tokenizer {self._name} has no chat template")
+        from jinja2 import TemplateError as JinjaError
+
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                [dict(m) for m in messages],
+                tools=[dict(t) for t in tools] if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+        except (JinjaError, ValueError, TypeError) as error:
+            raise TemplateError(f"chat template of {self._name} failed: {error}") from None
+        return [int(t) for t in ids]
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r})"
+
+
+def _generation_config_eos(folder: Path) -> set[int]:
+    """EOS ids listed in ``folder/generation_config.json`` (an int or a list), or none."""
+    config = folder / "generation_config.json"
+    if not config.is_file():
+        return set()
+    try:
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return set()
+    if isinstance(eos, int):
+        return {eos}
+    return {t for t in eos if isinstance(t, int)} if isinstance(eos, list) else set()
