@@ -95,7 +95,12 @@ def test_ctrl_c_prints_the_partial_table_writes_partial_json_and_exits_130(tmp_p
         stderr=subprocess.PIPE,
     )
     stderr = bytearray()
-    reader = threading.Thread(target=lambda: stderr.extend(iter(lambda: process.stderr.read1(4096), b"")))
+
+    def read_stderr() -> None:
+        for chunk in iter(lambda: process.stderr.read1(4096), b""):
+            stderr.extend(chunk)
+
+    reader = threading.Thread(target=read_stderr)
     reader.start()
     deadline = time.monotonic() + 300
     done = re.compile(rb"replay agent_tool_loop\.jsonl:.*?\| *([0-9]+)/[0-9]+ ")
@@ -142,24 +147,33 @@ def test_progress_line_comes_before_the_hugging_face_tokenizer_loads(qwen_dir: P
     assert "tokenize multi_turn_chat.jsonl" in done.stderr
 
 
+def test_a_plot_name_matplotlib_cannot_write_fails_at_once_in_one_line() -> None:
+    done = run_cli("replay", CHAT, "--no-progress", "--plot", "out.txt")
+
+    assert (done.returncode, done.stdout) == (2, "")  # nothing replayed
+    assert done.stderr.count("\n") == 1
+    assert "--plot out.txt: '.txt' is not an image format matplotlib writes; use one of" in done.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
-        (["--plot", "out.txt"], "'.txt' is not an image format matplotlib writes; use one of"),
         (["--json", "/no/such/dir/x.json"], "--json /no/such/dir/x.json: folder '/no/such/dir' does not exist"),
         (["--requests-jsonl", "scenarios"], "--requests-jsonl scenarios: is a folder"),
         (["--json", "scenarios/multi_turn_chat.jsonl"], "the same file as an input"),
         (["--cache-memory", "1TiB"], "--cache-memory is 1,024.0 GiB of KV but cpu has only"),
     ],
 )
-def test_bad_outputs_and_sizes_fail_at_once_in_one_line(args: list[str], says: str) -> None:
-    done = run_cli("replay", CHAT, *args)
+def test_bad_outputs_and_sizes_fail_before_any_work_in_one_line(
+    args: list[str], says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
 
-    assert done.returncode == 2
-    assert done.stdout == ""  # nothing replayed
-    lines = done.stderr.splitlines()
-    assert len(lines) - lines.count("building model tiny ...") == 1, done.stderr
-    assert says in lines[-1]
+    assert main(["replay", str(CHAT), "--no-progress", *args]) == 2
+
+    out, err = capsys.readouterr()
+    assert out == ""  # nothing replayed
+    assert err.count("\n") == 1 and says in err
 
 
 def test_too_small_cache_names_the_smallest_size_that_replays_the_whole_input() -> None:
@@ -239,27 +253,40 @@ def test_a_conversation_without_an_assistant_message_is_named_in_a_warning(tmp_p
     assert f"{path}:2:" in done.stderr
 
 
-@pytest.mark.parametrize(
-    ("first_line", "says"),
-    [
-        ("[" * 100_000, "nested 100000 levels deep (deepest bracket at column 100000)"),
-        ('{"n": ' + "9" * 5000 + "}", "an integer of 5,000 digits at column 7"),
-        ('{"id": "x", "messages": tru}', "not valid JSON: Expecting value at column 25"),
-    ],
-)
-def test_skip_invalid_skips_a_bad_first_line_which_otherwise_names_its_column(
-    tmp_path: Path, first_line: str, says: str
-) -> None:
+def test_skip_invalid_skips_a_too_deeply_nested_first_line_which_otherwise_names_its_column(tmp_path: Path) -> None:
     path = tmp_path / "s.jsonl"
-    path.write_text(first_line + "\n" + GOOD + "\n")
+    path.write_text("[" * 100_000 + "\n" + GOOD + "\n")
     out = tmp_path / "report.json"
 
     failed = run_cli("replay", path, "--no-model", "--no-progress")
     skipped = run_cli("replay", path, "--no-model", "--no-progress", "--skip-invalid", "--json", out)
 
     assert failed.returncode == 2
-    assert f"{path}:1: {says}" in failed.stderr
+    assert f"{path}:1: not usable JSON: nested 100000 levels deep (deepest bracket at column 100000)" in failed.stderr
     assert skipped.returncode == 0, skipped.stderr
+    report = json.loads(out.read_text())
+    assert (report["requests"], report["skipped_lines"]) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("first_line", "says"),
+    [
+        ('{"n": ' + "9" * 5000 + "}", "not usable JSON: an integer of 5,000 digits at column 7"),
+        ('{"id": "x", "messages": tru}', "not valid JSON: Expecting value at column 25"),
+        ('{"id": "é", "messages": [x]}', "not valid JSON: Expecting value at column 26"),
+        ('{"messages": "\xff"}', "not valid UTF-8 (invalid start byte at column 15)"),
+    ],
+)
+def test_skip_invalid_skips_any_bad_first_line_which_otherwise_names_its_column(
+    tmp_path: Path, first_line: str, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "s.jsonl"
+    path.write_bytes(first_line.encode("utf-8").replace(b"\xc3\xbf", b"\xff") + b"\n" + GOOD.encode() + b"\n")
+    out = tmp_path / "report.json"
+
+    assert main(["replay", str(path), "--no-model", "--no-progress"]) == 2
+    assert f"{path}:1: {says}" in capsys.readouterr().err
+    assert main(["replay", str(path), "--no-model", "--no-progress", "--skip-invalid", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert (report["requests"], report["skipped_lines"]) == (1, 1)
 

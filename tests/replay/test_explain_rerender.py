@@ -87,7 +87,8 @@ def test_spans_on_a_rerendered_prompt_are_sorted_and_cover_each_message_where_it
 def test_a_position_in_a_user_message_after_a_stripped_reasoning_is_named_as_that_user_message() -> None:
     tokenizer = StripsEarlierReasoning()
     prompt = tokenizer.render_chat(MESSAGES[:4])
-    position = len(tokenizer.decode(prompt).split("And 3+3?")[0])  # byte-level: one token per ASCII character
+    question = tokenizer.encode("And 3+3?")
+    position = next(i for i in range(len(prompt)) if prompt[i : i + len(question)] == question)
 
     located = MessageLocator(tokenizer, MESSAGES[:4], prompt=prompt).locate(position)
 
