@@ -167,7 +167,7 @@ def load_requests(
         return requests, len(skipped)
     if fmt != "chat":
         raise InvalidArgumentError(f"unknown format {file_format!r}; choose auto, chat or mooncake")
-    scenario = load_scenario(path, tools=default_tools_for(path), skip_invalid=skip_invalid)
+    scenario = load_scenario(path, tools=default_tools_for(path), skip_invalid=skip_invalid, progress=progress)
     for error in scenario.skipped:
         logger.warning("skipped %s", error)
     conversations = scenario.conversations[:limit] if limit is not None else scenario.conversations

@@ -27,7 +27,7 @@ import math
 import re
 import sys
 from array import array
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -226,6 +226,7 @@ def load_scenario(
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     skip_invalid: bool = False,
+    progress: Callable[[Iterable[Any], str, int | None, str], Iterable[Any]] | None = None,
 ) -> ScenarioFile:
     """Load a chat scenario file (format in the module docstring).  O(file size).
 
@@ -237,7 +238,8 @@ def load_scenario(
     object, missing or empty ``messages``, unknown role, non-string content, ``tools`` not a list of objects,
     duplicate id.  With ``skip_invalid=True`` bad lines are collected in ``ScenarioFile.skipped`` instead
     (a line that is not valid UTF-8 or JSON too).  A missing or unreadable file always raises.
-    Raises :class:`InvalidArgumentError` if ``tools`` itself is malformed.
+    Raises :class:`InvalidArgumentError` if ``tools`` itself is malformed.  ``progress(items, description, total,
+    unit)``, when given, wraps the lines as they are read (a tqdm bar).
     """
     path = Path(path)
     shared_tools: tuple[dict[str, Any], ...] | None = None
@@ -249,7 +251,10 @@ def load_scenario(
     conversations: list[Conversation] = []
     skipped: list[ScenarioError] = []
     first_line_of: dict[str, int] = {}
-    for line_no, obj, error in _iter_json_lines(path):
+    lines = _iter_json_lines(path)
+    if progress is not None:
+        lines = progress(lines, f"read {path.name}", None, "line")
+    for line_no, obj, error in lines:
         try:
             if error is not None:
                 raise error
