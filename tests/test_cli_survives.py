@@ -161,7 +161,7 @@ def test_a_plot_name_matplotlib_cannot_write_fails_at_once_in_one_line() -> None
         (["--json", "/no/such/dir/x.json"], "--json /no/such/dir/x.json: folder '/no/such/dir' does not exist"),
         (["--requests-jsonl", "scenarios"], "--requests-jsonl scenarios: is a folder"),
         (["--json", "scenarios/multi_turn_chat.jsonl"], "the same file as an input"),
-        (["--cache-memory", "1TiB"], "--cache-memory is 1,024.0 GiB of KV but cpu has only"),
+        (["--cache-memory", "1TiB"], "--cache-memory asks for 1,024.0 GiB of KV but cpu has only"),
     ],
 )
 def test_bad_outputs_and_sizes_fail_before_any_work_in_one_line(

@@ -2,9 +2,10 @@
 
 :func:`explain` walks the radix tree along a prompt without touching it (no access time, no hit count, no
 stats) and reports the token index where the prompt and the cache part ways, the cached sequence it came
-closest to, and, given a tokenizer, the text on both sides of that point.  Given the per-message token spans
-of the prompt (:func:`message_spans`), it also names the chat message the divergence falls in, which is what
-turns "hit rate 19%" into "the system prompt starts with a timestamp".
+closest to, and, given a tokenizer, the text on both sides of that point.  Given where the prompt's messages
+are (:class:`MessageLocator`, or the spans of :func:`message_spans`), both found on the rendered prompt itself, it
+also names the chat message the divergence falls in, which is what turns "hit rate 19%" into "the system prompt
+starts with a timestamp", even when the template re-renders earlier turns.
 
 :class:`DivergenceTally` groups explanations of many requests by (token index, message) for the replay's
 ``--explain`` summary.

@@ -317,7 +317,7 @@ class Replayer:
         free = free_memory_bytes(self.model.device)
         if free is not None and num_bytes > free:
             raise CapacityError(
-                f"{what} is {_gib(num_bytes)} of KV but {self.model.device} has only {_gib(free)} free; "
+                f"{what} asks for {_gib(num_bytes)} of KV but {self.model.device} has only {_gib(free)} free; "
                 f"give a smaller --cache-memory (or --cache-tokens)"
             )
 
