@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
+import os
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -68,32 +71,58 @@ def parse_count(text: str) -> int:
     return int(value)
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("prefixcache")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from prefixcache.bench import BENCHMARKS
+
     parser = argparse.ArgumentParser(prog="prefixcache", description="Exact prefix caching for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     replay = commands.add_parser("replay", help="replay chat transcripts or traces and report prefill savings")
-    replay.add_argument("paths", nargs="+", metavar="PATH", help="scenario JSONL files (chat or Mooncake trace)")
+    replay.add_argument(
+        "paths", nargs="+", metavar="PATH", help="scenario JSONL files (chat or Mooncake trace), or folders of them"
+    )
     replay.add_argument(
         "--model", default="tiny", help="embedded preset tiny (default) or small, or hf:PATH (local HF model folder)"
     )
     replay.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
     replay.add_argument("--layers", type=int, help="with --model-config: keep only the first N layers")
     replay.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer folder (default: byte tokenizer)")
+    replay.add_argument(
+        "--chat-template", metavar="FILE", help="Jinja chat template for --tokenizer (instead of the folder's own)"
+    )
     replay.add_argument("--no-model", action="store_true", help="cache accounting only, no model (fast)")
     replay.add_argument("--block-size", type=int, default=16, help="tokens per KV block (1..256, default 16)")
     size = replay.add_mutually_exclusive_group()
     size.add_argument("--cache-tokens", type=parse_count, help="pool capacity in tokens (default: unlimited)")
     size.add_argument("--cache-memory", type=parse_size, help="pool capacity in bytes of KV, e.g. 512MiB")
-    replay.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="eviction policy")
+    replay.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="eviction policy (default lru)")
     replay.add_argument("--verify", action="store_true", help="check every request against the no-cache reference")
-    replay.add_argument("--order", default="round-robin", choices=["round-robin", "random", "file"])
-    replay.add_argument("--seed", type=int, default=0, help="seed of --order random")
+    replay.add_argument(
+        "--order",
+        default="round-robin",
+        choices=["round-robin", "random", "file"],
+        help="how conversations interleave: turn by turn (default), seeded random, or each whole in file order",
+    )
+    replay.add_argument("--seed", type=int, default=0, help="seed of --order random (default 0)")
     replay.add_argument(
         "--limit", type=parse_count, help="replay only the first N conversations (trace lines) per file"
     )
-    replay.add_argument("--format", default="auto", choices=["auto", "chat", "mooncake"], dest="file_format")
+    replay.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "chat", "mooncake"],
+        dest="file_format",
+        help="file format (default auto: told from the first line)",
+    )
     replay.add_argument("--skip-invalid", action="store_true", help="skip bad lines (reported) instead of failing")
     replay.add_argument("--json", metavar="OUT", help="write the report as JSON")
     replay.add_argument("--requests-jsonl", metavar="OUT", help="write one JSON line of usage per request")
@@ -101,63 +130,124 @@ def build_parser() -> argparse.ArgumentParser:
         "--explain", action="store_true", help="show where requests diverge from the cache (token, message, text)"
     )
     replay.add_argument("--plot", metavar="OUT.png", help="draw hit rate vs ideal and pool occupancy (matplotlib)")
-    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
+    names = ", ".join(BENCHMARKS)
     bench = commands.add_parser("bench", help="run benchmarks and print figures")
-    bench.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
-    bench.add_argument("--quick", action="store_true", help="small sizes (seconds)")
+    bench.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {names} (default all)")
+    bench.add_argument("--quick", action="store_true", help="small sizes (seconds); figures are not judged")
     bench.add_argument("--json", metavar="OUT", help="write results as JSON")
 
     plan = commands.add_parser("plan", help="how many tokens and blocks of KV fit in a memory budget")
-    plan.add_argument("--layers", type=int, required=True)
-    plan.add_argument("--kv-heads", type=int, required=True)
-    plan.add_argument("--head-dim", type=int, required=True)
-    plan.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    plan.add_argument("--layers", type=int, required=True, help="transformer layers of the model")
+    plan.add_argument("--kv-heads", type=int, required=True, help="KV heads per layer (GQA: fewer than query heads)")
+    plan.add_argument("--head-dim", type=int, required=True, help="dimension of one attention head")
+    plan.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="KV element type (default bf16)")
     plan.add_argument("--memory", type=parse_size, required=True, help="KV budget, e.g. 24GiB")
-    plan.add_argument("--block-size", type=int, default=16)
+    plan.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     return parser
 
 
-def _progress(quiet: bool):
-    if quiet:
+class _Progress:
+    """Progress on stderr from the first second: a line per loading step, a tqdm bar per phase of each file."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def step(self, message: str) -> None:
+        if self.enabled:
+            print(f"{message} ...", file=sys.stderr, flush=True)
+
+    def __call__(self, items, description: str, total: int | None, unit: str):
+        if not self.enabled:
+            return items
+        from tqdm import tqdm
+
+        return tqdm(items, total=total, desc=description, unit=unit, leave=False, file=sys.stderr, mininterval=0.2)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any work, an output that cannot be written: a missing folder, a folder given as the file,
+    a plot format matplotlib does not know, two outputs (or an output and an input) on one path."""
+    outputs = {"--json": args.json, "--requests-jsonl": args.requests_jsonl, "--plot": args.plot}
+    seen: dict[Path, str] = {Path(p).resolve(): "an input" for p in args.paths}
+    for option, value in outputs.items():
+        if value is None:
+            continue
+        path = Path(value)
+        folder = path.parent
+        if path.is_dir():
+            raise InvalidArgumentError(f"{option} {value}: is a folder; give a file name")
+        if not folder.is_dir():
+            raise InvalidArgumentError(f"{option} {value}: folder {str(folder)!r} does not exist")
+        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise InvalidArgumentError(f"{option} {value}: not writable")
+        if path.resolve() in seen:
+            raise InvalidArgumentError(f"{option} {value}: the same file as {seen[path.resolve()]}")
+        seen[path.resolve()] = option
+    if args.plot:
+        from prefixcache.replay.plot import check_plot_path
+
+        check_plot_path(args.plot)
+
+
+def _load_tokenizer(args: argparse.Namespace, progress: _Progress):
+    if args.chat_template and not args.tokenizer:
+        raise InvalidArgumentError("--chat-template needs --tokenizer (the byte tokenizer has its own ChatML)")
+    if not args.tokenizer:
         return None
-    from tqdm import tqdm
+    progress.step(f"loading tokenizer {args.tokenizer}")
+    from prefixcache.chat.hf_tokenizer import HFTokenizer
 
-    def bar(items, path: str, total: int):
-        return tqdm(items, total=total, desc=path.rsplit("/", 1)[-1], unit="req", leave=False, file=sys.stderr)
+    template = None
+    if args.chat_template:
+        try:
+            template = Path(args.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise InvalidArgumentError(f"--chat-template {args.chat_template}: cannot read: {error}") from None
+    tokenizer = HFTokenizer(args.tokenizer, chat_template=template)
+    if not tokenizer.has_chat_template:
+        raise InvalidArgumentError(
+            f"--tokenizer {args.tokenizer}: the folder has no chat template (no chat_template in "
+            "tokenizer_config.json, no chat_template.jinja); give one with --chat-template FILE (a Jinja file)"
+        )
+    return tokenizer
 
-    return bar
+
+def _load_model(args: argparse.Namespace, progress: _Progress):
+    from prefixcache.models.llama import build_model
+
+    if args.no_model:
+        return None
+    if args.model_config:
+        from prefixcache.models.hf import random_model_from_config
+
+        progress.step(f"building a random-weight model from {args.model_config}")
+        return random_model_from_config(args.model_config, layers=args.layers)
+    if args.model.startswith("hf:"):
+        from prefixcache.models.hf import load_hf_model
+
+        progress.step(f"loading model {args.model[3:]}")
+        return load_hf_model(args.model[3:])
+    progress.step(f"building model {args.model}")
+    return build_model(args.model)
 
 
 def _run_replay(args: argparse.Namespace) -> int:
-    from prefixcache.models.llama import build_model
-    from prefixcache.replay.replayer import Replayer, replay_paths
-    from prefixcache.replay.report import format_replay
+    from prefixcache.replay.replayer import Replayer, ReplayInterrupted, check_options, replay_paths
 
+    progress = _Progress(not args.no_progress)
     if args.plot:
         from prefixcache.replay.plot import require_matplotlib
 
         require_matplotlib()  # fail before a long replay, not after it
     if args.layers is not None and not args.model_config:
         raise InvalidArgumentError("--layers needs --model-config")
+    check_options(has_model=not args.no_model, cache_memory=args.cache_memory, verify=args.verify)
+    _check_outputs(args)
     try:
-        tokenizer = None
-        if args.tokenizer:
-            from prefixcache.chat.hf_tokenizer import HFTokenizer
-
-            tokenizer = HFTokenizer(args.tokenizer)
-        if args.no_model:
-            model = None
-        elif args.model_config:
-            from prefixcache.models.hf import random_model_from_config
-
-            model = random_model_from_config(args.model_config, layers=args.layers)
-        elif args.model.startswith("hf:"):
-            from prefixcache.models.hf import load_hf_model
-
-            model = load_hf_model(args.model[3:])
-        else:
-            model = build_model(args.model)
+        tokenizer = _load_tokenizer(args, progress)
+        model = _load_model(args, progress)
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
     replayer = Replayer(
@@ -170,70 +260,68 @@ def _run_replay(args: argparse.Namespace) -> int:
         verify=args.verify,
         explain=args.explain,
     )
-    report = replay_paths(
-        args.paths,
-        replayer,
-        order=args.order,
-        seed=args.seed,
-        limit=args.limit,
-        skip_invalid=args.skip_invalid,
-        file_format=args.file_format,
-        progress=_progress(args.no_progress),
-        log_requests=True,  # the drift summary below reads it
-    )
+    replayer.check_pool_memory()
+    try:
+        report = replay_paths(
+            args.paths,
+            replayer,
+            order=args.order,
+            seed=args.seed,
+            limit=args.limit,
+            skip_invalid=args.skip_invalid,
+            file_format=args.file_format,
+            progress=progress,
+            log_requests=args.requests_jsonl is not None,
+        )
+    except ReplayInterrupted as interrupted:
+        report = interrupted.report
     if hasattr(model, "name"):
         report.model = model.name
-    # Template drift: where a turn's prompt leaves the previous prompt + answer, relative to the latter's end.
-    from collections import Counter
+    _write_replay(args, report, replayer.tokenizer.name)
+    if report.partial:
+        print("interrupted: the report above covers the requests completed before Ctrl-C", file=sys.stderr)
+        return 130
+    return 0
 
-    previous_len: dict[tuple[str, str], int] = {}
-    drift_offsets: dict[str, Counter[int]] = {}
-    for record in report.requests_log:
-        key = (record["scenario"], record["conversation_id"])
-        if record["drift_at"] is not None and key in previous_len:
-            drift_offsets.setdefault(key[0], Counter())[record["drift_at"] - previous_len[key]] += 1
-        previous_len[key] = record["usage"]["prompt_tokens"] + record["usage"]["completion_tokens"]
-    print(f"tokenizer: {replayer.tokenizer.name}")
+
+def _write_replay(args: argparse.Namespace, report, tokenizer_name: str) -> None:
+    from prefixcache.replay.report import drift_json, format_drift, format_drift_requests, format_replay
+
+    print(f"tokenizer: {tokenizer_name}")
     print(format_replay(report))
-    for scenario, offsets in drift_offsets.items():
-        offset, count = offsets.most_common(1)[0]
-        print(
-            f"template drift in {scenario}: {offsets.total()} requests do not extend the previous prompt+answer; "
-            f"{count} of them diverge {-offset} tokens before its end"
-        )
+    for scenario in report.scenarios:
+        line = format_drift(scenario)
+        if line:
+            print(line)
     if args.explain:
         from prefixcache.replay.explain import format_divergences
 
         for scenario in report.scenarios:
             print()
             print(format_divergences(scenario.scenario, scenario.explain_kinds or {}, scenario.divergences))
-    if args.plot:
+            if scenario.drifts:
+                print(format_drift_requests(scenario))
+    if args.plot and report.scenarios:
         from prefixcache.replay.plot import plot_replay
 
         print(f"plot written to {plot_replay(report, args.plot)}")
     if args.json:
         out_json = report.to_json()
-        for scenario, scenario_json in out_json["scenarios"].items():
-            offsets = drift_offsets.get(scenario, Counter())
-            top = offsets.most_common(1)
-            scenario_json["drift"] = {
-                "requests": offsets.total(),
-                "most_common_offset": top[0][0] if top else None,
-                "most_common_offset_requests": top[0][1] if top else 0,
-                "offsets": {str(k): v for k, v in offsets.most_common(5)},
-            }
+        for scenario in report.scenarios:
+            out_json["scenarios"][scenario.scenario]["drift"] = drift_json(scenario)
         with open(args.json, "w") as out:
             json.dump(out_json, out, indent=2)
     if args.requests_jsonl:
         with open(args.requests_jsonl, "w") as out:
             for record in report.requests_log:
                 out.write(json.dumps(record) + "\n")
-    return 0
 
 
 def _run_bench(args: argparse.Namespace) -> int:
     from prefixcache import bench
 
+    if args.quick:
+        print("quick run (--quick): small sizes for a smoke test; the figures are not judged against the goals\n")
     bench.run(args.names or None, quick=args.quick, json_path=args.json)
     return 0
 
@@ -263,6 +351,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers = {"replay": _run_replay, "bench": _run_bench, "plan": _run_plan}
     try:
         return handlers[args.command](args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     except VerificationError as error:
         print(f"VERIFICATION FAILED: {error}", file=sys.stderr)
         return 1

@@ -33,21 +33,30 @@ class HFTokenizer:
     tokens too (``len(tokenizer)``).  ``eos_token_ids`` are the tokenizer's EOS plus those of a sibling
     ``generation_config.json`` (Qwen ends turns with ``<|im_end|>`` and documents with ``<|endoftext|>``).
 
+    ``chat_template`` (Jinja source) replaces the folder's own template, or supplies one to a folder without it.
+
     Raises:
-        InvalidArgumentError: ``path`` is not a folder, or transformers cannot load a tokenizer from it.
+        InvalidArgumentError: ``path`` is not a folder, lacks the files that say which tokenizer it holds (named in
+            the message, with the fix), or transformers cannot load a tokenizer from it.
         ImportError: transformers is not installed (``pip install "prefixcache[hf]"``).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        from transformers import AutoTokenizer
-
+    def __init__(self, path: str | os.PathLike[str], *, chat_template: str | None = None) -> None:
         folder = Path(path)
         if not folder.is_dir():
             raise InvalidArgumentError(f"tokenizer path {str(folder)!r} is not a folder")
+        _check_tokenizer_files(folder)
+        from transformers import AutoTokenizer
+
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        except (OSError, ValueError) as error:
-            raise InvalidArgumentError(f"cannot load a tokenizer from {str(folder)!r}: {error}") from None
+        except (OSError, ValueError, ImportError) as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise InvalidArgumentError(f"cannot load a tokenizer from {str(folder)!r}: {first_line}") from None
+        if chat_template is not None:
+            if not isinstance(chat_template, str) or not chat_template.strip():
+                raise InvalidArgumentError("chat_template must be non-empty Jinja source")
+            self.tokenizer.chat_template = chat_template
         self.path = folder
         tok = self.tokenizer
         self._vocab_size = len(tok)
@@ -64,6 +73,11 @@ class HFTokenizer:
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether :meth:`render_chat` has a template to render with (the folder's own or one given)."""
+        return bool(self.tokenizer.chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -125,7 +139,10 @@ class HFTokenizer:
         validate_messages(messages)
         validate_tools(tools)
         if not self.tokenizer.chat_template:
-            raise TemplateError(f"tokenizer {self._name} has no chat template")
+            raise TemplateError(
+                f"tokenizer {self._name} has no chat template (no chat_template in tokenizer_config.json, no "
+                "chat_template.jinja); give one: HFTokenizer(path, chat_template=...) or --chat-template FILE"
+            )
         from jinja2 import TemplateError as JinjaError
 
         try:
@@ -142,6 +159,25 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r})"
+
+
+def _check_tokenizer_files(folder: Path) -> None:
+    """Refuse a folder transformers could only fail on with a long, misleading message: one without vocabulary
+    files, or with ``vocab.json`` + ``merges.txt`` but nothing saying which tokenizer class reads them."""
+    has = {name: (folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "config.json")}
+    bpe = (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file()
+    sentencepiece = any(folder.glob("*.model"))
+    if not (has["tokenizer.json"] or bpe or sentencepiece):
+        raise InvalidArgumentError(
+            f"{str(folder)!r} holds no tokenizer: expected tokenizer.json, or vocab.json + merges.txt, or a "
+            "sentencepiece *.model; copy the tokenizer files of the model into it"
+        )
+    if not (has["tokenizer.json"] or has["tokenizer_config.json"] or has["config.json"]):
+        raise InvalidArgumentError(
+            f"{str(folder)!r} has vocab files but no tokenizer_config.json (nor tokenizer.json or config.json) saying "
+            "which tokenizer reads them; copy the model's tokenizer_config.json into it (it also holds the chat "
+            'template), or write one such as {"tokenizer_class": "Qwen2Tokenizer"}'
+        )
 
 
 def _generation_config_eos(folder: Path) -> set[int]:

@@ -2,9 +2,10 @@
 
 :func:`explain` walks the radix tree along a prompt without touching it (no access time, no hit count, no
 stats) and reports the token index where the prompt and the cache part ways, the cached sequence it came
-closest to, and, given a tokenizer, the text on both sides of that point.  Given the per-message token spans
-of the prompt (:func:`message_spans`), it also names the chat message the divergence falls in, which is what
-turns "hit rate 19%" into "the system prompt starts with a timestamp".
+closest to, and, given a tokenizer, the text on both sides of that point.  Given where the prompt's messages
+are (:class:`MessageLocator`, or the spans of :func:`message_spans`), both found on the rendered prompt itself, it
+also names the chat message the divergence falls in, which is what turns "hit rate 19%" into "the system prompt
+starts with a timestamp", even when the template re-renders earlier turns.
 
 :class:`DivergenceTally` groups explanations of many requests by (token index, message) for the replay's
 ``--explain`` summary.
@@ -29,6 +30,7 @@ __all__ = [
     "DivergencePoint",
     "DivergenceTally",
     "Explanation",
+    "MessageLocator",
     "MessageSpan",
     "explain",
     "format_divergences",
@@ -108,31 +110,124 @@ def _visible(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\n", "\\n").replace("`", "'")
 
 
+_CONTENT_MARK = "\x00\x00"
+"""Appended to one message's content to find where that content ends in a rendered prompt (see
+:class:`MessageLocator`); NUL bytes are kept by every template we know and merge with no neighbouring text."""
+
+
+class MessageLocator:
+    """Which chat message a token of a rendered prompt belongs to, computed on that prompt itself.
+
+    ``prompt`` is the rendering of ``messages`` (with ``add_generation_prompt``), the ids the model really saw;
+    rendered when not given.  Message ``i`` owns tokens ``[end(i - 1), end(i))``, template markers included,
+    where ``end(i)`` is ``len(render(messages[:i + 1]))`` when that partial rendering is a token prefix of the
+    prompt.  A template that re-renders history (Qwen3 drops the reasoning of earlier assistant turns) makes
+    partial renderings disagree with the prompt; then ``end(i)`` is where message ``i``'s content ends in the
+    prompt, found as the first token that changes when that content alone gets a marker appended.  A preamble
+    before message 0 (a default system message holding ``tools``) and the generation prompt are in no message.
+
+    Costs one or two renderings per ``end(i)``, memoized: :meth:`locate` is a binary search, O(log n)
+    renderings; :meth:`spans` is O(n).  Raises TemplateError as ``render_chat``.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        prompt: TokenIds | None = None,
+        add_generation_prompt: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.messages = list(messages)
+        self.tools = tools
+        if prompt is None:
+            prompt = tokenizer.render_chat(self.messages, tools, add_generation_prompt=add_generation_prompt)
+        self.prompt = as_token_array(prompt)
+        self._ends: dict[int, int] = {}
+        try:
+            preamble = array(self.prompt.typecode, tokenizer.render_chat([], tools, add_generation_prompt=False))
+        except TemplateError:
+            preamble = array(self.prompt.typecode)  # Hugging Face templates refuse an empty conversation
+        self.start = len(preamble) if self.prompt[: len(preamble)] == preamble else 0
+
+    def end(self, index: int) -> int:
+        """Token index just past message ``index`` in the prompt; never less than the previous message's end."""
+        if index < 0:
+            return self.start
+        if index not in self._ends:
+            self._ends[index] = max(self._own_end(index), self.start)
+        return self._ends[index]
+
+    def _own_end(self, index: int) -> int:
+        render = self.tokenizer.render_chat
+        partial = render(self.messages[: index + 1], self.tools, add_generation_prompt=False)
+        partial = array(self.prompt.typecode, partial)
+        if self.prompt[: len(partial)] == partial:
+            return len(partial)
+        marked = [dict(m) for m in self.messages]
+        marked[index]["content"] = (marked[index].get("content") or "") + _CONTENT_MARK
+        changed = array(self.prompt.typecode, render(marked, self.tools, add_generation_prompt=False))
+        return _common_prefix_length(self.prompt, changed)
+
+    def locate(self, position: int) -> MessageSpan | None:
+        """The message holding token ``position``, or ``None`` (preamble, generation prompt, past the end)."""
+        if not self.messages or position < self.start or position >= self.end(len(self.messages) - 1):
+            return None
+        lo, hi = 0, len(self.messages) - 1
+        while lo < hi:  # the first message whose end lies past the position
+            mid = (lo + hi) // 2
+            if self.end(mid) > position:
+                hi = mid
+            else:
+                lo = mid + 1
+        return self._span(lo)
+
+    def spans(self) -> list[MessageSpan]:
+        """Every message's span, in order; sorted and non-overlapping by construction (empty ones included)."""
+        ends = [self.end(i) for i in range(len(self.messages))]
+        for i in range(1, len(ends)):
+            ends[i] = max(ends[i], ends[i - 1])
+            self._ends[i] = ends[i]
+        return [self._span(i) for i in range(len(self.messages))]
+
+    def _span(self, index: int) -> MessageSpan:
+        start = max(self.end(index - 1), self.start) if index else self.start
+        return MessageSpan(index, str(self.messages[index]["role"]), start, max(self.end(index), start))
+
+
+def _common_prefix_length(a: array, b: array) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    x = np.frombuffer(a, dtype=np.uint32, count=n)
+    y = np.frombuffer(b, dtype=np.uint32, count=n)
+    return int(np.flatnonzero(x != y)[0])
+
+
 def message_spans(
     tokenizer: Tokenizer,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    prompt: TokenIds | None = None,
+    add_generation_prompt: bool = False,
 ) -> list[MessageSpan]:
-    """Token spans of each message in the tokenizer's chat rendering, found by rendering prefix by prefix.
+    """Token spans of each message in ``prompt``, the tokenizer's chat rendering of ``messages`` (see
+    :class:`MessageLocator` for how they are found and what they cover).  O(len(messages)) renderings.
 
-    Message ``i`` spans ``[len(render(messages[:i])), len(render(messages[:i + 1])))``, without generation
-    prompts; a template preamble before message 0 (a default system message holding ``tools``) is in no span.
-    O(len(messages) * rendered tokens).  Raises TemplateError as ``render_chat``.
+    Raises TemplateError as ``render_chat``.
     """
-    spans: list[MessageSpan] = []
-    try:
-        start = len(tokenizer.render_chat(messages[:0], tools, add_generation_prompt=False))
-    except TemplateError:
-        start = 0  # Hugging Face templates refuse an empty conversation: no preamble to skip then
-    for index, message in enumerate(messages):
-        end = len(tokenizer.render_chat(messages[: index + 1], tools, add_generation_prompt=False))
-        spans.append(MessageSpan(index, str(message["role"]), start, end))
-        start = end
-    return spans
+    locator = MessageLocator(tokenizer, messages, tools, prompt=prompt, add_generation_prompt=add_generation_prompt)
+    return locator.spans()
 
 
-def locate_message(spans: Sequence[MessageSpan], position: int) -> MessageSpan | None:
-    """The span holding token ``position``, or ``None``.  O(log n) on sorted, non-overlapping spans."""
+def locate_message(spans: Sequence[MessageSpan] | MessageLocator, position: int) -> MessageSpan | None:
+    """The span holding token ``position``, or ``None``.  O(log n): spans must be sorted and non-overlapping, as
+    :func:`message_spans` returns them; a :class:`MessageLocator` answers by itself."""
+    if isinstance(spans, MessageLocator):
+        return spans.locate(position)
     i = bisect.bisect_right([s.end for s in spans], position)
     if i < len(spans) and spans[i].start <= position < spans[i].end:
         return spans[i]
@@ -144,7 +239,7 @@ def explain(
     token_ids: TokenIds,
     namespace: str | None = None,
     tokenizer: Tokenizer | None = None,
-    messages_spans: Sequence[MessageSpan] | None = None,
+    messages_spans: Sequence[MessageSpan] | MessageLocator | None = None,
     *,
     before_tokens: int = 24,
     after_tokens: int = 12,
@@ -212,7 +307,7 @@ def _finish(
     length: int,
     closest_ids: tuple[int, ...],
     tokenizer: Tokenizer | None,
-    spans: Sequence[MessageSpan] | None,
+    spans: Sequence[MessageSpan] | MessageLocator | None,
     before_tokens: int,
     after_tokens: int,
 ) -> Explanation:

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 from prefixcache.errors import PrefixCacheError
 
 if TYPE_CHECKING:
-    from prefixcache.replay.replayer import ReplayReport, ScenarioReport
+    from prefixcache.replay.results import ReplayReport, ScenarioReport
 
-__all__ = ["MissingDependencyError", "plot_replay", "require_matplotlib"]
+__all__ = ["MissingDependencyError", "check_plot_path", "plot_replay", "require_matplotlib"]
 
 _HIT = "#1f77b4"
 _IDEAL = "#2ca02c"
@@ -38,6 +38,28 @@ def require_matplotlib() -> None:
         raise MissingDependencyError(
             "plotting needs matplotlib: pip install 'prefixcache[plot]' (or pip install matplotlib)"
         ) from None
+
+
+def check_plot_path(path: str | Path) -> None:
+    """Refuse a plot file name whose suffix is not a format matplotlib writes, before any work.
+
+    Raises:
+        MissingDependencyError: matplotlib is not installed.
+        InvalidArgumentError: naming the formats it writes.
+    """
+    require_matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from prefixcache.errors import InvalidArgumentError
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in formats:
+        given = f"'.{suffix}'" if suffix else "no suffix"
+        raise InvalidArgumentError(
+            f"--plot {path}: {given} is not an image format matplotlib writes; use one of "
+            + ", ".join(f".{name}" for name in sorted(formats))
+        )
 
 
 def plot_replay(report: ReplayReport, path: str | Path, *, dpi: int = 110) -> Path:

@@ -15,289 +15,63 @@ metadata-only pool, which takes seconds for millions of tokens.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from prefixcache.cache.pool import KVBlockPool, check_block_size
+from prefixcache.cache.pool import KVBlockPool, check_block_size, kv_bytes_per_token
 from prefixcache.cache.radix_cache import RadixCache
-from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
 from prefixcache.engine.runner import PrefixCachingRunner
-from prefixcache.errors import CapacityError, InvalidArgumentError, ScenarioError, VerificationError
+from prefixcache.errors import CapacityError, InvalidArgumentError, VerificationError
 from prefixcache.models.base import CausalLM
 from prefixcache.replay.explain import (
-    DivergencePoint,
     DivergenceTally,
     Explanation,
-    MessageSpan,
+    MessageLocator,
     explain,
-    message_spans,
 )
 from prefixcache.replay.ideal import IdealCache
-from prefixcache.replay.scenarios import Conversation, default_tools_for, detect_format, iter_mooncake, load_scenario
+from prefixcache.replay.requests import ORDERS as ORDERS
+from prefixcache.replay.requests import Progress, smallest_pool_tokens
+from prefixcache.replay.requests import ReplayRequest as ReplayRequest
+from prefixcache.replay.requests import conversation_requests as conversation_requests
+from prefixcache.replay.requests import interleave as interleave
+from prefixcache.replay.requests import load_requests as load_requests
+from prefixcache.replay.results import DriftRecord as DriftRecord
+from prefixcache.replay.results import ReplayReport as ReplayReport
+from prefixcache.replay.results import ReplaySeries as ReplaySeries
+from prefixcache.replay.results import ScenarioReport as ScenarioReport
+from prefixcache.replay.scenarios import expand_paths
 
 logger = logging.getLogger(__name__)
 
-ORDERS = ("round-robin", "random", "file")
 
+class ReplayInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a replay: ``report`` holds the requests completed before it, marked ``partial``.
 
-@dataclass(frozen=True, slots=True)
-class ReplayRequest:
-    """One request of a replay: where it comes from, its prompt and teacher-forced answer token ids.
-
-    ``drift_at`` is set when the prompt is not a token-level extension of the previous turn's prompt + answer of
-    the same conversation: the token index where the two first differ (template drift).  ``conversation`` is the
-    transcript it comes from (``None`` for traces), which ``--explain`` uses to name messages.
+    A :class:`KeyboardInterrupt`, so a caller that does not look for it still stops as on any Ctrl-C.
     """
 
-    scenario: str
-    conversation_id: str
-    turn: int
-    prompt: array
-    answer: array
-    drift_at: int | None = None
-    conversation: Conversation | None = field(default=None, compare=False, repr=False)
+    def __init__(self, report: ScenarioReport | ReplayReport) -> None:
+        super().__init__("replay interrupted")
+        self.report = report
 
 
-@dataclass(slots=True)
-class ReplaySeries:
-    """Samples taken after each request of a scenario (index ``i``: after request ``i``), for plots.
-
-    ``prompt_tokens``, ``cached_tokens``, ``ideal_cached_tokens``, ``evictions`` and ``evicted_tokens`` are
-    cumulative.  ``evictable_blocks`` is ``used_blocks`` less the blocks of locked tokens (rounded up); between
-    requests of a replay nothing is locked, so it equals ``used_blocks``.
-    """
-
-    prompt_tokens: list[int] = field(default_factory=list)
-    cached_tokens: list[int] = field(default_factory=list)
-    ideal_cached_tokens: list[int] = field(default_factory=list)
-    used_blocks: list[int] = field(default_factory=list)
-    evictable_blocks: list[int] = field(default_factory=list)
-    free_blocks: list[int] = field(default_factory=list)
-    evictions: list[int] = field(default_factory=list)
-    evicted_tokens: list[int] = field(default_factory=list)
-
-    def sample(self, prompt: int, cached: int, ideal: int, cache: RadixCache) -> None:
-        """Append one sample: this request's prompt, cached and ideal tokens, and the cache's sizes.  O(1)."""
-        stats = cache.stats()
-        last = len(self.prompt_tokens) - 1
-        self.prompt_tokens.append(prompt + (self.prompt_tokens[last] if last >= 0 else 0))
-        self.cached_tokens.append(cached + (self.cached_tokens[last] if last >= 0 else 0))
-        self.ideal_cached_tokens.append(ideal + (self.ideal_cached_tokens[last] if last >= 0 else 0))
-        locked = min(stats.used_blocks, -(-stats.locked_tokens // stats.block_size))
-        self.used_blocks.append(stats.used_blocks)
-        self.evictable_blocks.append(stats.used_blocks - locked)
-        self.free_blocks.append(stats.free_blocks)
-        self.evictions.append(stats.evictions)
-        self.evicted_tokens.append(stats.evicted_tokens)
-
-
-@dataclass(slots=True)
-class ScenarioReport:
-    """Totals of one replayed file (or of all, for the ``total`` row).  Tokens are token counts, times seconds."""
-
-    scenario: str
-    requests: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    prefilled_tokens: int = 0
-    copied_tokens: int = 0
-    ideal_cached_tokens: int = 0
-    evictions: int = 0
-    evicted_tokens: int = 0
-    peak_blocks_used: int = 0
-    num_blocks: int = 0
-    drift_requests: int = 0
-    prefill_s_cached: float | None = None
-    prefill_s_uncached: float | None = None
-    verified: bool | None = None
-    max_abs_logit_diff: float | None = None
-    skipped_lines: int = 0
-    series: ReplaySeries | None = None
-    explain_kinds: dict[str, int] | None = None
-    divergences: list[DivergencePoint] = field(default_factory=list)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def ideal_hit_rate(self) -> float:
-        return self.ideal_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
-
-    @property
-    def speedup(self) -> float | None:
-        if not self.prefill_s_cached or self.prefill_s_uncached is None:
-            return None
-        return self.prefill_s_uncached / self.prefill_s_cached
-
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        del out["series"]  # one sample per request: too big for the report, it is for plots
-        out["hit_rate"] = self.hit_rate
-        out["ideal_hit_rate"] = self.ideal_hit_rate
-        out["speedup"] = self.speedup
-        return out
-
-
-@dataclass(slots=True)
-class ReplayReport:
-    """Per-scenario reports and their totals; :meth:`to_json` has the documented top-level keys."""
-
-    scenarios: list[ScenarioReport] = field(default_factory=list)
-    model: str | None = None
-    block_size: int = 16
-    requests_log: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def total(self) -> ScenarioReport:
-        total = ScenarioReport("total")
-        timed = [s for s in self.scenarios if s.prefill_s_cached is not None]
-        for s in self.scenarios:
-            for name in (
-                "requests",
-                "prompt_tokens",
-                "cached_tokens",
-                "prefilled_tokens",
-                "copied_tokens",
-                "ideal_cached_tokens",
-                "evictions",
-                "evicted_tokens",
-                "drift_requests",
-                "skipped_lines",
-                "num_blocks",
-            ):
-                setattr(total, name, getattr(total, name) + getattr(s, name))
-            total.peak_blocks_used = max(total.peak_blocks_used, s.peak_blocks_used)
-        if timed:
-            total.prefill_s_cached = sum(s.prefill_s_cached for s in timed)
-            uncached = [s.prefill_s_uncached for s in timed]
-            total.prefill_s_uncached = None if None in uncached else sum(uncached)
-        verified = [s.verified for s in self.scenarios]
-        total.verified = None if any(v is None for v in verified) else all(verified)
-        diffs = [s.max_abs_logit_diff for s in self.scenarios if s.max_abs_logit_diff is not None]
-        total.max_abs_logit_diff = max(diffs) if diffs else None
-        return total
-
-    def to_json(self) -> dict[str, Any]:
-        out = self.total.to_json()
-        del out["scenario"]
-        out["model"] = self.model
-        out["block_size"] = self.block_size
-        out["scenarios"] = {s.scenario: s.to_json() for s in self.scenarios}
-        return out
-
-
-def conversation_requests(conversation: Conversation, tokenizer: Tokenizer, scenario: str) -> list[ReplayRequest]:
-    """The requests of one conversation, in turn order, with template drift marked.
-
-    Raises TemplateError if a message cannot be rendered.
-    """
-    requests: list[ReplayRequest] = []
-    previous: array | None = None
-    for turn in conversation.assistant_turns:
-        history = conversation.messages[:turn]
-        prompt = array(TOKEN_TYPECODE, tokenizer.render_chat(history, conversation.tools, add_generation_prompt=True))
-        full = array(
-            TOKEN_TYPECODE,
-            tokenizer.render_chat(conversation.messages[: turn + 1], conversation.tools, add_generation_prompt=False),
-        )
-        start = len(prompt) if full[: len(prompt)] == prompt else _common_prefix(full, prompt)
-        answer = full[start:]
-        drift_at = None
-        if previous is not None and prompt[: len(previous)] != previous:
-            drift_at = _common_prefix(prompt, previous)
-        requests.append(ReplayRequest(scenario, conversation.id, turn, prompt, answer, drift_at, conversation))
-        previous = prompt + answer
-    return requests
-
-
-def _common_prefix(a: array, b: array) -> int:
-    n = min(len(a), len(b))
-    lo, hi = 0, n
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-def interleave(per_conversation: Sequence[Sequence[ReplayRequest]], order: str, seed: int) -> list[ReplayRequest]:
-    """Merge conversations' request lists, keeping each conversation's turn order.
-
-    ``round-robin``: first turns of all conversations, then second turns, ...; ``random``: a seeded random
-    conversation takes its next turn each step; ``file``: each conversation whole, in file order.
+def check_options(*, has_model: bool, cache_memory: int | None, verify: bool) -> None:
+    """Refuse option combinations that need a model, before one is loaded.
 
     Raises:
-        InvalidArgumentError: unknown order.
+        InvalidArgumentError: ``cache_memory`` or ``verify`` without a model.
     """
-    if order == "file":
-        return [r for requests in per_conversation for r in requests]
-    if order == "round-robin":
-        out = []
-        depth = max((len(r) for r in per_conversation), default=0)
-        for i in range(depth):
-            out.extend(requests[i] for requests in per_conversation if i < len(requests))
-        return out
-    if order == "random":
-        rng = random.Random(seed)
-        queues = [list(reversed(r)) for r in per_conversation if r]
-        out = []
-        while queues:
-            i = rng.randrange(len(queues))
-            out.append(queues[i].pop())
-            if not queues[i]:
-                queues[i] = queues[-1]
-                queues.pop()
-        return out
-    raise InvalidArgumentError(f"unknown order {order!r}; choose one of {ORDERS}")
-
-
-def load_requests(
-    path: str | Path,
-    tokenizer: Tokenizer,
-    *,
-    order: str = "round-robin",
-    seed: int = 0,
-    limit: int | None = None,
-    skip_invalid: bool = False,
-    file_format: str = "auto",
-) -> tuple[list[ReplayRequest], int]:
-    """Read a scenario (chat JSONL) or a Mooncake trace into replay requests; returns ``(requests, skipped)``.
-
-    ``limit`` keeps the first ``limit`` conversations (or trace lines).  Mooncake requests have no answer tokens
-    and keep the trace's order.
-
-    Raises:
-        ScenarioError: a bad line (unless ``skip_invalid``), or an unreadable file.
-    """
-    path = Path(path)
-    name = str(path)
-    fmt = detect_format(path) if file_format == "auto" else file_format
-    if fmt == "mooncake":
-        empty = array(TOKEN_TYPECODE)
-        requests = [
-            ReplayRequest(name, f"line{i + 1}", 0, array(TOKEN_TYPECODE, r.token_ids), empty)
-            for i, r in enumerate(iter_mooncake(path, limit=limit))
-        ]
-        return requests, 0
-    if fmt != "chat":
-        raise InvalidArgumentError(f"unknown format {file_format!r}; choose auto, chat or mooncake")
-    scenario = load_scenario(path, tools=default_tools_for(path), skip_invalid=skip_invalid)
-    for error in scenario.skipped:
-        logger.warning("skipped %s", error)
-    conversations = scenario.conversations[:limit] if limit is not None else scenario.conversations
-    per_conversation = [conversation_requests(c, tokenizer, name) for c in conversations]
-    return interleave(per_conversation, order, seed), len(scenario.skipped)
+    if not has_model and cache_memory is not None:
+        raise InvalidArgumentError("--cache-memory needs a model (bytes per token); use --cache-tokens")
+    if not has_model and verify:
+        raise InvalidArgumentError("--verify needs a model; drop --no-model")
 
 
 class Replayer:
@@ -323,10 +97,7 @@ class Replayer:
         measure_uncached: bool = True,
         explain: bool = False,
     ) -> None:
-        if model is None and cache_memory is not None:
-            raise InvalidArgumentError("--cache-memory needs a model (bytes per token); use --cache-tokens")
-        if model is None and verify:
-            raise InvalidArgumentError("--verify needs a model; drop --no-model")
+        check_options(has_model=model is not None, cache_memory=cache_memory, verify=verify)
         check_block_size(block_size)
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
@@ -373,7 +144,6 @@ class Replayer:
         namespace = None
         tree_namespace = runner.namespace_key(None) if runner is not None else namespace
         tally = DivergenceTally() if self.explain else None
-        spans: dict[int, list[MessageSpan]] = {}
         report.series = ReplaySeries()
         logger.info(
             "%s: replaying %d requests, pool of %d blocks of %d tokens",
@@ -387,39 +157,73 @@ class Replayer:
             report.prefill_s_uncached = 0.0 if scratch is not None else None
             report.max_abs_logit_diff = 0.0 if self.verify else None
         iterator = progress(requests) if progress is not None else requests
-        for index, request in enumerate(iterator):
-            if tally is not None:
-                tally.add(self._explain(cache, request, tree_namespace, spans))
-            if runner is None:
-                lease = cache.acquire(request.prompt, namespace)
-                try:
-                    cache.reserve(lease, len(request.prompt) + len(request.answer))
-                    cache.commit(lease, request.prompt + request.answer)
-                except BaseException:
-                    if not lease.closed:
-                        cache.release(lease)
-                    raise
-                cached, copied, ttft = lease.num_cached_tokens, lease.num_copied_tokens, None
-            else:
-                result = runner.generate(request.prompt, forced_tokens=request.answer, return_logits=self.verify)
-                cached, copied, ttft = result.usage.cached_tokens, result.usage.copied_tokens, result.usage.ttft_s
-                report.prefill_s_cached += ttft
-                if scratch is not None:
-                    report.prefill_s_uncached += self._uncached_prefill_s(request.prompt, scratch)
-                if self.verify:
-                    diff = self._verify(request, cached, result.prompt_logits)
-                    report.max_abs_logit_diff = max(report.max_abs_logit_diff, diff)
-            report.requests += 1
-            report.prompt_tokens += len(request.prompt)
-            report.cached_tokens += cached
-            report.prefilled_tokens += len(request.prompt) - cached
-            report.copied_tokens += copied
-            report.ideal_cached_tokens += ideal_hits[index]
-            report.drift_requests += request.drift_at is not None
-            report.peak_blocks_used = max(report.peak_blocks_used, cache.pool.num_used_blocks)
-            report.series.sample(len(request.prompt), cached, ideal_hits[index], cache)
-            if log is not None:
-                log.append(_request_record(request, cached, copied, ideal_hits[index], ttft))
+        previous_end: dict[str, int] = {}
+        try:
+            for index, request in enumerate(iterator):
+                explanation = self._explain(cache, request, tree_namespace) if tally is not None else None
+                if runner is None:
+                    cached, copied, ttft = self._account(cache, request, namespace)
+                else:
+                    result = runner.generate(request.prompt, forced_tokens=request.answer, return_logits=self.verify)
+                    cached, copied, ttft = result.usage.cached_tokens, result.usage.copied_tokens, result.usage.ttft_s
+                    if scratch is not None:
+                        uncached_s = self._uncached_prefill_s(request.prompt, scratch)
+                    if self.verify:
+                        diff = self._verify(request, cached, result.prompt_logits)
+                        report.max_abs_logit_diff = max(report.max_abs_logit_diff, diff)
+                    report.prefill_s_cached += ttft
+                    if scratch is not None:
+                        report.prefill_s_uncached += uncached_s
+                if explanation is not None:
+                    tally.add(explanation)
+                if request.drift_at is not None and request.conversation_id in previous_end:
+                    before_end = previous_end[request.conversation_id] - request.drift_at
+                    report.drifts.append(self._drift(request, before_end, explanation is not None))
+                previous_end[request.conversation_id] = len(request.prompt) + len(request.answer)
+                report.requests += 1
+                report.prompt_tokens += len(request.prompt)
+                report.cached_tokens += cached
+                report.prefilled_tokens += len(request.prompt) - cached
+                report.copied_tokens += copied
+                report.ideal_cached_tokens += ideal_hits[index]
+                report.drift_requests += request.drift_at is not None
+                report.peak_blocks_used = max(report.peak_blocks_used, cache.pool.num_used_blocks)
+                report.series.sample(len(request.prompt), cached, ideal_hits[index], cache)
+                if log is not None:
+                    log.append(_request_record(request, cached, copied, ideal_hits[index], ttft))
+        except KeyboardInterrupt:
+            report.partial = True
+        self._finish(report, cache, tally)
+        if report.partial:
+            raise ReplayInterrupted(report)
+        return report
+
+    def _account(self, cache: RadixCache, request: ReplayRequest, namespace: str | None) -> tuple[int, int, None]:
+        """Cache-only mode: acquire, reserve and commit the request's tokens; ``(cached, copied, None)``."""
+        lease = cache.acquire(request.prompt, namespace)
+        try:
+            cache.reserve(lease, len(request.prompt) + len(request.answer))
+            cache.commit(lease, request.prompt + request.answer)
+        except BaseException:
+            if not lease.closed:
+                cache.release(lease)
+            raise
+        return lease.num_cached_tokens, lease.num_copied_tokens, None
+
+    def _drift(self, request: ReplayRequest, before_end: int, name_message: bool) -> DriftRecord:
+        span = None
+        if name_message and request.conversation is not None:
+            span = self._locator(request).locate(request.drift_at)
+        return DriftRecord(
+            request.conversation_id,
+            request.turn,
+            request.drift_at,
+            before_end,
+            span.index if span else None,
+            span.role if span else None,
+        )
+
+    def _finish(self, report: ScenarioReport, cache: RadixCache, tally: DivergenceTally | None) -> None:
         stats = cache.stats()
         report.evictions = stats.evictions
         report.evicted_tokens = stats.evicted_tokens
@@ -430,27 +234,23 @@ class Replayer:
             report.divergences = tally.top(3)
         logger.info(
             "%s: %d requests, hit rate %.1f%% (ideal %.1f%%), %d evictions",
-            scenario,
+            report.scenario,
             report.requests,
             100 * report.hit_rate,
             100 * report.ideal_hit_rate,
             report.evictions,
         )
-        return report
 
-    def _explain(
-        self, cache: RadixCache, request: ReplayRequest, namespace: str | None, spans: dict[int, list[MessageSpan]]
-    ) -> Explanation:
-        """Explain ``request`` against the cache as it is now, naming its messages when it has a transcript."""
+    def _locator(self, request: ReplayRequest) -> MessageLocator:
         conversation = request.conversation
-        message_list = None
-        if conversation is not None:
-            key = id(conversation)
-            if key not in spans:
-                spans[key] = message_spans(self.tokenizer, conversation.messages, conversation.tools)
-            # The prompt renders messages[:turn]; later spans belong to the answer and beyond.
-            message_list = spans[key][: request.turn]
-        return explain(cache, request.prompt, namespace, self.tokenizer, message_list)
+        messages = conversation.messages[: request.turn]
+        return MessageLocator(self.tokenizer, messages, conversation.tools, prompt=request.prompt)
+
+    def _explain(self, cache: RadixCache, request: ReplayRequest, namespace: str | None) -> Explanation:
+        """Explain ``request`` against the cache as it is now, naming its messages when it has a transcript; the
+        messages are located on the request's own prompt, so a template that re-renders history is no problem."""
+        locator = self._locator(request) if request.conversation is not None else None
+        return explain(cache, request.prompt, namespace, self.tokenizer, locator)
 
     def _make_cache(
         self, requests: Sequence[ReplayRequest], ideal_hits: Sequence[int]
@@ -468,6 +268,8 @@ class Replayer:
         if self.model is None:
             cache = RadixCache(KVBlockPool(num_blocks, bs), self.policy)
             return None, cache
+        if num_blocks is not None:
+            self.check_pool_memory(num_blocks * bs * self.bytes_per_token, "the unlimited pool this replay needs")
         runner = PrefixCachingRunner(
             self.model,
             self.tokenizer,
@@ -477,6 +279,47 @@ class Replayer:
             policy=self.policy,
         )
         return runner, runner.cache
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of K and V per cached token of the model (0 without a model)."""
+        if self.model is None:
+            return 0
+        m = self.model
+        return kv_bytes_per_token(m.num_layers, m.num_kv_heads, m.head_dim, m.dtype)
+
+    def capacity_tokens(self) -> int | None:
+        """Tokens the pool holds when its size is fixed (``cache_tokens`` or ``cache_memory``), in whole blocks;
+        ``None`` when it is sized to the replay."""
+        bs = self.block_size
+        if self.cache_tokens is not None:
+            return -(-self.cache_tokens // bs) * bs
+        if self.cache_memory is not None and self.model is not None:
+            return self.cache_memory // (self.bytes_per_token * bs) * bs
+        return None
+
+    def check_pool_memory(self, num_bytes: int | None = None, what: str | None = None) -> None:
+        """Refuse a KV pool of ``num_bytes`` larger than the memory free on the model's device, before trying to
+        allocate it.  By default the fixed pool: ``cache_memory``, or ``cache_tokens`` times the bytes per token.
+
+        Raises:
+            CapacityError: naming both sizes.
+        """
+        if self.model is None:
+            return
+        if num_bytes is None:
+            if self.cache_memory is not None:
+                num_bytes, what = self.cache_memory, "--cache-memory"
+            elif self.cache_tokens is not None:
+                num_bytes, what = self.capacity_tokens() * self.bytes_per_token, f"--cache-tokens {self.cache_tokens:,}"
+            else:
+                return
+        free = free_memory_bytes(self.model.device)
+        if free is not None and num_bytes > free:
+            raise CapacityError(
+                f"{what} asks for {_gib(num_bytes)} of KV but {self.model.device} has only {_gib(free)} free; "
+                f"give a smaller --cache-memory (or --cache-tokens)"
+            )
 
     def _scratch_pool(self, requests: Sequence[ReplayRequest]) -> KVBlockPool:
         model = self.model
@@ -514,6 +357,28 @@ class Replayer:
         return diff
 
 
+def free_memory_bytes(device: torch.device | str) -> int | None:
+    """Bytes free for new tensors on ``device``: the CUDA driver's count, or the kernel's ``MemAvailable`` for the
+    CPU; ``None`` when unknown."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:,.1f} GiB"
+
+
 def _request_record(request: ReplayRequest, cached: int, copied: int, ideal: int, ttft: float | None) -> dict[str, Any]:
     prompt = len(request.prompt)
     return {
@@ -543,37 +408,76 @@ def replay_paths(
     limit: int | None = None,
     skip_invalid: bool = False,
     file_format: str = "auto",
-    progress: Callable[[Iterable, str, int], Iterable] | None = None,
+    progress: Progress | None = None,
     log_requests: bool = False,
 ) -> ReplayReport:
     """Replay each file with a fresh cache; return all reports.
 
+    A folder stands for its ``*.jsonl`` files, sorted.  All files are read and tokenized first, so that a pool
+    too small for the largest request is refused before anything runs, naming the smallest size that replays
+    the whole input.  ``progress`` sees each phase (tokenizing, replaying) of each file.
+
     Raises:
         ScenarioError: a file is missing or has a bad line (unless ``skip_invalid``).
+        CapacityError: the pool (``cache_tokens`` or ``cache_memory``) cannot hold the largest request.
+        ReplayInterrupted: Ctrl-C; its ``report`` has the files and requests completed before it, marked partial.
     """
     report = ReplayReport(block_size=replayer.block_size)
     if replayer.model is not None:
         report.model = getattr(getattr(replayer.model, "config", None), "name", type(replayer.model).__name__)
-    for path in paths:
-        if not Path(path).is_file():
-            raise ScenarioError("no such scenario file", str(path))
-        requests, skipped = load_requests(
-            path,
-            replayer.tokenizer,
-            order=order,
-            seed=seed,
-            limit=limit,
-            skip_invalid=skip_invalid,
-            file_format=file_format,
-        )
-        bar = _bound_progress(progress, str(path), len(requests)) if progress else None
-        scenario_report = replayer.replay(
-            str(path), requests, progress=bar, log=report.requests_log if log_requests else None
-        )
-        scenario_report.skipped_lines = skipped
-        report.scenarios.append(scenario_report)
+    loaded: list[tuple[str, list[ReplayRequest], int]] = []
+    try:
+        for path in expand_paths(paths):
+            requests, skipped = load_requests(
+                path,
+                replayer.tokenizer,
+                order=order,
+                seed=seed,
+                limit=limit,
+                skip_invalid=skip_invalid,
+                file_format=file_format,
+                progress=progress,
+            )
+            loaded.append((str(path), requests, skipped))
+        _check_capacity(replayer, loaded)
+        for name, requests, skipped in loaded:
+            bar = None
+            if progress is not None:
+                bar = _bound_progress(progress, f"replay {Path(name).name}", len(requests))
+            log = report.requests_log if log_requests else None
+            try:
+                scenario_report = replayer.replay(name, requests, progress=bar, log=log)
+            except ReplayInterrupted as interrupted:
+                interrupted.report.skipped_lines = skipped
+                report.scenarios.append(interrupted.report)
+                raise
+            scenario_report.skipped_lines = skipped
+            report.scenarios.append(scenario_report)
+    except KeyboardInterrupt:
+        report.partial = True
+        raise ReplayInterrupted(report) from None
     return report
 
 
-def _bound_progress(progress: Callable[[Iterable, str, int], Iterable], path: str, total: int):
-    return lambda items: progress(items, path, total)
+def _check_capacity(replayer: Replayer, loaded: Sequence[tuple[str, list[ReplayRequest], int]]) -> None:
+    capacity = replayer.capacity_tokens()
+    if capacity is None or not loaded:
+        return
+    bs = replayer.block_size
+    need, largest = max((smallest_pool_tokens(requests, bs) for _, requests, _ in loaded), key=lambda x: x[0])
+    if largest is None or need <= capacity:
+        return
+    where = f"{largest.scenario}: conversation {largest.conversation_id} turn {largest.turn}"
+    if replayer.cache_tokens is not None:
+        given, fix = f"--cache-tokens {replayer.cache_tokens:,}", f"--cache-tokens {need}"
+    else:
+        given = f"--cache-memory {replayer.cache_memory:,} bytes ({capacity:,} tokens)"
+        fix = f"--cache-memory {need * replayer.bytes_per_token}"
+    raise CapacityError(
+        f"{given} is too small for this input: {where} holds {len(largest.prompt) + len(largest.answer):,} tokens "
+        f"at once ({need // bs:,} blocks of {bs}); the whole input replays with {fix} or more"
+    )
+
+
+def _bound_progress(progress: Progress, description: str, total: int) -> Callable[[Iterable], Iterable]:
+    return lambda items: progress(items, description, total, "req")

@@ -1,10 +1,13 @@
-"""Readable tables of replay reports (tabulate), for the command line."""
+"""Readable tables of replay reports (tabulate), for the command line, and the template-drift summary."""
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any
+
 from tabulate import tabulate
 
-from prefixcache.replay.replayer import ReplayReport, ScenarioReport
+from prefixcache.replay.results import ReplayReport, ScenarioReport
 
 
 def _pct(x: float) -> str:
@@ -13,7 +16,7 @@ def _pct(x: float) -> str:
 
 def _row(s: ScenarioReport, with_model: bool) -> list:
     row = [
-        s.scenario,
+        f"{s.scenario} (partial)" if s.partial else s.scenario,
         s.requests,
         s.prompt_tokens,
         s.cached_tokens,
@@ -60,4 +63,51 @@ def format_replay(report: ReplayReport) -> str:
     if len(report.scenarios) > 1:
         rows.append(_row(report.total, with_model))
     title = f"model: {report.model or 'none (cache accounting only)'}, block size {report.block_size}"
+    if report.partial:
+        title = (
+            f"PARTIAL: interrupted; the table covers the {report.total.requests:,} requests completed before it\n"
+            + title
+        )
     return title + "\n" + tabulate(rows, headers=headers, tablefmt="github", intfmt=",")
+
+
+def drift_json(scenario: ScenarioReport) -> dict[str, Any]:
+    """The ``drift`` object of a scenario's JSON: how many requests drifted, where relative to the end of their
+    conversation's previous prompt + answer (``tokens_before_end``: range, most common, top five), per request
+    in ``drifts``."""
+    offsets = Counter(d.tokens_before_end for d in scenario.drifts)
+    top = offsets.most_common(1)
+    return {
+        "requests": offsets.total(),
+        "tokens_before_end_range": [min(offsets), max(offsets)] if offsets else None,
+        "most_common_tokens_before_end": top[0][0] if top else None,
+        "most_common_requests": top[0][1] if top else 0,
+        "tokens_before_end": {str(k): v for k, v in offsets.most_common(5)},
+    }
+
+
+def format_drift(scenario: ScenarioReport) -> str | None:
+    """One line on a scenario's template drift (``None`` without any): how many requests do not extend their
+    conversation's previous prompt + answer, and how far before its end they leave it, as a range."""
+    if not scenario.drifts:
+        return None
+    offsets = Counter(d.tokens_before_end for d in scenario.drifts)
+    low, high = min(offsets), max(offsets)
+    where = f"{low} tokens" if low == high else f"{low} to {high} tokens (most often {offsets.most_common(1)[0][0]})"
+    return (
+        f"template drift in {scenario.scenario}: {offsets.total()} requests do not extend the previous "
+        f"prompt+answer; they leave it {where} before its end"
+    )
+
+
+def format_drift_requests(scenario: ScenarioReport, limit: int = 20) -> str:
+    """The ``--explain`` list of drifted requests: conversation, turn, token, and the message holding it."""
+    lines = [f"{scenario.scenario}: template drift, request by request"]
+    for d in scenario.drifts[:limit]:
+        line = f"  conversation {d.conversation_id} turn {d.turn}: token {d.token_index}"
+        if d.message_index is not None:
+            line += f", message {d.message_index} ({d.message_role})"
+        lines.append(line + f", {d.tokens_before_end} tokens before the end of the previous prompt+answer")
+    if len(scenario.drifts) > limit:
+        lines.append(f"  ... and {len(scenario.drifts) - limit} more (all in --json)")
+    return "\n".join(lines)

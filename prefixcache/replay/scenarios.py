@@ -19,11 +19,15 @@ Every problem in a file is a :class:`ScenarioError` carrying the path and 1-base
 
 from __future__ import annotations
 
+import codecs
 import itertools
 import json
+import logging
 import math
+import re
+import sys
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -38,10 +42,13 @@ __all__ = [
     "TraceRequest",
     "default_tools_for",
     "detect_format",
+    "expand_paths",
     "iter_mooncake",
     "load_mooncake",
     "load_scenario",
 ]
+
+logger = logging.getLogger(__name__)
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per hash id in the published Mooncake traces."""
@@ -100,7 +107,9 @@ class TraceRequest:
 def _iter_json_lines(path: Path) -> Iterator[tuple[int, Any, ScenarioError | None]]:
     """Yield ``(line_no, parsed, None)`` per non-blank line, or ``(line_no, None, error)`` for bad UTF-8/JSON.
 
-    Errors are yielded rather than raised so that a caller skipping invalid lines can keep reading.
+    Errors are yielded rather than raised so that a caller skipping invalid lines can keep reading.  A UTF-8 byte
+    order mark at the start of the file is dropped (editors on Windows write one).  Errors name the 1-based
+    character column where the problem starts.
     Raises :class:`ScenarioError` (no line) if the file cannot be opened.
     """
     try:
@@ -110,10 +119,13 @@ def _iter_json_lines(path: Path) -> Iterator[tuple[int, Any, ScenarioError | Non
     with handle:
         # Decoding per line (not per file) lets a bad byte be reported, and skipped, on its own line.
         for line_no, raw in enumerate(handle, start=1):
+            if line_no == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                error = ScenarioError(f"not valid UTF-8 ({exc.reason} at byte {exc.start})", str(path), line_no)
+                column = len(raw[: exc.start].decode("utf-8", errors="replace")) + 1
+                error = ScenarioError(f"not valid UTF-8 ({exc.reason} at column {column})", str(path), line_no)
                 yield line_no, None, error
                 continue
             if not text.strip():
@@ -121,16 +133,51 @@ def _iter_json_lines(path: Path) -> Iterator[tuple[int, Any, ScenarioError | Non
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
-                yield (
-                    line_no,
-                    None,
-                    ScenarioError(f"not valid JSON: {exc.msg} at column {exc.colno}", str(path), line_no),
-                )
+                message = f"not valid JSON: {exc.msg} at column {exc.colno}"
+                yield line_no, None, ScenarioError(message, str(path), line_no)
                 continue
-            except (ValueError, RecursionError) as exc:  # nesting too deep, integers of thousands of digits
-                yield line_no, None, ScenarioError(f"not usable JSON: {type(exc).__name__}: {exc}", str(path), line_no)
+            except RecursionError:
+                depth, column = _deepest_bracket(text)
+                message = f"not usable JSON: nested {depth} levels deep (deepest bracket at column {column})"
+                yield line_no, None, ScenarioError(message, str(path), line_no)
+                continue
+            except ValueError as exc:  # an integer of thousands of digits
+                yield line_no, None, ScenarioError(f"not usable JSON: {_long_number(text, exc)}", str(path), line_no)
                 continue
             yield line_no, obj, None
+
+
+def _deepest_bracket(text: str) -> tuple[int, int]:
+    """``(depth, 1-based column)`` of the most deeply nested bracket of a JSON text, strings skipped."""
+    depth = deepest = column = 0
+    in_string = escaped = False
+    for index, char in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest, column = depth, index + 1
+        elif char in "]}":
+            depth -= 1
+    return deepest, column
+
+
+def _long_number(text: str, error: ValueError) -> str:
+    """Where the integer too long for Python's int conversion starts, or the error itself."""
+    limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
+    match = re.search(rf"-?\d{{{limit + 1},}}", text) if limit else None
+    if match is None:
+        return f"{type(error).__name__}: {error}"
+    digits = len(match.group().lstrip("-"))
+    return f"an integer of {digits:,} digits at column {match.start() + 1} (Python reads at most {limit:,})"
 
 
 def _parse_tools(value: Any) -> tuple[dict[str, Any], ...]:
@@ -179,6 +226,7 @@ def load_scenario(
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
     skip_invalid: bool = False,
+    progress: Callable[[Iterable[Any], str, int | None, str], Iterable[Any]] | None = None,
 ) -> ScenarioFile:
     """Load a chat scenario file (format in the module docstring).  O(file size).
 
@@ -190,7 +238,8 @@ def load_scenario(
     object, missing or empty ``messages``, unknown role, non-string content, ``tools`` not a list of objects,
     duplicate id.  With ``skip_invalid=True`` bad lines are collected in ``ScenarioFile.skipped`` instead
     (a line that is not valid UTF-8 or JSON too).  A missing or unreadable file always raises.
-    Raises :class:`InvalidArgumentError` if ``tools`` itself is malformed.
+    Raises :class:`InvalidArgumentError` if ``tools`` itself is malformed.  ``progress(items, description, total,
+    unit)``, when given, wraps the lines as they are read (a tqdm bar).
     """
     path = Path(path)
     shared_tools: tuple[dict[str, Any], ...] | None = None
@@ -202,7 +251,10 @@ def load_scenario(
     conversations: list[Conversation] = []
     skipped: list[ScenarioError] = []
     first_line_of: dict[str, int] = {}
-    for line_no, obj, error in _iter_json_lines(path):
+    lines = _iter_json_lines(path)
+    if progress is not None:
+        lines = progress(lines, f"read {path.name}", None, "line")
+    for line_no, obj, error in lines:
         try:
             if error is not None:
                 raise error
@@ -220,6 +272,13 @@ def load_scenario(
             continue
         first_line_of[conversation.id] = line_no
         conversations.append(conversation)
+        if not conversation.assistant_turns:
+            logger.warning(
+                "%s:%d: conversation %r has no assistant message, so it makes no request",
+                path,
+                line_no,
+                conversation.id,
+            )
     return ScenarioFile(path=str(path), conversations=tuple(conversations), skipped=tuple(skipped))
 
 
@@ -251,26 +310,51 @@ def default_tools_for(path: str | Path) -> list[dict[str, Any]] | None:
     return None
 
 
-def detect_format(path: str | Path) -> Literal["chat", "mooncake"]:
-    """``"mooncake"`` if the first non-blank line has ``hash_ids``, ``"chat"`` if it has ``messages``.
+def detect_format(path: str | Path, *, skip_invalid: bool = False) -> Literal["chat", "mooncake"]:
+    """``"mooncake"`` if the first usable line has ``hash_ids``, ``"chat"`` if it has ``messages``.
 
-    Reads only up to the first non-blank line.  Raises :class:`ScenarioError` if that line is not a JSON
-    object with one of those keys, or if the file has no non-blank line.
+    Reads only up to the first non-blank line, or with ``skip_invalid`` up to the first line that is a JSON object
+    with one of those keys (the lines before it are then skipped and reported by the loader).  Raises
+    :class:`ScenarioError` if that line is not such an object, or if the file has no (usable) line.
     """
     path = Path(path)
     for line_no, obj, error in _iter_json_lines(path):
-        if error is not None:
-            raise error
         if isinstance(obj, dict) and "hash_ids" in obj:
             return "mooncake"
         if isinstance(obj, dict) and "messages" in obj:
             return "chat"
+        if skip_invalid:
+            continue
+        if error is not None:
+            raise error
         raise ScenarioError(
             "cannot tell the format: expected an object with 'messages' (chat) or 'hash_ids' (mooncake)",
             str(path),
             line_no,
         )
+    if skip_invalid:
+        raise ScenarioError("no usable line: no conversations or requests", str(path))
     raise ScenarioError("empty file: no conversations or requests", str(path))
+
+
+def expand_paths(paths: Sequence[str | Path]) -> list[Path]:
+    """Scenario files from command-line paths: a file as given, a folder as its ``*.jsonl`` files, sorted by name.
+
+    Raises :class:`ScenarioError` for a path that does not exist or a folder with no ``*.jsonl`` file.
+    """
+    files: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            found = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+            if not found:
+                raise ScenarioError("folder has no *.jsonl scenario files", str(path))
+            files.extend(found)
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ScenarioError("no such scenario file", str(path))
+    return files
 
 
 def _require_int(obj: dict[str, Any], key: str, minimum: int, where: tuple[str, int]) -> int:
@@ -286,13 +370,15 @@ def iter_mooncake(
     *,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     limit: int | None = None,
+    on_error: Callable[[ScenarioError], None] | None = None,
 ) -> Iterator[TraceRequest]:
     """Yield the requests of a Mooncake trace lazily, first ``limit`` non-blank lines only if given.
 
     ``block_tokens`` is the trace's block size (512 for the published traces), used both to expand hash ids and
     to check ``len(hash_ids) == ceil(input_length / block_tokens)``.  O(input_length) per request.
     Raises :class:`ScenarioError` (path, line) for a bad line: missing or non-integer fields, ``input_length``
-    < 1, wrong number of hash ids, a negative hash id, or one whose token ids would not fit in int32.
+    < 1, wrong number of hash ids, a negative hash id, or one whose token ids would not fit in int32; with
+    ``on_error`` the error is handed to it instead and the line skipped.
     Raises :class:`InvalidArgumentError` for ``block_tokens`` < 1 or ``limit`` < 0.
     """
     if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or block_tokens < 1:
@@ -300,34 +386,42 @@ def iter_mooncake(
     if limit is not None and limit < 0:
         raise InvalidArgumentError(f"limit must be >= 0, got {limit}")
     path = Path(path)
-    max_hash_id = (_INT32_MAX + 1) // block_tokens - 1
     for line_no, obj, error in itertools.islice(_iter_json_lines(path), limit):
-        if error is not None:
-            raise error
-        where = (str(path), line_no)
-        if not isinstance(obj, dict):
-            raise ScenarioError(f"expected a JSON object, got {type(obj).__name__}", *where)
-        timestamp_ms = _require_int(obj, "timestamp", 0, where)
-        input_length = _require_int(obj, "input_length", 1, where)
-        output_length = _require_int(obj, "output_length", 0, where)
-        hash_ids = obj.get("hash_ids")
-        if not isinstance(hash_ids, list):
-            raise ScenarioError(f"'hash_ids' must be a list of integers, got {type(hash_ids).__name__}", *where)
-        expected_blocks = math.ceil(input_length / block_tokens)
-        if len(hash_ids) != expected_blocks:
-            raise ScenarioError(
-                f"{len(hash_ids)} hash_ids for input_length {input_length}; "
-                f"expected ceil({input_length}/{block_tokens}) = {expected_blocks}",
-                *where,
-            )
-        token_ids = array("i")
-        for h in hash_ids:
-            if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h <= max_hash_id:
-                raise ScenarioError(f"hash id {h!r} is not an integer in [0, {max_hash_id}] (int32 token ids)", *where)
-            start = h * block_tokens
-            token_ids.extend(range(start, start + block_tokens))
-        del token_ids[input_length:]
-        yield TraceRequest(timestamp_ms=timestamp_ms, token_ids=token_ids, output_length=output_length)
+        try:
+            if error is not None:
+                raise error
+            yield _trace_request(obj, block_tokens, (str(path), line_no))
+        except ScenarioError as exc:
+            if on_error is None:
+                raise
+            on_error(exc)
+
+
+def _trace_request(obj: Any, block_tokens: int, where: tuple[str, int]) -> TraceRequest:
+    max_hash_id = (_INT32_MAX + 1) // block_tokens - 1
+    if not isinstance(obj, dict):
+        raise ScenarioError(f"expected a JSON object, got {type(obj).__name__}", *where)
+    timestamp_ms = _require_int(obj, "timestamp", 0, where)
+    input_length = _require_int(obj, "input_length", 1, where)
+    output_length = _require_int(obj, "output_length", 0, where)
+    hash_ids = obj.get("hash_ids")
+    if not isinstance(hash_ids, list):
+        raise ScenarioError(f"'hash_ids' must be a list of integers, got {type(hash_ids).__name__}", *where)
+    expected_blocks = math.ceil(input_length / block_tokens)
+    if len(hash_ids) != expected_blocks:
+        raise ScenarioError(
+            f"{len(hash_ids)} hash_ids for input_length {input_length}; "
+            f"expected ceil({input_length}/{block_tokens}) = {expected_blocks}",
+            *where,
+        )
+    token_ids = array("i")
+    for h in hash_ids:
+        if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h <= max_hash_id:
+            raise ScenarioError(f"hash id {h!r} is not an integer in [0, {max_hash_id}] (int32 token ids)", *where)
+        start = h * block_tokens
+        token_ids.extend(range(start, start + block_tokens))
+    del token_ids[input_length:]
+    return TraceRequest(timestamp_ms=timestamp_ms, token_ids=token_ids, output_length=output_length)
 
 
 def load_mooncake(

@@ -133,13 +133,14 @@ def test_cli_reports_drift_count_and_most_common_position(
     assert status == 0
     drift = json.loads(out.read_text())["scenarios"][str(scenario_path)]["drift"]
     # Turn 3 leaves turn 2's prompt + answer one token before the prompt's end, i.e. len(answer) + 1 before its end.
-    offset = -(len(second.answer) + 1)
+    before_end = len(second.answer) + 1
     assert drift == {
         "requests": 1,
-        "most_common_offset": offset,
-        "most_common_offset_requests": 1,
-        "offsets": {str(offset): 1},
+        "tokens_before_end_range": [before_end, before_end],
+        "most_common_tokens_before_end": before_end,
+        "most_common_requests": 1,
+        "tokens_before_end": {str(before_end): 1},
     }
     printed = capsys.readouterr().out
-    assert f"1 requests do not extend the previous prompt+answer; 1 of them diverge {-offset} tokens" in printed
+    assert f"1 requests do not extend the previous prompt+answer; they leave it {before_end} tokens before" in printed
     assert "tokenizer: Qwen2Tokenizer:qwen2.5-0.5b-instruct:" in printed

@@ -1,0 +1,158 @@
+"""What a replay measured: per-request samples for plots, per-file totals, and the report over all files."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.replay.explain import DivergencePoint
+
+__all__ = ["DriftRecord", "ReplayReport", "ReplaySeries", "ScenarioReport"]
+
+
+@dataclass(frozen=True, slots=True)
+class DriftRecord:
+    """A request whose prompt leaves the previous prompt + answer of its conversation at ``token_index``,
+    ``tokens_before_end`` tokens before the latter's end; the message holding that token is named with
+    ``explain``."""
+
+    conversation_id: str
+    turn: int
+    token_index: int
+    tokens_before_end: int
+    message_index: int | None = None
+    message_role: str | None = None
+
+
+@dataclass(slots=True)
+class ReplaySeries:
+    """Samples taken after each request of a scenario (index ``i``: after request ``i``), for plots.
+
+    ``prompt_tokens``, ``cached_tokens``, ``ideal_cached_tokens``, ``evictions`` and ``evicted_tokens`` are
+    cumulative.  ``evictable_blocks`` is ``used_blocks`` less the blocks of locked tokens (rounded up); between
+    requests of a replay nothing is locked, so it equals ``used_blocks``.
+    """
+
+    prompt_tokens: list[int] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)
+    ideal_cached_tokens: list[int] = field(default_factory=list)
+    used_blocks: list[int] = field(default_factory=list)
+    evictable_blocks: list[int] = field(default_factory=list)
+    free_blocks: list[int] = field(default_factory=list)
+    evictions: list[int] = field(default_factory=list)
+    evicted_tokens: list[int] = field(default_factory=list)
+
+    def sample(self, prompt: int, cached: int, ideal: int, cache: RadixCache) -> None:
+        """Append one sample: this request's prompt, cached and ideal tokens, and the cache's sizes.  O(1)."""
+        stats = cache.stats()
+        last = len(self.prompt_tokens) - 1
+        self.prompt_tokens.append(prompt + (self.prompt_tokens[last] if last >= 0 else 0))
+        self.cached_tokens.append(cached + (self.cached_tokens[last] if last >= 0 else 0))
+        self.ideal_cached_tokens.append(ideal + (self.ideal_cached_tokens[last] if last >= 0 else 0))
+        locked = min(stats.used_blocks, -(-stats.locked_tokens // stats.block_size))
+        self.used_blocks.append(stats.used_blocks)
+        self.evictable_blocks.append(stats.used_blocks - locked)
+        self.free_blocks.append(stats.free_blocks)
+        self.evictions.append(stats.evictions)
+        self.evicted_tokens.append(stats.evicted_tokens)
+
+
+@dataclass(slots=True)
+class ScenarioReport:
+    """Totals of one replayed file (or of all, for the ``total`` row).  Tokens are token counts, times seconds."""
+
+    scenario: str
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefilled_tokens: int = 0
+    copied_tokens: int = 0
+    ideal_cached_tokens: int = 0
+    evictions: int = 0
+    evicted_tokens: int = 0
+    peak_blocks_used: int = 0
+    num_blocks: int = 0
+    drift_requests: int = 0
+    prefill_s_cached: float | None = None
+    prefill_s_uncached: float | None = None
+    verified: bool | None = None
+    max_abs_logit_diff: float | None = None
+    skipped_lines: int = 0
+    partial: bool = False
+    series: ReplaySeries | None = None
+    explain_kinds: dict[str, int] | None = None
+    divergences: list[DivergencePoint] = field(default_factory=list)
+    drifts: list[DriftRecord] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def ideal_hit_rate(self) -> float:
+        return self.ideal_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def speedup(self) -> float | None:
+        if not self.prefill_s_cached or self.prefill_s_uncached is None:
+            return None
+        return self.prefill_s_uncached / self.prefill_s_cached
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        del out["series"]  # one sample per request: too big for the report, it is for plots
+        out["hit_rate"] = self.hit_rate
+        out["ideal_hit_rate"] = self.ideal_hit_rate
+        out["speedup"] = self.speedup
+        return out
+
+
+@dataclass(slots=True)
+class ReplayReport:
+    """Per-scenario reports and their totals; :meth:`to_json` has the documented top-level keys."""
+
+    scenarios: list[ScenarioReport] = field(default_factory=list)
+    model: str | None = None
+    block_size: int = 16
+    requests_log: list[dict[str, Any]] = field(default_factory=list)
+    partial: bool = False
+
+    @property
+    def total(self) -> ScenarioReport:
+        total = ScenarioReport("total", partial=self.partial)
+        timed = [s for s in self.scenarios if s.prefill_s_cached is not None]
+        for s in self.scenarios:
+            for name in (
+                "requests",
+                "prompt_tokens",
+                "cached_tokens",
+                "prefilled_tokens",
+                "copied_tokens",
+                "ideal_cached_tokens",
+                "evictions",
+                "evicted_tokens",
+                "drift_requests",
+                "skipped_lines",
+                "num_blocks",
+            ):
+                setattr(total, name, getattr(total, name) + getattr(s, name))
+            total.peak_blocks_used = max(total.peak_blocks_used, s.peak_blocks_used)
+        if timed:
+            total.prefill_s_cached = sum(s.prefill_s_cached for s in timed)
+            uncached = [s.prefill_s_uncached for s in timed]
+            total.prefill_s_uncached = None if None in uncached else sum(uncached)
+        verified = [s.verified for s in self.scenarios]
+        total.verified = None if any(v is None for v in verified) else all(verified)
+        diffs = [s.max_abs_logit_diff for s in self.scenarios if s.max_abs_logit_diff is not None]
+        total.max_abs_logit_diff = max(diffs) if diffs else None
+        return total
+
+    def to_json(self) -> dict[str, Any]:
+        out = self.total.to_json()
+        del out["scenario"]
+        out["model"] = self.model
+        out["block_size"] = self.block_size
+        out["partial"] = self.partial
+        out["scenarios"] = {s.scenario: s.to_json() for s in self.scenarios}
+        return out
