@@ -23,7 +23,7 @@ SEED = 20240607
 # they serve about as many requests as one run of 50 requests per thread did.
 RUNNER_BLOCK_SIZES = [1, 5, 16]
 REQUESTS_PER_THREAD = 17
-POOL_TOKENS = 640
+POOL_TOKENS = 320
 
 
 class Cancelled(Exception):
@@ -83,7 +83,7 @@ def test_eight_threads_of_requests_match_a_serial_run(model, frequent_thread_swi
     expected = [[run(serial_runner, spec) for spec in thread_specs] for thread_specs in specs]
     assert_quiescent(serial_runner.cache)
 
-    # 640 tokens, far fewer than the workload's distinct prefixes, so eviction never stops.
+    # 320 tokens, far fewer than the workload's distinct prefixes, so eviction never stops.
     runner = PrefixCachingRunner(model, num_blocks=num_blocks, block_size=block_size)
     results: list[list[tuple[int, ...] | None]] = [[None] * REQUESTS_PER_THREAD for _ in range(NUM_THREADS)]
     errors: list[BaseException] = []

@@ -7,14 +7,11 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from prefixcache import ChatResult, PrefixCachingRunner, SamplingParams, Usage
 from prefixcache.chat.tokenizer import ByteTokenizer
 from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidTokensError
 from prefixcache.models import LlamaModel
-from prefixcache.testing import greedy_reference
 
 TOL = 1e-4
 GREEDY_NONE = SamplingParams(max_new_tokens=0)
@@ -91,41 +88,6 @@ def test_greedy_generation_with_the_cache_equals_greedy_recompute(tiny: LlamaMod
 
     assert result.usage.cached_tokens == 10
     assert list(result.token_ids) == reference_greedy(tiny, prompt, 12)
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    block_size=st.integers(1, 16),
-    turns=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9), st.integers(0, 3)), min_size=2, max_size=5),
-)
-def test_any_conversation_is_served_exactly_at_any_block_size(tiny: LlamaModel, block_size: int, turns) -> None:
-    """Each turn keeps a cut of an earlier turn's prompt + answer and adds new tokens.  With a pool that never
-    evicts, the hit is the longest common prefix with what was cached (short of the last prompt token), the
-    partially matched block's rows are copied, and logits and tokens equal an uncached run."""
-    runner = PrefixCachingRunner(tiny, cache_tokens=512, block_size=block_size)
-    history: list[list[int]] = [[]]
-    for i, (cut, new, earlier) in enumerate(turns):
-        base = history[-1 - min(earlier, len(history) - 1)]
-        prompt = base[:cut] + ids(new, seed=1000 + i)
-        expected_hit = min(max(common_prefix(prompt, seq) for seq in history), len(prompt) - 1)
-
-        result = runner.generate(prompt, SamplingParams(max_new_tokens=3), return_logits=True)
-
-        tokens, logits = greedy_reference(tiny, prompt, 3)
-        usage = result.usage
-        assert (usage.cached_tokens, usage.copied_tokens) == (expected_hit, expected_hit % block_size)
-        assert max_diff(result.prompt_logits, logits[expected_hit:]) < TOL
-        assert list(result.token_ids) == tokens
-        history.append(prompt + tokens[:-1])  # the last token is sampled, never fed back, so never cached
-    runner.cache.check_invariants()
-    assert runner.cache.stats().evictions == 0
 
 
 def test_greedy_generation_from_a_cached_answer_repeats_itself(tiny: LlamaModel) -> None:
