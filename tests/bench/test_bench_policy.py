@@ -216,7 +216,7 @@ def paging(firsts: list[int]) -> list[tuple[list[int], list[int]]]:
     return [([first, 100 + i], []) for i, first in enumerate(firsts)]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(firsts=st.lists(st.integers(0, 3), min_size=1, max_size=8))
 def test_belady_equals_the_exhaustive_optimum_on_plain_paging(firsts) -> None:
     # Without prefix structure farthest-next-use is optimal (Belady 1966; Mattson et al. 1970), so here the
