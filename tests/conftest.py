@@ -1,14 +1,62 @@
-"""Shared fixtures: one torch thread, the tiny model, a cache factory and a helper that caches one sequence."""
+"""Shared fixtures: one torch thread, the tiny model, a cache factory, a helper that caches one sequence, and the
+gate for files under ../shared/data."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
 
 from prefixcache import InsertResult, KVBlockPool, RadixCache
 from prefixcache.models.llama import LlamaModel, build_model
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+QWEN_TOKENIZER = "tokenizers/qwen2.5-0.5b-instruct"
+QWEN_FILES = (
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "config.json",
+)
+
+
+def in_ci() -> bool:
+    """True when the environment says it is a CI run (``CI=true``, as GitHub Actions and most CI services set)."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1")
+
+
+def require_shared(relative: str, *members: str) -> Path:
+    """The path of ``relative`` under ``../shared/data`` (and of its ``members``, for a folder), if all exist.
+
+    A user's clone may have no shared data: then the calling test is skipped with the missing path as reason.
+    Under CI (``CI=true``) a missing file fails the test instead, so a partly copied data folder cannot turn
+    real checks into silent skips.
+    """
+    path = SHARED_DATA / relative
+    missing = [p for p in (path, *(path / m for m in members)) if not p.exists()]
+    if missing:
+        reason = f"shared data not found: {', '.join(map(str, missing))} (../shared/data beside the project)"
+        if in_ci():
+            pytest.fail(f"{reason}; CI=true requires every shared file", pytrace=False)
+        pytest.skip(reason)
+    return path
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Callable[..., Path]:
+    """``shared_data(relative, *members)``: :func:`require_shared` as a fixture (skip locally, fail under CI)."""
+    return require_shared
+
+
+@pytest.fixture(scope="session")
+def qwen_dir() -> Path:
+    """The Qwen2.5 tokenizer folder under ``../shared/data``, with every file the tests load from it."""
+    return require_shared(QWEN_TOKENIZER, *QWEN_FILES)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -88,11 +88,31 @@ def test_each_tool_is_one_json_line_in_given_key_order() -> None:
 
 
 def test_empty_tools_list_is_no_tools() -> None:
-    assert render_text(THREE_MESSAGES, tools=[]) == render_text(THREE_MESSAGES)
+    assert render_text(THREE_MESSAGES, tools=[]) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nCapital of France?<|im_end|>\n"
+        "<|im_start|>assistant\nParis.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
 
 
-def test_rendering_is_deterministic() -> None:
-    assert render_text(THREE_MESSAGES, tools=[WEATHER_TOOL]) == render_text(THREE_MESSAGES, tools=[WEATHER_TOOL])
+def test_exact_rendering_with_tools() -> None:
+    # Qwen2.5's tool-calling system block, spelled out: a cached prefix is only reusable if these bytes are the
+    # same on every turn, so the test pins them rather than comparing one rendering with another.
+    assert render_text(THREE_MESSAGES, tools=[WEATHER_TOOL]) == (
+        "<|im_start|>system\nYou are terse.\n\n# Tools\n\n"
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        '{"type": "function", "function": {"name": "get_weather", "description": "Current weather for a city.", '
+        '"parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}\n'
+        "</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nCapital of France?<|im_end|>\n"
+        "<|im_start|>assistant\nParis.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
 
 
 @pytest.mark.parametrize(

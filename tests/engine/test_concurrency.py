@@ -17,9 +17,13 @@ from prefixcache.errors import OutOfBlocksError
 from prefixcache.testing import assert_quiescent
 
 NUM_THREADS = 8
-REQUESTS_PER_THREAD = 50
 BLOCK_SIZE = 4
 SEED = 20240607
+# The runner test runs once per block size: block-aligned and not, one token to a whole 16-token block.  Together
+# they serve about as many requests as one run of 50 requests per thread did.
+RUNNER_BLOCK_SIZES = [1, 5, 16]
+REQUESTS_PER_THREAD = 17
+POOL_TOKENS = 320
 
 
 class Cancelled(Exception):
@@ -71,14 +75,16 @@ def run(runner: PrefixCachingRunner, spec: Spec) -> tuple[int, ...]:
     return runner.generate(list(spec.prompt), sampling, namespace=spec.namespace).token_ids
 
 
-def test_eight_threads_of_fifty_requests_match_a_serial_run(model, frequent_thread_switches) -> None:
-    specs = workload(SEED)
-    serial_runner = PrefixCachingRunner(model, num_blocks=160, block_size=BLOCK_SIZE)
+@pytest.mark.parametrize("block_size", RUNNER_BLOCK_SIZES)
+def test_eight_threads_of_requests_match_a_serial_run(model, frequent_thread_switches, block_size) -> None:
+    specs = workload(SEED + block_size)
+    num_blocks = POOL_TOKENS // block_size
+    serial_runner = PrefixCachingRunner(model, num_blocks=num_blocks, block_size=block_size)
     expected = [[run(serial_runner, spec) for spec in thread_specs] for thread_specs in specs]
     assert_quiescent(serial_runner.cache)
 
-    # 160 blocks hold 640 tokens, far fewer than the workload's distinct prefixes, so eviction never stops.
-    runner = PrefixCachingRunner(model, num_blocks=160, block_size=BLOCK_SIZE)
+    # 320 tokens, far fewer than the workload's distinct prefixes, so eviction never stops.
+    runner = PrefixCachingRunner(model, num_blocks=num_blocks, block_size=block_size)
     results: list[list[tuple[int, ...] | None]] = [[None] * REQUESTS_PER_THREAD for _ in range(NUM_THREADS)]
     errors: list[BaseException] = []
     counts = {"checks": 0, "cancelled": 0, "raised": 0, "out_of_blocks": 0}
@@ -170,7 +176,8 @@ def test_eight_threads_of_fifty_requests_match_a_serial_run(model, frequent_thre
     assert runner.pool.num_free_blocks == runner.pool.num_blocks
     assert sorted(runner.pool.free_block_ids().tolist()) == list(range(runner.pool.num_blocks))
     print(
-        f"\n{NUM_THREADS} threads x {REQUESTS_PER_THREAD} requests in {elapsed:.2f} s: {counts}, "
+        f"\nblock size {block_size}: {NUM_THREADS} threads x {REQUESTS_PER_THREAD} requests in {elapsed:.2f} s: "
+        f"{counts}, "
         f"hit {stats.hit_tokens}/{stats.query_tokens} tokens, {stats.evictions} evictions"
     )
 

@@ -49,9 +49,11 @@ def reference(model: LlamaModel, prompt: list[int]) -> tuple[list[int], torch.Te
     return _REFERENCE[key]
 
 
-def make_runner(model: LlamaModel, num_blocks: int = 64) -> tuple[PrefixCachingRunner, FaultyModel]:
+def make_runner(
+    model: LlamaModel, num_blocks: int = 64, block_size: int = BLOCK_SIZE
+) -> tuple[PrefixCachingRunner, FaultyModel]:
     faulty = FaultyModel(model)
-    return PrefixCachingRunner(faulty, num_blocks=num_blocks, block_size=BLOCK_SIZE), faulty
+    return PrefixCachingRunner(faulty, num_blocks=num_blocks, block_size=block_size), faulty
 
 
 def serve(runner: PrefixCachingRunner, prompt: list[int], **kwargs) -> GenerationResult:
@@ -277,6 +279,14 @@ def test_copy_on_write_failing_in_acquire_releases_the_lock_and_the_private_bloc
 
 
 FAULTS = st.sampled_from(["none", "model", "model-scribble", "interrupt", "allocate", "insert"])
+EXPECTED_ERROR = {
+    "model": InjectedFault,
+    "model-scribble": InjectedFault,
+    "interrupt": KeyboardInterrupt,
+    "allocate": OutOfBlocksError,
+    "insert": InjectedFault,
+}
+LONGEST = max(len(p) for p in PROMPTS) + MAX_NEW  # tokens of the longest request, answer included
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -286,13 +296,16 @@ FAULTS = st.sampled_from(["none", "model", "model-scribble", "interrupt", "alloc
         min_size=1,
         max_size=8,
     ),
-    # 16+: a request owns up to 6 blocks besides the blocks of its locked match.
-    num_blocks=st.integers(16, 28),
+    block_size=st.integers(1, 16),
+    spare_blocks=st.integers(0, 12),
 )
-def test_any_sequence_of_faults_leaves_the_cache_exact_and_quiescent(model, plan, num_blocks) -> None:
+def test_any_sequence_of_faults_leaves_the_cache_exact_and_quiescent(model, plan, block_size, spare_blocks) -> None:
     """Random requests (one of two namespaces) with a random fault at a random call in a small pool that evicts:
-    after each one the cache is quiescent and adds nothing for a failed request; every success is exact."""
-    runner, faulty = make_runner(model, num_blocks=num_blocks)
+    after each one the cache is quiescent and adds nothing for a failed request; every success is exact, and
+    a request fails exactly when its fault was reached, with the fault's own error."""
+    # Enough for a request's own blocks (plus a copy-on-write block) beside the whole locked edges of its match.
+    num_blocks = 2 * -(-LONGEST // block_size) + 2 + spare_blocks
+    runner, faulty = make_runner(model, num_blocks=num_blocks, block_size=block_size)
     for index, kind, call, salted in plan:
         prompt = PROMPTS[index]
         namespace = "tenant" if salted else None
@@ -302,7 +315,7 @@ def test_any_sequence_of_faults_leaves_the_cache_exact_and_quiescent(model, plan
         if kind == "interrupt":
             faulty.exception = KeyboardInterrupt
         patch = kind if kind in ("allocate", "insert") else None
-        failed = False
+        failed, faults_before = False, faulty.faults
         try:
             if patch is None:
                 result = serve(runner, prompt, namespace=namespace)
@@ -311,8 +324,14 @@ def test_any_sequence_of_faults_leaves_the_cache_exact_and_quiescent(model, plan
                     runner.cache._blocks, patch, call, OutOfBlocksError if kind == "allocate" else InjectedFault
                 ):
                     result = serve(runner, prompt, namespace=namespace)
-        except (InjectedFault, OutOfBlocksError, KeyboardInterrupt):
+        except (InjectedFault, OutOfBlocksError, KeyboardInterrupt) as error:
             failed = True
+            assert type(error) is EXPECTED_ERROR.get(kind), (kind, error)
+        # A request calls the model once to prefill and MAX_NEW - 1 times to decode, and inserts once.
+        if kind in ("model", "model-scribble", "interrupt"):
+            assert failed == (call <= MAX_NEW) == (faulty.faults == faults_before + 1)
+        elif kind == "insert":
+            assert failed == (call == 1)
         assert_quiescent(runner.cache)
         if failed:
             assert_nothing_new_cached(before, sorted(tuple(s) for s in runner.cache.cached_sequences(key)))
@@ -329,7 +348,12 @@ def test_a_lone_request_that_fits_the_pool_never_runs_out_of_blocks() -> None:
     cache.insert(list(range(1, 21)), cache.allocate(5))  # one edge of 20 tokens in 5 blocks
     lease = cache.acquire([1, 2, 3, 4, 99])  # uses 1 of those blocks
 
-    cache.reserve(lease, 8 * BLOCK_SIZE)  # the whole pool: the other 4 blocks must be evictable
+    table = cache.reserve(lease, 8 * BLOCK_SIZE)  # the whole pool: the other 4 blocks must be evictable
+
+    assert sorted(table.tolist()) == list(range(8))
+    stats = cache.stats()
+    assert (stats.free_blocks, stats.cached_tokens, stats.locked_tokens, stats.evicted_tokens) == (0, 4, 4, 16)
+    cache.check_invariants()
 
 
 def test_a_lone_request_whose_match_ends_at_an_edge_end_inside_a_block_can_use_the_whole_pool() -> None:
@@ -337,4 +361,10 @@ def test_a_lone_request_whose_match_ends_at_an_edge_end_inside_a_block_can_use_t
     cache.insert(list(range(1, 11)), cache.allocate(3))  # one edge of 10 tokens: 2 whole blocks and 2 rows
     lease = cache.acquire(list(range(1, 11)) + [99])  # shares the 2 whole blocks, copies the 2 rows
 
-    cache.reserve(lease, 8 * BLOCK_SIZE)  # the whole pool: the edge's third block must be evictable
+    table = cache.reserve(lease, 8 * BLOCK_SIZE)  # the whole pool: the edge's third block must be evictable
+
+    assert (lease.num_cached_tokens, lease.num_copied_tokens) == (10, 2)
+    assert sorted(table.tolist()) == list(range(8))
+    stats = cache.stats()
+    assert (stats.free_blocks, stats.cached_tokens, stats.locked_tokens, stats.evicted_tokens) == (0, 8, 8, 2)
+    cache.check_invariants()

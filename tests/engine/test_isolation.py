@@ -120,14 +120,17 @@ def test_pressure_from_one_namespace_never_corrupts_another(model) -> None:
         min_size=1,
         max_size=12,
     ),
-    # 14+: a request owns up to 5 blocks and its match locks whole edges (up to 8 blocks).
-    num_blocks=st.integers(14, 32),
+    block_size=st.integers(1, 16),
+    spare_blocks=st.integers(0, 18),
 )
-def test_hits_only_ever_come_from_the_same_namespaces_history(model, requests, num_blocks) -> None:
+def test_hits_only_ever_come_from_the_same_namespaces_history(model, requests, block_size, spare_blocks) -> None:
     """Interleaved tenants sending overlapping prompts: a request's hit never exceeds its longest common prefix
     with what its own namespace sent before, outputs are exact, and the namespaces' blocks stay disjoint."""
-    runner = PrefixCachingRunner(model, num_blocks=num_blocks, block_size=BLOCK_SIZE)
     tails = [[], [50], [50, 51, 52], [60, 61], [50, 51, 70, 71, 72], [80]]
+    longest = len(SHARED) + max(map(len, tails)) + MAX_NEW
+    # A request's own blocks (plus a copy-on-write block) beside the whole locked edges of its match.
+    num_blocks = 2 * -(-longest // block_size) + 2 + spare_blocks
+    runner = PrefixCachingRunner(model, num_blocks=num_blocks, block_size=block_size)
     history: dict[str | None, list[list[int]]] = {}
     for namespace, tail, cut in requests:
         prompt = SHARED[: len(SHARED) - cut] + tails[tail]

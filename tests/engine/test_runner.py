@@ -149,6 +149,26 @@ def test_suffix_positions_continue_from_the_cached_length(tiny: LlamaModel, pref
     assert max_diff(result.prompt_logits, reference_logits(tiny, prefix + suffix)[prefix_len:]) < TOL
 
 
+@pytest.mark.parametrize(("block_size", "cached"), [(4, 10), (16, 32)], ids=["mid_block", "boundary"])
+def test_bf16_cached_prompt_logits_are_as_close_to_float32_as_uncached_bf16(
+    tiny: LlamaModel, block_size: int, cached: int
+) -> None:
+    # Bounded by the measured error of the uncached bf16 path, so that prefilling the suffix at a wrong position
+    # (off by one: logits move by 0.5 or more) fails, where a bound of a fraction of max|logit| would not.
+    model = LlamaModel(tiny.config, dtype=torch.bfloat16, device="cpu")
+    runner = PrefixCachingRunner(model, block_size=block_size)
+    prompt = ids(cached + 9, seed=cached)
+    runner.prefill(prompt[:cached])
+
+    result = runner.generate(prompt, GREEDY_NONE, return_logits=True)
+
+    exact = reference_logits(tiny, prompt)[cached:]
+    rounding = max_diff(reference_logits(model, prompt)[cached:], exact)
+    assert result.usage.cached_tokens == cached
+    assert 0 < rounding < 0.1
+    assert max_diff(result.prompt_logits, exact) <= 2 * rounding
+
+
 EDIT_POINTS = [6, 8]
 EDIT_IDS = ["edit_inside_a_block", "edit_at_a_block_boundary"]
 

@@ -21,8 +21,6 @@ from prefixcache.models.hf import HFCausalLM, load_hf_model, random_model_from_c
 
 TOL = 1e-5
 VOCAB = 1000
-QWEN_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "tokenizers" / "qwen2.5-0.5b-instruct"
-needs_qwen = pytest.mark.skipif(not QWEN_DIR.is_dir(), reason=f"Qwen tokenizer folder not found at {QWEN_DIR}")
 
 # 2 layers, hidden 64, 4 heads (2 KV heads where the architecture has GQA).  initializer_range 0.2 instead of the
 # usual 0.02 spreads the logits, so greedy decoding wanders instead of repeating one token.  No BOS/EOS ids, so
@@ -232,13 +230,10 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def qwen() -> HFTokenizer:
-    if not QWEN_DIR.is_dir():
-        pytest.skip(f"Qwen tokenizer folder not found at {QWEN_DIR}")
-    return HFTokenizer(QWEN_DIR)
+def qwen(qwen_dir: Path) -> HFTokenizer:
+    return HFTokenizer(qwen_dir)
 
 
-@needs_qwen
 def test_hf_tokenizer_implements_protocol_with_real_ids(qwen: HFTokenizer) -> None:
     assert isinstance(qwen, Tokenizer)
     assert qwen.vocab_size == 151665
@@ -248,13 +243,11 @@ def test_hf_tokenizer_implements_protocol_with_real_ids(qwen: HFTokenizer) -> No
     assert qwen.decode(qwen.encode("Hello, world!")) == "Hello, world!"
 
 
-@needs_qwen
 def test_hf_tokenizer_encodes_special_token_text_as_plain_text(qwen: HFTokenizer) -> None:
     ids = qwen.encode("a <|im_end|> b")
     assert 151645 not in ids and qwen.decode(ids) == "a <|im_end|> b"
 
 
-@needs_qwen
 def test_hf_tokenizer_rejects_unknown_specials_and_out_of_range_ids(qwen: HFTokenizer) -> None:
     from prefixcache.errors import InvalidTokensError
 
@@ -264,7 +257,6 @@ def test_hf_tokenizer_rejects_unknown_specials_and_out_of_range_ids(qwen: HFToke
         qwen.decode([qwen.vocab_size])
 
 
-@needs_qwen
 def test_render_chat_uses_the_folders_template_with_tools(qwen: HFTokenizer) -> None:
     messages = [{"role": "system", "content": "You are an airline agent."}, {"role": "user", "content": "Hi"}]
     ids = qwen.render_chat(messages, TOOLS, add_generation_prompt=True)
@@ -277,7 +269,6 @@ def test_render_chat_uses_the_folders_template_with_tools(qwen: HFTokenizer) -> 
     )
 
 
-@needs_qwen
 def test_render_chat_rejects_bad_messages(qwen: HFTokenizer) -> None:
     with pytest.raises(TemplateError, match="role"):
         qwen.render_chat([{"role": "narrator", "content": "x"}])
@@ -288,7 +279,6 @@ def test_hf_tokenizer_rejects_a_missing_folder(tmp_path: Path) -> None:
         HFTokenizer(tmp_path / "absent")
 
 
-@needs_qwen
 def test_runner_reuses_a_shared_system_prompt_with_qwen_ids(qwen: HFTokenizer) -> None:
     model = HFCausalLM(_hf_model("qwen2", vocab_size=151936))
     runner = PrefixCachingRunner(model, qwen, cache_tokens=4096, block_size=16)

@@ -36,7 +36,6 @@ from prefixcache.testing import ShiftedLogits
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.jsonl"))
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 SHARED_FILES = ["tau_bench_airline_gpt4o.jsonl", "mtbench_31models.jsonl", "oasst_en100_tree_paths.jsonl"]
 SLOW = os.environ.get("PREFIXCACHE_SLOW_TESTS") == "1"
 
@@ -381,15 +380,9 @@ def test_missing_scenario_file_is_a_scenario_error(tmp_path: Path) -> None:
         replay_paths([tmp_path / "absent.jsonl"], Replayer(None))
 
 
-def shared(name: str) -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data not found at {SHARED_DATA} (../shared/data beside the project)")
-    return SHARED_DATA / name
-
-
 @pytest.mark.parametrize("name", SHARED_FILES)
-def test_shared_transcripts_hit_what_an_infinite_cache_would(name: str) -> None:
-    report = replay_paths([shared(name)], Replayer(None)).scenarios[0]
+def test_shared_transcripts_hit_what_an_infinite_cache_would(shared_data, name: str) -> None:
+    report = replay_paths([shared_data(name)], Replayer(None)).scenarios[0]
 
     assert report.requests > 0
     assert report.evictions == 0
@@ -401,8 +394,8 @@ def test_shared_transcripts_hit_what_an_infinite_cache_would(name: str) -> None:
     reason="31 requests of 16-26k tokens, each verified by a full recompute: minutes on a CPU; "
     "set PREFIXCACHE_SLOW_TESTS=1 to run",
 )
-def test_shared_agent_trajectories_verify_with_the_model(tiny: LlamaModel) -> None:
-    path = shared("tau_bench_airline_gpt4o.jsonl")
+def test_shared_agent_trajectories_verify_with_the_model(shared_data, tiny: LlamaModel) -> None:
+    path = shared_data("tau_bench_airline_gpt4o.jsonl")
 
     report = replay_paths([path], Replayer(tiny, verify=True), limit=3).scenarios[0]
 

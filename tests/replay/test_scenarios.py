@@ -18,7 +18,6 @@ from prefixcache.replay.scenarios import (
 REPO = Path(__file__).parents[2]
 SCENARIO_DIR = REPO / "scenarios"
 SCENARIO_FILES = sorted(SCENARIO_DIR.glob("*.jsonl"))
-SHARED_DATA = Path(__file__).parents[3] / "shared" / "data"
 
 GOOD = {"id": "ok", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
@@ -295,16 +294,9 @@ def test_mooncake_rejects_bad_block_tokens(tmp_path: Path) -> None:
         load_mooncake(path, block_tokens=0)
 
 
-def require_shared(relative: str) -> Path:
-    path = SHARED_DATA / relative
-    if not path.exists():
-        pytest.skip(f"shared data not available: {path}")
-    return path
-
-
 @pytest.mark.parametrize("name", ["conversation_trace.jsonl", "synthetic_trace.jsonl"])
-def test_real_mooncake_trace_first_100_requests_load(name: str) -> None:
-    path = require_shared(f"mooncake/{name}")
+def test_real_mooncake_trace_first_100_requests_load(shared_data, name: str) -> None:
+    path = shared_data(f"mooncake/{name}")
     assert detect_format(path) == "mooncake"
     requests = load_mooncake(path, limit=100)
     assert len(requests) == 100
@@ -323,8 +315,10 @@ def test_real_mooncake_trace_first_100_requests_load(name: str) -> None:
         ("oasst_en100_tree_paths.jsonl", 626, False),
     ],
 )
-def test_shared_chat_files_load_completely(name: str, conversations: int, with_tools: bool) -> None:
-    path = require_shared(name)
+def test_shared_chat_files_load_completely(shared_data, name: str, conversations: int, with_tools: bool) -> None:
+    path = shared_data(name)
+    if with_tools:
+        shared_data("tau_bench_airline_tools.json")
     tools = default_tools_for(path)
     assert (tools is not None) == with_tools
     scenario = load_scenario(path, tools=tools)

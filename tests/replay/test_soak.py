@@ -95,6 +95,9 @@ def test_replaying_every_scenario_under_constant_eviction_stays_bounded_and_matc
             assert (served.cached_tokens, served.copied_tokens) == (counted.cached_tokens, counted.copied_tokens)
             assert (served.evictions, served.evicted_tokens) == (counted.evictions, counted.evicted_tokens)
             assert served.requests == len(requests)
+            assert served.prompt_tokens == sum(len(r.prompt) for r in requests)
+            assert served.cached_tokens + served.prefilled_tokens == served.prompt_tokens
+            assert served.cached_tokens <= served.ideal_cached_tokens
         _, traced_peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -115,4 +118,11 @@ def test_a_pool_half_again_as_large_as_the_longest_request_replays_without_runni
     requests = scenario_requests["timestamp_system_prompt"]
     longest = max(len(r.prompt) + len(r.answer) for r in requests)  # 4,547 tokens
 
-    Replayer(None, cache_tokens=longest * 3 // 2).replay("timestamp_system_prompt", requests)
+    report = Replayer(None, cache_tokens=longest * 3 // 2).replay("timestamp_system_prompt", requests)
+
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    assert (report.requests, report.prompt_tokens) == (len(requests), prompt_tokens)
+    assert report.cached_tokens + report.prefilled_tokens == prompt_tokens
+    assert 0 < report.cached_tokens < report.ideal_cached_tokens  # it had to evict what an unbounded cache keeps
+    assert report.evictions > 0
+    assert report.peak_blocks_used <= report.num_blocks == -(-(longest * 3 // 2) // 16)

@@ -16,8 +16,7 @@ from prefixcache.cli import main  # noqa: E402
 from prefixcache.replay.replayer import Replayer, conversation_requests  # noqa: E402
 from prefixcache.replay.scenarios import Conversation, load_scenario  # noqa: E402
 
-QWEN_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "tokenizers" / "qwen2.5-0.5b-instruct"
-pytestmark = pytest.mark.skipif(not QWEN_DIR.is_dir(), reason=f"Qwen tokenizer folder not found at {QWEN_DIR}")
+pytestmark = pytest.mark.usefixtures("qwen_dir")  # every test here needs the Qwen tokenizer folder
 
 TOOLS = [{"type": "function", "function": {"name": "cancel_reservation", "parameters": {"type": "object"}}}]
 CALL = '<tool_call>\n{"name": "cancel_reservation", "arguments": {"reservation_id": "ZFA04Y"}}\n</tool_call>'
@@ -54,8 +53,8 @@ CHAT = {
 
 
 @pytest.fixture(scope="module")
-def qwen() -> HFTokenizer:
-    return HFTokenizer(QWEN_DIR)
+def qwen(qwen_dir: Path) -> HFTokenizer:
+    return HFTokenizer(qwen_dir)
 
 
 @pytest.fixture
@@ -121,13 +120,13 @@ def test_byte_tokenizer_does_not_drift_on_the_same_conversations(scenario_path: 
 
 
 def test_cli_reports_drift_count_and_most_common_position(
-    qwen: HFTokenizer, scenario_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    qwen: HFTokenizer, qwen_dir: Path, scenario_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     second = conversation_requests(_conversations(scenario_path)[0], qwen, "s")[1]
     out = tmp_path / "report.json"
 
     status = main(
-        ["replay", str(scenario_path), "--tokenizer", str(QWEN_DIR), "--no-model", "--no-progress", "--json", str(out)]
+        ["replay", str(scenario_path), "--tokenizer", str(qwen_dir), "--no-model", "--no-progress", "--json", str(out)]
     )
 
     assert status == 0
