@@ -126,9 +126,10 @@ def _common(body: Any, allowed: frozenset[str], default_max_tokens: int, max_tok
         stop = check_stop(body.get("stop"))
     except InvalidArgumentError as error:
         raise BadRequest(str(error), "stop") from None
-    max_tokens = next((body[n] for n in max_tokens_names if body.get(n) is not None), default_max_tokens)
+    given = next((n for n in max_tokens_names if body.get(n) is not None), None)
+    max_tokens = body[given] if given else default_max_tokens
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise BadRequest(f"max_tokens must be a non-negative integer, got {max_tokens!r}", max_tokens_names[0])
+        raise BadRequest(f"{given} must be a non-negative integer, got {max_tokens!r}", given)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise BadRequest(f"seed must be an integer in 0 .. 2**63 - 1, got {seed!r}", "seed")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvicorn
@@ -31,11 +32,25 @@ def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
-def serve_forever(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, *, log_level: str = "info") -> None:
-    """Serve ``app`` until interrupted (Ctrl-C stops uvicorn gracefully).  Raises ``OSError`` if the port is taken."""
+def serve_forever(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    log_level: str = "info",
+    announce: Callable[[str], None] | None = None,
+) -> None:
+    """Serve ``app`` until interrupted (Ctrl-C or SIGTERM stop uvicorn gracefully, and this returns).  ``announce(url)`` is called once the port
+    is bound (with ``port=0``, the URL names the port picked).  Raises ``OSError`` if the port is taken."""
     sock = bind(host, port)
+    if announce is not None:
+        bound = sock.getsockname()[1]
+        announce(f"http://{f'[{host}]' if ':' in host else host}:{bound}")
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises the signal after its graceful shutdown; for a server, Ctrl-C is the normal stop
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import httpx
 import openai
 import pytest
 
@@ -234,10 +235,18 @@ def test_missing_or_wrong_key_is_401_and_touches_nothing(make_app, asgi_client, 
     async def main(key: str):
         return await asgi_client(app, api_key=key).chat.completions.create(model="scripted", messages=QUESTION)
 
-    for key in ("wrong", ""):
-        with pytest.raises(openai.AuthenticationError) as caught:
-            run(main(key))
-        assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError) as caught:
+        run(main("wrong"))
+    assert caught.value.status_code == 401 and caught.value.body["code"] == "invalid_api_key"
+
+    async def without_key():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver") as http:
+            body = {"model": "scripted", "messages": QUESTION}
+            return [await http.post("/v1/chat/completions", json=body), await http.get("/v1/models")]
+
+    for response in run(without_key()):
+        assert response.status_code == 401
+        assert response.json()["error"]["message"].startswith("missing API key")
     assert snapshot(runner.cache, spaces) == before
     assert app.state.worker.num_active == 0
     assert run(main("key-a")).choices[0].message.content == "Hello."
