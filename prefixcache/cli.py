@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_size.add_argument("--cache-tokens", type=parse_count, help="pool capacity in tokens (default 65,536)")
     serve_size.add_argument("--cache-memory", type=parse_size, help="pool capacity in bytes of KV, e.g. 512MiB")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     serve.add_argument(
         "--api-keys", metavar="FILE", help="one 'KEY [NAMESPACE]' per line; each key gets its own cache namespace"

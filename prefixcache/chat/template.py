@@ -30,6 +30,7 @@ __all__ = [
     "ROLES",
     "Segment",
     "encode_segments",
+    "join_text_parts",
     "message_text",
     "render_segments",
     "render_text",
@@ -117,6 +118,21 @@ def _validate_tool_calls(index: int, tool_calls: Any) -> None:
             json.dumps(arguments)
         except (TypeError, ValueError) as exc:
             raise TemplateError(f"message {index}: tool call {number} ({name}) arguments: {exc}") from None
+
+
+def join_text_parts(content: Any) -> Any:
+    """OpenAI content given as a list of ``{"type": "text", "text": ...}`` parts, joined by newlines (as vLLM does);
+    any other value is returned unchanged (and validated later).  Raises :class:`TemplateError` for a part that is not text
+    (images and audio cannot be rendered by a text-only template)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise TemplateError(f"only text content parts can be rendered, got a {kind!r} part")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def message_text(message: Mapping[str, Any]) -> str:

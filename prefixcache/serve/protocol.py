@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.chat.stop import check_stop
+from prefixcache.chat.template import join_text_parts
 from prefixcache.engine.chat import ChatCompletion
 from prefixcache.engine.runner import Usage
-from prefixcache.errors import InvalidArgumentError
+from prefixcache.errors import InvalidArgumentError, TemplateError
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -144,14 +145,10 @@ def _common(body: Any, allowed: frozenset[str], default_max_tokens: int, max_tok
 
 
 def _content_text(index: int, content: Any) -> Any:
-    if not isinstance(content, list):
-        return content
-    texts = []
-    for part in content:
-        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise BadRequest(f"message {index}: only text content parts are supported", f"messages[{index}].content")
-        texts.append(part["text"])
-    return "".join(texts)
+    try:
+        return join_text_parts(content)
+    except TemplateError as error:
+        raise BadRequest(f"message {index}: {error}", f"messages[{index}].content") from None
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
