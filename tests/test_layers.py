@@ -1,8 +1,8 @@
 """The package's layers, checked from its source: every import points down, and no module grows past 600 lines.
 
 Layers, lowest first: errors <- cache <- models, chat <- engine <- replay <- bench, testing <- serve, integrations
-<- cli <- the ``prefixcache`` facade.  A module may import its own subpackage and any lower layer; models and chat, side by side,
-do not import each other; nothing inside the package imports the facade.
+<- cli <- the ``prefixcache`` facade.  A module may import its own subpackage and any lower layer; models and chat,
+side by side, do not import each other; nothing inside the package imports the facade.
 """
 
 from __future__ import annotations

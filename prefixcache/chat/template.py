@@ -3,9 +3,9 @@
 Every message becomes ``<|im_start|>{role}\\n{content}<|im_end|>\\n``.  An assistant message's ``tool_calls``
 follow its content as ``\\n<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks, exactly as
 Qwen2.5's template writes them (and as the model generates them), so two conversations that differ only in the
-call made render differently from that call on.  A ``tools`` list (OpenAI function
-schemas) is written into the system message, after the system prompt, as one JSON object per line; without a
-system message a default one carries them, so tools always sit in the prefix every turn shares.
+call made render differently from that call on.  A ``tools`` list (OpenAI function schemas) is written into the
+system message, after the system prompt, as one JSON object per line; without a system message a default one
+carries them, so tools always sit in the prefix every turn shares.
 ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``.
 
 The rendering is a list of :class:`Segment` rather than a string so that any tokenizer turns the special
@@ -122,8 +122,8 @@ def _validate_tool_calls(index: int, tool_calls: Any) -> None:
 
 def join_text_parts(content: Any) -> Any:
     """OpenAI content given as a list of ``{"type": "text", "text": ...}`` parts, joined by newlines (as vLLM does);
-    any other value is returned unchanged (and validated later).  Raises :class:`TemplateError` for a part that is not text
-    (images and audio cannot be rendered by a text-only template)."""
+    any other value is returned unchanged (and validated later).  Raises :class:`TemplateError` for a part that is
+    not text (images and audio cannot be rendered by a text-only template)."""
     if not isinstance(content, list):
         return content
     texts = []

@@ -40,8 +40,11 @@ def serve_forever(
     log_level: str = "info",
     announce: Callable[[str], None] | None = None,
 ) -> None:
-    """Serve ``app`` until interrupted (Ctrl-C or SIGTERM stop uvicorn gracefully, and this returns).  ``announce(url)`` is called once the port
-    is bound (with ``port=0``, the URL names the port picked).  Raises ``OSError`` if the port is taken."""
+    """Serve ``app`` until interrupted (Ctrl-C or SIGTERM stop uvicorn gracefully, and this returns).
+
+    ``announce(url)`` is called once the port is bound (with ``port=0``, the URL names the port picked).
+    Raises ``OSError`` if the port is taken.
+    """
     sock = bind(host, port)
     if announce is not None:
         bound = sock.getsockname()[1]

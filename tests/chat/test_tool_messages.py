@@ -49,7 +49,10 @@ def qwen():
     return HFTokenizer(QWEN_DIR)
 
 
-EXPECTED_CALL = '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+EXPECTED_CALL = (
+    '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    "<|im_end|>\n"
+)
 
 
 def test_byte_template_renders_the_call_as_qwen_does() -> None:
@@ -64,7 +67,8 @@ def test_content_and_calls_together() -> None:
         {"role": "assistant", "content": "Checking.", "tool_calls": [call("get_weather", "{}")]},
     ]
     assert render_text(messages, add_generation_prompt=False).endswith(
-        '<|im_start|>assistant\nChecking.\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call><|im_end|>\n'
+        '<|im_start|>assistant\nChecking.\n<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>'
+        "<|im_end|>\n"
     )
 
 
