@@ -249,7 +249,14 @@ def _run_replay(args: argparse.Namespace) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     from prefixcache import bench
 
-    bench.run(args.names or None, quick=args.quick, json_path=args.json)
+    extra = {}
+    try:
+        from prefixcache.serve import bench as serve_bench
+
+        extra["serve"] = serve_bench.run
+    except ImportError:  # without the server extra there is no serve benchmark
+        pass
+    bench.run(args.names or None, quick=args.quick, json_path=args.json, extra=extra)
     return 0
 
 
