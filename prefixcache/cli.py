@@ -1,4 +1,4 @@
-"""The ``prefixcache`` command line: ``replay``, ``bench`` and ``plan``."""
+"""The ``prefixcache`` command line: ``replay``, ``bench``, ``plan`` and ``serve``."""
 
 from __future__ import annotations
 
@@ -137,6 +137,21 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {names} (default all)")
     bench.add_argument("--quick", action="store_true", help="small sizes (seconds); figures are not judged")
     bench.add_argument("--json", metavar="OUT", help="write results as JSON")
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server over the prefix cache")
+    serve.add_argument("--model", default="tiny", help="embedded preset tiny (default) or small, or hf:PATH")
+    serve.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
+    serve.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer folder (default: byte tokenizer)")
+    serve.add_argument("--served-model-name", help="the model id clients send (default: the --model value)")
+    serve_size = serve.add_mutually_exclusive_group()
+    serve_size.add_argument("--cache-tokens", type=parse_count, help="pool capacity in tokens (default 65,536)")
+    serve_size.add_argument("--cache-memory", type=parse_size, help="pool capacity in bytes of KV, e.g. 512MiB")
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    serve.add_argument(
+        "--api-keys", metavar="FILE", help="one 'KEY [NAMESPACE]' per line; each key gets its own cache namespace"
+    )
 
     plan = commands.add_parser("plan", help="how many tokens and blocks of KV fit in a memory budget")
     plan.add_argument("--layers", type=int, required=True, help="transformer layers of the model")
@@ -320,9 +335,56 @@ def _write_replay(args: argparse.Namespace, report, tokenizer_name: str) -> None
 def _run_bench(args: argparse.Namespace) -> int:
     from prefixcache import bench
 
+    extra = {}
+    try:
+        from prefixcache.serve import bench as serve_bench
+
+        extra["serve"] = serve_bench.run
+    except ImportError:  # without the server extra there is no serve benchmark
+        pass
     if args.quick:
         print("quick run (--quick): small sizes for a smoke test; the figures are not judged against the goals\n")
-    bench.run(args.names or None, quick=args.quick, json_path=args.json)
+    bench.run(args.names or None, quick=args.quick, json_path=args.json, extra=extra)
+    return 0
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    try:
+        from prefixcache.serve import ApiKeys, create_app, serve_forever
+    except ImportError as error:
+        raise InvalidArgumentError(f"{error}; the server needs: pip install 'prefixcache[server]'") from None
+    from prefixcache.engine.runner import PrefixCachingRunner
+    from prefixcache.models.llama import build_model
+
+    keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
+    try:
+        tokenizer = None
+        if args.tokenizer:
+            from prefixcache.chat.hf_tokenizer import HFTokenizer
+
+            tokenizer = HFTokenizer(args.tokenizer)
+        if args.model_config:
+            from prefixcache.models.hf import random_model_from_config
+
+            model = random_model_from_config(args.model_config)
+        elif args.model.startswith("hf:"):
+            from prefixcache.models.hf import load_hf_model
+
+            model = load_hf_model(args.model[3:])
+        else:
+            model = build_model(args.model)
+    except ImportError as error:
+        raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
+    runner = PrefixCachingRunner(
+        model, tokenizer, cache_tokens=args.cache_tokens, cache_memory=args.cache_memory, block_size=args.block_size
+    )
+    name = args.served_model_name or args.model
+    app = create_app(runner, model_name=name, api_keys=keys)
+
+    def announce(url: str) -> None:
+        print(f"serving {name!r} at {url}/v1 ({runner.pool.capacity_tokens:,} tokens of KV)", flush=True)
+
+    serve_forever(app, args.host, args.port, log_level="warning" if args.verbose == 0 else "info", announce=announce)
     return 0
 
 
@@ -348,7 +410,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"replay": _run_replay, "bench": _run_bench, "plan": _run_plan}
+    handlers = {"replay": _run_replay, "bench": _run_bench, "plan": _run_plan, "serve": _run_serve}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:

@@ -1,8 +1,8 @@
 """The package's layers, checked from its source: every import points down, and no module grows past 600 lines.
 
-Layers, lowest first: errors <- cache <- models, chat <- engine <- replay <- bench, testing <- cli <- the
-``prefixcache`` facade.  A module may import its own subpackage and any lower layer; models and chat, side by side,
-do not import each other; nothing inside the package imports the facade.
+Layers, lowest first: errors <- cache <- models, chat <- engine <- replay <- bench, testing <- serve, integrations
+<- cli <- the ``prefixcache`` facade.  A module may import its own subpackage and any lower layer; models and chat,
+side by side, do not import each other; nothing inside the package imports the facade.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ LAYERS = {
     "prefixcache.replay": 4,
     "prefixcache.bench": 5,
     "prefixcache.testing": 5,
-    "prefixcache.cli": 6,
-    "prefixcache.__main__": 7,
-    "prefixcache": 7,
+    "prefixcache.serve": 6,
+    "prefixcache.integrations": 6,
+    "prefixcache.cli": 7,
+    "prefixcache.__main__": 8,
+    "prefixcache": 8,
 }
 MAX_LINES = 600
 

@@ -28,17 +28,25 @@ BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
 """Name -> ``fn(quick: bool) -> BenchResult``; the command line runs them in this order."""
 
 
-def run(names: list[str] | None = None, *, quick: bool = False, json_path: str | None = None) -> dict:
+def run(
+    names: list[str] | None = None,
+    *,
+    quick: bool = False,
+    json_path: str | None = None,
+    extra: dict[str, Callable[..., BenchResult]] | None = None,
+) -> dict:
     """Run the named benchmarks (all when ``names`` is empty or None), print a table for each, and return the
-    figures as a JSON-ready dict (also written to ``json_path`` when given).
+    figures as a JSON-ready dict (also written to ``json_path`` when given).  ``extra`` adds benchmarks from layers
+    above this one (the command line adds ``serve``).
 
     Raises:
         InvalidArgumentError: an unknown benchmark name (nothing runs).
     """
-    selected = list(names) if names else list(BENCHMARKS)
-    unknown = [name for name in selected if name not in BENCHMARKS]
+    benchmarks = {**BENCHMARKS, **(extra or {})}
+    selected = list(names) if names else list(benchmarks)
+    unknown = [name for name in selected if name not in benchmarks]
     if unknown:
-        raise InvalidArgumentError(f"unknown benchmark(s) {unknown}; choose from {list(BENCHMARKS)}")
+        raise InvalidArgumentError(f"unknown benchmark(s) {unknown}; choose from {list(benchmarks)}")
     report: dict = {
         "quick": quick,
         "environment": {
@@ -51,7 +59,7 @@ def run(names: list[str] | None = None, *, quick: bool = False, json_path: str |
         "benchmarks": {},
     }
     for name in selected:
-        result = BENCHMARKS[name](quick=quick)
+        result = benchmarks[name](quick=quick)
         for table in result.tables:
             print(format_table(table), end="\n\n", flush=True)
         report["benchmarks"][name] = result.data

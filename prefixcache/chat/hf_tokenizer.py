@@ -20,6 +20,7 @@ from typing import Any
 import xxhash
 
 from prefixcache.chat.template import validate_messages, validate_tools
+from prefixcache.chat.tool_calls import call_arguments, call_name
 from prefixcache.errors import InvalidArgumentError, InvalidTokensError, TemplateError
 
 __all__ = ["HFTokenizer"]
@@ -147,7 +148,7 @@ class HFTokenizer:
 
         try:
             ids = self.tokenizer.apply_chat_template(
-                [dict(m) for m in messages],
+                [_template_message(m) for m in messages],
                 tools=[dict(t) for t in tools] if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
@@ -178,6 +179,22 @@ def _check_tokenizer_files(folder: Path) -> None:
             "which tokenizer reads them; copy the model's tokenizer_config.json into it (it also holds the chat "
             'template), or write one such as {"tokenizer_class": "Qwen2Tokenizer"}'
         )
+
+
+def _template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """``message`` as Hugging Face templates expect it: a tool call's ``arguments`` as an object, not OpenAI's JSON
+    string (``tojson`` would otherwise write the string quoted), so the rendering matches what the model generates."""
+    out = dict(message)
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {
+                **{k: v for k, v in call.items() if k != "function"},
+                "type": "function",
+                "function": {"name": call_name(call), "arguments": call_arguments(call)},
+            }
+            for call in message["tool_calls"]
+        ]
+    return out
 
 
 def _generation_config_eos(folder: Path) -> set[int]:

@@ -1,8 +1,11 @@
 """A ChatML chat template (Qwen-style) that renders OpenAI-format messages as text and special-token segments.
 
-Every message becomes ``<|im_start|>{role}\\n{content}<|im_end|>\\n``.  A ``tools`` list (OpenAI function
-schemas) is written into the system message, after the system prompt, as one JSON object per line; without a
-system message a default one carries them, so tools always sit in the prefix every turn shares.
+Every message becomes ``<|im_start|>{role}\\n{content}<|im_end|>\\n``.  An assistant message's ``tool_calls``
+follow its content as ``\\n<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks, exactly as
+Qwen2.5's template writes them (and as the model generates them), so two conversations that differ only in the
+call made render differently from that call on.  A ``tools`` list (OpenAI function schemas) is written into the
+system message, after the system prompt, as one JSON object per line; without a system message a default one
+carries them, so tools always sit in the prefix every turn shares.
 ``add_generation_prompt`` appends ``<|im_start|>assistant\\n``.
 
 The rendering is a list of :class:`Segment` rather than a string so that any tokenizer turns the special
@@ -17,6 +20,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple
 
+from prefixcache.chat.tool_calls import call_arguments, call_name, render_tool_call
 from prefixcache.errors import TemplateError
 
 __all__ = [
@@ -26,6 +30,8 @@ __all__ = [
     "ROLES",
     "Segment",
     "encode_segments",
+    "join_text_parts",
+    "message_text",
     "render_segments",
     "render_text",
     "validate_messages",
@@ -62,7 +68,9 @@ class Segment(NamedTuple):
 def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     """Check that ``messages`` is a sequence of ``{"role": <one of ROLES>, "content": str}`` mappings.
 
-    Extra keys are allowed and ignored.  O(len(messages)).
+    An assistant message may carry ``tool_calls`` (a list of OpenAI calls, ``{"function": {"name": str, "arguments":
+    JSON string or object}}``, or the flat ``{"name", "arguments"}`` form) and then a ``None`` or missing content.
+    Other keys (``tool_call_id``, ``name``) are allowed and not rendered.  O(len(messages)).
     Raises :class:`TemplateError` naming the offending message index and what is allowed.
     """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
@@ -76,11 +84,65 @@ def validate_messages(messages: Sequence[Mapping[str, Any]]) -> None:
         role = message.get("role")
         if not isinstance(role, str) or role not in ROLES:
             raise TemplateError(f"message {index} has role {role!r}; allowed roles: {allowed}")
+        tool_calls = message.get("tool_calls")
+        if tool_calls is not None:
+            if role != "assistant":
+                raise TemplateError(f"message {index} ({role}) has tool_calls; only assistant messages may")
+            _validate_tool_calls(index, tool_calls)
         content = message.get("content")
-        if not isinstance(content, str):
+        if not isinstance(content, str) and not (content is None and tool_calls):
             raise TemplateError(
                 f"message {index} ({role}) has content of type {type(content).__name__}; content must be a string"
+                " (or null in an assistant message with tool_calls)"
             )
+
+
+def _validate_tool_calls(index: int, tool_calls: Any) -> None:
+    if isinstance(tool_calls, (str, bytes, Mapping)) or not isinstance(tool_calls, Sequence):
+        raise TemplateError(f"message {index}: tool_calls must be a list of objects")
+    for number, call in enumerate(tool_calls):
+        if not isinstance(call, Mapping):
+            raise TemplateError(f"message {index}: tool call {number} must be an object")
+        name = call_name(call)
+        if not isinstance(name, str) or not name:
+            raise TemplateError(f"message {index}: tool call {number} has no function name")
+        try:
+            arguments = call_arguments(call)
+        except (ValueError, RecursionError):
+            raise TemplateError(
+                f"message {index}: tool call {number} ({name}) has arguments that are not JSON"
+            ) from None
+        if not isinstance(arguments, Mapping):
+            raise TemplateError(f"message {index}: tool call {number} ({name}) arguments must be a JSON object")
+        try:
+            json.dumps(arguments)
+        except (TypeError, ValueError) as exc:
+            raise TemplateError(f"message {index}: tool call {number} ({name}) arguments: {exc}") from None
+
+
+def join_text_parts(content: Any) -> Any:
+    """OpenAI content given as a list of ``{"type": "text", "text": ...}`` parts, joined by newlines (as vLLM does);
+    any other value is returned unchanged (and validated later).  Raises :class:`TemplateError` for a part that is
+    not text (images and audio cannot be rendered by a text-only template)."""
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for part in content:
+        if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise TemplateError(f"only text content parts can be rendered, got a {kind!r} part")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def message_text(message: Mapping[str, Any]) -> str:
+    """The text a message renders to after ``<|im_start|>{role}\\n``: its content, then its tool calls.
+
+    With calls and no content the first call starts the turn (Qwen2.5 writes no blank line there).
+    """
+    content = message.get("content") or ""
+    calls = "".join("\n" + render_tool_call(call) for call in message.get("tool_calls") or ())
+    return content + calls if content else calls[1:]
 
 
 def validate_tools(tools: Sequence[Mapping[str, Any]] | None) -> None:
@@ -132,11 +194,11 @@ def render_segments(
     rest: Sequence[Mapping[str, Any]] = messages
     if tools:
         has_system = bool(messages) and messages[0]["role"] == "system"
-        system_prompt = messages[0]["content"] if has_system else DEFAULT_SYSTEM_PROMPT
+        system_prompt = message_text(messages[0]) if has_system else DEFAULT_SYSTEM_PROMPT
         emit("system", system_prompt + _tools_block(tools))
         rest = messages[1:] if has_system else messages
     for message in rest:
-        emit(message["role"], message["content"])
+        emit(message["role"], message_text(message))
     if add_generation_prompt:
         segments.append(Segment("special", IM_START))
         segments.append(Segment("text", "assistant\n"))

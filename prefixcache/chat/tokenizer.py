@@ -77,7 +77,7 @@ class ByteTokenizer:
     def name(self) -> str:
         # Bump the version suffix whenever the byte map, the specials or the chat template change, so stale
         # cache fingerprints stop matching.
-        return "byte-utf8+chatml-v1"
+        return "byte-utf8+chatml-v2"
 
     @property
     def vocab_size(self) -> int:

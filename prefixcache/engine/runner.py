@@ -83,12 +83,14 @@ class GenerationResult:
 
 @dataclass(frozen=True, slots=True)
 class ChatResult:
-    """Output of :meth:`PrefixCachingRunner.chat`: decoded text (stop tokens removed), token ids, usage."""
+    """Output of :meth:`PrefixCachingRunner.chat`: decoded text (stop tokens and strings removed), token ids, finish
+    reason (``"tool_calls"`` when calls were parsed), usage, and the OpenAI ``tool_calls``."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
     usage: Usage
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 class PrefixCachingRunner:
@@ -202,7 +204,10 @@ class PrefixCachingRunner:
     ) -> Generator[int, None, GenerationResult]:
         """Like :meth:`generate`, yielding each new token id as it is produced; the generator's return value
         (``StopIteration.value``) is the :class:`GenerationResult`.  Closing the generator early, or an exception
-        from ``on_token``, releases everything the request holds and caches nothing of it."""
+        from ``on_token``, releases everything the request holds and caches nothing of it.  Sending ``"stop"``
+        (``steps.send("stop")``) after a decoded token ends generation there as a stop token would (finish reason
+        ``"stop"``, the token's K/V not computed) and caches the prompt and the tokens before it: that is how a
+        string stop sequence, matched on decoded text, ends a request."""
         sampling = sampling if sampling is not None else SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
@@ -227,19 +232,29 @@ class PrefixCachingRunner:
         *,
         namespace: str | None = None,
         request_id: str | None = None,
+        stop: str | Sequence[str] | None = None,
+        tool_choice: Any = None,
         **sampling: Any,
     ) -> ChatResult:
         """Render OpenAI-format ``messages`` (and ``tools``) with the tokenizer's chat template, generate, and
         return the text.  ``sampling`` are :class:`SamplingParams` fields; the tokenizer's end-of-turn tokens
-        stop generation unless ``stop_token_ids`` is given.  Raises TemplateError for bad messages, else as
-        :meth:`generate`."""
-        sampling.setdefault("stop_token_ids", self.tokenizer.eos_token_ids)
-        sampling.setdefault("vocab_limit", self.tokenizer.vocab_size)
-        params = SamplingParams(**sampling)
-        prompt = self.tokenizer.render_chat(messages, tools, add_generation_prompt=True)
-        result = self.generate(prompt, params, namespace=namespace, request_id=request_id)
-        text_ids = [t for t in result.token_ids if t not in params.stop_token_ids]
-        return ChatResult(self.tokenizer.decode(text_ids), result.token_ids, result.finish_reason, result.usage)
+        stop generation unless ``stop_token_ids`` is given; ``stop`` strings end the text before them.  With
+        ``tools``, ``<tool_call>`` blocks come back parsed in ``ChatResult.tool_calls`` (see
+        :func:`prefixcache.engine.chat.chat_stream`, which also streams).  Raises TemplateError for bad messages,
+        InvalidArgumentError for bad ``stop`` or ``tool_choice``, else as :meth:`generate`."""
+        from prefixcache.engine.chat import complete_chat
+
+        done = complete_chat(
+            self,
+            messages,
+            tools,
+            namespace=namespace,
+            request_id=request_id,
+            stop=stop,
+            tool_choice=tool_choice,
+            **sampling,
+        )
+        return ChatResult(done.content or "", done.token_ids, done.finish_reason, done.usage, done.tool_calls)
 
     # ---- internals -----------------------------------------------------------------------------------------
 
@@ -322,8 +337,8 @@ class PrefixCachingRunner:
                     generated.append(token)
                     if on_token is not None:
                         on_token(token)
-                    yield token
-                    if token in sampling.stop_token_ids:
+                    command = yield token
+                    if command == "stop" or token in sampling.stop_token_ids:
                         finish = "stop"
                         break
                     if len(generated) >= sampling.max_new_tokens:

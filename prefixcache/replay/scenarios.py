@@ -5,6 +5,9 @@ Chat format, one object per line (blank lines ignored, extra keys such as ``"sou
     {"id": str, "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...],
      "tools": [<OpenAI function schema>, ...]}            # "tools" optional
 
+OpenAI tool calling is kept: an assistant message's ``tool_calls`` (its ``content`` may then be null) and a tool
+message's ``tool_call_id`` and ``name``; the chat template renders the calls.
+
 Mooncake format (kvcache-ai/Mooncake FAST'25 traces), one request per line::
 
     {"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [int, ...]}
@@ -36,6 +39,7 @@ from prefixcache.chat.template import validate_messages, validate_tools
 from prefixcache.errors import InvalidArgumentError, ScenarioError, TemplateError
 
 __all__ = [
+    "MESSAGE_KEYS",
     "MOONCAKE_BLOCK_TOKENS",
     "Conversation",
     "ScenarioFile",
@@ -60,13 +64,14 @@ _INT32_MAX = 2**31 - 1
 class Conversation:
     """One chat transcript from a scenario file.
 
-    ``messages`` holds fresh ``{"role", "content"}`` dicts (other message keys are dropped); ``tools`` is the
+    ``messages`` holds fresh ``{"role", "content"}`` dicts plus, where present, ``tool_calls``, ``tool_call_id`` and
+    ``name`` (:data:`MESSAGE_KEYS`; other keys are dropped); ``tools`` is the
     line's own ``"tools"`` or else the tools given to :func:`load_scenario`.  ``source`` and ``line_no``
     (1-based) say where it came from.  Not hashable (it holds dicts).
     """
 
     id: str
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     tools: tuple[dict[str, Any], ...] | None
     source: str
     line_no: int
@@ -180,6 +185,16 @@ def _long_number(text: str, error: ValueError) -> str:
     return f"an integer of {digits:,} digits at column {match.start() + 1} (Python reads at most {limit:,})"
 
 
+MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
+"""Message keys a scenario keeps; ``role`` and ``content`` always, the others when present."""
+
+
+def _message_record(message: Mapping[str, Any]) -> dict[str, Any]:
+    record = {"role": message["role"], "content": message.get("content")}
+    record.update({key: message[key] for key in MESSAGE_KEYS[2:] if message.get(key) is not None})
+    return record
+
+
 def _parse_tools(value: Any) -> tuple[dict[str, Any], ...]:
     try:
         validate_tools(value)
@@ -214,7 +229,7 @@ def _parse_conversation(
             raise ScenarioError(f"bad 'tools': {exc}", *where) from None
     return Conversation(
         id=conversation_id,
-        messages=tuple({"role": m["role"], "content": m["content"]} for m in messages),
+        messages=tuple(_message_record(m) for m in messages),
         tools=tools,
         source=str(path),
         line_no=line_no,

@@ -162,7 +162,7 @@ def test_conversation_record_fields_and_ignored_keys(tmp_path: Path) -> None:
         "id": "c1",
         "source": "somewhere",
         "messages": [
-            {"role": "system", "content": "s", "name": "ignored"},
+            {"role": "system", "content": "s", "weight": "ignored", "name": "kept"},
             {"role": "user", "content": "u"},
             {"role": "assistant", "content": "a"},
             {"role": "user", "content": "u2"},
@@ -175,7 +175,7 @@ def test_conversation_record_fields_and_ignored_keys(tmp_path: Path) -> None:
     assert conversation.id == "c1"
     assert conversation.line_no == 2
     assert conversation.tools is None
-    assert conversation.messages[0] == {"role": "system", "content": "s"}
+    assert conversation.messages[0] == {"role": "system", "content": "s", "name": "kept"}
     assert conversation.assistant_turns == (2, 4)
 
 

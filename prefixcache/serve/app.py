@@ -1,0 +1,295 @@
+"""The OpenAI-compatible HTTP API (FastAPI): chat completions with tools, completions, models, health, metrics, and
+prefix warming.
+
+Every request is authenticated first (a 401 touches nothing: no body is parsed, no cache state read or changed),
+its namespace taken from its API key, and its model work handed to the one :class:`ModelWorker` thread.  Responses
+always carry ``usage.prompt_tokens_details.cached_tokens``; a streamed response without
+``stream_options.include_usage`` carries the usage on its finishing chunk.  A client that disconnects mid-stream
+cancels its job, which closes its generator and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable, Generator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from prefixcache.engine.chat import ChatCompletion, chat_stream, completion_stream
+from prefixcache.engine.runner import PrefixCachingRunner
+from prefixcache.engine.sampling import SamplingParams
+from prefixcache.errors import CapacityError, OutOfBlocksError, PrefixCacheError
+from prefixcache.serve.auth import ApiKeys, Unauthorized
+from prefixcache.serve.metrics import CONTENT_TYPE, ServerMetrics
+from prefixcache.serve.protocol import (
+    BadRequest,
+    chat_chunk,
+    chat_response,
+    completion_response,
+    error_body,
+    parse_chat_request,
+    parse_completion_request,
+    usage_json,
+)
+from prefixcache.serve.worker import ModelWorker
+
+__all__ = ["create_app"]
+
+
+def _status_of(error: BaseException) -> int:
+    if isinstance(error, CapacityError):
+        return 400
+    if isinstance(error, OutOfBlocksError):
+        return 503  # other requests hold the pool right now; a retry may succeed
+    return 400 if isinstance(error, PrefixCacheError) else 500
+
+
+def _error_response(error: BaseException) -> JSONResponse:
+    if isinstance(error, BadRequest):
+        kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+        body = error_body(str(error), kind=kind, param=error.param, code=error.code)
+        return JSONResponse(body, status_code=error.status)
+    status = _status_of(error)
+    kind = "invalid_request_error" if status == 400 else "server_error"
+    message = str(error) if status != 500 else f"internal error: {type(error).__name__}"
+    return JSONResponse(error_body(message, kind=kind), status_code=status)
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(
+    runner: PrefixCachingRunner,
+    *,
+    model_name: str = "prefixcache",
+    api_keys: ApiKeys | None = None,
+) -> FastAPI:
+    """The FastAPI app serving ``runner`` as model ``model_name``; ``api_keys`` (default: open) map keys to
+    namespaces.  ``app.state.worker`` is the model thread (closed when the app shuts down; call
+    ``app.state.worker.close()`` yourself when the app is used without its lifespan, as with httpx's ASGI
+    transport) and ``app.state.runner`` the runner."""
+    keys = api_keys if api_keys is not None else ApiKeys.open()
+    worker = ModelWorker()
+    metrics = ServerMetrics(runner.cache)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        worker.close()
+
+    app = FastAPI(title="prefixcache", lifespan=lifespan)
+    app.state.runner = runner
+    app.state.worker = worker
+    app.state.metrics = metrics
+
+    async def run_job(start: Callable[[], Generator[Any, None, Any]]) -> AsyncIterator[tuple[str, Any]]:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def sink(kind: str, value: Any) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+
+        job = worker.submit(start, sink)
+        try:
+            while True:
+                kind, value = await events.get()
+                yield kind, value
+                if kind != "delta":
+                    return
+        finally:
+            job.cancel()
+
+    def authenticate(request: Request) -> str | None:
+        return keys.namespace_for(request.headers.get("authorization"))
+
+    async def read_json(request: Request) -> Any:
+        try:
+            return json.loads(await request.body())
+        except (ValueError, RecursionError):
+            raise BadRequest("the request body is not valid JSON") from None
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise BadRequest(
+                f"the model {name!r} does not exist; this server serves {model_name!r}", "model", 404, "model_not_found"
+            )
+
+    @app.exception_handler(Unauthorized)
+    async def unauthorized(request: Request, error: Unauthorized) -> JSONResponse:
+        body = error_body(str(error), param=None, code="invalid_api_key")
+        return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, error: BadRequest) -> JSONResponse:
+        metrics.failed(request.url.path, error.status)
+        return _error_response(error)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "model": model_name, "pending_requests": worker.num_active}
+
+    @app.get("/metrics")
+    async def scrape() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        authenticate(request)
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "prefixcache"}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        namespace = authenticate(request)
+        chat = parse_chat_request(await read_json(request))
+        check_model(chat.model)
+        request_id = "chatcmpl-" + uuid.uuid4().hex
+
+        def start() -> Generator[str, None, ChatCompletion]:
+            return chat_stream(
+                runner,
+                chat.messages,
+                chat.tools,
+                tool_choice=chat.tool_choice,
+                stop=chat.stop,
+                namespace=namespace,
+                request_id=request_id,
+                **chat.sampling,
+            )
+
+        events = run_job(start)
+        kind, first = await anext(events)
+        if not chat.stream or kind == "error":
+            try:
+                while kind == "delta":
+                    kind, first = await anext(events)
+            finally:
+                await events.aclose()
+            if kind != "done":
+                error = first if kind == "error" else RuntimeError("the server is shutting down")
+                metrics.failed("/v1/chat/completions", _status_of(error))
+                return _error_response(error)
+            metrics.observe("/v1/chat/completions", first.usage)
+            return JSONResponse(chat_response(request_id, model_name, first))
+
+        async def sse() -> AsyncIterator[str]:
+            try:
+                async for line in chat_sse():
+                    yield line
+            finally:
+                await events.aclose()
+
+        async def chat_sse() -> AsyncIterator[str]:
+            kind_, value = kind, first
+            yield _sse(chat_chunk(request_id, model_name, {"role": "assistant", "content": ""}))
+            while kind_ == "delta":
+                yield _sse(chat_chunk(request_id, model_name, {"content": value}))
+                kind_, value = await anext(events)
+            if kind_ == "error":
+                yield _sse(error_body(str(value), kind="server_error"))
+            elif kind_ == "done":
+                done: ChatCompletion = value
+                metrics.observe("/v1/chat/completions", done.usage)
+                if done.tool_calls:
+                    calls = [{"index": i, **call} for i, call in enumerate(done.tool_calls)]
+                    yield _sse(chat_chunk(request_id, model_name, {"tool_calls": calls}))
+                usage = None if chat.include_usage else done.usage
+                yield _sse(chat_chunk(request_id, model_name, {}, done.finish_reason, usage))
+                if chat.include_usage:
+                    yield _sse(chat_chunk(request_id, model_name, None, usage=done.usage))
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        namespace = authenticate(request)
+        body = parse_completion_request(await read_json(request), runner.tokenizer.vocab_size)
+        check_model(body.model)
+        request_id = "cmpl-" + uuid.uuid4().hex
+
+        def start() -> Generator[str, None, ChatCompletion]:
+            ids = runner.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+            return completion_stream(
+                runner, ids, stop=body.stop, namespace=namespace, request_id=request_id, **body.sampling
+            )
+
+        events = run_job(start)
+        kind, first = await anext(events)
+        if not body.stream or kind == "error":
+            try:
+                while kind == "delta":
+                    kind, first = await anext(events)
+            finally:
+                await events.aclose()
+            if kind != "done":
+                error = first if kind == "error" else RuntimeError("the server is shutting down")
+                metrics.failed("/v1/completions", _status_of(error))
+                return _error_response(error)
+            metrics.observe("/v1/completions", first.usage)
+            return JSONResponse(
+                completion_response(request_id, model_name, first.content or "", first.finish_reason, first.usage)
+            )
+
+        async def sse() -> AsyncIterator[str]:
+            try:
+                async for line in completion_sse():
+                    yield line
+            finally:
+                await events.aclose()
+
+        async def completion_sse() -> AsyncIterator[str]:
+            kind_, value = kind, first
+            while kind_ == "delta":
+                yield _sse(completion_response(request_id, model_name, value, None, None))
+                kind_, value = await anext(events)
+            if kind_ == "error":
+                yield _sse(error_body(str(value), kind="server_error"))
+            elif kind_ == "done":
+                metrics.observe("/v1/completions", value.usage)
+                usage = None if body.include_usage else value.usage
+                yield _sse(completion_response(request_id, model_name, "", value.finish_reason, usage))
+                if body.include_usage:
+                    chunk = completion_response(request_id, model_name, "", None, value.usage)
+                    chunk["choices"] = []
+                    yield _sse(chunk)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream")
+
+    @app.post("/v1/cache/prefill")
+    async def prefill(request: Request) -> Response:
+        namespace = authenticate(request)
+        body = await read_json(request)
+        if not isinstance(body, dict) or set(body) - {"model", "messages", "tools", "prompt"}:
+            raise BadRequest("prefill takes model, messages (+ tools) or prompt (text or token ids)")
+        if "model" in body:
+            check_model(body["model"])
+        if ("messages" in body) == ("prompt" in body):
+            raise BadRequest("give exactly one of messages or prompt")
+
+        def start() -> Generator[int, None, Any]:
+            if "messages" in body:
+                ids = runner.tokenizer.render_chat(body["messages"], body.get("tools"), add_generation_prompt=False)
+            elif isinstance(body["prompt"], str):
+                ids = runner.tokenizer.encode(body["prompt"])
+            else:
+                ids = body["prompt"]
+            return runner.stream(ids, SamplingParams(max_new_tokens=0), namespace=namespace)
+
+        async for kind, value in run_job(start):
+            if kind == "error":
+                metrics.failed("/v1/cache/prefill", _status_of(value))
+                return _error_response(value)
+            if kind == "done":
+                metrics.observe("/v1/cache/prefill", value.usage)
+                return JSONResponse({"object": "cache.prefill", "usage": usage_json(value.usage)})
+        return _error_response(RuntimeError("the server is shutting down"))
+
+    return app

@@ -1,0 +1,264 @@
+"""The OpenAI wire format: request bodies checked into typed records, and the response and chunk objects.
+
+Only what the server really does is accepted.  A field it cannot honour (``n`` > 1, ``logprobs``, penalties,
+``response_format`` other than text, any unknown field) is a 400 in OpenAI's error shape naming the parameter, never
+silently ignored; fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``) pass.
+Message content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined), as LangChain and
+smolagents send it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixcache.chat.stop import check_stop
+from prefixcache.chat.template import join_text_parts
+from prefixcache.engine.chat import ChatCompletion
+from prefixcache.engine.runner import Usage
+from prefixcache.errors import InvalidArgumentError, TemplateError
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "BadRequest",
+    "ChatRequest",
+    "CompletionRequest",
+    "chat_chunk",
+    "chat_response",
+    "completion_response",
+    "error_body",
+    "parse_chat_request",
+    "parse_completion_request",
+    "usage_json",
+]
+
+DEFAULT_MAX_TOKENS = 256
+"""Tokens generated when a request gives neither ``max_tokens`` nor ``max_completion_tokens``."""
+
+_IGNORED = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier"})
+_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "echo": False}
+_COMMON = frozenset({"model", "stream", "stream_options", "stop", "temperature", "top_p", "seed", "n", "max_tokens"})
+_CHAT = _COMMON | {"messages", "tools", "tool_choice", "max_completion_tokens", "response_format"}
+_COMPLETION = _COMMON | {"prompt"}
+
+
+class BadRequest(Exception):
+    """A request the server rejects: ``status`` (400, 404), the message, and the offending ``param``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.status = status
+        self.code = code
+
+
+def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass(frozen=True, slots=True)
+class _Common:
+    model: str
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+    sampling: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """A checked ``POST /v1/chat/completions`` body."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    tool_choice: Any
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """A checked ``POST /v1/completions`` body; ``prompt`` is text or token ids."""
+
+    model: str
+    prompt: str | list[int]
+    stream: bool
+    include_usage: bool
+    stop: tuple[str, ...]
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+def _number(body: Mapping[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BadRequest(f"{name} must be a number, got {value!r}", name)
+    return float(value)
+
+
+def _common(body: Any, allowed: frozenset[str], default_max_tokens: int, max_tokens_names: tuple[str, ...]) -> _Common:
+    if not isinstance(body, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    for name in body:
+        if name in allowed or name in _IGNORED:
+            continue
+        if name in _NEUTRAL and body[name] in (None, _NEUTRAL[name]):
+            continue
+        raise BadRequest(f"unsupported parameter: {name}", name)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model must be a non-empty string", "model")
+    if body.get("n") not in (None, 1):
+        raise BadRequest("only n=1 is supported", "n")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise BadRequest("stream must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
+        raise BadRequest("stream_options supports only include_usage", "stream_options")
+    try:
+        stop = check_stop(body.get("stop"))
+    except InvalidArgumentError as error:
+        raise BadRequest(str(error), "stop") from None
+    given = next((n for n in max_tokens_names if body.get(n) is not None), None)
+    max_tokens = body[given] if given else default_max_tokens
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        raise BadRequest(f"{given} must be a non-negative integer, got {max_tokens!r}", given)
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise BadRequest(f"seed must be an integer in 0 .. 2**63 - 1, got {seed!r}", "seed")
+    temperature = _number(body, "temperature", 0.0)
+    if not 0 <= temperature <= 2:
+        raise BadRequest(f"temperature must be in [0, 2], got {temperature}", "temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    sampling = {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    return _Common(model, stream, bool(options.get("include_usage")), stop, sampling)
+
+
+def _content_text(index: int, content: Any) -> Any:
+    try:
+        return join_text_parts(content)
+    except TemplateError as error:
+        raise BadRequest(f"message {index}: {error}", f"messages[{index}].content") from None
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Check a chat completions body.  Raises :class:`BadRequest` naming the parameter.
+
+    Message contents are validated by the chat template later (a :class:`TemplateError` is a 400 too).
+    """
+    common = _common(body, _CHAT, DEFAULT_MAX_TOKENS, ("max_completion_tokens", "max_tokens"))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", "messages")
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise BadRequest(f"message {index} must be an object", f"messages[{index}]")
+        message = dict(message)
+        if "content" in message:
+            message["content"] = _content_text(index, message["content"])
+        if message.get("role") == "developer":
+            message["role"] = "system"
+        checked.append(message)
+    tools = body.get("tools") or None
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+            raise BadRequest("tools must be a list of objects", "tools")
+        if any(t.get("type", "function") != "function" for t in tools):
+            raise BadRequest("only function tools are supported", "tools")
+    format_ = body.get("response_format")
+    if format_ is not None and format_ != {"type": "text"}:
+        raise BadRequest("only response_format {'type': 'text'} is supported", "response_format")
+    return ChatRequest(
+        model=common.model,
+        messages=checked,
+        tools=tools,
+        tool_choice=body.get("tool_choice"),
+        stream=common.stream,
+        include_usage=common.include_usage,
+        stop=common.stop,
+        sampling=common.sampling,
+    )
+
+
+def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
+    """Check a completions body: ``prompt`` is a string, a list of token ids below ``vocab_size``, or a list of one
+    such.  Raises :class:`BadRequest`."""
+    common = _common(body, _COMPLETION, 16, ("max_tokens",))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        if not prompt or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt):
+            raise BadRequest(f"prompt token ids must be a non-empty list of integers in [0, {vocab_size})", "prompt")
+    elif not isinstance(prompt, str) or not prompt:
+        raise BadRequest("prompt must be a non-empty string or a list of token ids (one prompt only)", "prompt")
+    return CompletionRequest(common.model, prompt, common.stream, common.include_usage, common.stop, common.sampling)
+
+
+def usage_json(usage: Usage) -> dict[str, Any]:
+    """OpenAI usage with ``prompt_tokens_details.cached_tokens`` always present, plus our prefill counts."""
+    return usage.to_openai()
+
+
+def chat_response(request_id: str, model: str, done: ChatCompletion) -> dict[str, Any]:
+    """A ``chat.completion`` object for a finished request."""
+    message: dict[str, Any] = {"role": "assistant", "content": done.content}
+    if done.tool_calls:
+        message["tool_calls"] = [dict(call) for call in done.tool_calls]
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": None}],
+        "usage": usage_json(done.usage),
+    }
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    delta: dict[str, Any] | None,
+    finish_reason: str | None = None,
+    usage: Usage | None = None,
+) -> dict[str, Any]:
+    """A ``chat.completion.chunk``; ``delta=None`` makes the usage-only chunk (no choices) of ``include_usage``."""
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": []
+        if delta is None
+        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+    }
+    if usage is not None:
+        chunk["usage"] = usage_json(usage)
+    return chunk
+
+
+def completion_response(
+    request_id: str, model: str, text: str, finish_reason: str | None, usage: Usage | None
+) -> dict[str, Any]:
+    """A ``text_completion`` object (also each streamed chunk, with the text so far's delta)."""
+    body: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+    }
+    if usage is not None:
+        body["usage"] = usage_json(usage)
+    return body

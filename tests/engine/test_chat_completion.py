@@ -1,0 +1,106 @@
+"""Chat completions on the runner: stop strings, tool calls, tool choice, streaming equals the whole answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache import PrefixCachingRunner
+from prefixcache.engine.chat import chat_stream, complete_chat
+from prefixcache.errors import InvalidArgumentError, TemplateError
+from prefixcache.testing import ScriptedModel, assert_quiescent, snapshot
+
+CALL = '<tool_call>\n{"name": "search", "arguments": {"q": "kv cache"}}\n</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
+ASK = [{"role": "system", "content": "Be useful. " * 10}, {"role": "user", "content": "Find it."}]
+
+
+def runner_for(*texts: str) -> PrefixCachingRunner:
+    return PrefixCachingRunner(ScriptedModel.from_texts(texts), cache_tokens=4096, block_size=4)
+
+
+def streamed(runner: PrefixCachingRunner, messages, tools=None, **options):
+    steps = chat_stream(runner, messages, tools, **options)
+    pieces = []
+    try:
+        while True:
+            pieces.append(next(steps))
+    except StopIteration as done:
+        return pieces, done.value
+
+
+def test_runner_chat_trims_at_a_stop_string_and_caches_the_turn() -> None:
+    runner = runner_for("Thought: search it\nAction: search\nObservation: found")
+    result = runner.chat(ASK, stop=["Observation:"], max_new_tokens=100)
+    assert result.text == "Thought: search it\nAction: search\n"
+    assert result.finish_reason == "stop"
+    # Generation ended on the stop string, not at max_new_tokens or the script's end of turn.
+    assert len(result.token_ids) == len(result.text) + len("Observation:")
+    again = runner.chat(ASK, stop=["Observation:"], max_new_tokens=100)
+    assert again.usage.cached_tokens == again.usage.prompt_tokens - 1
+    assert_quiescent(runner.cache)
+
+
+def test_runner_chat_parses_tool_calls() -> None:
+    result = runner_for("Searching.\n" + CALL).chat(ASK, TOOLS, max_new_tokens=200)
+    assert result.finish_reason == "tool_calls"
+    assert result.text == "Searching."
+    assert result.tool_calls[0]["function"] == {"name": "search", "arguments": '{"q": "kv cache"}'}
+
+
+def test_without_tools_a_call_is_plain_text() -> None:
+    result = runner_for(CALL).chat(ASK, max_new_tokens=200)
+    assert (result.text, result.tool_calls, result.finish_reason) == (CALL, (), "stop")
+
+
+@pytest.mark.parametrize(
+    "answer", ["plain answer, no call", "Searching.\n" + CALL, CALL, "<tool_call>{broken</tool_call>", "a <tool_ca b"]
+)
+def test_streamed_content_is_exactly_the_final_content(answer: str) -> None:
+    pieces, done = streamed(runner_for(answer), ASK, TOOLS, max_new_tokens=200)
+    assert "".join(pieces) == (done.content or "")
+    assert "<tool_call>" not in "".join(pieces) or not done.tool_calls
+
+
+def test_stop_string_and_length_finish_reasons() -> None:
+    pieces, done = streamed(runner_for("abcdefgh"), ASK, stop=["ef"], max_new_tokens=100)
+    assert ("".join(pieces), done.finish_reason) == ("abcd", "stop")
+    pieces, done = streamed(runner_for("abcdefgh"), ASK, max_new_tokens=3)
+    assert ("".join(pieces), done.finish_reason, done.usage.generated_tokens) == ("abc", "length", 3)
+
+
+def test_named_tool_choice_forces_the_call() -> None:
+    runner = runner_for(CALL)
+    done = complete_chat(
+        runner, ASK, TOOLS, tool_choice={"type": "function", "function": {"name": "search"}}, max_new_tokens=200
+    )
+    assert done.finish_reason == "tool_calls"
+    assert done.tool_calls[0]["function"]["name"] == "search"
+
+
+def test_closing_the_stream_early_releases_everything_and_caches_nothing() -> None:
+    runner = runner_for("a long answer " * 20)
+    steps = chat_stream(runner, ASK, max_new_tokens=200)
+    next(steps)
+    steps.close()
+    assert_quiescent(runner.cache)
+    assert runner.cache.stats().cached_tokens == 0
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"stop": [""]}, InvalidArgumentError),
+        ({"tool_choice": "required"}, InvalidArgumentError),
+        ({"tool_choice": "sometimes"}, InvalidArgumentError),
+        ({"temperature": -1}, InvalidArgumentError),
+    ],
+)
+def test_bad_options_raise_before_touching_the_cache(options: dict, error: type) -> None:
+    runner = runner_for("x")
+    runner.chat(ASK)
+    before = snapshot(runner.cache, [runner.namespace_key(None)])
+    with pytest.raises(error):
+        chat_stream(runner, ASK, **options)
+    with pytest.raises(TemplateError):
+        chat_stream(runner, [{"role": "assistant", "content": None}])
+    assert snapshot(runner.cache, [runner.namespace_key(None)]) == before

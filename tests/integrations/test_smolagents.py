@@ -1,0 +1,58 @@
+"""smolagents: a ToolCallingAgent on the scripted model with a real tool, every step after the first mostly cached."""
+
+from __future__ import annotations
+
+from smolagents import ToolCallingAgent, tool
+from smolagents.memory import ActionStep
+
+from prefixcache import PrefixCachingRunner
+from prefixcache.integrations.smolagents import PrefixCacheModel
+from prefixcache.testing import ScriptedModel, assert_quiescent
+
+VISITS: list[str] = []
+
+
+@tool
+def get_weather(city: str) -> str:
+    """Current weather in a city.
+
+    Args:
+        city: The city's name.
+    """
+    VISITS.append(city)
+    return f"{city}: {10 + len(city)} C"
+
+
+FINAL = '<tool_call>\n{"name": "final_answer", "arguments": {"answer": "All five are mild."}}\n</tool_call>'
+
+
+def run_agent(weather_calls: list[str], stream: bool) -> tuple[object, list[ActionStep], PrefixCachingRunner]:
+    runner = PrefixCachingRunner(ScriptedModel.from_texts([*weather_calls, FINAL]), cache_tokens=1 << 16)
+    agent = ToolCallingAgent(
+        tools=[get_weather], model=PrefixCacheModel(runner), max_steps=8, verbosity_level=0, stream_outputs=stream
+    )
+    VISITS.clear()
+    result = agent.run("What is the weather in Paris, Oslo, Lima, Pune and Kyiv?")
+    steps = [step for step in agent.memory.steps if isinstance(step, ActionStep)]
+    return result, steps, runner
+
+
+def test_tool_calling_agent_runs_six_steps_on_the_cache(weather_calls: list[str]) -> None:
+    result, steps, runner = run_agent(weather_calls, stream=False)
+    assert result == "All five are mild."
+    assert VISITS == ["Paris", "Oslo", "Lima", "Pune", "Kyiv"]
+    assert len(steps) == 6
+    usages = [step.model_output_message.raw["usage"] for step in steps]
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    for step, usage in zip(steps[1:], usages[1:], strict=True):
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.9 * usage["prompt_tokens"]
+        assert step.token_usage.input_tokens == usage["prompt_tokens"]
+    assert_quiescent(runner.cache)
+
+
+def test_streaming_agent_gets_the_same_calls(weather_calls: list[str]) -> None:
+    result, steps, runner = run_agent(weather_calls, stream=True)
+    assert result == "All five are mild."
+    assert VISITS == ["Paris", "Oslo", "Lima", "Pune", "Kyiv"]
+    assert [s.tool_calls[0].name for s in steps] == ["get_weather"] * 5 + ["final_answer"]
+    assert_quiescent(runner.cache)

@@ -1,0 +1,50 @@
+"""Fixtures for the server tests: apps over a runner, and the real OpenAI client talking to an app in-process."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+
+def require(module: str, extra: str):
+    """Import ``module``; without it, skip on a user's machine but fail in CI (CI installs every extra)."""
+    if os.environ.get("CI") == "true":
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason=f"needs: pip install 'prefixcache[{extra}]'")
+
+
+require("fastapi", "server")
+httpx = require("httpx", "server")
+openai = require("openai", "server")
+
+from prefixcache import PrefixCachingRunner  # noqa: E402
+from prefixcache.serve import ApiKeys, create_app  # noqa: E402
+
+
+@pytest.fixture
+def make_app() -> Iterator[Callable[..., object]]:
+    """``make_app(runner, model_name="scripted", api_keys=None)``; every app's worker is closed afterwards."""
+    apps = []
+
+    def make(runner: PrefixCachingRunner, model_name: str = "scripted", api_keys: ApiKeys | None = None):
+        app = create_app(runner, model_name=model_name, api_keys=api_keys)
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        app.state.worker.close()
+
+
+@pytest.fixture
+def asgi_client() -> Callable[..., object]:
+    """``asgi_client(app, api_key="none")``: an ``openai.AsyncOpenAI`` on httpx's ASGI transport (no socket)."""
+
+    def make(app, api_key: str = "none"):
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://testserver")
+        return openai.AsyncOpenAI(base_url="http://testserver/v1", api_key=api_key, http_client=http, max_retries=0)
+
+    return make

@@ -1,0 +1,63 @@
+"""One real uvicorn server on 127.0.0.1 (a free port), started and stopped by the test, with the sync OpenAI client."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+
+from prefixcache import PrefixCachingRunner
+from prefixcache.serve import start_background
+from prefixcache.testing import ScriptedModel, assert_quiescent
+
+CALL = '<tool_call>\n{"name": "lookup", "arguments": {"q": "prefix caching"}}\n</tool_call>'
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}]
+MESSAGES = [{"role": "system", "content": "You look things up. " * 20}, {"role": "user", "content": "What is it?"}]
+
+
+def test_openai_client_over_a_real_socket(make_app) -> None:
+    runner = PrefixCachingRunner(ScriptedModel.from_texts([CALL, "It reuses KV."]), cache_tokens=8192)
+    with start_background(make_app(runner), "127.0.0.1", 0) as server:
+        assert server.url.startswith("http://127.0.0.1:")
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["scripted"]
+        first = client.chat.completions.create(model="scripted", messages=MESSAGES, tools=TOOLS)
+        call = first.choices[0].message.tool_calls[0]
+        assert (call.function.name, json.loads(call.function.arguments)) == ("lookup", {"q": "prefix caching"})
+        follow_up = [*MESSAGES, first.choices[0].message.model_dump(exclude_none=True)]
+        follow_up.append({"role": "tool", "tool_call_id": call.id, "content": "a radix tree over token ids"})
+        stream = client.chat.completions.create(
+            model="scripted", messages=follow_up, tools=TOOLS, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "It reuses KV."
+        usage = chunks[-1].usage
+        assert usage.prompt_tokens_details.cached_tokens >= 0.9 * usage.prompt_tokens
+    assert not server.thread.is_alive()
+    assert_quiescent(runner.cache)
+
+
+def test_a_client_disconnecting_mid_stream_frees_its_blocks(make_app) -> None:
+    # An answer far longer than the test waits for: the stream is cut after its first chunks.
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["word " * 3000]), cache_tokens=1 << 15)
+    app = make_app(runner)
+    with start_background(app, "127.0.0.1", 0) as server:
+        body = {"model": "scripted", "messages": MESSAGES, "stream": True, "max_tokens": 15000}
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                received = [next(lines) for _ in range(6)]
+        assert any('"content": "w' in line or '"content": "word' in line for line in received)
+        assert app.state.worker.wait_idle(timeout=30)
+        assert app.state.worker.cancelled_jobs == 1
+        assert_quiescent(runner.cache)
+        # Nothing of the cancelled request was cached, and its blocks went back to the pool.
+        stats = runner.cache.stats()
+        assert stats.cached_tokens == 0 and stats.free_blocks == stats.num_blocks
+        # The server still serves.
+        done = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3})
+        assert done.json()["choices"][0]["message"]["content"] == "wor"
+        time.sleep(0)
