@@ -99,7 +99,7 @@ class FaultyModel:
         return self.inner.fingerprint()
 
     def forward_cached(
-        self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor
+        self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor, **options: Any
     ) -> torch.Tensor:
         with self._lock:
             self.calls += 1
@@ -107,16 +107,16 @@ class FaultyModel:
             scribble = self.scribble
             exception = self.exception
         if not failing:
-            return self.inner.forward_cached(token_ids, start_pos, kv, block_table)
+            return self.inner.forward_cached(token_ids, start_pos, kv, block_table, **options)
         if scribble:
-            self.inner.forward_cached(token_ids, start_pos, kv, block_table)
+            self.inner.forward_cached(token_ids, start_pos, kv, block_table, **options)
             _scribble(kv, block_table, start_pos, len(token_ids))
         with self._lock:
             self.faults += 1
         raise _make_exception(exception, f"injected fault in forward_cached call {self.fail_at}")
 
-    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.inner.forward_reference(token_ids)
+    def forward_reference(self, token_ids: torch.Tensor, **options: Any) -> torch.Tensor:
+        return self.inner.forward_reference(token_ids, **options)
 
 
 def _scribble(kv: torch.Tensor, block_table: torch.Tensor, start_pos: int, num_tokens: int) -> None:
@@ -219,7 +219,7 @@ def greedy_reference(model: CausalLM, prompt: Sequence[int], max_new_tokens: int
     at every step).  Returns ``(new_token_ids, prompt_logits[len(prompt), vocab])``.  O(n^2) forwards: for tests
     with short sequences."""
     ids = [int(t) for t in prompt]
-    prompt_logits = model.forward_reference(torch.tensor(ids, dtype=torch.long)).float().cpu()
+    prompt_logits = model.forward_reference(torch.tensor(ids, dtype=torch.long), return_logits=True).float().cpu()
     logits = prompt_logits
     generated: list[int] = []
     for _ in range(max_new_tokens):
@@ -244,8 +244,8 @@ class ShiftedLogits:
     def fingerprint(self) -> str:
         return self.model.fingerprint()
 
-    def forward_cached(self, *args: object) -> torch.Tensor:
-        return self.model.forward_cached(*args) + self.shift
+    def forward_cached(self, *args: Any, **options: Any) -> torch.Tensor:
+        return self.model.forward_cached(*args, **options) + self.shift
 
-    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_reference(token_ids)
+    def forward_reference(self, token_ids: torch.Tensor, **options: Any) -> torch.Tensor:
+        return self.model.forward_reference(token_ids, **options)

@@ -31,7 +31,7 @@ from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
 from prefixcache.engine.sampling import SamplingParams, sample_token, sampling_generator
 from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidTokensError
-from prefixcache.models.base import CausalLM
+from prefixcache.models.base import CausalLM, LiveKV
 
 DEFAULT_CACHE_TOKENS = 1 << 16
 
@@ -286,7 +286,9 @@ class PrefixCachingRunner:
             cache.reserve(lease, len(prompt))
             table = pool.block_table_tensor(lease.block_table)
             new_ids = torch.tensor(prompt[cached:], dtype=torch.long, device=device)
-            logits = model.forward_cached(new_ids, cached, pool.kv, table)
+            # One live K/V for the request's lifetime: decode steps append to it instead of re-gathering the prefix.
+            live = LiveKV()
+            logits = model.forward_cached(new_ids, cached, pool.kv, table, return_logits=return_logits, live=live)
             last = logits[-1]
             generator = sampling_generator(sampling, device)
             if forced is None and sampling.max_new_tokens:
@@ -305,7 +307,7 @@ class PrefixCachingRunner:
                     cache.reserve(lease, len(prompt) + len(forced))
                     table = pool.block_table_tensor(lease.block_table)
                     forced_ids = torch.tensor(forced, dtype=torch.long, device=device)
-                    model.forward_cached(forced_ids, len(prompt), pool.kv, table)
+                    model.forward_cached(forced_ids, len(prompt), pool.kv, table, live=live)
                     _synchronize(device)
                     generated = list(forced)
                     committed.extend(generated)
@@ -332,7 +334,7 @@ class PrefixCachingRunner:
                         cache.reserve(lease, position + 1)
                         table = pool.block_table_tensor(lease.block_table)
                     step = torch.tensor([token], dtype=torch.long, device=device)
-                    last = model.forward_cached(step, position, pool.kv, table)[-1]
+                    last = model.forward_cached(step, position, pool.kv, table, live=live)[-1]
                     committed.append(token)
                     position += 1
                     token = sample_token(last, sampling, generator)

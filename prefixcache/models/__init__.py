@@ -2,8 +2,10 @@
 
 from prefixcache.models.base import (
     CausalLM,
+    LiveKV,
     ModelConfig,
     check_cached_call,
+    check_live,
     check_reference_call,
     config_fingerprint,
     kv_pool_shape,
@@ -15,10 +17,12 @@ __all__ = [
     "ARCHITECTURE",
     "PRESETS",
     "CausalLM",
+    "LiveKV",
     "LlamaModel",
     "ModelConfig",
     "build_model",
     "check_cached_call",
+    "check_live",
     "check_reference_call",
     "config_fingerprint",
     "kv_pool_shape",
