@@ -9,14 +9,19 @@ layers, measured side by side in one process, repeats interleaved, medians:
 - decode time per token over ``model.generate`` continuing its own ``DynamicCache``, and, to show what live K/V
   removed, the old path that gathered the whole prefix out of the pool at every step.
 
-``--quick`` (CI) runs a 2-layer, hidden-64 Qwen2 at short lengths: it checks the code path, its figures mean little.
+Clock: the calling thread's CPU time with torch held to one intra-op thread (as in ``bench runner``): on a small
+shared machine a second thread makes every op wait for a descheduled peer, and wall time counts other processes'
+time slices; all three paths run the same way.  ``--quick`` (CI) runs a 2-layer, hidden-64 Qwen2 at short lengths:
+it checks the code path, its figures mean little.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +37,35 @@ QWEN_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tok
 
 BLOCK_SIZE = 16
 WARM_SUFFIX_TOKENS = 64
+TORCH_THREADS = 1
+clock: Callable[[], float] = time.thread_time
+"""Seconds of CPU time of the calling thread: the clock of every figure here (see the module docstring)."""
+
+
+@contextlib.contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """Hold torch to ``TORCH_THREADS`` intra-op threads inside the block (restored after)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(TORCH_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def timed_runner_call(runner: PrefixCachingRunner, prompt: list[int], params: SamplingParams):
+    """``(ttft_s, total_s, result)`` of one runner request on :data:`clock`; the first token's time is taken when
+    the runner yields it."""
+    first: list[float] = []
+    start = clock()
+    steps = runner.stream(prompt, params, on_token=lambda _token: first.append(clock()) if not first else None)
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        result = done.value
+    total = clock() - start
+    return (first[0] - start if first else total), total, result
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +124,9 @@ def _ids(model, n: int, seed: int) -> list[int]:
 
 
 def _timed(fn) -> tuple[float, object]:
-    start = time.perf_counter()
+    start = clock()
     value = fn()
-    return time.perf_counter() - start, value
+    return clock() - start, value
 
 
 @torch.inference_mode()
@@ -128,8 +162,8 @@ def measure_cold(model, length: int, repeats: int) -> dict:
     for rep in range(repeats):
         prompt = _ids(model, length, seed=rep)
         runner = _runner(model, length + 1)
-        result = runner.generate(prompt, SamplingParams(max_new_tokens=1))
-        ours.append(result.usage.ttft_s)
+        ttft, _, result = timed_runner_call(runner, prompt, SamplingParams(max_new_tokens=1))
+        ours.append(ttft)
         seconds, token = _own_forward(model, prompt)
         theirs.append(seconds)
         if token != result.token_ids[0]:
@@ -151,10 +185,10 @@ def measure_warm(model, length: int, repeats: int) -> dict:
     ours, theirs = [], []
     for rep in range(repeats):
         suffix = _ids(model, WARM_SUFFIX_TOKENS, seed=200 + rep)
-        result = runner.generate(prefix + suffix, SamplingParams(max_new_tokens=1))
+        ttft, _, result = timed_runner_call(runner, prefix + suffix, SamplingParams(max_new_tokens=1))
         if result.usage.cached_tokens != len(prefix):
             raise AssertionError(f"warm run found {result.usage.cached_tokens} cached tokens, expected {len(prefix)}")
-        ours.append(result.usage.ttft_s)
+        ours.append(ttft)
         cache = copy.deepcopy(prefilled)  # outside the timed region: the baseline's cache is already warm
         seconds, token = _own_forward(model, suffix, cache)
         theirs.append(seconds)
@@ -177,14 +211,14 @@ def measure_decode(model, context: int, steps: int, repeats: int) -> dict:
     prompt = _ids(model, context, seed=300)
     prefilled = DynamicCache(config=model.config)
     _own_forward(model, prompt[:-1], prefilled)
-    runner = _runner(model, context + steps)
+    runner = _runner(model, context + 3 * steps)  # room for the gather path's private blocks
     runner.prefill(prompt[:-1])
     params = SamplingParams(max_new_tokens=steps)
     ours, theirs, gather = [], [], []
     for _ in range(repeats):
-        result = runner.generate(prompt, params)
         # Per token: the last prompt token's forward plus steps - 1 decode steps, as for generate below.
-        ours.append((result.usage.ttft_s + result.usage.decode_s) / steps)
+        _, total, result = timed_runner_call(runner, prompt, params)
+        ours.append(total / steps)
         cache = copy.deepcopy(prefilled)
         seconds, out = _timed(
             lambda cache=cache: model.model.generate(
@@ -200,7 +234,7 @@ def measure_decode(model, context: int, steps: int, repeats: int) -> dict:
         theirs.append(seconds / steps)
         if out[0, len(prompt) :].tolist() != list(result.token_ids):
             raise AssertionError(f"decode at {context}: runner tokens differ from model.generate's")
-        gather.append(_gather_decode(model, prompt, list(result.token_ids)))
+        gather.append(_gather_decode(runner, prompt, list(result.token_ids)))
     return {
         "context": context,
         "steps": steps,
@@ -210,20 +244,24 @@ def measure_decode(model, context: int, steps: int, repeats: int) -> dict:
     }
 
 
-def _gather_decode(model, prompt: list[int], tokens: list[int]) -> float:
-    """Seconds per token of the pre-live-K/V decode: every step gathers the whole prefix out of the pool."""
-    runner = _runner(model, len(prompt) + len(tokens))
-    runner.prefill(prompt[:-1])
-    lease = runner.cache.acquire(prompt + tokens, runner.namespace_key(None))
+def _gather_decode(runner: PrefixCachingRunner, prompt: list[int], tokens: list[int]) -> float:
+    """Seconds per token of the pre-live-K/V decode: every step gathers the whole prefix out of the pool.
+
+    Runs on private blocks after the cached ``prompt[:-1]`` (a lease whose last token differs from the prompt's, so
+    that nothing shared is written), then releases them.
+    """
+    model = runner.model
+    other = (prompt[-1] + 1) % model.vocab_size
+    lease = runner.cache.acquire([*prompt[:-1], other], runner.namespace_key(None))
     try:
         runner.cache.reserve(lease, len(prompt) + len(tokens))
         table = runner.pool.block_table_tensor(lease.block_table)
         sequence = prompt + tokens
-        start = time.perf_counter()
+        start = clock()
         for position in range(len(prompt) - 1, len(sequence) - 1):
             step = torch.tensor([sequence[position]])
             model.forward_cached(step, position, runner.pool.kv, table)
-        return (time.perf_counter() - start) / len(tokens)
+        return (clock() - start) / len(tokens)
     finally:
         runner.cache.release(lease)
 
@@ -232,10 +270,11 @@ def run(quick: bool = False) -> BenchResult:
     """Measure and tabulate; raises InvalidArgumentError without transformers or (full run) the shared config."""
     setup = QUICK if quick else FULL
     model = build_bench_model(quick, setup.layers)
-    threads = torch.get_num_threads()
-    cold = [measure_cold(model, n, setup.repeats) for n in setup.ttft_lengths]
-    warm = [measure_warm(model, n, setup.repeats) for n in setup.ttft_lengths]
-    decode = [measure_decode(model, c, setup.decode_steps, setup.repeats) for c in setup.decode_contexts]
+    threads = TORCH_THREADS
+    with one_torch_thread():
+        cold = [measure_cold(model, n, setup.repeats) for n in setup.ttft_lengths]
+        warm = [measure_warm(model, n, setup.repeats) for n in setup.ttft_lengths]
+        decode = [measure_decode(model, c, setup.decode_steps, setup.repeats) for c in setup.decode_contexts]
     rows = []
     for c in cold:
         rows.append(
@@ -273,7 +312,7 @@ def run(quick: bool = False) -> BenchResult:
         headers=("measure", "tokens", "baseline", "ours (ms)", "baseline (ms)", "ours / baseline"),
         rows=tuple(rows),
         notes=(
-            f"medians of {setup.repeats} interleaved repeats, one process, {threads} torch thread(s), "
+            f"thread CPU time, medians of {setup.repeats} interleaved repeats, one process, {threads} torch thread(s), "
             f"block_size {BLOCK_SIZE}; greedy tokens checked equal to the baseline's",
             "'old: gather / step' is forward_cached without live K/V: each step copies the prefix out of the pool",
         ),

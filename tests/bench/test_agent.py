@@ -32,7 +32,9 @@ def test_every_step_of_every_conversation_is_measured_three_ways(result) -> None
     assert len(steps) == SETUP.conversations * SETUP.steps
     assert {(s["conversation"], s["step"]) for s in steps} == {(c, n) for c in range(2) for n in range(1, 7)}
     for s in steps:
-        assert set(s["wall_s"]) == {"a", "b", "c"} and all(v > 0 for v in s["wall_s"].values())
+        for clock in ("cpu_s", "wall_s", "prefill_s"):
+            assert set(s[clock]) == {"a", "b", "c"} and all(v > 0 for v in s[clock].values())
+        assert all(s["prefill_s"][way] <= s["cpu_s"][way] for way in "abc")
         assert len(s["output"]) == SETUP.max_new_tokens or s["output"][-1] in _eos()
 
 
