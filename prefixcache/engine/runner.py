@@ -215,6 +215,25 @@ class PrefixCachingRunner:
         namespace = self.namespace_key(namespace)
         return self._steps(prompt, sampling, namespace, forced, return_logits, on_token, request_id)
 
+    def generate_many(
+        self,
+        prompts: Sequence[TokenIds],
+        sampling: SamplingParams | None = None,
+        *,
+        namespace: str | None = None,
+        max_batch_tokens: int = 512,
+    ) -> list[GenerationResult]:
+        """Serve ``prompts`` together with continuous batching (see :class:`~prefixcache.engine.batching.BatchEngine`):
+        one batched forward per step, prefill chunked under ``max_batch_tokens``.  Results are in prompt order; each
+        equals what :meth:`generate` returns for that prompt alone (greedy tokens; logits within float rounding).
+        Raises as :meth:`generate`, for the first prompt that fails."""
+        from prefixcache.engine.batching import BatchEngine
+
+        engine = BatchEngine(self, max_batch_tokens=max_batch_tokens)
+        handles = [engine.submit(prompt, sampling, namespace=namespace) for prompt in prompts]
+        engine.run_until_idle()
+        return [handle.result() for handle in handles]
+
     def prefill(self, prompt_ids: TokenIds, *, namespace: str | None = None) -> Usage:
         """Compute and cache ``prompt_ids`` without generating (warm a shared system prompt).  Raises as
         :meth:`generate`."""

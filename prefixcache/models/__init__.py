@@ -1,6 +1,7 @@
 """Models prefix caching can drive: the :class:`CausalLM` protocol and the embedded seeded Llama."""
 
 from prefixcache.models.base import (
+    BatchRow,
     CausalLM,
     LiveKV,
     ModelConfig,
@@ -8,6 +9,7 @@ from prefixcache.models.base import (
     check_live,
     check_reference_call,
     config_fingerprint,
+    forward_batch,
     kv_pool_shape,
     num_blocks_for,
 )
@@ -15,6 +17,7 @@ from prefixcache.models.llama import ARCHITECTURE, PRESETS, LlamaModel, build_mo
 
 __all__ = [
     "ARCHITECTURE",
+    "BatchRow",
     "PRESETS",
     "CausalLM",
     "LiveKV",
@@ -25,6 +28,7 @@ __all__ = [
     "check_live",
     "check_reference_call",
     "config_fingerprint",
+    "forward_batch",
     "kv_pool_shape",
     "num_blocks_for",
 ]

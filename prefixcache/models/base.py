@@ -158,6 +158,30 @@ class LiveKV:
         return f"LiveKV(num_tokens={self.num_tokens})"
 
 
+@dataclass(frozen=True, slots=True)
+class BatchRow:
+    """One request's part of a batched step: ``token_ids[n]`` at positions ``start_pos ..`` through ``block_table``,
+    with the request's :class:`LiveKV` (a prefill chunk has n >= 1 tokens, a decode step one)."""
+
+    token_ids: torch.Tensor
+    start_pos: int
+    block_table: torch.Tensor
+    live: LiveKV
+
+
+def forward_batch(model: CausalLM, rows: list[BatchRow], kv: torch.Tensor) -> list[torch.Tensor]:
+    """Run every row's tokens in one step; returns per row the float32 logits ``[1, vocab_size]`` of its last position.
+
+    Uses the model's own ``forward_batch`` when it has one (one packed forward: the embedded model), else calls
+    ``forward_cached`` row by row (same results, no batching gain).  Rows must write disjoint pool slots.  Raises as
+    ``forward_cached``; a row that failed leaves its ``live`` to be refilled.
+    """
+    own = getattr(model, "forward_batch", None)
+    if own is not None:
+        return own(rows, kv)
+    return [model.forward_cached(r.token_ids, r.start_pos, kv, r.block_table, live=r.live) for r in rows]
+
+
 def check_live(live: object, start_pos: int) -> bool:
     """True when ``live`` holds exactly the ``start_pos`` prefix positions of this request (read it, not the pool).
 

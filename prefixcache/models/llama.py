@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.base import (
+    BatchRow,
     LiveKV,
     ModelConfig,
     check_cached_call,
@@ -234,6 +235,64 @@ class LlamaModel:
             return kv_all[0], kv_all[1]
 
         return self._forward(ids, positions, from_pool, return_logits)
+
+    @torch.inference_mode()
+    def forward_batch(self, rows: list[BatchRow], kv: torch.Tensor) -> list[torch.Tensor]:
+        """One packed forward over several requests' new tokens (continuous batching, as in vLLM and SGLang).
+
+        Every row's tokens go through the projections, MLPs and LM head together (``[sum n, hidden]`` matmuls);
+        attention runs per row over that row's live K/V (a varlen loop: rows have different contexts).  Each row's
+        new K/V are written into its pool slots and appended to its ``live``.  Returns per row the float32 logits
+        ``[1, vocab_size]`` of its last position.  Rows must belong to different requests.  Raises as
+        :meth:`forward_cached` (checked for every row before anything is written).
+        """
+        if not rows:
+            return []
+        num_blocks, block_size = kv.shape[2], kv.shape[3]
+        flat = kv.view(self.num_layers, 2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        checked = [check_cached_call(self, r.token_ids, r.start_pos, kv, r.block_table) for r in rows]
+        spans, buffers, slots, all_ids, all_pos = [], [], [], [], []
+        offset = 0
+        for row, (ids, table) in zip(rows, checked, strict=True):
+            end_pos = row.start_pos + ids.numel()
+            positions = torch.arange(row.start_pos, end_pos, device=self.device)
+            prefix = torch.arange(row.start_pos, device=self.device)
+            prefix_slots = table[prefix // block_size] * block_size + prefix % block_size
+            reuse = check_live(row.live, row.start_pos)
+            buffers.append(self._live_buffer(row.live, reuse, flat, prefix_slots, end_pos))
+            slots.append(table[positions // block_size] * block_size + positions % block_size)
+            spans.append((offset, offset + ids.numel(), row.start_pos, end_pos))
+            all_ids.append(ids)
+            all_pos.append(positions)
+            offset += ids.numel()
+        ids, positions = torch.cat(all_ids), torch.cat(all_pos)
+        lasts = torch.tensor([hi - 1 for _, hi, _, _ in spans], device=self.device)
+        n, heads, kv_heads, d = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self._rope(positions)
+        x = self.embed[ids]
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.attn_norm)
+            q, k, v = F.linear(h, layer.qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+            q = self._apply_rope(q.view(n, heads, d), cos, sin)
+            new = torch.stack([self._apply_rope(k.view(n, kv_heads, d), cos, sin), v.view(n, kv_heads, d)])
+            final = i == len(self.layers) - 1
+            outs = []
+            for (lo, hi, start, end), buffer, row_slots in zip(spans, buffers, slots, strict=True):
+                flat[i].index_copy_(1, row_slots, new[:, lo:hi])
+                buffer[i, :, start:end] = new[:, lo:hi]
+                # Last layer: only each row's last query reaches the LM head.
+                q_lo = hi - 1 if final else lo
+                outs.append(self._attention(q[q_lo:hi], buffer[i, 0, :end], buffer[i, 1, :end], positions[q_lo:hi]))
+            if final:
+                x = x[lasts]
+            x = x + F.linear(torch.cat(outs), layer.o)
+            h = self._rms_norm(x, layer.mlp_norm)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        logits = F.linear(self._rms_norm(x, self.final_norm), self.lm_head).float()
+        for row, (_, _, _, end) in zip(rows, spans, strict=True):
+            row.live.num_tokens = end
+        return list(logits.split(1))
 
     def _live_buffer(
         self, live: LiveKV, reuse: bool, flat: torch.Tensor, prefix_slots: torch.Tensor, end_pos: int
