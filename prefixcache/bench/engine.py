@@ -7,7 +7,10 @@ layers, measured side by side in one process, repeats interleaved, medians:
 - warm TTFT (prefix cached) over the model's own forward of only the uncached suffix on a ``DynamicCache`` that
   already holds the prefix;
 - decode time per token over ``model.generate`` continuing its own ``DynamicCache``, and, to show what live K/V
-  removed, the old path that gathered the whole prefix out of the pool at every step.
+  removed, the old path that gathered the whole prefix out of the pool at every step;
+- continuous batching: 8 sessions behind one system prompt served together by ``runner.generate_many`` (one packed
+  forward per step) against one session alone, in aggregate generated tokens per second; on the embedded ``small``
+  model, which has a packed batched forward (the HF adapter runs a batch row by row, so it would gain nothing).
 
 Clock: the calling thread's CPU time with torch held to one intra-op thread (as in ``bench runner``): on a small
 shared machine a second thread makes every op wait for a descheduled peer, and wall time counts other processes'
@@ -70,7 +73,8 @@ def timed_runner_call(runner: PrefixCachingRunner, prompt: list[int], params: Sa
 
 @dataclass(frozen=True, slots=True)
 class EngineSetup:
-    """Sizes of one run: model layers, prompt lengths (tokens) for TTFT and decode, decode steps, repeats."""
+    """Sizes of one run: model layers, prompt lengths (tokens) for TTFT and decode, decode steps, repeats, and the
+    batching case (embedded preset, sessions, system prompt and question tokens, tokens generated per session)."""
 
     layers: int
     ttft_lengths: tuple[int, ...]
@@ -78,12 +82,27 @@ class EngineSetup:
     decode_steps: int
     repeats: int
     quick: bool
+    batch_preset: str = "small"
+    batch_sessions: int = 8
+    batch_system_tokens: int = 2000
+    batch_question_tokens: int = 32
+    batch_new_tokens: int = 32
 
 
 FULL = EngineSetup(
     layers=4, ttft_lengths=(1024, 4096), decode_contexts=(2048, 8192), decode_steps=16, repeats=3, quick=False
 )
-QUICK = EngineSetup(layers=2, ttft_lengths=(128, 256), decode_contexts=(256,), decode_steps=8, repeats=2, quick=True)
+QUICK = EngineSetup(
+    layers=2,
+    ttft_lengths=(128, 256),
+    decode_contexts=(256,),
+    decode_steps=8,
+    repeats=2,
+    quick=True,
+    batch_preset="tiny",
+    batch_system_tokens=200,
+    batch_new_tokens=8,
+)
 
 
 def build_bench_model(quick: bool, layers: int):
@@ -266,6 +285,45 @@ def _gather_decode(runner: PrefixCachingRunner, prompt: list[int], tokens: list[
         runner.cache.release(lease)
 
 
+def measure_batching(setup: EngineSetup) -> dict:
+    """Aggregate generated tokens/s of ``batch_sessions`` sessions served together over one session alone, both
+    behind a cached system prompt; the batched tokens are checked equal to the serial ones."""
+    from prefixcache.models.llama import build_model
+
+    model = build_model(setup.batch_preset, device="cpu")
+    system = torch.randint(0, 259, (setup.batch_system_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
+    questions = [_ids_below(259, setup.batch_question_tokens, seed=500 + i) for i in range(setup.batch_sessions)]
+    prompts = [system + q for q in questions]
+    params = SamplingParams(max_new_tokens=setup.batch_new_tokens)
+    per_session = setup.batch_question_tokens + 2 * setup.batch_new_tokens
+    tokens = setup.batch_system_tokens + setup.batch_sessions * per_session
+    serial_runner = PrefixCachingRunner(model, cache_tokens=tokens, block_size=BLOCK_SIZE)
+    batch_runner = PrefixCachingRunner(model, cache_tokens=tokens, block_size=BLOCK_SIZE)
+    serial_runner.prefill(system)
+    batch_runner.prefill(system)
+    start = clock()
+    serial = [serial_runner.generate(p, params) for p in prompts]
+    serial_s = clock() - start
+    start = clock()
+    batched = batch_runner.generate_many(prompts, params)
+    batched_s = clock() - start
+    if [r.token_ids for r in batched] != [r.token_ids for r in serial]:
+        raise AssertionError("batched tokens differ from serial tokens")
+    generated = sum(len(r.token_ids) for r in batched)
+    return {
+        "model": setup.batch_preset,
+        "sessions": setup.batch_sessions,
+        "system_tokens": setup.batch_system_tokens,
+        "generated_tokens": generated,
+        "serial_tokens_per_s": generated / serial_s,
+        "batched_tokens_per_s": generated / batched_s,
+    }
+
+
+def _ids_below(vocab: int, n: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def run(quick: bool = False) -> BenchResult:
     """Measure and tabulate; raises InvalidArgumentError without transformers or (full run) the shared config."""
     setup = QUICK if quick else FULL
@@ -275,15 +333,16 @@ def run(quick: bool = False) -> BenchResult:
         cold = [measure_cold(model, n, setup.repeats) for n in setup.ttft_lengths]
         warm = [measure_warm(model, n, setup.repeats) for n in setup.ttft_lengths]
         decode = [measure_decode(model, c, setup.decode_steps, setup.repeats) for c in setup.decode_contexts]
+        batching = measure_batching(setup)
     rows = []
     for c in cold:
         rows.append(
-            ("cold TTFT", f"{c['tokens']:,}", "model forward, logits_to_keep=1", *_cells(c["ours_s"], c["model_s"]))
+            ("cold TTFT (ms)", f"{c['tokens']:,}", "model forward, keep 1 logit", *_cells(c["ours_s"], c["model_s"]))
         )
     for w in warm:
         rows.append(
             (
-                "warm TTFT",
+                "warm TTFT (ms)",
                 f"{w['tokens']:,} ({w['suffix']} new)",
                 "model forward of the suffix",
                 *_cells(w["ours_s"], w["model_s"]),
@@ -292,7 +351,7 @@ def run(quick: bool = False) -> BenchResult:
     for d in decode:
         rows.append(
             (
-                "decode / token",
+                "decode (ms/token)",
                 f"{d['context']:,}",
                 "model.generate, own DynamicCache",
                 *_cells(d["ours_s"], d["generate_s"]),
@@ -300,24 +359,35 @@ def run(quick: bool = False) -> BenchResult:
         )
         rows.append(
             (
-                "  old: gather / step",
+                "  old: gather (ms/token)",
                 f"{d['context']:,}",
                 "model.generate, own DynamicCache",
                 *_cells(d["gather_s"], d["generate_s"]),
             )
         )
+    rows.append(
+        (
+            f"{batching['sessions']} sessions (tok/s)",
+            f"{batching['system_tokens']:,} shared",
+            f"one session alone ({batching['model']}, embedded)",
+            f"{batching['batched_tokens_per_s']:.1f}",
+            f"{batching['serial_tokens_per_s']:.1f}",
+            f"{batching['batched_tokens_per_s'] / batching['serial_tokens_per_s']:.2f}",
+        )
+    )
     shape = f"{model.name}, hidden {model.config.hidden_size}, vocab {model.vocab_size:,}"
     table = Table(
         title=f"engine: runner vs the model's own transformers calls ({shape}, {'quick' if quick else 'full'})",
-        headers=("measure", "tokens", "baseline", "ours (ms)", "baseline (ms)", "ours / baseline"),
+        headers=("measure", "tokens", "baseline is", "ours", "baseline", "ours / baseline"),
         rows=tuple(rows),
         notes=(
             f"thread CPU time, medians of {setup.repeats} interleaved repeats, one process, {threads} torch thread(s), "
             f"block_size {BLOCK_SIZE}; greedy tokens checked equal to the baseline's",
-            "'old: gather / step' is forward_cached without live K/V: each step copies the prefix out of the pool",
+            "'old: gather' is forward_cached without live K/V: each step copies the prefix out of the pool",
         ),
     )
-    return BenchResult("engine", (table,), {"setup": _setup_dict(setup), "cold": cold, "warm": warm, "decode": decode})
+    data = {"setup": _setup_dict(setup), "cold": cold, "warm": warm, "decode": decode, "batching": batching}
+    return BenchResult("engine", (table,), data)
 
 
 def _setup_dict(setup: EngineSetup) -> dict:
