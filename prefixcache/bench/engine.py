@@ -90,7 +90,7 @@ class EngineSetup:
 
 
 FULL = EngineSetup(
-    layers=4, ttft_lengths=(1024, 4096), decode_contexts=(2048, 8192), decode_steps=16, repeats=3, quick=False
+    layers=4, ttft_lengths=(1024, 4096), decode_contexts=(2048, 8192), decode_steps=16, repeats=2, quick=False
 )
 QUICK = EngineSetup(
     layers=2,
