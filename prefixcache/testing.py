@@ -26,7 +26,7 @@ import xxhash
 
 from prefixcache.cache.radix_cache import CacheStats, RadixCache
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
-from prefixcache.models.base import CausalLM, check_cached_call, check_reference_call
+from prefixcache.models.base import CausalLM, LiveKV, check_cached_call, check_reference_call
 
 __all__ = [
     "CacheSnapshot",
@@ -104,7 +104,7 @@ class FaultyModel:
         return self.inner.fingerprint()
 
     def forward_cached(
-        self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor
+        self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor, **options: Any
     ) -> torch.Tensor:
         with self._lock:
             self.calls += 1
@@ -112,16 +112,16 @@ class FaultyModel:
             scribble = self.scribble
             exception = self.exception
         if not failing:
-            return self.inner.forward_cached(token_ids, start_pos, kv, block_table)
+            return self.inner.forward_cached(token_ids, start_pos, kv, block_table, **options)
         if scribble:
-            self.inner.forward_cached(token_ids, start_pos, kv, block_table)
+            self.inner.forward_cached(token_ids, start_pos, kv, block_table, **options)
             _scribble(kv, block_table, start_pos, len(token_ids))
         with self._lock:
             self.faults += 1
         raise _make_exception(exception, f"injected fault in forward_cached call {self.fail_at}")
 
-    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.inner.forward_reference(token_ids)
+    def forward_reference(self, token_ids: torch.Tensor, **options: Any) -> torch.Tensor:
+        return self.inner.forward_reference(token_ids, **options)
 
 
 def _scribble(kv: torch.Tensor, block_table: torch.Tensor, start_pos: int, num_tokens: int) -> None:
@@ -224,7 +224,7 @@ def greedy_reference(model: CausalLM, prompt: Sequence[int], max_new_tokens: int
     at every step).  Returns ``(new_token_ids, prompt_logits[len(prompt), vocab])``.  O(n^2) forwards: for tests
     with short sequences."""
     ids = [int(t) for t in prompt]
-    prompt_logits = model.forward_reference(torch.tensor(ids, dtype=torch.long)).float().cpu()
+    prompt_logits = model.forward_reference(torch.tensor(ids, dtype=torch.long), return_logits=True).float().cpu()
     logits = prompt_logits
     generated: list[int] = []
     for _ in range(max_new_tokens):
@@ -249,11 +249,11 @@ class ShiftedLogits:
     def fingerprint(self) -> str:
         return self.model.fingerprint()
 
-    def forward_cached(self, *args: object) -> torch.Tensor:
-        return self.model.forward_cached(*args) + self.shift
+    def forward_cached(self, *args: Any, **options: Any) -> torch.Tensor:
+        return self.model.forward_cached(*args, **options) + self.shift
 
-    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_reference(token_ids)
+    def forward_reference(self, token_ids: torch.Tensor, **options: Any) -> torch.Tensor:
+        return self.model.forward_reference(token_ids, **options)
 
 
 class ScriptedModel:
@@ -312,8 +312,17 @@ class ScriptedModel:
         return self._fingerprint
 
     def forward_cached(
-        self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor
+        self,
+        token_ids: torch.Tensor,
+        start_pos: int,
+        kv: torch.Tensor,
+        block_table: torch.Tensor,
+        *,
+        return_logits: bool = False,
+        live: LiveKV | None = None,
     ) -> torch.Tensor:
+        """See :meth:`CausalLM.forward_cached`.  ``live`` is accepted and ignored: this model reads its whole context
+        back from the pool on every call, which is what makes a wrong cache hit visible."""
         ids, table = check_cached_call(self, token_ids, start_pos, kv, block_table)
         block_size = kv.shape[3]
         end = start_pos + len(ids)
@@ -327,11 +336,13 @@ class ScriptedModel:
         if not torch.equal(keys[:, 1], everything.to(torch.float32)):
             raise RuntimeError("ScriptedModel: the pool holds another sequence's K/V at these positions")
         context = keys[:, 0].to(torch.long).tolist()
-        return self._logits(context, start_pos)
+        logits = self._logits(context, start_pos)
+        return logits if return_logits else logits[-1:]
 
-    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward_reference(self, token_ids: torch.Tensor, *, return_logits: bool = False) -> torch.Tensor:
         ids = check_reference_call(self, token_ids)
-        return self._logits(ids.tolist(), 0)
+        logits = self._logits(ids.tolist(), 0)
+        return logits if return_logits else logits[-1:]
 
     def _logits(self, context: list[int], first: int) -> torch.Tensor:
         targets = self._next_tokens(context)[first:]

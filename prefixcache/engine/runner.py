@@ -31,7 +31,7 @@ from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
 from prefixcache.engine.sampling import SamplingParams, sample_token, sampling_generator
 from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidTokensError
-from prefixcache.models.base import CausalLM
+from prefixcache.models.base import CausalLM, LiveKV
 
 DEFAULT_CACHE_TOKENS = 1 << 16
 
@@ -220,6 +220,25 @@ class PrefixCachingRunner:
         namespace = self.namespace_key(namespace)
         return self._steps(prompt, sampling, namespace, forced, return_logits, on_token, request_id)
 
+    def generate_many(
+        self,
+        prompts: Sequence[TokenIds],
+        sampling: SamplingParams | None = None,
+        *,
+        namespace: str | None = None,
+        max_batch_tokens: int = 512,
+    ) -> list[GenerationResult]:
+        """Serve ``prompts`` together with continuous batching (see :class:`~prefixcache.engine.batching.BatchEngine`):
+        one batched forward per step, prefill chunked under ``max_batch_tokens``.  Results are in prompt order; each
+        equals what :meth:`generate` returns for that prompt alone (greedy tokens; logits within float rounding).
+        Raises as :meth:`generate`, for the first prompt that fails."""
+        from prefixcache.engine.batching import BatchEngine
+
+        engine = BatchEngine(self, max_batch_tokens=max_batch_tokens)
+        handles = [engine.submit(prompt, sampling, namespace=namespace) for prompt in prompts]
+        engine.run_until_idle()
+        return [handle.result() for handle in handles]
+
     def prefill(self, prompt_ids: TokenIds, *, namespace: str | None = None) -> Usage:
         """Compute and cache ``prompt_ids`` without generating (warm a shared system prompt).  Raises as
         :meth:`generate`."""
@@ -301,7 +320,9 @@ class PrefixCachingRunner:
             cache.reserve(lease, len(prompt))
             table = pool.block_table_tensor(lease.block_table)
             new_ids = torch.tensor(prompt[cached:], dtype=torch.long, device=device)
-            logits = model.forward_cached(new_ids, cached, pool.kv, table)
+            # One live K/V for the request's lifetime: decode steps append to it instead of re-gathering the prefix.
+            live = LiveKV()
+            logits = model.forward_cached(new_ids, cached, pool.kv, table, return_logits=return_logits, live=live)
             last = logits[-1]
             generator = sampling_generator(sampling, device)
             if forced is None and sampling.max_new_tokens:
@@ -320,7 +341,7 @@ class PrefixCachingRunner:
                     cache.reserve(lease, len(prompt) + len(forced))
                     table = pool.block_table_tensor(lease.block_table)
                     forced_ids = torch.tensor(forced, dtype=torch.long, device=device)
-                    model.forward_cached(forced_ids, len(prompt), pool.kv, table)
+                    model.forward_cached(forced_ids, len(prompt), pool.kv, table, live=live)
                     _synchronize(device)
                     generated = list(forced)
                     committed.extend(generated)
@@ -347,7 +368,7 @@ class PrefixCachingRunner:
                         cache.reserve(lease, position + 1)
                         table = pool.block_table_tensor(lease.block_table)
                     step = torch.tensor([token], dtype=torch.long, device=device)
-                    last = model.forward_cached(step, position, pool.kv, table)[-1]
+                    last = model.forward_cached(step, position, pool.kv, table, live=live)[-1]
                     committed.append(token)
                     position += 1
                     token = sample_token(last, sampling, generator)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import xxhash
@@ -102,21 +102,96 @@ class CausalLM(Protocol):
         ...
 
     def forward_cached(
-        self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor
+        self,
+        token_ids: torch.Tensor,
+        start_pos: int,
+        kv: torch.Tensor,
+        block_table: torch.Tensor,
+        *,
+        return_logits: bool = False,
+        live: LiveKV | None = None,
     ) -> torch.Tensor:
         """Prefill ``token_ids[n]`` at positions ``start_pos .. start_pos + n - 1`` against the pooled prefix.
 
         Writes the K/V of the n new tokens into their slots of ``kv`` (and no other slot), attends over
         positions ``0 .. start_pos + n - 1`` reading the prefix from the pool through ``block_table``
-        (at least ``ceil((start_pos + n) / block_size)`` ids), and returns ``[n, vocab_size]`` float32
-        logits.  Raises InvalidTokensError, InvalidArgumentError or CapacityError (see
-        :func:`check_cached_call`).
+        (at least ``ceil((start_pos + n) / block_size)`` ids), and returns float32 logits: ``[1, vocab_size]``
+        for the last position only (the LM head runs on nothing else), or ``[n, vocab_size]`` with
+        ``return_logits=True``.  With ``live`` (see :class:`LiveKV`) the prefix is read from the request's live
+        K/V instead of the pool when it holds exactly ``start_pos`` positions, and the new rows are appended to it.
+        Raises InvalidTokensError, InvalidArgumentError or CapacityError (see :func:`check_cached_call`).
         """
         ...
 
-    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Full causal recompute of ``token_ids[T]`` with no pool; returns ``[T, vocab_size]`` float32 logits."""
+    def forward_reference(self, token_ids: torch.Tensor, *, return_logits: bool = False) -> torch.Tensor:
+        """Full causal recompute of ``token_ids[T]`` with no pool; float32 logits ``[1, vocab_size]`` of the last
+        position, or ``[T, vocab_size]`` with ``return_logits=True``."""
         ...
+
+
+class LiveKV:
+    """One request's K/V kept alive across its ``forward_cached`` calls (decode against live KV).
+
+    Without it every decode step would gather the request's whole prefix out of the pool again, a copy that grows
+    with the context at every token.  With it, the first call fills the live K/V from the pool once; each later call
+    at ``start_pos == num_tokens`` reads the prefix from here, appends its new rows here and writes them into the
+    pool (so the pool stays the source of truth that the tree caches).  A call at any other ``start_pos`` refills it
+    from the pool.  The live rows are bit-identical copies of the pool's rows, so outputs are unchanged.
+
+    The model owns ``data`` (a transformers ``Cache`` for :class:`~prefixcache.models.hf.HFCausalLM`, per-layer
+    ``[capacity, H_kv, D]`` buffers for the embedded model); callers create an empty one per request, pass it to
+    every call of that request, and drop it when the request ends.  Not thread-safe: one request, one thread.
+    """
+
+    __slots__ = ("data", "num_tokens")
+
+    def __init__(self) -> None:
+        self.num_tokens = 0
+        self.data: Any = None
+
+    def reset(self) -> None:
+        """Forget the live K/V (the next call refills from the pool)."""
+        self.num_tokens = 0
+        self.data = None
+
+    def __repr__(self) -> str:
+        return f"LiveKV(num_tokens={self.num_tokens})"
+
+
+@dataclass(frozen=True, slots=True)
+class BatchRow:
+    """One request's part of a batched step: ``token_ids[n]`` at positions ``start_pos ..`` through ``block_table``,
+    with the request's :class:`LiveKV` (a prefill chunk has n >= 1 tokens, a decode step one)."""
+
+    token_ids: torch.Tensor
+    start_pos: int
+    block_table: torch.Tensor
+    live: LiveKV
+
+
+def forward_batch(model: CausalLM, rows: list[BatchRow], kv: torch.Tensor) -> list[torch.Tensor]:
+    """Run every row's tokens in one step; returns per row the float32 logits ``[1, vocab_size]`` of its last position.
+
+    Uses the model's own ``forward_batch`` when it has one (one packed forward: the embedded model), else calls
+    ``forward_cached`` row by row (same results, no batching gain).  Rows must write disjoint pool slots.  Raises as
+    ``forward_cached``; a row that failed leaves its ``live`` to be refilled.
+    """
+    own = getattr(model, "forward_batch", None)
+    if own is not None:
+        return own(rows, kv)
+    return [model.forward_cached(r.token_ids, r.start_pos, kv, r.block_table, live=r.live) for r in rows]
+
+
+def check_live(live: object, start_pos: int) -> bool:
+    """True when ``live`` holds exactly the ``start_pos`` prefix positions of this request (read it, not the pool).
+
+    Raises InvalidArgumentError when ``live`` is neither None nor a :class:`LiveKV`.
+    """
+    if live is None:
+        return False
+    if not isinstance(live, LiveKV):
+        raise InvalidArgumentError(f"live must be a LiveKV or None, got {type(live).__name__}")
+    return live.data is not None and live.num_tokens == start_pos
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

@@ -15,6 +15,7 @@ full-attention architectures pass the checks but are untested; replay them with 
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -26,7 +27,7 @@ import torch
 import xxhash
 
 from prefixcache.errors import InvalidArgumentError, UnsupportedModelError
-from prefixcache.models.base import check_cached_call, check_reference_call
+from prefixcache.models.base import LiveKV, check_cached_call, check_live, check_reference_call
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,8 @@ class HFCausalLM:
         self.model = model.eval()
         self.config = config
         self._cache_kwarg = _check_supported(model)
+        # Older or custom heads without logits_to_keep compute every position's logits; we still return the last.
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         heads = config.num_attention_heads
         self.num_layers = int(config.num_hidden_layers)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -112,7 +115,14 @@ class HFCausalLM:
 
     @torch.inference_mode()
     def forward_cached(
-        self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor
+        self,
+        token_ids: torch.Tensor,
+        start_pos: int,
+        kv: torch.Tensor,
+        block_table: torch.Tensor,
+        *,
+        return_logits: bool = False,
+        live: LiveKV | None = None,
     ) -> torch.Tensor:
         """Prefill ``token_ids[n]`` at positions ``start_pos ..`` against the prefix K/V in the pool.
 
@@ -121,54 +131,89 @@ class HFCausalLM:
             start_pos: positions already in the pool for this request (the cached prefix).
             kv: the pool ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, in the
                 model's dtype and device.  Only the slots of positions ``start_pos .. start_pos + n - 1`` are
-                written, after the forward; the prefix is read through a gather (a copy).
+                written, after the forward; the prefix is read through a gather (a copy) unless ``live`` holds it.
             block_table: ``[>= ceil((start_pos + n) / block_size)]`` block ids of this request, in order.
+            return_logits: logits of every new position; by default the model runs its LM head on the last
+                position only (``logits_to_keep=1``).
+            live: the request's :class:`~prefixcache.models.base.LiveKV`, holding one transformers cache for the
+                request's lifetime: filled from the pool once, then reused and appended to by each call.
 
         Returns:
-            ``[n, vocab_size]`` float32 logits; row i predicts position ``start_pos + i + 1``.
+            float32 logits ``[1, vocab_size]`` (last position) or ``[n, vocab_size]`` with ``return_logits``; row i
+            predicts position ``start_pos + i + 1``.
 
-        Cost: the model's forward over n queries and ``start_pos + n`` keys, plus a gather of ``start_pos`` and a
-        scatter of n K/V rows per layer (the DynamicCache concatenation copies the prefix once more).
+        Cost: the model's forward over n queries and ``start_pos + n`` keys, a scatter of n K/V rows per layer into
+        the pool, and, unless ``live`` holds the prefix, a gather of ``start_pos`` rows per layer.  The cache's
+        layers keep a buffer grown by doubling, so appending n rows copies n rows (amortised), not the context.
         Raises InvalidTokensError, InvalidArgumentError, CapacityError (see ``check_cached_call``), and
         UnsupportedModelError if the model's cache holds K/V of another shape than the config says.
         """
         ids, table = check_cached_call(self, token_ids, start_pos, kv, block_table)
+        reuse = check_live(live, start_pos)
         num_blocks, block_size = kv.shape[2], kv.shape[3]
         end_pos = start_pos + ids.numel()
-        all_pos = torch.arange(end_pos, device=self.device)
-        slots = table[all_pos // block_size] * block_size + all_pos % block_size  # [start_pos + n]
+        positions = torch.arange(start_pos, end_pos, device=self.device)
         # [num_layers, 2, num_blocks * block_size, H_kv, D]: a view, so index_copy_ writes the pool itself.
         flat = kv.view(self.num_layers, 2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        cache = self._new_cache()
-        if start_pos:
-            # index_select copies; [L, 2, start_pos, H_kv, D] -> per layer [1, H_kv, start_pos, D] as HF lays it out.
-            prefix = flat.index_select(2, slots[:start_pos]).transpose(2, 3).unsqueeze(2)
-            for layer in range(self.num_layers):
-                cache.update(prefix[layer, 0], prefix[layer, 1], layer)
-        out = self.model(
-            input_ids=ids.unsqueeze(0),
-            position_ids=all_pos[start_pos:].unsqueeze(0),
-            use_cache=True,
-            **{self._cache_kwarg: cache},
-        )
-        flat.index_copy_(2, slots[start_pos:], self._new_kv(cache, start_pos, end_pos))
-        return out.logits[0].float()
+        if reuse:
+            cache = live.data
+        else:
+            cache = self._new_cache(end_pos)
+            if start_pos:
+                prefix = torch.arange(start_pos, device=self.device)
+                slots = table[prefix // block_size] * block_size + prefix % block_size
+                # index_select copies; [L, 2, start_pos, H_kv, D] -> per layer [1, H_kv, start_pos, D] (HF layout).
+                rows = flat.index_select(2, slots).transpose(2, 3).unsqueeze(2)
+                for layer in range(self.num_layers):
+                    cache.update(rows[layer, 0], rows[layer, 1], layer)
+            if live is not None:
+                live.data, live.num_tokens = cache, start_pos
+        try:
+            out = self.model(
+                input_ids=ids.unsqueeze(0),
+                position_ids=positions.unsqueeze(0),
+                use_cache=True,
+                **self._logits_kwargs(return_logits),
+                **{self._cache_kwarg: cache},
+            )
+            new_slots = table[positions // block_size] * block_size + positions % block_size
+            flat.index_copy_(2, new_slots, self._new_kv(cache, start_pos, end_pos))
+        except BaseException:
+            if live is not None:
+                live.reset()  # some layers may already hold rows of this failed call
+            raise
+        if live is not None:
+            live.num_tokens = end_pos
+        return out.logits[0].float() if return_logits else out.logits[0, -1:].float()
 
     @torch.inference_mode()
-    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """The model's own full forward of ``token_ids[T]`` with no cache; returns ``[T, vocab_size]`` float32.
+    def forward_reference(self, token_ids: torch.Tensor, *, return_logits: bool = False) -> torch.Tensor:
+        """The model's own full forward of ``token_ids[T]`` with no cache; float32 logits ``[1, vocab_size]`` of the
+        last position (``logits_to_keep=1``), or ``[T, vocab_size]`` with ``return_logits``.
 
         Touches no pool.  Raises InvalidTokensError, CapacityError (``T > max_position``).
         """
         ids = check_reference_call(self, token_ids)
         positions = torch.arange(ids.numel(), device=self.device)
-        out = self.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False)
-        return out.logits[0].float()
+        out = self.model(
+            input_ids=ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            use_cache=False,
+            **self._logits_kwargs(return_logits),
+        )
+        return out.logits[0].float() if return_logits else out.logits[0, -1:].float()
 
-    def _new_cache(self) -> Any:
+    def _logits_kwargs(self, return_logits: bool) -> dict[str, int]:
+        # logits_to_keep=0 means every position in transformers.
+        return {"logits_to_keep": 0 if return_logits else 1} if self._keeps_logits else {}
+
+    def _new_cache(self, capacity: int) -> Any:
+        """A ``DynamicCache`` whose layers append into buffers of ``capacity`` positions, grown by doubling."""
         from transformers import DynamicCache
 
-        return DynamicCache(config=self.config)
+        cache = DynamicCache(config=self.config)
+        cache.layers = [_growing_layer_class()(capacity) for _ in cache.layers]
+        return cache
 
     def _new_kv(self, cache: Any, start_pos: int, end_pos: int) -> torch.Tensor:
         """K/V of positions ``start_pos .. end_pos - 1`` from ``cache`` as ``[num_layers, 2, n, H_kv, D]``."""
@@ -190,6 +235,57 @@ class HFCausalLM:
 
     def __repr__(self) -> str:
         return f"HFCausalLM({self.name}, dtype={self.dtype}, device={self.device})"
+
+
+@functools.cache
+def _growing_layer_class() -> type:
+    """A transformers ``DynamicLayer`` that appends into a preallocated buffer instead of concatenating.
+
+    ``DynamicLayer.update`` concatenates, copying the whole context at every decode step; this layer writes the new
+    rows into spare capacity (doubling when full) and exposes ``keys``/``values`` as views of the filled part, so
+    the attention sees exactly the tensors it would have seen.  Built lazily: transformers is an optional extra.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        def __init__(self, capacity: int = 0) -> None:
+            super().__init__()
+            self.capacity_hint = capacity
+            self.length = 0
+            self.key_buffer: torch.Tensor | None = None
+            self.value_buffer: torch.Tensor | None = None
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if self.key_buffer is None or end > self.key_buffer.shape[-2]:
+                size = max(end, self.capacity_hint, 2 * (0 if self.key_buffer is None else self.key_buffer.shape[-2]))
+                self.key_buffer = self._grown(self.key_buffer, key_states, size)
+                self.value_buffer = self._grown(self.value_buffer, value_states, size)
+            self.key_buffer[..., self.length : end, :] = key_states
+            self.value_buffer[..., self.length : end, :] = value_states
+            self.length = end
+            self.keys = self.key_buffer[..., :end, :]
+            self.values = self.value_buffer[..., :end, :]
+            return self.keys, self.values
+
+        def _grown(self, old: torch.Tensor | None, like: torch.Tensor, size: int) -> torch.Tensor:
+            shape = (*like.shape[:-2], size, like.shape[-1])
+            buffer = like.new_empty(shape)
+            if old is not None:
+                buffer[..., : self.length, :] = old[..., : self.length, :]
+            return buffer
+
+        def reset(self) -> None:
+            self.length = 0
+            self.key_buffer = self.value_buffer = None
+            super().reset()
+
+        def crop(self, tokens_to_remove: int) -> None:
+            raise NotImplementedError("prefixcache's live K/V is never cropped")
+
+    return GrowingLayer
 
 
 def _check_supported(model: Any) -> str:

@@ -21,8 +21,11 @@ import torch.nn.functional as F
 
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.base import (
+    BatchRow,
+    LiveKV,
     ModelConfig,
     check_cached_call,
+    check_live,
     check_reference_call,
     config_fingerprint,
 )
@@ -169,7 +172,14 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward_cached(
-        self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor
+        self,
+        token_ids: torch.Tensor,
+        start_pos: int,
+        kv: torch.Tensor,
+        block_table: torch.Tensor,
+        *,
+        return_logits: bool = False,
+        live: LiveKV | None = None,
     ) -> torch.Tensor:
         """Prefill ``token_ids[n]`` at positions ``start_pos ..`` against the prefix K/V in the pool.
 
@@ -180,51 +190,162 @@ class LlamaModel:
                 in the model's dtype and device.  Only the slots of positions ``start_pos .. start_pos+n-1``
                 are written; prefix slots may belong to blocks shared with other requests.
             block_table: ``[>= ceil((start_pos + n) / block_size)]`` block ids of this request, in order.
+            return_logits: logits of every new position, not only the last (the LM head is the largest matmul
+                of a small model's forward, so it runs only where asked).
+            live: the request's :class:`~prefixcache.models.base.LiveKV`; when it holds ``start_pos`` positions
+                the prefix is read from it (no gather), and the new rows are appended to it.  Its buffer is
+                ``[num_layers, 2, capacity, H_kv, D]``, grown by doubling.
 
         Returns:
-            ``[n, vocab_size]`` float32 logits; row i predicts position ``start_pos + i + 1``.
+            float32 logits ``[1, vocab_size]`` of the last position, or ``[n, vocab_size]`` with
+            ``return_logits``; row i predicts position ``start_pos + i + 1``.
 
-        Cost: O(n * (start_pos + n)) attention plus a gather of ``start_pos + n`` K/V rows per layer.
+        Cost: O(n * (start_pos + n)) attention plus, without a filled ``live``, a gather of ``start_pos + n`` K/V
+        rows per layer; with it, a copy of n rows per layer (amortised).
         Raises InvalidTokensError, InvalidArgumentError, CapacityError (see ``check_cached_call``).
         """
         ids, table = check_cached_call(self, token_ids, start_pos, kv, block_table)
+        reuse = check_live(live, start_pos)
         num_blocks, block_size = kv.shape[2], kv.shape[3]
         end_pos = start_pos + ids.numel()
         all_pos = torch.arange(end_pos, device=self.device)
-        slots_all = table[all_pos // block_size] * block_size + all_pos % block_size  # [start_pos + n]
-        slots_new = slots_all[start_pos:]  # [n]
+        positions = all_pos[start_pos:]
+        slots_new = table[positions // block_size] * block_size + positions % block_size  # [n]
         # [num_layers, 2, num_blocks * block_size, H_kv, D]: a view, so index_copy_ writes the pool itself.
         flat = kv.view(self.num_layers, 2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        if live is not None:
+            prefix = all_pos[:start_pos]
+            prefix_slots = table[prefix // block_size] * block_size + prefix % block_size
+            buffer = self._live_buffer(live, reuse, flat, prefix_slots, end_pos)
+
+            def from_live(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                new = torch.stack([k, v])
+                flat[layer].index_copy_(1, slots_new, new)
+                buffer[layer, :, start_pos:end_pos] = new
+                return buffer[layer, 0, :end_pos], buffer[layer, 1, :end_pos]
+
+            logits = self._forward(ids, positions, from_live, return_logits)
+            live.num_tokens = end_pos
+            return logits
+        slots_all = table[all_pos // block_size] * block_size + all_pos % block_size  # [start_pos + n]
 
         def from_pool(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             flat[layer].index_copy_(1, slots_new, torch.stack([k, v]))
             kv_all = flat[layer].index_select(1, slots_all)  # [2, start_pos + n, H_kv, D]
             return kv_all[0], kv_all[1]
 
-        return self._forward(ids, all_pos[start_pos:], from_pool)
+        return self._forward(ids, positions, from_pool, return_logits)
 
     @torch.inference_mode()
-    def forward_reference(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Uncached full causal forward of ``token_ids[T]``; returns ``[T, vocab_size]`` float32 logits.
+    def forward_batch(self, rows: list[BatchRow], kv: torch.Tensor) -> list[torch.Tensor]:
+        """One packed forward over several requests' new tokens (continuous batching, as in vLLM and SGLang).
+
+        Every row's tokens go through the projections, MLPs and LM head together (``[sum n, hidden]`` matmuls);
+        attention runs per row over that row's live K/V (a varlen loop: rows have different contexts).  Each row's
+        new K/V are written into its pool slots and appended to its ``live``.  Returns per row the float32 logits
+        ``[1, vocab_size]`` of its last position.  Rows must belong to different requests.  Raises as
+        :meth:`forward_cached` (checked for every row before anything is written).
+        """
+        if not rows:
+            return []
+        num_blocks, block_size = kv.shape[2], kv.shape[3]
+        flat = kv.view(self.num_layers, 2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        checked = [check_cached_call(self, r.token_ids, r.start_pos, kv, r.block_table) for r in rows]
+        spans, buffers, slots, all_ids, all_pos = [], [], [], [], []
+        offset = 0
+        for row, (ids, table) in zip(rows, checked, strict=True):
+            end_pos = row.start_pos + ids.numel()
+            positions = torch.arange(row.start_pos, end_pos, device=self.device)
+            prefix = torch.arange(row.start_pos, device=self.device)
+            prefix_slots = table[prefix // block_size] * block_size + prefix % block_size
+            reuse = check_live(row.live, row.start_pos)
+            buffers.append(self._live_buffer(row.live, reuse, flat, prefix_slots, end_pos))
+            slots.append(table[positions // block_size] * block_size + positions % block_size)
+            spans.append((offset, offset + ids.numel(), row.start_pos, end_pos))
+            all_ids.append(ids)
+            all_pos.append(positions)
+            offset += ids.numel()
+        ids, positions = torch.cat(all_ids), torch.cat(all_pos)
+        lasts = torch.tensor([hi - 1 for _, hi, _, _ in spans], device=self.device)
+        n, heads, kv_heads, d = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self._rope(positions)
+        x = self.embed[ids]
+        for i, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.attn_norm)
+            q, k, v = F.linear(h, layer.qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+            q = self._apply_rope(q.view(n, heads, d), cos, sin)
+            new = torch.stack([self._apply_rope(k.view(n, kv_heads, d), cos, sin), v.view(n, kv_heads, d)])
+            final = i == len(self.layers) - 1
+            outs = []
+            for (lo, hi, start, end), buffer, row_slots in zip(spans, buffers, slots, strict=True):
+                flat[i].index_copy_(1, row_slots, new[:, lo:hi])
+                buffer[i, :, start:end] = new[:, lo:hi]
+                # Last layer: only each row's last query reaches the LM head.
+                q_lo = hi - 1 if final else lo
+                outs.append(self._attention(q[q_lo:hi], buffer[i, 0, :end], buffer[i, 1, :end], positions[q_lo:hi]))
+            if final:
+                x = x[lasts]
+            x = x + F.linear(torch.cat(outs), layer.o)
+            h = self._rms_norm(x, layer.mlp_norm)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        logits = F.linear(self._rms_norm(x, self.final_norm), self.lm_head).float()
+        for row, (_, _, _, end) in zip(rows, spans, strict=True):
+            row.live.num_tokens = end
+        return list(logits.split(1))
+
+    def _live_buffer(
+        self, live: LiveKV, reuse: bool, flat: torch.Tensor, prefix_slots: torch.Tensor, end_pos: int
+    ) -> torch.Tensor:
+        """The live buffer ``[L, 2, capacity >= end_pos, H_kv, D]`` holding positions ``0 .. start_pos - 1``.
+
+        ``prefix_slots[start_pos]`` are the pool rows of the prefix, read only when ``live`` does not hold them.
+        """
+        start_pos = prefix_slots.numel()
+        buffer = live.data if reuse else None
+        if buffer is not None and buffer.shape[2] >= end_pos:
+            return buffer
+        capacity = max(end_pos, 2 * (buffer.shape[2] if buffer is not None else 0), 64)
+        grown = torch.empty(
+            (self.num_layers, 2, capacity, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device
+        )
+        if buffer is not None:
+            grown[:, :, :start_pos] = buffer[:, :, :start_pos]
+        elif start_pos:
+            grown[:, :, :start_pos] = flat.index_select(2, prefix_slots)
+        live.data = grown
+        live.num_tokens = start_pos
+        return grown
+
+    @torch.inference_mode()
+    def forward_reference(self, token_ids: torch.Tensor, *, return_logits: bool = False) -> torch.Tensor:
+        """Uncached full causal forward of ``token_ids[T]``; float32 logits ``[1, vocab_size]`` of the last position,
+        or ``[T, vocab_size]`` with ``return_logits``.
 
         Touches no pool.  Cost: O(T^2) attention.  Raises InvalidTokensError, CapacityError
         (``T > max_position``).
         """
         ids = check_reference_call(self, token_ids)
         positions = torch.arange(ids.numel(), device=self.device)
-        return self._forward(ids, positions, lambda _layer, k, v: (k, v))
+        return self._forward(ids, positions, lambda _layer, k, v: (k, v), return_logits)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, kv_source: _KVSource) -> torch.Tensor:
+    def _forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, kv_source: _KVSource, return_logits: bool
+    ) -> torch.Tensor:
         """ids ``[n]`` at ``positions[n]`` (consecutive); K/V of every earlier position come from ``kv_source``."""
         n, heads, kv_heads, d = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self._rope(positions)
         x = self.embed[ids]  # [n, hidden]
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
             q, k, v = F.linear(h, layer.qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
             q = self._apply_rope(q.view(n, heads, d), cos, sin)
             k = self._apply_rope(k.view(n, kv_heads, d), cos, sin)
             k_all, v_all = kv_source(i, k, v.view(n, kv_heads, d))
+            if i == last and not return_logits:
+                # Only the last position's hidden state reaches the LM head: its attention query and MLP suffice.
+                q, x, positions = q[-1:], x[-1:], positions[-1:]
             x = x + F.linear(self._attention(q, k_all, v_all, positions), layer.o)
             h = self._rms_norm(x, layer.mlp_norm)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)

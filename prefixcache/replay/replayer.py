@@ -344,7 +344,8 @@ class Replayer:
         return time.perf_counter() - start
 
     def _verify(self, request: ReplayRequest, cached: int, prompt_logits: torch.Tensor) -> float:
-        reference = self.model.forward_reference(torch.tensor(request.prompt, dtype=torch.long))[cached:]
+        prompt = torch.tensor(request.prompt, dtype=torch.long)
+        reference = self.model.forward_reference(prompt, return_logits=True)[cached:]
         reference = reference.float().cpu()
         diff = float((prompt_logits - reference).abs().max())
         same_tokens = torch.equal(prompt_logits.argmax(-1), reference.argmax(-1))

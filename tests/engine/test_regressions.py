@@ -12,7 +12,7 @@ ATOL = 1e-4
 
 
 def reference_logits(model: LlamaModel, prompt: list[int]) -> torch.Tensor:
-    return model.forward_reference(torch.tensor(prompt, dtype=torch.long)).float()
+    return model.forward_reference(torch.tensor(prompt, dtype=torch.long), return_logits=True).float()
 
 
 def tree_block_count(cache: RadixCache) -> int:

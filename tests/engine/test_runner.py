@@ -23,7 +23,7 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 def reference_logits(model: LlamaModel, prompt: list[int]) -> torch.Tensor:
-    return model.forward_reference(torch.tensor(prompt, dtype=torch.long)).float().cpu()
+    return model.forward_reference(torch.tensor(prompt, dtype=torch.long), return_logits=True).float().cpu()
 
 
 def reference_greedy(model: LlamaModel, prompt: list[int], num_tokens: int) -> list[int]:

@@ -74,7 +74,7 @@ def test_reference_is_the_models_own_forward(wrapped: HFCausalLM) -> None:
     ids = torch.tensor(_ids(30, seed=1))
     with torch.no_grad():
         own = wrapped.model(input_ids=ids[None]).logits[0]
-    assert torch.equal(wrapped.forward_reference(ids), own.float())
+    assert torch.equal(wrapped.forward_reference(ids, return_logits=True), own.float())
 
 
 # Cached: the first request caches `cached` tokens; the second shares them and goes on to 70 tokens.
@@ -97,7 +97,7 @@ def test_cache_hit_logits_equal_full_forward(wrapped: HFCausalLM, block_size: in
     result = runner.generate(prompt, SamplingParams(max_new_tokens=0), return_logits=True)
 
     assert result.usage.cached_tokens == shared
-    reference = wrapped.forward_reference(torch.tensor(prompt))
+    reference = wrapped.forward_reference(torch.tensor(prompt), return_logits=True)
     torch.testing.assert_close(result.prompt_logits, reference[shared:], atol=TOL, rtol=0)
 
 
@@ -177,7 +177,7 @@ def test_mistral_without_window_is_served_exactly() -> None:
     result = runner.generate(prompt, SamplingParams(max_new_tokens=0), return_logits=True)
     assert result.usage.cached_tokens == 21
     torch.testing.assert_close(
-        result.prompt_logits, wrapped.forward_reference(torch.tensor(prompt))[21:], atol=TOL, rtol=0
+        result.prompt_logits, wrapped.forward_reference(torch.tensor(prompt), return_logits=True)[21:], atol=TOL, rtol=0
     )
 
 
@@ -187,7 +187,12 @@ def test_load_hf_model_reads_a_saved_folder(tmp_path: Path) -> None:
     loaded = load_hf_model(tmp_path, device="cpu")
     ids = torch.tensor(_ids(12, seed=10))
     assert loaded.fingerprint() == HFCausalLM(model).fingerprint()
-    torch.testing.assert_close(loaded.forward_reference(ids), HFCausalLM(model).forward_reference(ids), atol=0, rtol=0)
+    torch.testing.assert_close(
+        loaded.forward_reference(ids, return_logits=True),
+        HFCausalLM(model).forward_reference(ids, return_logits=True),
+        atol=0,
+        rtol=0,
+    )
 
 
 def test_load_hf_model_rejects_a_missing_folder(tmp_path: Path) -> None:
@@ -291,7 +296,7 @@ def test_runner_reuses_a_shared_system_prompt_with_qwen_ids(qwen: HFTokenizer) -
     result = runner.generate(second, SamplingParams(max_new_tokens=4), return_logits=True)
 
     assert result.usage.cached_tokens == shared
-    reference = model.forward_reference(torch.tensor(second))[shared:]
+    reference = model.forward_reference(torch.tensor(second), return_logits=True)[shared:]
     torch.testing.assert_close(result.prompt_logits, reference, atol=TOL, rtol=0)
 
 

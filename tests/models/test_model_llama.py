@@ -47,9 +47,9 @@ def test_cached_suffix_logits_equal_full_recompute(tiny: LlamaModel, block_size:
     kv = _nan_pool(tiny, num_blocks, block_size)
     table = _shuffled_table(num_blocks, seed=prefix_len)
 
-    prefix_logits = tiny.forward_cached(ids[:prefix_len], 0, kv, table)
-    suffix_logits = tiny.forward_cached(ids[prefix_len:], prefix_len, kv, table)
-    reference = tiny.forward_reference(ids)
+    prefix_logits = tiny.forward_cached(ids[:prefix_len], 0, kv, table, return_logits=True)
+    suffix_logits = tiny.forward_cached(ids[prefix_len:], prefix_len, kv, table, return_logits=True)
+    reference = tiny.forward_reference(ids, return_logits=True)
 
     assert suffix_logits.shape == (11, tiny.vocab_size) and suffix_logits.dtype == torch.float32
     assert (prefix_logits - reference[:prefix_len]).abs().max().item() < TOL
@@ -72,8 +72,8 @@ def test_any_split_of_any_sequence_is_exact(
     table = _shuffled_table(num_blocks, seed=seed)
     if prefix_len:
         tiny.forward_cached(ids[:prefix_len], 0, kv, table)
-    suffix_logits = tiny.forward_cached(ids[prefix_len:], prefix_len, kv, table)
-    assert (suffix_logits - tiny.forward_reference(ids)[prefix_len:]).abs().max().item() < TOL
+    suffix_logits = tiny.forward_cached(ids[prefix_len:], prefix_len, kv, table, return_logits=True)
+    assert (suffix_logits - tiny.forward_reference(ids, return_logits=True)[prefix_len:]).abs().max().item() < TOL
 
 
 def test_incremental_greedy_decode_equals_reference(tiny: LlamaModel) -> None:
@@ -81,7 +81,7 @@ def test_incremental_greedy_decode_equals_reference(tiny: LlamaModel) -> None:
     kv = _nan_pool(tiny, 8, block_size)
     table = _shuffled_table(8, seed=3)
 
-    logits = tiny.forward_cached(prompt, 0, kv, table)
+    logits = tiny.forward_cached(prompt, 0, kv, table, return_logits=True)
     rows, seq = [logits[-1]], prompt.tolist()
     for _ in range(steps):
         seq.append(int(rows[-1].argmax()))
@@ -92,7 +92,7 @@ def test_incremental_greedy_decode_equals_reference(tiny: LlamaModel) -> None:
         reference_seq.append(int(tiny.forward_reference(torch.tensor(reference_seq))[-1].argmax()))
     assert seq == reference_seq
     assert len(set(seq[len(prompt) :])) > 1, "greedy decoding should not be constant"
-    reference = tiny.forward_reference(torch.tensor(seq))
+    reference = tiny.forward_reference(torch.tensor(seq), return_logits=True)
     assert (torch.stack(rows) - reference[len(prompt) - 1 :]).abs().max().item() < TOL
 
 
@@ -123,11 +123,15 @@ def test_requests_sharing_prefix_blocks_stay_exact(tiny: LlamaModel) -> None:
     table_b = torch.tensor([7, 2, 9])
     tiny.forward_cached(prefix, 0, kv, table_a)
 
-    logits_a = tiny.forward_cached(suffix_a, prefix_len, kv, table_a)
-    logits_b = tiny.forward_cached(suffix_b, prefix_len, kv, table_b)
+    logits_a = tiny.forward_cached(suffix_a, prefix_len, kv, table_a, return_logits=True)
+    logits_b = tiny.forward_cached(suffix_b, prefix_len, kv, table_b, return_logits=True)
 
-    assert (logits_a - tiny.forward_reference(torch.cat([prefix, suffix_a]))[prefix_len:]).abs().max() < TOL
-    assert (logits_b - tiny.forward_reference(torch.cat([prefix, suffix_b]))[prefix_len:]).abs().max() < TOL
+    assert (
+        logits_a - tiny.forward_reference(torch.cat([prefix, suffix_a]), return_logits=True)[prefix_len:]
+    ).abs().max() < TOL
+    assert (
+        logits_b - tiny.forward_reference(torch.cat([prefix, suffix_b]), return_logits=True)[prefix_len:]
+    ).abs().max() < TOL
 
 
 def test_start_pos_decides_how_much_prefix_is_attended(tiny: LlamaModel) -> None:
@@ -136,11 +140,13 @@ def test_start_pos_decides_how_much_prefix_is_attended(tiny: LlamaModel) -> None
     table = _shuffled_table(8, seed=10)
     tiny.forward_cached(ids, 0, kv, table)
 
-    at_16 = tiny.forward_cached(suffix, 16, kv.clone(), table)
-    at_12 = tiny.forward_cached(suffix, 12, kv.clone(), table)
+    at_16 = tiny.forward_cached(suffix, 16, kv.clone(), table, return_logits=True)
+    at_12 = tiny.forward_cached(suffix, 12, kv.clone(), table, return_logits=True)
 
     assert (at_16 - at_12).abs().max().item() > 1e-2
-    assert (at_12 - tiny.forward_reference(torch.cat([ids[:12], suffix]))[12:]).abs().max().item() < TOL
+    assert (
+        at_12 - tiny.forward_reference(torch.cat([ids[:12], suffix]), return_logits=True)[12:]
+    ).abs().max().item() < TOL
 
 
 def test_rotary_positions_make_token_order_matter(tiny: LlamaModel) -> None:
@@ -161,9 +167,9 @@ def test_bf16_cached_path_is_as_close_to_float32_as_the_uncached_bf16_path(tiny:
     kv = torch.zeros(kv_pool_shape(model, 6, block_size), dtype=torch.bfloat16)
     table = _shuffled_table(6, seed=13)
     model.forward_cached(ids[:20], 0, kv, table)
-    cached = model.forward_cached(ids[20:], 20, kv, table)
-    exact = tiny.forward_reference(ids)[20:]
-    rounding = (model.forward_reference(ids)[20:].float() - exact).abs().max().item()
+    cached = model.forward_cached(ids[20:], 20, kv, table, return_logits=True)
+    exact = tiny.forward_reference(ids, return_logits=True)[20:]
+    rounding = (model.forward_reference(ids, return_logits=True)[20:].float() - exact).abs().max().item()
 
     assert cached.dtype == torch.float32
     assert 0 < rounding < 0.1
@@ -270,5 +276,5 @@ def test_long_prefill_split_into_query_chunks_stays_exact(tiny: LlamaModel, monk
     kv = _nan_pool(tiny, 8, block_size)
     table = _shuffled_table(8, seed=15)
     tiny.forward_cached(ids[:6], 0, kv, table)
-    cached = tiny.forward_cached(ids[6:], 6, kv, table)
-    assert (cached - tiny.forward_reference(ids)[6:]).abs().max().item() < TOL
+    cached = tiny.forward_cached(ids[6:], 6, kv, table, return_logits=True)
+    assert (cached - tiny.forward_reference(ids, return_logits=True)[6:]).abs().max().item() < TOL

@@ -1,0 +1,298 @@
+"""Continuous batching: many requests through one runner's cache and model, one batched forward per step.
+
+Requests join and leave between steps (Orca, OSDI'22; the scheduling of vLLM and SGLang).  Each step runs every
+decoding request's next token and, under a token budget, a chunk of each waiting prompt's uncached suffix (chunked
+prefill, as in Sarathi and vLLM's ``max_num_batched_tokens``), all in one call of
+:func:`~prefixcache.models.base.forward_batch`.  Each request keeps its own :class:`~prefixcache.models.base.LiveKV`
+and its own lease on the cache, exactly as :meth:`PrefixCachingRunner.generate` does one at a time, so its tokens
+are its serial output (greedy: equal; logits within float rounding).
+
+Thread safety: :meth:`BatchEngine.submit` may be called from any thread; one thread steps the engine (the background
+thread after :meth:`BatchEngine.start`, else whoever calls :meth:`BatchEngine.run_until_idle`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from prefixcache.cache.radix_cache import Lease
+from prefixcache.cache.tokens import TokenIds
+from prefixcache.engine.runner import GenerationResult, PrefixCachingRunner, Usage
+from prefixcache.engine.sampling import SamplingParams, sample_token, sampling_generator
+from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
+from prefixcache.models.base import BatchRow, LiveKV, forward_batch
+
+_END = object()
+
+
+class RequestHandle:
+    """A submitted request: iterate it for its token ids as they are produced, ``result()`` (or ``await`` it) for
+    the :class:`GenerationResult`, ``cancel()`` to drop it (its blocks and locks are released at the next step)."""
+
+    def __init__(self) -> None:
+        self.future: Future[GenerationResult] = Future()
+        self._tokens: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.cancelled = False
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Block until done; raises what the request raised, ``concurrent.futures.CancelledError`` if cancelled,
+        ``TimeoutError`` after ``timeout`` seconds."""
+        return self.future.result(timeout)
+
+    def __await__(self):
+        return asyncio.wrap_future(self.future).__await__()
+
+    def __iter__(self) -> Iterator[int]:
+        while (item := self._tokens.get()) is not _END:
+            yield item
+        self.future.result()  # re-raise the request's error, if any, after the tokens it produced
+
+    def cancel(self) -> None:
+        """Ask the engine to drop the request; harmless once it has finished."""
+        self.cancelled = True
+
+    def _emit(self, token: int) -> None:
+        self._tokens.put(token)
+
+    def _finish(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
+        self._tokens.put(_END)
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    prompt: list[int]
+    sampling: SamplingParams
+    namespace: str
+    handle: RequestHandle
+    submitted_at: float
+    live: LiveKV = field(default_factory=LiveKV)
+    lease: Lease | None = None
+    cached: int = 0
+    position: int = 0  # tokens of prompt + generated whose K/V are written
+    generated: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    first_token_at: float | None = None
+
+    def sequence_length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def token_at(self, index: int) -> int:
+        return self.prompt[index] if index < len(self.prompt) else self.generated[index - len(self.prompt)]
+
+
+class BatchEngine:
+    """Runs many requests together on ``runner``'s model and cache (continuous batching with chunked prefill).
+
+    ``max_batch_tokens`` bounds the tokens of one step (decode rows first, one token each, then prefill chunks in
+    arrival order); ``max_running`` the requests holding leases at once.  Raises InvalidArgumentError for a bound
+    below 1.
+    """
+
+    def __init__(self, runner: PrefixCachingRunner, *, max_batch_tokens: int = 512, max_running: int = 32) -> None:
+        for name, value in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        self.runner = runner
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._lock = threading.Condition()
+        self._step_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.steps = 0
+
+    def submit(
+        self, prompt_ids: TokenIds, sampling: SamplingParams | None = None, *, namespace: str | None = None
+    ) -> RequestHandle:
+        """Queue a request; thread-safe.  Checks it as :meth:`PrefixCachingRunner.generate` does and raises the same
+        errors at once (InvalidTokensError, CapacityError, NamespaceError, InvalidArgumentError)."""
+        sampling = sampling if sampling is not None else SamplingParams()
+        if not isinstance(sampling, SamplingParams):
+            raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        runner = self.runner
+        prompt = [int(t) for t in runner._check_tokens(prompt_ids, "prompt")]
+        runner._check_capacity(len(prompt) + sampling.max_new_tokens)
+        request = _Request(prompt, sampling, runner.namespace_key(namespace), RequestHandle(), time.perf_counter())
+        with self._lock:
+            if self._closed:
+                raise InvalidArgumentError("the engine is closed")
+            self._waiting.append(request)
+            self._lock.notify_all()
+        return request.handle
+
+    def run_until_idle(self) -> None:
+        """Step in the calling thread until no request is waiting or running."""
+        while self.step():
+            pass
+
+    def start(self) -> None:
+        """Step in a background daemon thread from now on (until :meth:`close`)."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="prefixcache-batch-engine", daemon=True)
+                self._thread.start()
+
+    def close(self) -> None:
+        """Stop the background thread after its current step; requests still queued are cancelled."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._step_lock:
+            for request in [*self._waiting, *self._running]:
+                self._fail(request, CancelledError())
+            self._waiting.clear()
+            self._running.clear()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self._waiting and not self._running:
+                    self._lock.wait()
+                if self._closed:
+                    return
+            self.step()
+
+    def step(self) -> bool:
+        """One scheduling step: drop cancelled requests, admit waiting ones, run one batched forward, sample, retire
+        finished requests.  Returns whether any request is still waiting or running."""
+        with self._step_lock:
+            self._drop_cancelled()
+            self._admit()
+            rows, members = self._plan()
+            if rows:
+                self.steps += 1
+                try:
+                    logits = forward_batch(self.runner.model, rows, self.runner.pool.kv)
+                except Exception as error:  # noqa: BLE001 - the error belongs to the requests, not the engine
+                    for request in members:
+                        self._fail(request, error)
+                    logits = []
+                for request, row, row_logits in zip(members, rows, logits, strict=False):
+                    request.position += row.token_ids.numel()
+                    if request.position == request.sequence_length():
+                        self._advance(request, row_logits[-1])
+            with self._lock:
+                return bool(self._waiting or self._running)
+
+    def _drop_cancelled(self) -> None:
+        with self._lock:
+            waiting = [r for r in self._waiting if r.handle.cancelled]
+            for request in waiting:
+                self._waiting.remove(request)
+        for request in waiting + [r for r in self._running if r.handle.cancelled]:
+            self._fail(request, CancelledError())
+
+    def _admit(self) -> None:
+        cache, pool = self.runner.cache, self.runner.pool
+        while len(self._running) < self.max_running:
+            with self._lock:
+                if not self._waiting:
+                    return
+                request = self._waiting.popleft()
+            try:
+                request.lease = cache.acquire(request.prompt, request.namespace)
+                cache.reserve(request.lease, len(request.prompt))
+            except OutOfBlocksError as error:
+                if not self._running:
+                    self._fail(request, error)
+                    continue
+                # Running requests hold the pool: wait for them to finish and free it.
+                if request.lease is not None:
+                    cache.release(request.lease)
+                    request.lease = None
+                with self._lock:
+                    self._waiting.appendleft(request)
+                return
+            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+                self._fail(request, error)
+                continue
+            request.cached = request.position = request.lease.num_cached_tokens
+            request.generator = sampling_generator(request.sampling, pool.kv.device)
+            self._running.append(request)
+
+    def _plan(self) -> tuple[list[BatchRow], list[_Request]]:
+        budget = self.max_batch_tokens
+        rows, members = [], []
+        decoding = [r for r in self._running if r.position >= len(r.prompt)]
+        prefilling = [r for r in self._running if r.position < len(r.prompt)]
+        for request in decoding + prefilling:
+            if budget <= 0:
+                break
+            end = min(request.sequence_length(), request.position + budget)
+            try:
+                if end > request.lease.capacity_tokens:
+                    self.runner.cache.reserve(request.lease, end)
+            except Exception as error:  # noqa: BLE001
+                self._fail(request, error)
+                continue
+            ids = [request.token_at(i) for i in range(request.position, end)]
+            table = self.runner.pool.block_table_tensor(request.lease.block_table)
+            token_ids = torch.tensor(ids, dtype=torch.long, device=self.runner.model.device)
+            rows.append(BatchRow(token_ids, request.position, table, request.live))
+            members.append(request)
+            budget -= end - request.position
+        return rows, members
+
+    def _advance(self, request: _Request, logits: torch.Tensor) -> None:
+        """All known tokens of ``request`` are computed: sample the next one, or finish."""
+        sampling = request.sampling
+        if sampling.max_new_tokens == 0:
+            self._finish(request, "prefill")
+            return
+        token = sample_token(logits, sampling, request.generator)
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+        request.generated.append(token)
+        request.handle._emit(token)
+        if token in sampling.stop_token_ids:
+            self._finish(request, "stop")
+        elif len(request.generated) >= sampling.max_new_tokens:
+            self._finish(request, "length")
+
+    def _finish(self, request: _Request, reason: str) -> None:
+        committed = [request.token_at(i) for i in range(request.position)]
+        try:
+            insert = self.runner.cache.commit(request.lease, committed)
+        except Exception as error:  # noqa: BLE001
+            self._fail(request, error)
+            return
+        self._running.remove(request)
+        now = time.perf_counter()
+        first = request.first_token_at if request.first_token_at is not None else now
+        usage = Usage(
+            prompt_tokens=len(request.prompt),
+            cached_tokens=request.cached,
+            prefilled_tokens=len(request.prompt) - request.cached,
+            copied_tokens=request.lease.num_copied_tokens,
+            generated_tokens=len(request.generated),
+            ttft_s=first - request.submitted_at,
+            decode_s=now - first,
+        )
+        request.handle._finish(GenerationResult(tuple(request.generated), reason, usage, None, insert))
+
+    def _fail(self, request: _Request, error: BaseException) -> None:
+        if request.lease is not None and not request.lease.closed:
+            self.runner.cache.release(request.lease)
+        if request in self._running:
+            self._running.remove(request)
+        if not request.handle.future.done():
+            request.handle._finish(error=error)
