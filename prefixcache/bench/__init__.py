@@ -1,7 +1,8 @@
 """Benchmarks of the cache's own bookkeeping: ``prefixcache bench [NAME...] [--quick] [--json OUT]``.
 
-``tree`` times each radix-tree operation on the standard workload against SGLang's figures, ``evict`` checks
-that one eviction stays O(log n) as the tree grows, ``memory`` counts bytes per cached token.
+``tree`` times each radix-tree operation on the standard workload, ``peers`` runs SGLang's radix cache and vLLM's
+block pool beside ours in the same process (``pip install --no-deps sglang``; see :mod:`prefixcache.bench.peers`),
+``evict`` checks that one eviction stays O(log n) as the tree grows, ``memory`` counts bytes per cached token.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from prefixcache.bench import evict, memory, policy, runner, trace, tree
+from prefixcache.bench import evict, memory, peers, policy, runner, trace, tree
 from prefixcache.bench.common import BenchResult, format_table
 from prefixcache.errors import InvalidArgumentError
 
 BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
     "tree": tree.run,
+    "peers": peers.run,
     "evict": evict.run,
     "memory": memory.run,
     "runner": runner.run,
@@ -32,8 +34,11 @@ def run(names: list[str] | None = None, *, quick: bool = False, json_path: str |
     """Run the named benchmarks (all when ``names`` is empty or None), print a table for each, and return the
     figures as a JSON-ready dict (also written to ``json_path`` when given).
 
+    When every benchmark runs (no ``names``), ``peers`` is skipped with a note if SGLang is not installed.
+
     Raises:
         InvalidArgumentError: an unknown benchmark name (nothing runs).
+        PeerUnavailableError: ``peers`` was named and SGLang is not installed (the message says how to install it).
     """
     selected = list(names) if names else list(BENCHMARKS)
     unknown = [name for name in selected if name not in BENCHMARKS]
@@ -51,7 +56,13 @@ def run(names: list[str] | None = None, *, quick: bool = False, json_path: str |
         "benchmarks": {},
     }
     for name in selected:
-        result = BENCHMARKS[name](quick=quick)
+        try:
+            result = BENCHMARKS[name](quick=quick)
+        except peers.PeerUnavailableError as error:
+            if names:
+                raise
+            print(f"{name}: skipped: {error}", end="\n\n", flush=True)
+            continue
         for table in result.tables:
             print(format_table(table), end="\n\n", flush=True)
         report["benchmarks"][name] = result.data
