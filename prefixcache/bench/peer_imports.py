@@ -37,7 +37,8 @@ INSTALL_HINT = (
 
 SGLANG_STUBS: dict[str, str] = {
     "sglang.srt.utils": "a 2,000-line hub of helpers (HTTP, process, CUDA queries) importing requests, psutil and "
-    "triton; the radix cache uses one helper from it, ceil_align, only in checkpoint(), which the benchmark never calls",
+    "triton; the radix cache uses one helper from it, ceil_align, only in checkpoint(), which the benchmark never "
+    "calls",
     "sglang.kernels": "Triton GPU kernels (MLA buffers, paged allocation) imported by mem_cache/utils.py and the "
     "allocators; no kernel runs on the CPU path",
     "sglang.srt.mem_cache.memory_pool": "the GPU KV pools and request-to-token tables; base_prefix_cache imports "

@@ -97,7 +97,6 @@ def tree_pass(driver: Any, token_lists: list[list[int]]) -> dict[str, Any]:
     lock_unlock = driver.lock_unlock
     ns, _ = _timed(lambda: [lock_unlock(h) for h in handles])
     out["lock_unlock"] = us_per(ns, n)
-    del handles
     ns, out["evicted_tokens"] = _timed(driver.evict_all)
     out["evict_all"] = us_per(ns, n)
     return out
