@@ -132,7 +132,7 @@ def run(quick: bool = False) -> BenchResult:
         rows=tuple(rows),
         notes=(
             f"nodes before -> after matching (must not change): {nodes}",
-            "Other systems on this workload, measured in the same process: prefixcache bench peers.",
+            "Other systems on this workload are measured beside ours, in one process, by: prefixcache bench peers.",
             "Times are this thread's CPU time (other processes do not inflate them; on an idle machine they equal "
             "wall time); the workload's own objects are hidden from the garbage collector while timing.",
         ),

@@ -99,3 +99,17 @@ def test_stubs_for_third_party_modules_do_not_outlive_the_import() -> None:
 
     stubbed = [name for name in ("zmq", "psutil") if name in sys.modules]
     assert all(not type(sys.modules[name]).__name__.startswith("_Stub") for name in stubbed)
+
+
+def test_running_every_benchmark_skips_peers_with_a_note_when_sglang_is_missing(monkeypatch, capsys) -> None:
+    from prefixcache import bench
+
+    def missing(quick: bool = False):
+        raise PeerUnavailableError("sglang is not installed; pip install --no-deps sglang==0.5.23")
+
+    monkeypatch.setattr(bench, "BENCHMARKS", {"peers": missing})
+
+    report = bench.run(None, quick=True)
+
+    assert report["benchmarks"] == {}
+    assert "peers: skipped: sglang is not installed" in capsys.readouterr().out
