@@ -68,13 +68,16 @@ def test_readme_test_command_makes_the_venv_pins_torch_and_calls_its_pip_and_pyt
     subprocess.run(["bash", "-n", "-c", command], check=True)
 
 
-def test_readme_test_command_installs_every_extra_but_dev() -> None:
+def test_readme_test_command_installs_every_extra_but_dev_and_peers() -> None:
+    # `peers` holds the dependencies of other systems' caches for `bench peers`; .ci/run installs it (and SGLang)
+    # after the test command and runs that benchmark's tests then.
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     readme = (ROOT / "README.md").read_text()
     extras = set(re.search(r'pip install -q -e "\.\[([a-z,]+)\]"', readme).group(1).split(","))
     declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
 
-    assert extras == declared - {"dev"}
+    assert extras == declared - {"dev", "peers"}
+    assert '.venv/bin/pip install --quiet -e ".[peers]"' in (ROOT / ".ci" / "run").read_text()
 
 
 def test_ci_runs_the_readme_command_without_a_venv_of_its_own() -> None:

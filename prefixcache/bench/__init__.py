@@ -1,8 +1,9 @@
 """Benchmarks of the cache's own bookkeeping: ``prefixcache bench [NAME...] [--quick] [--json OUT]``.
 
-``tree`` times each radix-tree operation on the standard workload against SGLang's figures, ``evict`` checks
-that one eviction stays O(log n) as the tree grows, ``memory`` counts bytes per cached token.  ``engine`` and
-``agent`` (extra ``hf``) time the runner on a real model shape against transformers' own calls.
+``tree`` times each radix-tree operation on the standard workload, ``peers`` runs SGLang's radix cache and vLLM's
+block pool beside ours in the same process (``pip install --no-deps sglang``; see :mod:`prefixcache.bench.peers`),
+``evict`` checks that one eviction stays O(log n) as the tree grows, ``memory`` counts bytes per cached token.
+``engine`` and ``agent`` (extra ``hf``) time the runner on a real model shape against transformers' own calls.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from prefixcache.bench import agent, engine, evict, memory, policy, runner, trace, tree
+from prefixcache.bench import agent, engine, evict, memory, peers, policy, runner, trace, tree
 from prefixcache.bench.common import BenchResult, format_table
 from prefixcache.errors import InvalidArgumentError
 
 BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
     "tree": tree.run,
+    "peers": peers.run,
     "evict": evict.run,
     "memory": memory.run,
     "runner": runner.run,
@@ -42,8 +44,11 @@ def run(
     figures as a JSON-ready dict (also written to ``json_path`` when given).  ``extra`` adds benchmarks from layers
     above this one (the command line adds ``serve``).
 
+    When every benchmark runs (no ``names``), ``peers`` is skipped with a note if SGLang is not installed.
+
     Raises:
         InvalidArgumentError: an unknown benchmark name (nothing runs).
+        PeerUnavailableError: ``peers`` was named and SGLang is not installed (the message says how to install it).
     """
     benchmarks = {**BENCHMARKS, **(extra or {})}
     selected = list(names) if names else list(benchmarks)
@@ -62,7 +67,13 @@ def run(
         "benchmarks": {},
     }
     for name in selected:
-        result = benchmarks[name](quick=quick)
+        try:
+            result = benchmarks[name](quick=quick)
+        except peers.PeerUnavailableError as error:
+            if names:
+                raise
+            print(f"{name}: skipped: {error}", end="\n\n", flush=True)
+            continue
         for table in result.tables:
             print(format_table(table), end="\n\n", flush=True)
         report["benchmarks"][name] = result.data

@@ -17,10 +17,14 @@ from prefixcache.cache.tokens import TOKEN_TYPECODE
 
 T = TypeVar("T")
 
-# SGLang's own Python RadixCache (page size 1, CPU) on the standard workload, microseconds per sequence.
-SGLANG_REFERENCE_US: dict[str, float] = {"insert": 21.5, "match": 19.9, "lock+unlock": 4.0, "evict-all": 3.8}
-GOAL_RATIO = 0.5
-"""We aim for half of SGLang's time on each operation."""
+QUICK_NOT_JUDGED = "quick runs are not judged: goal columns are left empty (sizes too small to mean anything)."
+
+
+def verdict(met: bool, quick: bool) -> str:
+    """A goal column's cell: "met" / "not met", or empty for a ``--quick`` run (see :data:`QUICK_NOT_JUDGED`)."""
+    if quick:
+        return ""
+    return "met" if met else "not met"
 
 
 @dataclass(frozen=True, slots=True)

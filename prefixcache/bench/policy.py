@@ -78,6 +78,8 @@ def measure_file(path: Path, *, limit: int | None, block_size: int = BLOCK_SIZE)
     unbounded_blocks = sum(-(-(len(r.prompt) + len(r.answer)) // block_size) + 2 for r in requests)
     infinite = replay_radix(requests, unbounded_blocks, "lru", block_size)
     assert infinite["evictions"] == 0, "the unbounded pool must never evict"
+    # Every policy is simulated at the unbounded size too, not assumed equal to LRU there.
+    infinite_lfu = replay_radix(requests, unbounded_blocks, "lfu", block_size)
     working_set = infinite["used_blocks"]
     trace: BlockTrace = build_block_trace(((r.prompt, r.answer) for r in requests), block_size)
     rows = []
@@ -107,7 +109,9 @@ def measure_file(path: Path, *, limit: int | None, block_size: int = BLOCK_SIZE)
         "working_set_tokens": working_set * block_size,
         "sim_distinct_blocks": trace.num_blocks,
         "infinite_radix": infinite["hit_tokens"] / infinite["prompt_tokens"],
+        "infinite_radix_lfu": infinite_lfu["hit_tokens"] / infinite_lfu["prompt_tokens"],
         "infinite_sim": simulate(trace, max(trace.num_blocks, 1), "lru").hit_rate,
+        "infinite_sim_belady": simulate(trace, max(trace.num_blocks, 1), "belady").hit_rate,
         "capacities": rows,
     }
 
@@ -151,11 +155,11 @@ def run(quick: bool = False) -> BenchResult:
                 "infinite",
                 None,
                 _pct(r["infinite_radix"]),
-                _pct(r["infinite_radix"]),
+                _pct(r["infinite_radix_lfu"]),
                 _pct(r["infinite_sim"]),
-                _pct(r["infinite_sim"]),
-                0.0,
-                100.0,
+                _pct(r["infinite_sim_belady"]),
+                _pct(r["infinite_sim_belady"] - r["infinite_sim"]),
+                _pct(r["infinite_sim"] / r["infinite_sim_belady"]) if r["infinite_sim_belady"] else None,
             )
         )
     notes = [
