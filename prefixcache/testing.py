@@ -98,6 +98,10 @@ class FaultyModel:
     def fingerprint(self) -> str:
         return self.inner.fingerprint()
 
+    def weights_version(self) -> int | None:
+        read = getattr(self.inner, "weights_version", None)
+        return None if read is None else read()
+
     def forward_cached(
         self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor
     ) -> torch.Tensor:
@@ -243,6 +247,10 @@ class ShiftedLogits:
 
     def fingerprint(self) -> str:
         return self.model.fingerprint()
+
+    def weights_version(self) -> int | None:
+        read = getattr(self.model, "weights_version", None)
+        return None if read is None else read()
 
     def forward_cached(self, *args: object) -> torch.Tensor:
         return self.model.forward_cached(*args) + self.shift
