@@ -56,9 +56,9 @@ class PoolBusyError(CapacityError):
     ) -> None:
         super().__init__(
             f"{needed_blocks} blocks needed{' for ' + what if what else ''}, only {free_blocks + evictable_blocks} "
-            f"can be had now ({free_blocks} free + {evictable_blocks} evictable): running requests hold the rest of "
-            f"the pool's {pool_blocks} blocks ({locked_blocks} cached blocks locked by their prefixes, "
-            f"{owned_blocks} blocks they own); nothing was evicted"
+            f"can be had now ({free_blocks} free + {evictable_blocks} evictable) of the pool's {pool_blocks} blocks: "
+            f"{locked_blocks} cached blocks locked by running requests, {owned_blocks} blocks owned by running "
+            f"requests; nothing was evicted"
         )
         self.needed_blocks = needed_blocks
         self.free_blocks = free_blocks

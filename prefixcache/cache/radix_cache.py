@@ -353,11 +353,6 @@ class RadixCache:
             path.reverse()
             return tree.retention.retain(path, priority, retain_s)
 
-    def note_rejected(self) -> None:
-        """Count a request refused before it reached the cache (the runner's capacity checks) as rejected."""
-        with self._mutex:
-            self._counters.rejected_requests += 1
-
     # ---- observation --------------------------------------------------------------------------------------
 
     def stats(self) -> CacheStats:

@@ -313,13 +313,6 @@ class PrefixCachingRunner:
         return xxhash.xxh64(key.encode()).hexdigest()
 
     def _check_capacity(self, num_tokens: int) -> None:
-        try:
-            self._check_capacity_of(num_tokens)
-        except CapacityError:
-            self.cache.note_rejected()
-            raise
-
-    def _check_capacity_of(self, num_tokens: int) -> None:
         if num_tokens > self.model.max_position:
             raise CapacityError(
                 f"prompt + new tokens = {num_tokens} tokens exceed the model's maximum of "
