@@ -66,6 +66,8 @@ class Retention:
         (forever when None).  A node keeps the higher of its old and new priority and the later deadline.  Stops at
         the first node that would exceed the cap.  Returns the tokens of ``path`` now retained.  O(len(path) log n).
         """
+        if self.deadlines:
+            self.expire()  # an expired node is marked afresh, not revived with its old priority
         until = None if retain_s is None else self.clock() + retain_s
         covered = 0
         for node in path:
