@@ -233,6 +233,8 @@ class Admission:
         lease.owns_blocks = False
         self.locks.unlock(lease.lock)
         lease.closed = True
+        # Eviction during this request may have left a seam that only this request's lock kept from healing.
+        self._heal_path(lease.lock.node)
         return result
 
     def release(self, lease: Lease) -> None:
@@ -258,6 +260,7 @@ class Admission:
         lease.owns_blocks = False
         self.locks.unlock(lease.lock)
         lease.closed = True
+        self._heal_path(lease.lock.node)
 
     def check_lease(self, lease: Lease, what: str, closed_message: str | None = None) -> None:
         """Raises LockError unless ``lease`` is an open lease of this cache whose lock is still held."""

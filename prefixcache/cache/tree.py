@@ -399,6 +399,13 @@ class RadixTree:
                     if leaf.shares_first:
                         pool.decref(blocks[:1])
                         blocks = blocks[1:]
+                        # The parent's copy of that block may now duplicate a remaining child's: heal the seam when
+                        # the block it frees is still wanted (never free more than asked).
+                        if freed + expected + own < num_blocks:
+                            for child in parent.children.values():
+                                if child.start % bs and not child.shares_first and self.heal_seam(child):
+                                    freed += 1
+                                    break
                     batch.append(blocks)
                     expected += own
                     size = len(leaf.tokens)
@@ -457,23 +464,38 @@ class RadixTree:
 
     def share_parent_block(self, parent: Node, block: int) -> bool:
         """Make ``parent`` hold ``block`` (a child's copy of its last block) instead of its own copy, and free that
-        copy.  Only when nothing else depends on the old copy: the parent is not the root, not locked (a running
-        request may read its copy), does not share the block with its own parent, and no other child shares it.
-        Atomic: raises with nothing changed, or switches.  O(children of the parent)."""
-        if parent.parent is None or parent.lock_count or parent.shares_first:
+        copy.  The ancestors sharing that copy with ``parent`` (splits inside one block) switch with it.  Only when
+        nothing else depends on the old copy: the parent is not the root, no lock is on the sharing chain (a running
+        request may read the copy), and no other child shares it.  Atomic: raises with nothing changed, or switches.
+        O(children of the parent + length of the sharing chain)."""
+        if parent.parent is None or parent.lock_count:
             return False
-        old = parent.blocks.item(-1)
         for child in parent.children.values():
             if child.shares_first:
                 return False
+        chain = [parent]
+        while chain[-1].shares_first:
+            chain.append(chain[-1].parent)
+        if chain[-1].lock_count:
+            return False
+        old = parent.blocks.item(-1)
         pool = self.pool
-        pool.incref([block])
+        added = removed = 0
         try:
-            pool.decref([old])
+            for _ in chain:
+                pool.incref([block])
+                added += 1
+            for _ in chain:
+                pool.decref([old])
+                removed += 1
         except BaseException:
-            pool.decref([block])
+            for _ in range(removed):
+                pool.incref([old])
+            for _ in range(added):
+                pool.decref([block])
             raise
-        parent.blocks[-1] = block
+        for holder in chain:
+            holder.blocks[-1] = block
         return True
 
     # ---- inspection ---------------------------------------------------------------------------------------
