@@ -21,8 +21,9 @@ class CacheStats:
     :meth:`~prefixcache.RadixCache.acquire` calls (at most the cache's ``hit_rate_window``): ``window_hit_rate`` is
     the recent hit rate.  A request refused at admission (not enough blocks) counts in ``rejected_requests`` only,
     in none of the token counters.  ``evictions`` counts leaves evicted from, whole or in part (block-granular
-    eviction shortens a leaf before it removes it); ``evicted_tokens`` / ``evicted_blocks`` what went.  ``retained_tokens`` / ``retained_blocks`` are what retention keeps
-    (:mod:`prefixcache.cache.retention`); ``evictable_blocks`` what evicting every unlocked node would free.
+    eviction shortens a leaf before it removes it); ``evicted_tokens`` / ``evicted_blocks`` what went.
+    ``retained_tokens`` / ``retained_blocks`` are what retention keeps (:mod:`prefixcache.cache.retention`);
+    ``evictable_blocks`` what evicting every unlocked node would free.
     """
 
     num_blocks: int

@@ -359,11 +359,11 @@ class RadixTree:
         events: list[KVEvent] = []
         try:
             while freed < num_blocks and len(evictor):
-                # Unlink (or trim) leaves until their blocks should cover what is asked, then release all their blocks in
-                # one decref: a decref per leaf would cost more than the rest of the eviction.  A leaf's own blocks have
-                # no other holder (a shared first block is the parent's too and is released at once, not counted), but a
-                # block under copy-on-write holds a temporary reference, so the outer loop goes by what decref actually
-                # freed and the count here only sizes the batch.
+                # Unlink (or trim) leaves until their blocks should cover what is asked, then release all their
+                # blocks in one decref: a decref per leaf would cost more than the rest of the eviction.  A leaf's own
+                # blocks have no other holder (a shared first block is the parent's too and is released at once, not
+                # counted), but a block under copy-on-write holds a temporary reference, so the outer loop goes by
+                # what decref actually freed and the count here only sizes the batch.
                 batch: list[np.ndarray] = []
                 expected = 0
                 while freed + expected < num_blocks and len(evictor):
