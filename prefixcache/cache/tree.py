@@ -473,8 +473,8 @@ class RadixTree:
         for child in parent.children.values():
             if child.shares_first:
                 return False
-        chain = [parent]
-        while chain[-1].shares_first:
+        chain = [parent]  # the nodes holding the old copy: upward while it is also a node's first block
+        while len(chain[-1].blocks) == 1 and chain[-1].shares_first:
             chain.append(chain[-1].parent)
         if chain[-1].lock_count:
             return False
