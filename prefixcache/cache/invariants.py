@@ -73,6 +73,11 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
             shares = parent.parent is not None and node.blocks.item(0) == parent.blocks.item(-1)
             if shares != node.shares_first or (shares and not node.start % bs):
                 fail(f"node {node.node_id} shares_first is {node.shares_first}, its first block says {shares}")
+            if (parent.sharing_child is node) != shares:
+                fail(f"node {node.node_id} is {'' if shares else 'not '}its parent's sharing child")
+            sharer = node.sharing_child
+            if sharer is not None and (sharer.evicted or sharer.parent is not node):
+                fail(f"node {node.node_id} names a sharing child that is not its child")
             own_blocks = len(node.blocks) - shares
             if node.priority:
                 retained_tokens += size

@@ -45,6 +45,7 @@ class Node:
         "origin",
         "block_hashes",
         "shares_first",
+        "sharing_child",
         "priority",
         "retain_until",
     )
@@ -67,6 +68,7 @@ class Node:
         # Chained hashes of the full blocks this node owns (see prefixcache.cache.events); kept only while listened to.
         self.block_hashes: list[int] | None = None
         self.shares_first = False
+        self.sharing_child: Node | None = None  # the child whose first block is this node's last, if any
         self.priority = 0
         self.retain_until: float | None = None
 

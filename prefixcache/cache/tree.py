@@ -273,7 +273,8 @@ class RadixTree:
             # Heal the seam before linking the leaf, so that a failure leaves the tree as it was.
             healed = bool(pos % bs) and self.share_parent_block(node, int(table[first_new]))
             leaf = Node(next(self._ids), node, q[pos:], pos, table[first_new:need].astype(BLOCK_ID_DTYPE))
-            leaf.shares_first = healed
+            if healed:
+                self.link_sharing(node, leaf)
             leaf.last_access = tick
             leaf.namespace = namespace
             leaf.origin = origin
@@ -320,6 +321,9 @@ class RadixTree:
         upper.origin = node.origin
         upper.shares_first = node.shares_first
         node.shares_first = new_start % bs != 0
+        upper.sharing_child = node if node.shares_first else None
+        if upper.shares_first:
+            node.parent.sharing_child = upper
         if node.priority:
             upper.priority = node.priority
             upper.retain_until = node.retain_until
@@ -397,15 +401,11 @@ class RadixTree:
                     if listening and leaf.block_hashes:
                         events.append(BlockRemoved(leaf.namespace, tuple(leaf.block_hashes)))
                     if leaf.shares_first:
+                        # The parent's copy may now duplicate a remaining child's; the next request through that
+                        # child heals the seam (scanning the siblings here would cost O(children) per leaf).
                         pool.decref(blocks[:1])
                         blocks = blocks[1:]
-                        # The parent's copy of that block may now duplicate a remaining child's: heal the seam when
-                        # the block it frees is still wanted (never free more than asked).
-                        if freed + expected + own < num_blocks:
-                            for child in parent.children.values():
-                                if child.start % bs and not child.shares_first and self.heal_seam(child):
-                                    freed += 1
-                                    break
+                        parent.sharing_child = None
                     batch.append(blocks)
                     expected += own
                     size = len(leaf.tokens)
@@ -448,14 +448,14 @@ class RadixTree:
     def heal_seam(self, node: Node) -> bool:
         """Remove the duplicate block at a seam (see the module docstring): ``node`` starts inside a block of which
         it holds its own copy while its parent holds another.  Returns whether it healed (see
-        :meth:`share_parent_block` for when it does).  O(children of the parent)."""
+        :meth:`share_parent_block` for when it does).  O(length of the sharing chain)."""
         if (
             node.shares_first
             or not node.start % self.block_size
             or not self.share_parent_block(node.parent, node.blocks.item(0))
         ):
             return False
-        node.shares_first = True
+        self.link_sharing(node.parent, node)
         if node.lock_count == 0:
             self.evictable_blocks -= 1
         if node.priority:
@@ -467,12 +467,9 @@ class RadixTree:
         copy.  The ancestors sharing that copy with ``parent`` (splits inside one block) switch with it.  Only when
         nothing else depends on the old copy: the parent is not the root, no lock is on the sharing chain (a running
         request may read the copy), and no other child shares it.  Atomic: raises with nothing changed, or switches.
-        O(children of the parent + length of the sharing chain)."""
-        if parent.parent is None or parent.lock_count:
+        O(length of the sharing chain)."""
+        if parent.parent is None or parent.lock_count or parent.sharing_child is not None:
             return False
-        for child in parent.children.values():
-            if child.shares_first:
-                return False
         chain = [parent]  # the nodes holding the old copy: upward while it is also a node's first block
         while len(chain[-1].blocks) == 1 and chain[-1].shares_first:
             chain.append(chain[-1].parent)
@@ -497,6 +494,11 @@ class RadixTree:
         for holder in chain:
             holder.blocks[-1] = block
         return True
+
+    def link_sharing(self, parent: Node, child: Node) -> None:
+        """Record that ``child``'s first block is now ``parent``'s last (after :meth:`share_parent_block`)."""
+        child.shares_first = True
+        parent.sharing_child = child
 
     # ---- inspection ---------------------------------------------------------------------------------------
 

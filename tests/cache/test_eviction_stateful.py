@@ -89,6 +89,9 @@ class EvictionMachine(RuleBasedStateMachine):
             assert self.cache.stats().evicted_blocks == stats.evicted_blocks, "a refused request evicted"
             self.last_inserted = set()
             return
+        # What admission evicted loses its retention even if the commit caches it again.
+        kept = prefixes(tuple(s) for s in self.cache.cached_sequences())
+        self.retained = {p: v for p, v in self.retained.items() if p in kept}
         self.cache.commit(lease, seq)
         self.sync(before | prefixes([seq]), locked=seq)
         assert self.cached >= prefixes([seq])
