@@ -190,3 +190,17 @@ def test_copy_on_write_whose_only_block_is_its_source_takes_the_source_over() ->
 
 def test_out_of_blocks_is_still_the_base_of_the_new_error() -> None:
     assert issubclass(PoolBusyError, CapacityError) and issubclass(PoolBusyError, OutOfBlocksError)
+
+
+def test_a_seam_below_a_split_inside_one_block_heals_the_whole_sharing_chain() -> None:
+    cache = RadixCache(KVBlockPool(8, 4))
+    cache_sequence(cache, [1, 2, 3, 4, 5, 6])
+    cache_sequence(cache, [1, 2, 3, 4, 5, 9])  # splits at 5: [4,5) and [5,6) share block 1
+    assert cache.stats().used_blocks == 3
+    cache_sequence(cache, [1, 2, 3, 4, 5, 6, 7])  # a new leaf at 6 with its own copy of block 1
+    cache.check_invariants()
+    assert cache.stats().used_blocks == 3  # both holders of the old copy switched to the new one; the old is free
+    lease = cache.acquire([1, 2, 3, 4, 5, 6, 7, 8], num_tokens=8)
+    assert lease.num_cached_tokens == 7
+    cache.release(lease)
+    assert_quiescent(cache)
