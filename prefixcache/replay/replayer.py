@@ -391,7 +391,8 @@ class Replayer:
             if tally is not None:
                 tally.add(self._explain(cache, request, tree_namespace, spans))
             if runner is None:
-                lease = cache.acquire(request.prompt, namespace)
+                # Admitted as the runner admits (the prompt's blocks at once), so both count the same evictions.
+                lease = cache.acquire(request.prompt, namespace, num_tokens=len(request.prompt))
                 try:
                     cache.reserve(lease, len(request.prompt) + len(request.answer))
                     cache.commit(lease, request.prompt + request.answer)
