@@ -64,7 +64,8 @@ class MatchResult:
     ``num_tokens`` is exact (not rounded to blocks).  ``block_table`` (int32, ``ceil(num_tokens / block_size)``
     block ids) addresses the KV of those tokens; when ``num_tokens % block_size != 0`` its last block is shared and
     only its first ``num_tokens % block_size`` rows belong to this prefix.  ``node`` is what
-    :meth:`~prefixcache.RadixCache.lock` takes; the result goes stale if that node is evicted before it is locked.
+    :meth:`~prefixcache.RadixCache.lock` takes; the result goes stale if that node is evicted, or shortened below
+    ``num_tokens`` by block-granular eviction, before it is locked.
     """
 
     num_tokens: int

@@ -192,7 +192,8 @@ class PrefixCachingRunner:
         Raises:
             InvalidTokensError: prompt empty, not integers, or ids outside the model's vocabulary.
             CapacityError: prompt + new tokens exceed the model's positions or the whole pool.
-            OutOfBlocksError: the pool is short even after eviction (other requests hold it).
+            PoolBusyError: free plus evictable blocks cannot cover the request because other requests hold the rest
+                (nothing is evicted; counted in ``cache.stats().rejected_requests``).
             NamespaceError, InvalidArgumentError: bad namespace or sampling.
         Whatever is raised, the cache is left with no lock or block of this request.
         """
