@@ -33,6 +33,41 @@ class CapacityError(OutOfBlocksError):
     """A request needs more blocks (or positions) than the pool or model can ever hold."""
 
 
+class PoolBusyError(CapacityError):
+    """The pool could hold the request, but not now: free plus evictable blocks fall short of what it needs because
+    running requests lock or own the rest.  Raised before anything is evicted, so the cache is unchanged; a retry after
+    other requests finish can succeed.
+
+    The message and the attributes name the cause, in blocks: ``needed_blocks`` (what the allocation needs),
+    ``free_blocks``, ``evictable_blocks``, ``locked_blocks`` (cached blocks locked by running requests' prefixes),
+    ``owned_blocks`` (blocks running requests own) and ``pool_blocks``.
+    """
+
+    def __init__(
+        self,
+        needed_blocks: int,
+        *,
+        free_blocks: int,
+        evictable_blocks: int,
+        locked_blocks: int,
+        owned_blocks: int,
+        pool_blocks: int,
+        what: str = "",
+    ) -> None:
+        super().__init__(
+            f"{needed_blocks} blocks needed{' for ' + what if what else ''}, only {free_blocks + evictable_blocks} "
+            f"can be had now ({free_blocks} free + {evictable_blocks} evictable) of the pool's {pool_blocks} blocks: "
+            f"{locked_blocks} cached blocks locked by running requests, {owned_blocks} blocks owned by running "
+            f"requests; nothing was evicted"
+        )
+        self.needed_blocks = needed_blocks
+        self.free_blocks = free_blocks
+        self.evictable_blocks = evictable_blocks
+        self.locked_blocks = locked_blocks
+        self.owned_blocks = owned_blocks
+        self.pool_blocks = pool_blocks
+
+
 class LockError(PrefixCacheError, RuntimeError):
     """A lock handle or block reference was released twice, or used after release."""
 

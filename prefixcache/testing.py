@@ -103,6 +103,10 @@ class FaultyModel:
     def fingerprint(self) -> str:
         return self.inner.fingerprint()
 
+    def weights_version(self) -> int | None:
+        read = getattr(self.inner, "weights_version", None)
+        return None if read is None else read()
+
     def forward_cached(
         self, token_ids: torch.Tensor, start_pos: int, kv: torch.Tensor, block_table: torch.Tensor, **options: Any
     ) -> torch.Tensor:
@@ -248,6 +252,10 @@ class ShiftedLogits:
 
     def fingerprint(self) -> str:
         return self.model.fingerprint()
+
+    def weights_version(self) -> int | None:
+        read = getattr(self.model, "weights_version", None)
+        return None if read is None else read()
 
     def forward_cached(self, *args: Any, **options: Any) -> torch.Tensor:
         return self.model.forward_cached(*args, **options) + self.shift

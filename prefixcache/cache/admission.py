@@ -7,6 +7,20 @@ Memory Management for Large Language Model Serving with PagedAttention", 2023): 
 place, because its later rows belong to another sequence.  :meth:`Admission.reserve` grows the request's block
 table, :meth:`Admission.commit` inserts the request's tokens and unlocks, :meth:`Admission.release` gives
 everything back after a failure.  Callers hold the cache's mutex.
+
+Feasibility first.  With the number of tokens to admit, :meth:`Admission.acquire` counts the blocks the request needs
+beyond its shared prefix against free plus evictable blocks before it evicts or copies anything, and refuses with
+:class:`~prefixcache.errors.PoolBusyError` (or :class:`~prefixcache.errors.CapacityError` past the pool's size).  A
+refused request counts in ``rejected_requests`` and nowhere else.
+
+No double pin at a mid-block seam.  A lock pins whole nodes.  Where a cached sequence was extended from inside a block,
+the parent node holds one copy of that block and the child its own (copy-on-write), so locking a path through the
+child used to pin both: a prompt of exactly the pool's size could need one block more than the pool, forever.  The fix
+is to remove the duplicate rather than to lock around it: :meth:`~prefixcache.cache.tree.RadixTree.heal_seam` lets the
+parent share the child's copy (same tokens, same KV rows) and frees its own, at insert and for every seam on a matched
+path before it is locked.  Locking less (only up to the first seam) would have meant copying every block after a seam,
+which in a multi-turn chat is every turn.  A seam is left only while another running request locks the parent's copy;
+then that request is running, and the guarantee is for a pool with nothing else running.
 """
 
 from __future__ import annotations
@@ -44,6 +58,8 @@ class Lease:
     block_size: int
     closed: bool = False
     request_id: str | None = None
+    # False once the blocks from first_owned_block on are handed to the tree or freed; the lock may still be held.
+    owns_blocks: bool = True
 
     @property
     def capacity_tokens(self) -> int:
@@ -65,67 +81,110 @@ class Admission:
         self.owner = owner
         self.block_size = tree.block_size
 
-    def acquire(self, q: array, namespace: str | None, request_id: str | None) -> Lease:
+    def acquire(self, q: array, namespace: str | None, request_id: str | None, num_tokens: int | None = None) -> Lease:
         """Match, lock and copy-on-write for the prompt ``q`` (see the module docstring).  If not even one block
         can be found for the copy, those rows are left to be recomputed (``num_cached_tokens`` drops to the block
-        boundary) rather than failing the request.  Counts the query and one request in the hit window."""
+        boundary) rather than failing the request.
+
+        With ``num_tokens`` the lease's block table is also grown to address that many tokens, and admission checks
+        feasibility first: the blocks the request needs beyond its shared prefix must be covered by free plus
+        evictable blocks, else it raises before evicting or copying anything.  A refused request counts in
+        ``rejected_requests``; an admitted one counts its query and one request in the hit window.
+
+        Exception-safe: whatever raises inside (a fault anywhere below included), the lock, the copy-on-write
+        block, the temporary reference on its source and every allocated block are given back.
+
+        Raises:
+            CapacityError: ``num_tokens`` need more blocks than the pool has.
+            PoolBusyError: running requests hold what the request would need (nothing evicted).
+        """
         tree = self.tree
-        match = tree.match(q, namespace, len(q) - 1, self.owner)
         bs = self.block_size
+        pool = self.blocks.pool
+        if num_tokens is not None and -(-num_tokens // bs) > pool.num_blocks:
+            self.counters.rejected_requests += 1
+            raise CapacityError(
+                f"{num_tokens} tokens need {-(-num_tokens // bs)} blocks; "
+                f"the pool holds {pool.num_blocks} blocks of {bs} tokens"
+            )
+        match = tree.match(q, namespace, len(q) - 1, self.owner)
+        self._heal_path(match.node)
         table = match.block_table.copy()
         num_cached = match.num_tokens
         copied = num_cached % bs
         aligned = num_cached - copied
         own = tree.own_tokens(match.node, num_cached, request_id) if request_id is not None else 0
         end = tree.lock_point(match.node, aligned)
-        handle = self.locks.lock(end)
-        first_owned = len(table)
-        if copied:
-            private = self._copy_partial_block(int(table[-1]), copied, handle)
-            if private is None:
-                # Too tight to copy: recompute those rows instead of failing the request.
-                table = table[:-1]
-                own = tree.own_tokens(end, aligned, request_id) if request_id is not None else 0
-                num_cached, copied = aligned, 0
-            else:
-                table[-1] = private
-            first_owned -= 1
-        self.counters.record_query(len(q), num_cached, own)
-        self.counters.record_request(len(q), num_cached - own)
-        lease = Lease(q, namespace, num_cached, copied, table, first_owned, handle, bs)
-        lease.request_id = request_id
+        handle: LockHandle | None = None
+        borrowed: int | None = None  # the copy source while it holds a temporary reference
+        owned: list[np.ndarray] = []  # blocks allocated (or taken over) for this lease so far
+        try:
+            handle = self.locks.lock(end)
+            first_owned = len(table) - (1 if copied else 0)
+            if num_tokens is not None:
+                need = max(-(-num_tokens // bs), len(table)) - first_owned
+                if need > pool.num_free_blocks:
+                    self.blocks.check_feasible(need, f"admitting {num_tokens} tokens", own_locked=first_owned)
+            if copied:
+                source = int(table[-1])
+                pool.incref([source])
+                borrowed = source
+                try:
+                    private = self.blocks.allocate(1, "copy-on-write")
+                except OutOfBlocksError:
+                    private = None
+                if private is not None:
+                    owned.append(private)
+                    pool.copy_rows(source, int(private[0]), copied)
+                    pool.decref([source])
+                    borrowed = None
+                    table[-1] = private[0]
+                elif pool.ref_count(source) == 1:
+                    # Eviction took the source's node while we held it: the block is ours, nothing to copy.
+                    self.blocks.owned[source] = True
+                    borrowed = None
+                    owned.append(table[-1:])
+                else:
+                    # Too tight to copy: recompute those rows instead of failing the request.
+                    pool.decref([source])
+                    borrowed = None
+                    table = table[:-1]
+                    own = tree.own_tokens(end, aligned, request_id) if request_id is not None else 0
+                    num_cached, copied = aligned, 0
+            if num_tokens is not None and -(-num_tokens // bs) > len(table):
+                extra = self.blocks.allocate(-(-num_tokens // bs) - len(table), f"admitting {num_tokens} tokens")
+                owned.append(extra)
+                table = np.concatenate((table, extra))
+            lease = Lease(q, namespace, num_cached, copied, table, first_owned, handle, bs)
+            lease.request_id = request_id
+            self.counters.record_query(len(q), num_cached, own)
+            self.counters.record_request(len(q), num_cached - own)
+        except BaseException as error:
+            self._undo(handle, borrowed, owned)
+            if isinstance(error, OutOfBlocksError):
+                self.counters.rejected_requests += 1
+            raise
         return lease
 
-    def _copy_partial_block(self, source: int, num_rows: int, handle: LockHandle) -> int | None:
-        """Copy-on-write: a block owned by the caller holding the first ``num_rows`` rows of ``source``, or None
-        if no block can be had.  Only the block-aligned prefix of a match is locked, so finding the block may
-        evict ``source``'s node: a temporary reference keeps its rows alive meanwhile, and if that reference is
-        all that is left of it, the block itself is taken over (nothing to copy).  On any other error the lock
-        ``handle`` is released."""
+    def _heal_path(self, node) -> None:
+        # A seam on the matched path would make the lock pin two copies of one block (see tree.heal_seam).
+        bs = self.block_size
+        tree = self.tree
+        while node.parent is not None:
+            if node.start % bs and not node.shares_first and node.parent.parent is not None:
+                tree.heal_seam(node)
+            node = node.parent
+
+    def _undo(self, handle: LockHandle | None, borrowed: int | None, owned: list[np.ndarray]) -> None:
         pool = self.blocks.pool
-        pool.incref([source])
-        try:
-            private = self.blocks.allocate(1)
-        except OutOfBlocksError:
-            if pool.ref_count(source) == 1:
-                self.blocks.owned[source] = True
-                return source
-            pool.decref([source])
-            return None
-        except BaseException:
-            pool.decref([source])
+        if borrowed is not None:
+            pool.decref([borrowed])
+        if owned:
+            index = np.concatenate(owned).astype(np.intp)
+            self.blocks.owned[index] = False
+            pool.decref(index)
+        if handle is not None:
             self.locks.unlock(handle)
-            raise
-        try:
-            pool.copy_rows(source, int(private[0]), num_rows)
-        except BaseException:
-            self.blocks.owned[private] = False
-            pool.decref(private)
-            pool.decref([source])
-            self.locks.unlock(handle)
-            raise
-        pool.decref([source])
-        return int(private[0])
 
     def reserve(self, lease: Lease, num_tokens: int) -> np.ndarray:
         """Grow the lease's block table to address ``num_tokens`` tokens (evicting if needed); returns the table.
@@ -147,7 +206,7 @@ class Admission:
                     f"{num_tokens} tokens need {-(-num_tokens // bs)} blocks; "
                     f"the pool holds {pool.num_blocks} blocks of {bs} tokens"
                 )
-            lease.block_table = np.concatenate((lease.block_table, self.blocks.allocate(need)))
+            lease.block_table = np.concatenate((lease.block_table, self.blocks.allocate(need, "reserve")))
         return lease.block_table
 
     def commit(self, lease: Lease, q: array) -> InsertResult:
@@ -170,8 +229,12 @@ class Admission:
             )
         table = self.blocks.as_block_ids(lease.block_table)
         result = self.blocks.insert(q, table, lease.first_owned_block, lease.namespace, lease.request_id)
-        lease.closed = True
+        # The lease owns nothing now; should the unlock fail, release() only has the lock left to drop.
+        lease.owns_blocks = False
         self.locks.unlock(lease.lock)
+        lease.closed = True
+        # Eviction during this request may have left a seam that only this request's lock kept from healing.
+        self._heal_path(lease.lock.node)
         return result
 
     def release(self, lease: Lease) -> None:
@@ -181,18 +244,23 @@ class Admission:
             LockError: the lease is already closed, or its blocks were given away directly (its lock is released).
         """
         self.check_lease(lease, "release", closed_message="lease released twice")
-        lease.closed = True
-        owned = lease.block_table[lease.first_owned_block :].astype(np.intp)
+        owned = lease.block_table[lease.first_owned_block if lease.owns_blocks else len(lease.block_table) :]
+        owned = owned.astype(np.intp)
         flags = self.blocks.owned
         if not flags[owned].all():
+            lease.closed = True
             self.locks.unlock(lease.lock)
             raise LockError(
                 "the lease's own blocks were already given away (inserted or freed directly); its lock is "
                 "released, its blocks left with their holders"
             )
-        flags[owned] = False
+        # Each step leaves the lease consistent, so a release that raises midway can be called again.
         self.blocks.pool.decref(owned)
+        flags[owned] = False
+        lease.owns_blocks = False
         self.locks.unlock(lease.lock)
+        lease.closed = True
+        self._heal_path(lease.lock.node)
 
     def check_lease(self, lease: Lease, what: str, closed_message: str | None = None) -> None:
         """Raises LockError unless ``lease`` is an open lease of this cache whose lock is still held."""

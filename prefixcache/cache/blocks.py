@@ -15,7 +15,7 @@ import numpy as np
 
 from prefixcache.cache.pool import BlockIds, KVBlockPool
 from prefixcache.cache.tree import InsertResult, RadixTree
-from prefixcache.errors import CapacityError, InvalidArgumentError, LockError, OutOfBlocksError
+from prefixcache.errors import CapacityError, InvalidArgumentError, LockError, OutOfBlocksError, PoolBusyError
 
 NOT_OWNED = "block(s) not owned by the caller: freed already, held by the tree, or listed twice"
 
@@ -37,14 +37,19 @@ class BlockLedger:
         """Blocks owned by callers now.  O(num_blocks)."""
         return int(np.count_nonzero(self.owned))
 
-    def allocate(self, num_blocks: int) -> np.ndarray:
-        """Take ``num_blocks`` blocks for the caller (int32 ids), evicting unlocked leaves if the pool is short.
+    def allocate(self, num_blocks: int, what: str = "") -> np.ndarray:
+        """Take ``num_blocks`` blocks for the caller (int32 ids), evicting unlocked blocks if the pool is short.
+
+        Feasibility first: eviction starts only when free plus evictable blocks cover the request, so a request that
+        cannot be served never costs the cache anything.  ``what`` names the allocation in error messages.
 
         Raises:
             InvalidArgumentError: ``num_blocks`` is not a non-negative int.
             CapacityError: more blocks than the pool has at all (nothing is evicted).
-            OutOfBlocksError: not enough blocks even after evicting every unlocked leaf; what was evicted stays
-                evicted (the cache stays consistent), nothing is allocated.
+            PoolBusyError: free plus evictable blocks fall short, because running requests hold the rest (nothing
+                is evicted).
+            OutOfBlocksError: short after eviction although the count said otherwise, which only a block held for a
+                moment by copy-on-write can cause; nothing is allocated.
         """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 0:
             raise InvalidArgumentError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
@@ -53,17 +58,36 @@ class BlockLedger:
             raise CapacityError(
                 f"{num_blocks} blocks needed but the pool only has {pool.num_blocks} blocks of {pool.block_size} tokens"
             )
-        if num_blocks > pool.num_free_blocks:
-            self.tree.evict(num_blocks - pool.num_free_blocks)
-        if num_blocks > pool.num_free_blocks:
-            raise OutOfBlocksError(
-                f"{num_blocks} blocks needed, {pool.num_free_blocks} free after evicting every unlocked leaf "
-                f"({self.tree.locked_tokens} tokens locked by running requests, "
-                f"{self.num_owned} blocks owned by requests)"
-            )
+        short = num_blocks - pool.num_free_blocks
+        if short > 0:
+            self.check_feasible(num_blocks, what)
+            self.tree.evict(short)
+            if num_blocks > pool.num_free_blocks:
+                raise OutOfBlocksError(
+                    f"{num_blocks} blocks needed, {pool.num_free_blocks} free after evicting every unlocked block "
+                    f"({self.tree.locked_tokens} tokens locked by running requests, "
+                    f"{self.num_owned} blocks owned by requests)"
+                )
         blocks = pool.allocate(num_blocks)
         self.owned[blocks.astype(np.intp)] = True
         return blocks
+
+    def check_feasible(self, num_blocks: int, what: str = "", own_locked: int = 0) -> None:
+        """Raises PoolBusyError unless free plus evictable blocks cover ``num_blocks``.  O(1) when they do.
+        ``own_locked`` blocks of the locked ones are the asking request's own prefix, left out of the blame."""
+        pool, tree = self.pool, self.tree
+        free = pool.num_free_blocks
+        if num_blocks > free + tree.evictable_blocks:
+            owned = self.num_owned
+            raise PoolBusyError(
+                num_blocks,
+                free_blocks=free,
+                evictable_blocks=tree.evictable_blocks,
+                locked_blocks=pool.num_used_blocks - tree.evictable_blocks - owned - own_locked,
+                owned_blocks=owned,
+                pool_blocks=pool.num_blocks,
+                what=what,
+            )
 
     def free(self, block_ids: BlockIds) -> int:
         """Give back blocks the caller owns without caching them.  Returns blocks freed.

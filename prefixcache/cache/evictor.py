@@ -5,7 +5,9 @@ The candidates are exactly the unlocked leaves of the radix tree.  They sit in a
 popping the next victim each cost O(log n) however large the tree is.  (SGLang rebuilds a heap of all
 evictable leaves on every eviction call, which is O(n); keeping the set incrementally avoids that.)
 
-A policy is a small object with a ``priority(node)`` method: a tuple, smallest evicted first.
+A policy is a small object with a ``priority(node)`` method: a tuple, smallest evicted first.  Every key starts with
+the node's retention priority (:mod:`prefixcache.cache.retention`; 0 when not retained), so a retained prefix goes
+only once no unretained candidate is left.
 """
 
 from __future__ import annotations
@@ -93,8 +95,12 @@ class Evictor:
     def __contains__(self, node: object) -> bool:
         return getattr(node, "evict_key", None) is not None
 
+    def key(self, node) -> tuple:
+        """The key ``node`` is filed under: retention priority, the policy's priority, node id."""
+        return (node.priority, *self.policy.priority(node), node.node_id)
+
     def add(self, node) -> None:
-        key = (*self.policy.priority(node), node.node_id)
+        key = (node.priority, *self.policy.priority(node), node.node_id)
         node.evict_key = key
         self._order.add(key)
         self._nodes[node.node_id] = node
@@ -111,6 +117,10 @@ class Evictor:
         if node.evict_key is not None:
             self.discard(node)
             self.add(node)
+
+    def first(self):
+        """The next victim, left in place.  Raises IndexError when empty."""
+        return self._nodes[self._order[0][-1]]
 
     def pop(self):
         """Remove and return the first victim. Raises IndexError when empty."""

@@ -4,7 +4,9 @@ Checks: the pool's free list holds exactly the blocks of count 0; every count eq
 holding the block plus one if a caller owns it); node blocks are in range and never caller-owned; edges are
 non-empty, keyed by first token, at the right positions, with the right number of blocks; lock counts equal the
 live handles through each node; locked and evictable token totals; the eviction candidates are exactly the
-unlocked leaves, filed under their current priority; the node count; block hashes while events are listened to.
+unlocked leaves, filed under their current priority (retention priority first); the node count; block hashes while
+events are listened to; ``shares_first`` exactly where a node's first block is its parent's last; the evictable
+block total (own blocks of unlocked nodes); retained token and block totals, within the cap.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
             expected_locks[node.node_id] = expected_locks.get(node.node_id, 0) + 1
             node = node.parent
     held: list[np.ndarray] = []
-    locked = evictable = count = 0
+    locked = evictable = evictable_blocks = count = retained_tokens = retained_blocks = 0
     candidates = set()
     for namespace, root in tree.roots.items():
         if root.parent is not None or root.namespace != namespace or len(root.tokens) or root.start:
@@ -68,17 +70,32 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
                 fail(f"node {node.node_id} holds {len(node.blocks)} blocks for positions {node.start}..{node.end}")
             if node.lock_count != expected_locks.get(node.node_id, 0):
                 fail(f"node {node.node_id} lock count {node.lock_count} != {expected_locks.get(node.node_id, 0)}")
+            shares = parent.parent is not None and node.blocks.item(0) == parent.blocks.item(-1)
+            if shares != node.shares_first or (shares and not node.start % bs):
+                fail(f"node {node.node_id} shares_first is {node.shares_first}, its first block says {shares}")
+            if (parent.sharing_child is node) != shares:
+                fail(f"node {node.node_id} is {'' if shares else 'not '}its parent's sharing child")
+            sharer = node.sharing_child
+            if sharer is not None and (sharer.evicted or sharer.parent is not node):
+                fail(f"node {node.node_id} names a sharing child that is not its child")
+            own_blocks = len(node.blocks) - shares
+            if node.priority:
+                retained_tokens += size
+                retained_blocks += own_blocks
+            elif node.retain_until is not None:
+                fail(f"node {node.node_id} has a deadline but no priority")
             if node.lock_count:
                 locked += size
             else:
                 evictable += size
+                evictable_blocks += own_blocks
                 if not node.children:
                     candidates.add(node.node_id)
             if (node.evict_key is not None) != (not node.children and node.lock_count == 0):
                 fail(f"node {node.node_id} candidate status is wrong")
             if listening and len(node.block_hashes or ()) != node.end // bs - node.start // bs:
                 fail(f"node {node.node_id} keeps {len(node.block_hashes or ())} block hashes")
-            if node.evict_key is not None and node.evict_key != (*policy.priority(node), node.node_id):
+            if node.evict_key is not None and node.evict_key != (node.priority, *policy.priority(node), node.node_id):
                 fail(f"node {node.node_id} is filed under a stale eviction key")
             held.append(node.blocks)
             stack.extend(node.children.values())
@@ -96,6 +113,16 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
         fail("free + referenced != capacity")
     if count != tree.num_nodes:
         fail(f"node count {tree.num_nodes} != {count}")
+    if evictable_blocks != tree.evictable_blocks:
+        fail(f"evictable blocks {tree.evictable_blocks} != {evictable_blocks}")
+    retention = tree.retention
+    if (retained_tokens, retained_blocks) != (retention.retained_tokens, retention.retained_blocks):
+        fail(
+            f"retained tokens/blocks {retention.retained_tokens}/{retention.retained_blocks} != "
+            f"{retained_tokens}/{retained_blocks}"
+        )
+    if retained_blocks > retention.cap_blocks:
+        fail(f"{retained_blocks} retained blocks exceed the cap of {retention.cap_blocks}")
     if (locked, evictable) != (tree.locked_tokens, tree.evictable_tokens):
         fail(f"token totals locked/evictable {tree.locked_tokens}/{tree.evictable_tokens} != {locked}/{evictable}")
     if {node.node_id for node in tree.evictor.members()} != candidates or len(tree.evictor) != len(candidates):

@@ -60,6 +60,6 @@ class LockRegistry:
             raise LockError("this lock handle was issued by another cache")
         if handle.released or handle.handle_id not in self.handles:
             raise LockError("lock handle released twice")
+        self.tree.unlock_path(handle.node)  # first: should it raise, the handle is still live and can be retried
         handle.released = True
         del self.handles[handle.handle_id]
-        self.tree.unlock_path(handle.node)

@@ -23,6 +23,10 @@ class Node:
     ``lock_count`` is the number of live locks on paths through the node (never evicted while > 0);
     ``last_access`` the tree's logical clock at its last match or insert and ``hit_count`` its matches (read by
     eviction policies); ``evict_key`` the key it is filed under while it is an eviction candidate, else None.
+    ``shares_first`` says whether the first block is also held by the parent (a split inside a block, or a seam
+    healed by :meth:`~prefixcache.cache.tree.RadixTree.heal_seam`): that block is freed only with the parent, so the
+    node's *own* blocks, the ones evicting it frees, are ``len(blocks) - shares_first``.  ``priority`` and
+    ``retain_until`` are its retention (:mod:`prefixcache.cache.retention`): 0 and None when not retained.
     """
 
     __slots__ = (
@@ -40,6 +44,10 @@ class Node:
         "evicted",
         "origin",
         "block_hashes",
+        "shares_first",
+        "sharing_child",
+        "priority",
+        "retain_until",
     )
 
     def __init__(self, node_id: int, parent: Node | None, tokens: array, start: int, blocks: np.ndarray) -> None:
@@ -59,10 +67,19 @@ class Node:
         self.origin: str | None = None
         # Chained hashes of the full blocks this node owns (see prefixcache.cache.events); kept only while listened to.
         self.block_hashes: list[int] | None = None
+        self.shares_first = False
+        self.sharing_child: Node | None = None  # the child whose first block is this node's last, if any
+        self.priority = 0
+        self.retain_until: float | None = None
 
     @property
     def end(self) -> int:
         return self.start + len(self.tokens)
+
+    @property
+    def num_own_blocks(self) -> int:
+        """Blocks that evicting this node alone would free (its first one is the parent's too when shared)."""
+        return len(self.blocks) - self.shares_first
 
 
 def new_root(namespace: str | None) -> Node:

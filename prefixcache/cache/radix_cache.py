@@ -21,6 +21,8 @@ serialized; model compute happens outside, on blocks the request owns privately.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -31,6 +33,7 @@ from prefixcache.cache.evictor import EvictionPolicy, Evictor
 from prefixcache.cache.invariants import check_invariants
 from prefixcache.cache.locks import LockHandle, LockRegistry
 from prefixcache.cache.pool import BlockIds, KVBlockPool
+from prefixcache.cache.retention import Retention
 from prefixcache.cache.stats import CacheStats, HitCounters
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult, RadixTree
@@ -77,9 +80,15 @@ class RadixCache:
     callbacks given to :meth:`subscribe`.  With no listener the event machinery costs one test per insert and per
     eviction call.
 
+    Memory pressure: eviction frees single blocks from the tail of the least valuable unlocked leaf
+    (``eviction_granularity="block"``, the default; ``"leaf"`` frees whole leaves, as SGLang does), and only once the
+    blocks asked for can be had at all.  :meth:`retain` keeps chosen prefixes ahead of everything else, within
+    ``max_retained_fraction`` of the pool (``clock`` gives the seconds retention times are measured in).
+
     Raises:
         InvalidArgumentError: ``pool`` is not a KVBlockPool, ``hit_rate_window`` not a positive int, ``hash_seed``
-            not an int in ``[0, 2**64)``, or an unknown policy.
+            not an int in ``[0, 2**64)``, an unknown policy or granularity, or ``max_retained_fraction`` outside
+            ``[0, 1]``.
     """
 
     def __init__(
@@ -90,6 +99,9 @@ class RadixCache:
         hit_rate_window: int = 100,
         event_listener: EventListener | None = None,
         hash_seed: int = 0,
+        eviction_granularity: str = "block",
+        max_retained_fraction: float = 0.5,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not isinstance(pool, KVBlockPool):
             raise InvalidArgumentError(f"pool must be a KVBlockPool, got {type(pool).__name__}")
@@ -102,7 +114,9 @@ class RadixCache:
         self.hash_seed = hash_seed
         self._mutex = threading.RLock()
         self._events = EventPublisher(pool.block_size, hash_seed)
-        self._tree = RadixTree(pool, Evictor(policy), self._events)
+        evictor = Evictor(policy)
+        retention = Retention(pool.num_blocks, evictor, max_retained_fraction, clock)
+        self._tree = RadixTree(pool, evictor, self._events, retention, eviction_granularity)
         self._blocks = BlockLedger(pool, self._tree)
         self._locks = LockRegistry(self._tree, self)
         self._counters = HitCounters(hit_rate_window)
@@ -147,11 +161,14 @@ class RadixCache:
         """Lock the matched path so none of its nodes (the match's node and every ancestor) can be evicted.
 
         O(depth).  Raises:
-            LockError: the match is not this cache's, or is stale (its node was evicted since).
+            LockError: the match is not this cache's, or is stale (its node was evicted or shortened since).
         """
         with self._mutex:
             if not isinstance(match, MatchResult) or match.owner is not self:
                 raise LockError("lock takes a MatchResult returned by this cache's match()")
+            if match.node.end < match.num_tokens:
+                # Block-granular eviction cut the matched tail off the node: its block table is stale.
+                raise LockError("cannot lock a stale match: eviction shortened it after the match; match again")
             return self._locks.lock(match.node)
 
     def unlock(self, handle: LockHandle) -> None:
@@ -209,9 +226,11 @@ class RadixCache:
             return blocks.insert(q, blocks.as_block_ids(block_ids), None, namespace, request_id)
 
     def evict(self, num_blocks: int) -> EvictResult:
-        """Evict unlocked leaves in policy order until ``num_blocks`` blocks were freed or none is left.
+        """Free ``num_blocks`` blocks of unlocked nodes in policy order (fewer when fewer are unlocked).
 
-        A parent whose last child goes becomes a candidate in turn.  O(log c) per evicted leaf.
+        Block granularity cuts blocks off the tail of the first candidate leaf (shortening its edge at a block
+        boundary) and removes a leaf once nothing of it is left; its parent may then become a candidate.  The result
+        and the ``BlockRemoved`` events say exactly what was freed.  O(log c) per block freed.
         """
         with self._mutex:
             return self._tree.evict(num_blocks)
@@ -223,24 +242,43 @@ class RadixCache:
 
     # ---- request-level ------------------------------------------------------------------------------------
 
-    def acquire(self, token_ids: TokenIds, namespace: str | None = None, *, request_id: str | None = None) -> Lease:
+    def acquire(
+        self,
+        token_ids: TokenIds,
+        namespace: str | None = None,
+        *,
+        request_id: str | None = None,
+        num_tokens: int | None = None,
+    ) -> Lease:
         """Admit a request: match at most ``len - 1`` prompt tokens, lock their whole blocks, and copy the rows of a
         partially matched last block into a block the request owns (copy-on-write).  The copy is made at once, so
         the partial block's node stays evictable; if not even one block can be found for it, those rows are left
         to be recomputed (``num_cached_tokens`` drops to the block boundary) rather than failing the request.
 
         ``request_id`` names the request in the stats: tokens it finds that it inserted itself (a retry) count as
-        self-hits, and :meth:`commit` marks what it inserts with it.  Each call counts as one request in the
-        recent hit rate window.
+        self-hits, and :meth:`commit` marks what it inserts with it.  Each admitted request counts as one request in
+        the recent hit rate window.
+
+        With ``num_tokens`` (the prompt and what will be generated, or at least the prompt) admission also reserves
+        the blocks for that many tokens, after checking that they can be had: a request that cannot be served raises
+        before anything is evicted, and counts in :attr:`CacheStats.rejected_requests` only.
 
         Raises:
-            InvalidTokensError, NamespaceError: bad input.
-        It never runs out of blocks: the copy falls back to recomputation as said above.
+            InvalidTokensError, NamespaceError, InvalidArgumentError: bad input.
+            CapacityError: ``num_tokens`` exceed the pool.  PoolBusyError: running requests hold what it needs.
+        Without ``num_tokens`` it never runs out of blocks: the copy falls back to recomputation as said above.
+        Whatever raises, the cache is left as before (no lock, no block of this request).
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
+        if num_tokens is not None and (
+            isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < len(q)
+        ):
+            raise InvalidArgumentError(
+                f"num_tokens must be an int of at least the prompt's {len(q)} tokens, got {num_tokens!r}"
+            )
         with self._mutex:
-            return self._admission.acquire(q, namespace, request_id)
+            return self._admission.acquire(q, namespace, request_id, None if num_tokens is None else int(num_tokens))
 
     def reserve(self, lease: Lease, num_tokens: int) -> np.ndarray:
         """Grow the lease's block table to address ``num_tokens`` tokens (evicting if needed); returns the table.
@@ -276,12 +314,53 @@ class RadixCache:
         with self._mutex:
             self._admission.release(lease)
 
+    def retain(
+        self,
+        token_ids: TokenIds,
+        namespace: str | None = None,
+        *,
+        priority: int = 1,
+        retain_s: float | None = None,
+    ) -> int:
+        """Keep the cached prefix ``token_ids`` ahead of unretained blocks: eviction takes lower ``priority`` first,
+        and a retained prefix goes only when nothing of lower priority is left, or ``retain_s`` seconds from now
+        (never, when None).  Only what is cached is marked (the longest cached prefix of ``token_ids``), and only
+        while the retained blocks stay within ``max_retained_fraction`` of the pool (from the root down).  Returns
+        the tokens retained.  O(depth log n).
+
+        Raises:
+            InvalidTokensError, NamespaceError: bad input.
+            InvalidArgumentError: ``priority`` not a positive int, ``retain_s`` not a positive number.
+        """
+        q = as_token_array(token_ids)
+        namespace = check_namespace(namespace)
+        if isinstance(priority, bool) or not isinstance(priority, int) or priority < 1:
+            raise InvalidArgumentError(f"priority must be a positive int, got {priority!r}")
+        if retain_s is not None and (
+            isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not retain_s > 0
+        ):
+            raise InvalidArgumentError(f"retain_s must be a positive number of seconds or None, got {retain_s!r}")
+        with self._mutex:
+            tree = self._tree
+            match = tree.match(q, namespace, len(q), self)
+            if match.num_tokens == 0:
+                return 0
+            node = tree.lock_point(match.node, match.num_tokens)
+            path = []
+            while node.parent is not None:
+                path.append(node)
+                node = node.parent
+            path.reverse()
+            return tree.retention.retain(path, priority, retain_s)
+
     # ---- observation --------------------------------------------------------------------------------------
 
     def stats(self) -> CacheStats:
         """A consistent snapshot of sizes and counters.  O(1)."""
         with self._mutex:
             pool, tree, counters = self.pool, self._tree, self._counters
+            if tree.retention.deadlines:
+                tree.retention.expire()
             return CacheStats(
                 num_blocks=pool.num_blocks,
                 block_size=self.block_size,
@@ -300,6 +379,10 @@ class RadixCache:
                 window_requests=len(counters.window),
                 window_query_tokens=counters.window_query_tokens,
                 window_hit_tokens=counters.window_hit_tokens,
+                rejected_requests=counters.rejected_requests,
+                retained_tokens=tree.retention.retained_tokens,
+                retained_blocks=tree.retention.retained_blocks,
+                evictable_blocks=tree.evictable_blocks,
             )
 
     def subscribe(self, callback: EventListener) -> None:

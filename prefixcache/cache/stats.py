@@ -19,7 +19,11 @@ class CacheStats:
     inserted by the same ``request_id`` as the query's (a retried request finding its own tokens) count as
     ``self_hit_tokens`` instead, never as hits.  The ``window_*`` fields cover the last ``window_requests``
     :meth:`~prefixcache.RadixCache.acquire` calls (at most the cache's ``hit_rate_window``): ``window_hit_rate`` is
-    the recent hit rate.
+    the recent hit rate.  A request refused at admission (not enough blocks) counts in ``rejected_requests`` only,
+    in none of the token counters.  ``evictions`` counts leaves evicted from, whole or in part (block-granular
+    eviction shortens a leaf before it removes it); ``evicted_tokens`` / ``evicted_blocks`` what went.
+    ``retained_tokens`` / ``retained_blocks`` are what retention keeps (:mod:`prefixcache.cache.retention`);
+    ``evictable_blocks`` what evicting every unlocked node would free.
     """
 
     num_blocks: int
@@ -39,6 +43,10 @@ class CacheStats:
     window_requests: int = 0
     window_query_tokens: int = 0
     window_hit_tokens: int = 0
+    rejected_requests: int = 0
+    retained_tokens: int = 0
+    retained_blocks: int = 0
+    evictable_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -57,6 +65,7 @@ class HitCounters:
         self.query_tokens = 0
         self.hit_tokens = 0
         self.self_hit_tokens = 0
+        self.rejected_requests = 0
         self.window: deque[tuple[int, int]] = deque(maxlen=window)
         self.window_query_tokens = 0
         self.window_hit_tokens = 0

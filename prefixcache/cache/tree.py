@@ -15,8 +15,23 @@ its nodes' blocks where a deeper node's first block replaces its parent's last o
 Matches are token-exact (longest common prefix, not rounded down to blocks), and a lookup never changes the tree's
 shape; only :meth:`RadixTree.insert` and :meth:`RadixTree.lock_point` (admission) split nodes.
 
-This module is the tree alone: search, insert, split, lock counts on paths, evicting leaves.  Who owns which block
-(:mod:`prefixcache.cache.blocks`), request admission (:mod:`prefixcache.cache.admission`), hit accounting
+Eviction is block-granular by default, as vLLM frees single blocks from its LRU tail rather than SGLang's whole
+leaves: :meth:`RadixTree.evict` takes blocks from the tail of the first candidate leaf in policy order, shortening
+its edge at a block boundary, and removes the leaf only once nothing of it is left (its parent may then become a
+candidate).  ``granularity="leaf"`` restores whole-leaf eviction.  Either way each block freed costs O(log c) in the
+number ``c`` of candidates: trimming a leaf costs O(1) and keeps its place in the policy order (the policy ranks by
+access time and hits, not size), removing one costs one O(log c) pop.
+
+Seams.  When a request extends a cached sequence that ends inside a block, the new leaf's first block is the
+request's own copy of that block (copy-on-write), so the parent's last block and the leaf's first block hold the same
+rows twice.  A lock through the leaf would pin both, and a prompt that fits an empty pool could need one block more
+than the pool has (issue 11).  :meth:`RadixTree.heal_seam` removes the duplicate: when nothing locks the parent's
+copy, the parent switches to the leaf's copy, whose first rows are the same tokens' KV, and its own copy is freed.
+Insert heals the seam it creates, admission heals the seams on a matched path before locking it; a seam stays only
+while a running request locks the parent's copy.
+
+This module is the tree alone: search, insert, split, lock counts on paths, evicting blocks and leaves.  Who owns
+which block (:mod:`prefixcache.cache.blocks`), request admission (:mod:`prefixcache.cache.admission`), hit accounting
 (:mod:`prefixcache.cache.stats`) and the public, thread-safe face of it all (:mod:`prefixcache.cache.radix_cache`)
 live beside it.  Nothing here takes a lock: callers hold the cache's mutex.
 """
@@ -34,7 +49,10 @@ from prefixcache.cache.events import AllCleared, BlockRemoved, EventPublisher, K
 from prefixcache.cache.evictor import Evictor
 from prefixcache.cache.node import EMPTY_BLOCKS, Node, common_prefix_length, new_root
 from prefixcache.cache.pool import BLOCK_ID_DTYPE, KVBlockPool
+from prefixcache.cache.retention import Retention
 from prefixcache.errors import InvalidArgumentError
+
+GRANULARITIES = ("block", "leaf")
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +64,8 @@ class MatchResult:
     ``num_tokens`` is exact (not rounded to blocks).  ``block_table`` (int32, ``ceil(num_tokens / block_size)``
     block ids) addresses the KV of those tokens; when ``num_tokens % block_size != 0`` its last block is shared and
     only its first ``num_tokens % block_size`` rows belong to this prefix.  ``node`` is what
-    :meth:`~prefixcache.RadixCache.lock` takes; the result goes stale if that node is evicted before it is locked.
+    :meth:`~prefixcache.RadixCache.lock` takes; the result goes stale if that node is evicted, or shortened below
+    ``num_tokens`` by block-granular eviction, before it is locked.
     """
 
     num_tokens: int
@@ -67,7 +86,8 @@ class InsertResult:
 
 @dataclass(frozen=True, slots=True)
 class EvictResult:
-    """What one eviction call freed: blocks, tree nodes (leaves), tokens."""
+    """What one eviction call freed: ``num_blocks`` blocks back on the free list, ``num_nodes`` leaves removed from the
+    tree, ``num_tokens`` tokens no longer cached (whole leaves and the tails cut off trimmed ones)."""
 
     num_blocks: int
     num_nodes: int
@@ -78,12 +98,27 @@ class RadixTree:
     """The nodes of every namespace (one root each), their lock counts and the eviction candidates.
 
     Sizes kept incrementally (O(1) to read): ``num_nodes``, ``evictable_tokens`` (on unlocked nodes),
-    ``locked_tokens``, and the eviction totals ``evictions`` (leaves), ``evicted_tokens``, ``evicted_blocks``.
+    ``evictable_blocks`` (what evicting every unlocked node would free), ``locked_tokens``, and the eviction totals
+    ``evictions`` (leaves evicted, whole or in part), ``evicted_tokens``, ``evicted_blocks``.
     Complexities: :meth:`match` and :meth:`insert` cost O(depth) dict lookups plus O(n) C-speed token comparison;
-    evicting one leaf costs O(log c) in the number ``c`` of eviction candidates.
+    each block evicted costs O(log c) in the number ``c`` of eviction candidates.
+
+    Raises:
+        InvalidArgumentError: ``granularity`` is not ``"block"`` or ``"leaf"``.
     """
 
-    def __init__(self, pool: KVBlockPool, evictor: Evictor, events: EventPublisher) -> None:
+    def __init__(
+        self,
+        pool: KVBlockPool,
+        evictor: Evictor,
+        events: EventPublisher,
+        retention: Retention | None = None,
+        granularity: str = "block",
+    ) -> None:
+        if granularity not in GRANULARITIES:
+            raise InvalidArgumentError(f"eviction granularity must be one of {GRANULARITIES}, got {granularity!r}")
+        self.granularity = granularity
+        self.retention = retention if retention is not None else Retention(pool.num_blocks, evictor)
         self.pool = pool
         self.block_size = pool.block_size
         self.evictor = evictor
@@ -92,6 +127,7 @@ class RadixTree:
         self.clock = 0
         self.num_nodes = 0
         self.evictable_tokens = 0
+        self.evictable_blocks = 0
         self.locked_tokens = 0
         self.evictions = 0
         self.evicted_tokens = 0
@@ -155,6 +191,7 @@ class RadixTree:
             if node.lock_count == 0:
                 size = len(node.tokens)
                 self.evictable_tokens -= size
+                self.evictable_blocks -= len(node.blocks) - node.shares_first
                 self.locked_tokens += size
                 if node.evict_key is not None:
                     self.evictor.discard(node)
@@ -169,6 +206,7 @@ class RadixTree:
                 size = len(node.tokens)
                 self.locked_tokens -= size
                 self.evictable_tokens += size
+                self.evictable_blocks += len(node.blocks) - node.shares_first
                 if not node.children:
                     self.evictor.add(node)
             node = node.parent
@@ -233,7 +271,11 @@ class RadixTree:
         if pos < n:
             self._check_borrowed(pos, first_owned, root)
             first_new = pos // bs
+            # Heal the seam before linking the leaf, so that a failure leaves the tree as it was.
+            healed = bool(pos % bs) and self.share_parent_block(node, int(table[first_new]))
             leaf = Node(next(self._ids), node, q[pos:], pos, table[first_new:need].astype(BLOCK_ID_DTYPE))
+            if healed:
+                self.link_sharing(node, leaf)
             leaf.last_access = tick
             leaf.namespace = namespace
             leaf.origin = origin
@@ -242,6 +284,7 @@ class RadixTree:
             node.children[q[pos]] = leaf
             self.num_nodes += 1
             self.evictable_tokens += n - pos
+            self.evictable_blocks += len(leaf.blocks) - healed
             self.evictor.add(leaf)
             if self.events.listeners:
                 self.events.announce_leaf(leaf, q)
@@ -277,6 +320,15 @@ class RadixTree:
         upper.hit_count = node.hit_count
         upper.namespace = node.namespace
         upper.origin = node.origin
+        upper.shares_first = node.shares_first
+        node.shares_first = new_start % bs != 0
+        upper.sharing_child = node if node.shares_first else None
+        if upper.shares_first:
+            node.parent.sharing_child = upper
+        if node.priority:
+            upper.priority = node.priority
+            upper.retain_until = node.retain_until
+            self.retention.split(upper)
         if node.block_hashes is not None:
             owned_by_upper = new_start // bs - first_index
             upper.block_hashes = node.block_hashes[:owned_by_upper]
@@ -295,58 +347,159 @@ class RadixTree:
     # ---- eviction -----------------------------------------------------------------------------------------
 
     def evict(self, num_blocks: int) -> EvictResult:
-        """Evict unlocked leaves in policy order until ``num_blocks`` blocks were freed or none is left.
+        """Free ``num_blocks`` blocks in policy order, or as many as unlocked nodes hold.
 
-        A parent whose last child goes becomes a candidate in turn.  O(log c) per evicted leaf.
+        Block granularity (the default) cuts whole blocks off the tail of the first candidate leaf and removes it
+        only when nothing of it is left; leaf granularity removes whole leaves.  A parent whose last child goes
+        becomes a candidate in turn.  Expired retentions are dropped first.  O(log c) per block freed.
         """
-        freed = nodes = tokens = 0
+        if self.retention.deadlines:
+            self.retention.expire()
+        freed = nodes = trims = tokens = 0
         evictor = self.evictor
         pool = self.pool
         bs = self.block_size
+        by_block = self.granularity == "block"
         listening = bool(self.events.listeners)
         events: list[KVEvent] = []
-        while freed < num_blocks and len(evictor):
-            # Unlink leaves until their blocks should cover what is asked, then release all their blocks in one
-            # decref: a decref per leaf would cost more than the rest of the eviction.  A leaf's blocks have no other
-            # holder, except that a leaf starting inside a block may share that first block with its parent; such a
-            # block is released at once and not counted.  The outer loop goes by what decref actually freed, so the
-            # count here only sizes the batch.
-            batch: list[np.ndarray] = []
-            expected = 0
-            while freed + expected < num_blocks and len(evictor):
-                leaf = evictor.pop()
-                parent = leaf.parent
-                del parent.children[leaf.tokens[0]]
-                if listening and leaf.block_hashes:
-                    events.append(BlockRemoved(leaf.namespace, tuple(leaf.block_hashes)))
-                blocks = leaf.blocks
-                if leaf.start % bs and pool.ref_count(blocks.item(0)) > 1:
-                    pool.decref(blocks[:1])
-                    blocks = blocks[1:]
-                batch.append(blocks)
-                expected += len(blocks)
-                size = len(leaf.tokens)
-                tokens += size
-                nodes += 1
-                self.evictable_tokens -= size
-                self.num_nodes -= 1
-                leaf.evicted = True
-                if parent.parent is not None:
-                    if not parent.children and parent.lock_count == 0:
-                        evictor.add(parent)
-                elif not parent.children:
-                    del self.roots[parent.namespace]
-            freed += pool.decref(batch[0] if len(batch) == 1 else np.concatenate(batch))
-        self.evictions += nodes
-        self.evicted_tokens += tokens
-        self.evicted_blocks += freed
-        if nodes:
-            logger.debug("evicted %d nodes: %d tokens, %d blocks freed (%d asked)", nodes, tokens, freed, num_blocks)
-            if listening:
-                if not self.roots:
-                    events.append(AllCleared())
-                self.events.emit(events)
+        try:
+            while freed < num_blocks and len(evictor):
+                # Unlink (or trim) leaves until their blocks should cover what is asked, then release all their
+                # blocks in one decref: a decref per leaf would cost more than the rest of the eviction.  A leaf's own
+                # blocks have no other holder (a shared first block is the parent's too and is released at once, not
+                # counted), but a block under copy-on-write holds a temporary reference, so the outer loop goes by
+                # what decref actually freed and the count here only sizes the batch.
+                batch: list[np.ndarray] = []
+                expected = 0
+                while freed + expected < num_blocks and len(evictor):
+                    leaf = evictor.first()
+                    blocks = leaf.blocks
+                    own = len(blocks) - leaf.shares_first
+                    want = num_blocks - freed - expected
+                    if by_block and own > want:
+                        keep = len(blocks) - want
+                        new_end = (leaf.start // bs + keep) * bs
+                        cut = leaf.end - new_end
+                        if listening and leaf.block_hashes:
+                            gone = leaf.end // bs - new_end // bs
+                            if gone:
+                                events.append(BlockRemoved(leaf.namespace, tuple(leaf.block_hashes[-gone:])))
+                                del leaf.block_hashes[-gone:]
+                        batch.append(blocks[keep:])
+                        leaf.blocks = blocks[:keep]
+                        del leaf.tokens[new_end - leaf.start :]
+                        if leaf.priority:
+                            self.retention.removed(leaf, cut, want)
+                        expected += want
+                        tokens += cut
+                        self.evictable_tokens -= cut
+                        self.evictable_blocks -= want
+                        trims += 1
+                        break
+                    evictor.pop()
+                    parent = leaf.parent
+                    del parent.children[leaf.tokens[0]]
+                    if listening and leaf.block_hashes:
+                        events.append(BlockRemoved(leaf.namespace, tuple(leaf.block_hashes)))
+                    if leaf.shares_first:
+                        # The parent's copy may now duplicate a remaining child's; the next request through that
+                        # child heals the seam (scanning the siblings here would cost O(children) per leaf).
+                        pool.decref(blocks[:1])
+                        blocks = blocks[1:]
+                        parent.sharing_child = None
+                    batch.append(blocks)
+                    expected += own
+                    size = len(leaf.tokens)
+                    if leaf.priority:
+                        self.retention.removed(leaf, size, own)
+                    tokens += size
+                    nodes += 1
+                    self.evictable_tokens -= size
+                    self.evictable_blocks -= own
+                    self.num_nodes -= 1
+                    leaf.evicted = True
+                    if parent.parent is not None:
+                        if not parent.children and parent.lock_count == 0:
+                            evictor.add(parent)
+                    elif not parent.children:
+                        del self.roots[parent.namespace]
+                released = batch[0] if len(batch) == 1 else np.concatenate(batch)
+                try:
+                    freed += pool.decref(released)
+                except BaseException:
+                    # The tree holds these blocks no more: finish giving them back (decref changes nothing when it
+                    # raises, so an interrupted first attempt is repeated once), then let the error through.
+                    freed += pool.decref(released)
+                    raise
+        finally:
+            # Even when interrupted: count and announce what left the tree.
+            self.evictions += nodes + trims
+            self.evicted_tokens += tokens
+            self.evicted_blocks += freed
+            if tokens:
+                logger.debug(
+                    "evicted %d nodes: %d tokens, %d blocks freed (%d asked)", nodes, tokens, freed, num_blocks
+                )
+                if listening:
+                    if not self.roots:
+                        events.append(AllCleared())
+                    self.events.emit(events)
         return EvictResult(freed, nodes, tokens)
+
+    def heal_seam(self, node: Node) -> bool:
+        """Remove the duplicate block at a seam (see the module docstring): ``node`` starts inside a block of which
+        it holds its own copy while its parent holds another.  Returns whether it healed (see
+        :meth:`share_parent_block` for when it does).  O(length of the sharing chain)."""
+        if (
+            node.shares_first
+            or not node.start % self.block_size
+            or not self.share_parent_block(node.parent, node.blocks.item(0))
+        ):
+            return False
+        self.link_sharing(node.parent, node)
+        if node.lock_count == 0:
+            self.evictable_blocks -= 1
+        if node.priority:
+            self.retention.removed(node, 0, 1)
+        return True
+
+    def share_parent_block(self, parent: Node, block: int) -> bool:
+        """Make ``parent`` hold ``block`` (a child's copy of its last block) instead of its own copy, and free that
+        copy.  The ancestors sharing that copy with ``parent`` (splits inside one block) switch with it.  Only when
+        nothing else depends on the old copy: the parent is not the root, no lock is on the sharing chain (a running
+        request may read the copy), and no other child shares it.  Atomic: raises with nothing changed, or switches.
+        O(length of the sharing chain)."""
+        if parent.parent is None or parent.lock_count or parent.sharing_child is not None:
+            return False
+        chain = [parent]  # the nodes holding the old copy: upward while it is also a node's first block
+        while len(chain[-1].blocks) == 1 and chain[-1].shares_first:
+            chain.append(chain[-1].parent)
+        if chain[-1].lock_count:
+            return False
+        old = parent.blocks.item(-1)
+        pool = self.pool
+        added = removed = 0
+        try:
+            for _ in chain:
+                pool.incref([block])
+                added += 1
+            for _ in chain:
+                pool.decref([old])
+                removed += 1
+        except BaseException:
+            for _ in range(removed):
+                pool.incref([old])
+            for _ in range(added):
+                pool.decref([block])
+            raise
+        for holder in chain:
+            holder.blocks[-1] = block
+        return True
+
+    def link_sharing(self, parent: Node, child: Node) -> None:
+        """Record that ``child``'s first block is now ``parent``'s last (after :meth:`share_parent_block`)."""
+        child.shares_first = True
+        parent.sharing_child = child
 
     # ---- inspection ---------------------------------------------------------------------------------------
 

@@ -101,6 +101,14 @@ class PrefixCachingRunner:
     in the model's dtype.  Every namespace is salted with a fingerprint of the model and tokenizer (xxhash), so a
     cache is never reused across a model or tokenizer change.
 
+    Weight changes.  A model may offer ``weights_version()``: an int that moves whenever a weight changes (ours and
+    the Hugging Face adapter sum torch's per-tensor version counters, which every in-place write, ``load_state_dict``
+    and merged adapter bumps).  It is read at each admission, O(parameters) integer reads; when it moved, the
+    fingerprint changes, so nothing cached with the old weights is ever served.  :meth:`invalidate` does the same for
+    changes no counter sees (``tensor.data`` writes, a swapped module).
+
+    ``eviction_granularity`` and ``max_retained_fraction`` are passed to the :class:`RadixCache`.
+
     Raises:
         InvalidArgumentError: more than one size given, or a bad size.
     """
@@ -115,6 +123,8 @@ class PrefixCachingRunner:
         cache_memory: int | None = None,
         block_size: int = 16,
         policy: str = "lru",
+        eviction_granularity: str = "block",
+        max_retained_fraction: float = 0.5,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise InvalidArgumentError(f"model must implement the CausalLM protocol, got {type(model).__name__}")
@@ -139,10 +149,23 @@ class PrefixCachingRunner:
                     raise InvalidArgumentError(f"cache_tokens must be a positive int, got {tokens!r}")
                 num_blocks = -(-tokens // block_size) if isinstance(block_size, int) and block_size > 0 else 0
             self.pool = KVBlockPool(num_blocks, block_size, dtype=model.dtype, device=model.device, **shape)
-        self.cache = RadixCache(self.pool, policy)
-        self.fingerprint = xxhash.xxh64(f"{model.fingerprint()}|{self.tokenizer.name}".encode()).hexdigest()
+        self.cache = RadixCache(
+            self.pool,
+            policy,
+            eviction_granularity=eviction_granularity,
+            max_retained_fraction=max_retained_fraction,
+        )
+        self._epoch = 0
+        self._weights_version = self._read_weights_version()
+        self.fingerprint = self._make_fingerprint()
 
     # ---- public API ----------------------------------------------------------------------------------------
+
+    def invalidate(self) -> None:
+        """Never serve anything cached so far: the next request starts a new namespace fingerprint.  For weight
+        changes that ``weights_version`` cannot see; the old entries age out of the pool through eviction."""
+        self._epoch += 1
+        self.fingerprint = self._make_fingerprint()
 
     def namespace_key(self, namespace: str | None) -> str:
         """The tree namespace for a user namespace: the model/tokenizer fingerprint plus the cache salt."""
@@ -158,17 +181,21 @@ class PrefixCachingRunner:
         forced_tokens: TokenIds | None = None,
         return_logits: bool = False,
         request_id: str | None = None,
+        priority: int | None = None,
+        retain_s: float | None = None,
     ) -> GenerationResult:
         """Serve one request: prefill the uncached part of ``prompt_ids``, then decode.
 
         With ``forced_tokens`` (teacher forcing, used by replay) those tokens are appended as the answer without
         sampling: their K/V are computed in one pass and cached with the prompt.  ``request_id`` names the request
         in the cache's stats: a retry that finds its own earlier tokens counts them as self-hits, not hits.
+        ``priority`` (and ``retain_s``) retain the prompt once cached, as :meth:`prefill` does.
 
         Raises:
             InvalidTokensError: prompt empty, not integers, or ids outside the model's vocabulary.
             CapacityError: prompt + new tokens exceed the model's positions or the whole pool.
-            OutOfBlocksError: the pool is short even after eviction (other requests hold it).
+            PoolBusyError: free plus evictable blocks cannot cover the request because other requests hold the rest
+                (nothing is evicted; counted in ``cache.stats().rejected_requests``).
             NamespaceError, InvalidArgumentError: bad namespace or sampling.
         Whatever is raised, the cache is left with no lock or block of this request.
         """
@@ -179,6 +206,8 @@ class PrefixCachingRunner:
             forced_tokens=forced_tokens,
             return_logits=return_logits,
             request_id=request_id,
+            priority=priority,
+            retain_s=retain_s,
         )
         try:
             while True:
@@ -201,6 +230,8 @@ class PrefixCachingRunner:
         return_logits: bool = False,
         on_token: Callable[[int], None] | None = None,
         request_id: str | None = None,
+        priority: int | None = None,
+        retain_s: float | None = None,
     ) -> Generator[int, None, GenerationResult]:
         """Like :meth:`generate`, yielding each new token id as it is produced; the generator's return value
         (``StopIteration.value``) is the :class:`GenerationResult`.  Closing the generator early, or an exception
@@ -216,9 +247,11 @@ class PrefixCachingRunner:
             self._check_tokens(forced_tokens, "forced_tokens", allow_empty=True) if forced_tokens is not None else None
         )
         num_new = len(forced) if forced is not None else sampling.max_new_tokens
+        retention = _check_retention(priority, retain_s)
         self._check_capacity(len(prompt) + num_new)
+        self._check_weights()
         namespace = self.namespace_key(namespace)
-        return self._steps(prompt, sampling, namespace, forced, return_logits, on_token, request_id)
+        return self._steps(prompt, sampling, namespace, forced, return_logits, on_token, request_id, retention)
 
     def generate_many(
         self,
@@ -239,10 +272,19 @@ class PrefixCachingRunner:
         engine.run_until_idle()
         return [handle.result() for handle in handles]
 
-    def prefill(self, prompt_ids: TokenIds, *, namespace: str | None = None) -> Usage:
-        """Compute and cache ``prompt_ids`` without generating (warm a shared system prompt).  Raises as
-        :meth:`generate`."""
-        return self.generate(prompt_ids, SamplingParams(max_new_tokens=0), namespace=namespace).usage
+    def prefill(
+        self,
+        prompt_ids: TokenIds,
+        *,
+        namespace: str | None = None,
+        priority: int | None = None,
+        retain_s: float | None = None,
+    ) -> Usage:
+        """Compute and cache ``prompt_ids`` without generating (warm a shared system prompt).  With ``priority``
+        the prompt is retained (:meth:`RadixCache.retain`): evicted only after everything of lower priority, or
+        once ``retain_s`` seconds have passed.  Raises as :meth:`generate`."""
+        params = SamplingParams(max_new_tokens=0)
+        return self.generate(prompt_ids, params, namespace=namespace, priority=priority, retain_s=retain_s).usage
 
     def chat(
         self,
@@ -289,6 +331,22 @@ class PrefixCachingRunner:
             )
         return ids
 
+    def _read_weights_version(self) -> int | None:
+        read = getattr(self.model, "weights_version", None)
+        return None if read is None else read()
+
+    def _check_weights(self) -> None:
+        version = self._read_weights_version()
+        if version != self._weights_version:
+            self._weights_version = version
+            self.invalidate()
+
+    def _make_fingerprint(self) -> str:
+        key = f"{self.model.fingerprint()}|{self.tokenizer.name}"
+        if self._epoch:
+            key += f"|epoch {self._epoch}"
+        return xxhash.xxh64(key.encode()).hexdigest()
+
     def _check_capacity(self, num_tokens: int) -> None:
         if num_tokens > self.model.max_position:
             raise CapacityError(
@@ -310,10 +368,11 @@ class PrefixCachingRunner:
         return_logits: bool,
         on_token: Callable[[int], None] | None,
         request_id: str | None,
+        retention: tuple[int, float | None] | None = None,
     ) -> Generator[int, None, GenerationResult]:
         model, cache, pool = self.model, self.cache, self.pool
         device = model.device
-        lease: Lease = cache.acquire(prompt, namespace, request_id=request_id)
+        lease: Lease = cache.acquire(prompt, namespace, request_id=request_id, num_tokens=len(prompt))
         try:
             start = time.perf_counter()
             cached = lease.num_cached_tokens
@@ -378,6 +437,8 @@ class PrefixCachingRunner:
             if not lease.closed:
                 cache.release(lease)
             raise
+        if retention is not None:
+            cache.retain(prompt, namespace, priority=retention[0], retain_s=retention[1])
         usage = Usage(
             prompt_tokens=len(prompt),
             cached_tokens=cached,
@@ -388,6 +449,18 @@ class PrefixCachingRunner:
             decode_s=decode,
         )
         return GenerationResult(tuple(generated), finish, usage, prompt_logits, insert)
+
+
+def _check_retention(priority: int | None, retain_s: float | None) -> tuple[int, float | None] | None:
+    if priority is None:
+        if retain_s is not None:
+            raise InvalidArgumentError("retain_s needs a priority")
+        return None
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 1:
+        raise InvalidArgumentError(f"priority must be a positive int, got {priority!r}")
+    if retain_s is not None and (isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or retain_s <= 0):
+        raise InvalidArgumentError(f"retain_s must be a positive number of seconds, got {retain_s!r}")
+    return priority, retain_s
 
 
 def _synchronize(device: torch.device) -> None:

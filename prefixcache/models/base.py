@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -192,6 +193,18 @@ def check_live(live: object, start_pos: int) -> bool:
     if not isinstance(live, LiveKV):
         raise InvalidArgumentError(f"live must be a LiveKV or None, got {type(live).__name__}")
     return live.data is not None and live.num_tokens == start_pos
+
+
+def weights_version_of(tensors: Iterable[torch.Tensor]) -> int:
+    """Sum of the tensors' version counters (torch bumps one on every in-place write) and storage addresses (which
+    move when a weight is rebound).  Equal sums before and after mean no weight was written through torch's in-place
+    ops or swapped.  Inference-mode tensors keep no version counter: only their address counts.  O(len(tensors))."""
+    total = 0
+    for tensor in tensors:
+        total += tensor.data_ptr()
+        if not tensor.is_inference():
+            total += tensor._version
+    return total
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:

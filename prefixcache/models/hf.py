@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ import torch
 import xxhash
 
 from prefixcache.errors import InvalidArgumentError, UnsupportedModelError
-from prefixcache.models.base import LiveKV, check_cached_call, check_live, check_reference_call
+from prefixcache.models.base import LiveKV, check_cached_call, check_live, check_reference_call, weights_version_of
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class HFCausalLM:
         self.dtype: torch.dtype = model.dtype
         self.device: torch.device = model.device
         self._fingerprint: str | None = None
+        self._fingerprint_version: int | None = None
         if config.model_type not in TESTED_MODEL_TYPES:
             logger.warning(
                 "%s (model_type %r) passes the support checks but its cached prefill is untested; replay with "
@@ -91,13 +93,21 @@ class HFCausalLM:
         """Class name and size, for reports: ``"Qwen2ForCausalLM(4 layers)"``."""
         return f"{type(self.model).__name__}({self.num_layers} layers)"
 
+    def weights_version(self) -> int:
+        """Sum of the version counters and storage addresses of the parameters and buffers: moves on every in-place
+        write to a weight (``load_state_dict``, a merged LoRA delta, ``mul_``) and on every rebinding of one.
+        O(parameters) integer reads."""
+        return weights_version_of(itertools.chain(self.model.parameters(), self.model.buffers()))
+
     def fingerprint(self) -> str:
         """xxh64 hex of the config JSON (less its load path), the model class, the dtype and a strided weight sample.
 
-        The weight sample (``_WEIGHT_SAMPLES`` elements a parameter, one device-to-host copy, computed once)
-        tells apart checkpoints or random seeds that share a config.
+        The weight sample (``_WEIGHT_SAMPLES`` elements a parameter, one device-to-host copy) tells apart
+        checkpoints or random seeds that share a config; it is taken again when :meth:`weights_version` moved.
         """
-        if self._fingerprint is None:
+        version = self.weights_version()
+        if self._fingerprint is None or version != self._fingerprint_version:
+            self._fingerprint_version = version
             digest = xxhash.xxh64()
             config = json.loads(self.config.to_json_string(use_diff=False))
             config.pop("_name_or_path", None)  # where it was loaded from, not what it computes

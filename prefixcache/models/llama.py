@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import xxhash
 
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.base import (
@@ -28,6 +29,7 @@ from prefixcache.models.base import (
     check_live,
     check_reference_call,
     config_fingerprint,
+    weights_version_of,
 )
 
 # Names the forward and init code below; bump it whenever either changes the numbers, so that no
@@ -111,7 +113,9 @@ class LlamaModel:
         self.max_position = config.max_position
         self.dtype = dtype
         self.device = _resolve_device(device)
-        self._fingerprint = config_fingerprint(config, architecture=ARCHITECTURE, dtype=dtype)
+        self._config_fingerprint = config_fingerprint(config, architecture=ARCHITECTURE, dtype=dtype)
+        self._fingerprint: str | None = None
+        self._fingerprint_version: int | None = None
         self._init_weights()
         half = config.head_dim // 2
         # float64 for the exponent so the frequencies do not depend on fp32 pow rounding.
@@ -160,15 +164,31 @@ class LlamaModel:
         self.lm_head = normal(c.vocab_size, c.hidden_size, std=2.0 / math.sqrt(c.hidden_size))
 
     def fingerprint(self) -> str:
-        """xxh64 hex of architecture version, config (seed included) and dtype; equal across builds."""
+        """xxh64 hex of architecture version, config (seed included), dtype and every weight's bytes; equal across
+        builds.  The weights are hashed again only when :meth:`weights_version` moved (O(parameters) then)."""
+        version = self.weights_version()
+        if self._fingerprint is None or version != self._fingerprint_version:
+            digest = xxhash.xxh64(self._config_fingerprint.encode())
+            for tensor in self._weights():
+                digest.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            self._fingerprint = digest.hexdigest()
+            self._fingerprint_version = version
         return self._fingerprint
 
-    def parameter_count(self) -> int:
-        """Number of weight elements (embedding, layers, final norm, LM head)."""
+    def weights_version(self) -> int:
+        """Sum of the weights' version counters and storage addresses: moves on every in-place write to a weight and
+        on every rebinding of one.  O(tensors)."""
+        return weights_version_of(self._weights())
+
+    def _weights(self) -> list[torch.Tensor]:
         tensors = [self.embed, self.final_norm, self.lm_head]
         for layer in self.layers:
             tensors += [layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up, layer.down]
-        return sum(t.numel() for t in tensors)
+        return tensors
+
+    def parameter_count(self) -> int:
+        """Number of weight elements (embedding, layers, final norm, LM head)."""
+        return sum(t.numel() for t in self._weights())
 
     @torch.inference_mode()
     def forward_cached(

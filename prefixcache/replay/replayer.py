@@ -200,7 +200,8 @@ class Replayer:
 
     def _account(self, cache: RadixCache, request: ReplayRequest, namespace: str | None) -> tuple[int, int, None]:
         """Cache-only mode: acquire, reserve and commit the request's tokens; ``(cached, copied, None)``."""
-        lease = cache.acquire(request.prompt, namespace)
+        # Admitted as the runner admits (the prompt's blocks at once), so both count the same evictions.
+        lease = cache.acquire(request.prompt, namespace, num_tokens=len(request.prompt))
         try:
             cache.reserve(lease, len(request.prompt) + len(request.answer))
             cache.commit(lease, request.prompt + request.answer)

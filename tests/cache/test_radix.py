@@ -310,15 +310,15 @@ def test_acquire_that_cannot_get_its_copy_block_recomputes_the_partial_rows(make
     cache.check_invariants()
 
 
-def test_allocate_evicts_unlocked_leaves_when_the_pool_is_short(make_cache, put) -> None:
+def test_allocate_evicts_only_the_blocks_it_is_short_of(make_cache, put) -> None:
     cache = make_cache(num_blocks=4, block_size=4)
     put(cache, TEN)
 
     blocks = cache.allocate(2)
 
     assert len(blocks) == 2
-    assert cache.cached_sequences() == []
-    assert cache.stats().evicted_blocks == 3
+    assert cache.cached_sequences() == [TEN[:8]]  # one block cut off the tail
+    assert cache.stats().evicted_blocks == 1
 
 
 def test_a_hundred_finished_requests_leave_nothing_locked_and_leak_no_block(make_cache) -> None:
@@ -363,6 +363,7 @@ def test_stats_of_a_hand_computed_example(make_cache, put) -> None:
         evictions=0,
         evicted_tokens=0,
         evicted_blocks=0,
+        evictable_blocks=2,  # block 2 of [6,10) (its block 1 is its parent's too) and the leaf [6,8)'s own copy
     )
     assert cache.stats().hit_rate == pytest.approx(3 / 5)
 

@@ -52,6 +52,7 @@ def test_stats_split_cross_request_hits_from_a_request_reusing_its_own_tokens() 
         window_requests=2,
         window_query_tokens=8 + 9,
         window_hit_tokens=6 + 6,
+        evictable_blocks=4,
     )
     assert cache.stats().hit_rate == pytest.approx(12 / 37)
     assert cache.stats().window_hit_rate == pytest.approx(12 / 17)
@@ -85,13 +86,20 @@ def test_the_window_keeps_only_the_last_n_requests() -> None:
     assert (stats.query_tokens, stats.hit_tokens) == (25, 16)
 
 
-def test_evictions_count_nodes_and_tokens() -> None:
-    cache = RadixCache(KVBlockPool(4, 4))
+@pytest.mark.parametrize(
+    ("granularity", "evicted", "after"),
+    [
+        ("block", (1, 2, 1), (4, 0, 15, 2)),  # one block cut off "a"'s tail: tokens 8 and 9
+        ("leaf", (1, 10, 3), (2, 2, 7, 1)),  # "a"'s whole leaf
+    ],
+)
+def test_evictions_count_removed_nodes_tokens_and_blocks(granularity, evicted, after) -> None:
+    cache = RadixCache(KVBlockPool(4, 4), eviction_granularity=granularity)
     _request(cache, TEN, "a")  # 3 blocks
-    _request(cache, [50, 51, 52, 53, 54, 55, 56], "b")  # needs 2 blocks: evicts "a"'s 10 tokens
+    _request(cache, [50, 51, 52, 53, 54, 55, 56], "b")  # needs 2 blocks, 1 is free
     stats = cache.stats()
-    assert (stats.evictions, stats.evicted_tokens, stats.evicted_blocks) == (1, 10, 3)
-    assert (stats.used_blocks, stats.free_blocks, stats.cached_tokens, stats.num_nodes) == (2, 2, 7, 1)
+    assert (stats.evictions, stats.evicted_tokens, stats.evicted_blocks) == evicted
+    assert (stats.used_blocks, stats.free_blocks, stats.cached_tokens, stats.num_nodes) == after
 
 
 @pytest.mark.parametrize("window", [0, -1, 2.5, True])
@@ -138,7 +146,7 @@ def test_replay_logs_each_scenario_and_the_cache_logs_evictions_at_debug(caplog)
         "INFO",
         "s.jsonl: replaying 2 requests, pool of 3 blocks of 4 tokens",
     ) in messages
-    assert ("prefixcache.cache.tree", "DEBUG", "evicted 1 nodes: 8 tokens, 2 blocks freed (1 asked)") in messages
+    assert ("prefixcache.cache.tree", "DEBUG", "evicted 0 nodes: 4 tokens, 1 blocks freed (1 asked)") in messages
     assert (
         "prefixcache.replay.replayer",
         "INFO",

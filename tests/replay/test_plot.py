@@ -23,18 +23,19 @@ def test_the_replay_records_one_sample_per_request_from_the_cache_stats() -> Non
     requests = [
         _request([1, 2, 3, 4, 5, 6], [7, 8]),  # cold; 8 tokens take 2 of the 4 blocks
         _request([1, 2, 3, 4, 5, 6, 7, 8, 9], [10]),  # 8 cached (a block boundary), one more block
-        _request([20, 21, 22, 23, 24, 25, 26, 27, 28], [29]),  # 3 blocks: evicts both earlier nodes (10 tokens)
+        # 3 blocks, 1 free: evicts the leaf [8, 10) and then the tail block of [0, 8) (6 tokens, 2 blocks)
+        _request([20, 21, 22, 23, 24, 25, 26, 27, 28], [29]),
     ]
     report = Replayer(None, block_size=4, cache_tokens=16).replay("s", requests)
     assert report.series == ReplaySeries(
         prompt_tokens=[6, 15, 24],
         cached_tokens=[0, 8, 8],
         ideal_cached_tokens=[0, 8, 8],
-        used_blocks=[2, 3, 3],
-        evictable_blocks=[2, 3, 3],
-        free_blocks=[2, 1, 1],
+        used_blocks=[2, 3, 4],
+        evictable_blocks=[2, 3, 4],
+        free_blocks=[2, 1, 0],
         evictions=[0, 0, 2],
-        evicted_tokens=[0, 0, 10],
+        evicted_tokens=[0, 0, 6],
     )
     assert "series" not in report.to_json()
 

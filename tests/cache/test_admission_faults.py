@@ -1,0 +1,120 @@
+"""Exception-safe admission: a fault in any function that acquire / reserve / commit / release calls leaves the cache
+quiescent once the request is given up (issue 11, item 6).
+
+One setup exercises every path at once: a matched prefix ending inside a block (copy-on-write), an unhealed seam on
+the matched path (healed at admission), a lock point inside a node (split), a pool too full for the request (eviction).
+Each internal function is faulted on each of its calls in turn; a test first checks it is called at all.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from prefixcache import KVBlockPool, Lease, RadixCache
+from prefixcache.testing import InjectedFault, assert_quiescent, fail_on_call
+
+BS = 4
+PROMPT = list(range(100, 114))  # 14 tokens
+NUM_TOKENS = 22
+
+
+def setup() -> RadixCache:
+    cache = RadixCache(KVBlockPool(12, BS))
+    for seq in (PROMPT[:6], [1] * 9, [2] * 9):
+        lease = cache.acquire(seq, num_tokens=len(seq))
+        cache.commit(lease, seq)
+    pin = cache.lock(cache.match(PROMPT[:6]))  # keeps the seam at token 6 from healing at insert
+    lease = cache.acquire(PROMPT[:10], num_tokens=10)
+    cache.commit(lease, PROMPT[:10])
+    cache.unlock(pin)
+    return cache
+
+
+def run_request(cache: RadixCache) -> None:
+    """The runner's flow: admit, grow, commit; give everything back on any error."""
+    lease: Lease | None = None
+    try:
+        lease = cache.acquire(PROMPT, num_tokens=NUM_TOKENS, request_id="r1")
+        cache.reserve(lease, NUM_TOKENS + 2)
+        cache.commit(lease, PROMPT + [5] * 10)
+    except BaseException:
+        if lease is not None and not lease.closed:
+            cache.release(lease)
+        raise
+
+
+def targets(cache: RadixCache) -> dict[str, object]:
+    return {
+        "tree": cache._tree,
+        "blocks": cache._blocks,
+        "locks": cache._locks,
+        "counters": cache._counters,
+        "pool": cache.pool,
+        "retention": cache._tree.retention,
+    }
+
+
+REQUEST_FUNCTIONS = [
+    ("tree", "match"),
+    ("tree", "own_tokens"),
+    ("tree", "lock_point"),
+    ("tree", "split"),
+    ("tree", "heal_seam"),
+    ("tree", "share_parent_block"),
+    ("tree", "lock_path"),
+    ("tree", "unlock_path"),
+    ("tree", "evict"),
+    ("tree", "insert"),
+    ("locks", "lock"),
+    ("locks", "unlock"),
+    ("blocks", "allocate"),
+    ("blocks", "check_feasible"),
+    ("blocks", "insert"),
+    ("blocks", "as_block_ids"),
+    ("blocks", "distinct"),
+    ("counters", "record_query"),
+    ("counters", "record_request"),
+    ("pool", "allocate"),
+    ("pool", "incref"),
+    ("pool", "decref"),
+    ("pool", "copy_rows"),
+]
+
+
+def test_the_setup_reaches_every_path() -> None:
+    cache = setup()
+    cache.check_invariants()
+    run_request(cache)
+    stats = cache.stats()
+    assert stats.evicted_blocks > 0
+    assert_quiescent(cache)
+
+
+@pytest.mark.parametrize(("owner", "name"), REQUEST_FUNCTIONS)
+def test_a_fault_in_any_admission_function_leaves_the_cache_quiescent(owner: str, name: str) -> None:
+    cache = setup()
+    with fail_on_call(targets(cache)[owner], name, 10**9) as calls:
+        run_request(cache)
+    num_calls = calls[0]
+    assert num_calls > 0, f"{owner}.{name} is never called: the setup misses a path"
+    for k in range(1, num_calls + 1):
+        cache = setup()
+        with fail_on_call(targets(cache)[owner], name, k), pytest.raises(InjectedFault):
+            run_request(cache)
+        assert_quiescent(cache)
+        run_request(cache)  # and the cache still serves the request
+        assert_quiescent(cache)
+
+
+RELEASE_FUNCTIONS = [("pool", "decref"), ("locks", "unlock"), ("tree", "unlock_path")]
+
+
+@pytest.mark.parametrize(("owner", "name"), RELEASE_FUNCTIONS)
+def test_a_release_that_fails_midway_can_be_called_again(owner: str, name: str) -> None:
+    cache = setup()
+    lease = cache.acquire(PROMPT, num_tokens=NUM_TOKENS, request_id="r1")
+    with fail_on_call(targets(cache)[owner], name, 1), pytest.raises(InjectedFault):
+        cache.release(lease)
+    cache.check_invariants()
+    cache.release(lease)
+    assert_quiescent(cache)

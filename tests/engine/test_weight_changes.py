@@ -1,0 +1,115 @@
+"""A weight change invalidates the cache before the next request (issue 11, item 5): in-place writes are seen through
+torch's version counters, the embedded model's fingerprint covers its weights, ``runner.invalidate()`` covers what no
+counter sees.  Each case: 0 cached tokens next time, and output equal to the uncached reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixcache import PrefixCachingRunner, SamplingParams
+from prefixcache.models.llama import build_model
+from prefixcache.testing import greedy_reference
+
+transformers = pytest.importorskip("transformers")
+
+from prefixcache.models.hf import HFCausalLM  # noqa: E402
+
+NEW = 6
+VOCAB = 1000
+
+
+def prompt(n: int = 200, seed: int = 0) -> list[int]:
+    return torch.randint(0, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_model(seed: int = 0) -> torch.nn.Module:
+    config = transformers.AutoConfig.for_model(
+        "llama",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def warm_then_check(runner: PrefixCachingRunner, change) -> None:
+    ids = prompt()
+    first = runner.generate(ids, SamplingParams(max_new_tokens=NEW))
+    again = runner.generate(ids, SamplingParams(max_new_tokens=NEW))
+    assert again.usage.cached_tokens == len(ids) - 1  # the cache works before the change
+    assert first.token_ids == again.token_ids
+    with torch.no_grad():
+        change()
+    after = runner.generate(ids, SamplingParams(max_new_tokens=NEW))
+    assert after.usage.cached_tokens == 0
+    expected, _ = greedy_reference(runner.model, ids, NEW)
+    assert list(after.token_ids) == expected
+
+
+def test_scaling_a_projection_of_the_embedded_model_in_place_invalidates() -> None:
+    model = build_model("tiny", device="cpu")
+    runner = PrefixCachingRunner(model, cache_tokens=4096, block_size=16)
+    warm_then_check(runner, lambda: model.layers[0].qkv.mul_(1.5))
+
+
+def test_the_embedded_models_fingerprint_covers_its_weights() -> None:
+    model = build_model("tiny", device="cpu")
+    before = model.fingerprint()
+    assert build_model("tiny", device="cpu").fingerprint() == before  # equal weights, equal fingerprint
+    with torch.no_grad():
+        model.lm_head[0, 0] += 1.0
+    assert model.fingerprint() != before
+
+
+def test_load_state_dict_into_a_wrapped_hf_model_invalidates() -> None:
+    module = hf_model(0)
+    runner = PrefixCachingRunner(HFCausalLM(module), cache_tokens=4096, block_size=16)
+    other = hf_model(1).state_dict()
+    warm_then_check(runner, lambda: module.load_state_dict(other))
+
+
+def test_a_lora_style_merge_into_a_wrapped_hf_model_invalidates() -> None:
+    module = hf_model(0)
+    runner = PrefixCachingRunner(HFCausalLM(module), cache_tokens=4096, block_size=16)
+    generator = torch.Generator().manual_seed(3)
+    rank = 4
+
+    def merge() -> None:
+        for layer in module.model.layers:
+            proj = layer.self_attn.k_proj.weight
+            a = torch.randn(rank, proj.shape[1], generator=generator) * 0.1
+            b = torch.randn(proj.shape[0], rank, generator=generator) * 0.1
+            proj.add_(b @ a)  # W += B A, as merging a LoRA adapter does
+
+    warm_then_check(runner, merge)
+
+
+def test_invalidate_covers_a_change_no_counter_sees() -> None:
+    model = build_model("tiny", device="cpu")
+    runner = PrefixCachingRunner(model, cache_tokens=4096, block_size=16)
+    ids = prompt(100)
+    runner.generate(ids, SamplingParams(max_new_tokens=2))
+    before = runner.fingerprint
+    runner.invalidate()
+    assert runner.fingerprint != before
+    assert runner.generate(ids, SamplingParams(max_new_tokens=2)).usage.cached_tokens == 0
+
+
+def test_unchanged_weights_keep_the_fingerprint() -> None:
+    model = build_model("tiny", device="cpu")
+    runner = PrefixCachingRunner(model, cache_tokens=4096, block_size=16)
+    before = runner.fingerprint
+    ids = prompt(50)
+    runner.generate(ids, SamplingParams(max_new_tokens=2))
+    assert runner.generate(ids, SamplingParams(max_new_tokens=2)).usage.cached_tokens == 49
+    assert runner.fingerprint == before
