@@ -54,9 +54,9 @@ def test_unlimited_cache_row_is_simulated_for_every_policy(monkeypatch) -> None:
     radix_calls, sim_calls = [], []
     real_replay, real_simulate = policy.replay_radix, policy.simulate
 
-    def replay(requests, num_blocks, name, block_size):
+    def replay(requests, num_blocks, name, block_size, *granularity):
         radix_calls.append((name, num_blocks))
-        return real_replay(requests, num_blocks, name, block_size)
+        return real_replay(requests, num_blocks, name, block_size, *granularity)
 
     def simulate(trace, capacity, name):
         sim_calls.append((name, capacity))
