@@ -1,7 +1,8 @@
 """Benchmarks of the cache's own bookkeeping: ``prefixcache bench [NAME...] [--quick] [--json OUT]``.
 
 ``tree`` times each radix-tree operation on the standard workload against SGLang's figures, ``evict`` checks
-that one eviction stays O(log n) as the tree grows, ``memory`` counts bytes per cached token.
+that one eviction stays O(log n) as the tree grows, ``memory`` counts bytes per cached token, ``route`` compares
+routers in front of N simulated replicas.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from prefixcache.bench import evict, memory, policy, runner, trace, tree
+from prefixcache.bench import evict, memory, policy, route, runner, trace, tree
 from prefixcache.bench.common import BenchResult, format_table
 from prefixcache.errors import InvalidArgumentError
 
@@ -24,6 +25,7 @@ BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
     "runner": runner.run,
     "policy": policy.run,
     "trace": trace.run,
+    "route": route.run,
 }
 """Name -> ``fn(quick: bool) -> BenchResult``; the command line runs them in this order."""
 
