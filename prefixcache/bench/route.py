@@ -16,8 +16,8 @@ served so far, and the table's imbalance is ``max / mean`` of those counts.  Fou
   :class:`~prefixcache.cache.events.BlockIndex` per replica fed by that replica's KV events.
 
 The text and exact routers share the load guard (power of two choices once loads differ by more than
-``max(8, 10% of the mean)``).  Every replica holds ``1 / 16`` of the workload's working set (blocks an unbounded cache
-holds at the end), and the baseline is one replica with ``N`` times that memory.
+``max(8, 10% of the mean)``).  Every replica holds ``1 / 8`` of the workload's working set (blocks an unbounded cache
+holds at the end; at least twice the longest request), and the baseline is one replica with ``N`` times that memory.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ from prefixcache.replay.replayer import ReplayRequest, load_requests
 from prefixcache.replay.scenarios import MOONCAKE_BLOCK_TOKENS
 
 BLOCK_SIZE = 16
-REPLICA_SHARE = 16
-"""Each replica holds ``1 / REPLICA_SHARE`` of the working set."""
+REPLICA_SHARE = 8
+"""Each replica holds ``1 / REPLICA_SHARE`` of the working set: eight of them together hold it once."""
 WORKLOADS: dict[str, tuple[str, int, int]] = {
     "tau-bench": ("tau_bench_airline_gpt4o.jsonl", 200, 24),
     "mt-bench": ("mtbench_31models.jsonl", 600, 60),
@@ -51,7 +51,7 @@ WORKLOADS: dict[str, tuple[str, int, int]] = {
     "mooncake-conv": ("mooncake/conversation_trace.jsonl", 1500, 150),
 }
 """Label -> (file under the shared data, conversations or trace lines in a full run, in a ``--quick`` run)."""
-REPLICAS = (2, 4, 8, 16, 32, 64)
+REPLICAS = (2, 4, 8, 16, 64)
 QUICK_REPLICAS = (2, 8)
 ROUTERS = ("round-robin", "affinity", "text prefix", "exact")
 TEXT_TREE_CHARS = 400_000
@@ -97,13 +97,13 @@ class ConsistentHashRing:
 
     def __init__(self, num_replicas: int, virtual_nodes: int = 64) -> None:
         points = sorted(
-            (xxhash.xxh64_intdigest(f"{r}/{v}"), r) for r in range(num_replicas) for v in range(virtual_nodes)
+            (xxhash.xxh64_intdigest(f"{r}/{v}".encode()), r) for r in range(num_replicas) for v in range(virtual_nodes)
         )
         self._keys = [k for k, _ in points]
         self._owners = [r for _, r in points]
 
     def owner(self, key: str) -> int:
-        i = bisect.bisect(self._keys, xxhash.xxh64_intdigest(key)) % len(self._keys)
+        i = bisect.bisect(self._keys, xxhash.xxh64_intdigest(key.encode())) % len(self._keys)
         return self._owners[i]
 
 
@@ -179,7 +179,9 @@ def working_set_blocks(requests: Sequence[ReplayRequest]) -> int:
 
 def measure(requests: Sequence[ReplayRequest], replica_counts: Sequence[int], show_progress: bool = True) -> dict:
     """Per replica count: the one-big-replica baseline and every router's hit rate and imbalance."""
-    per_replica = max(1, working_set_blocks(requests) // REPLICA_SHARE)
+    # A replica must at least fit the two longest requests, or small workloads would be all misses.
+    longest = max(-(-(len(r.prompt) + len(r.answer)) // BLOCK_SIZE) + 2 for r in requests)
+    per_replica = max(2 * longest, working_set_blocks(requests) // REPLICA_SHARE)
     rows = []
     for n in progress(replica_counts, "route: replicas", len(replica_counts), show_progress):
         baseline = simulate(requests, 1, per_replica * n, "round-robin")["hit_rate"]

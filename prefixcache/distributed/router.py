@@ -8,11 +8,13 @@ O(log(prompt blocks)) set lookups per replica, after hashing the prompt once.
 
 The decision, as NVIDIA Dynamo's KV router and SGLang's cache-aware router make it, but on exact block hashes:
 
-1. Loads too uneven (``max - min > max(imbalance_abs, imbalance_rel * mean)``): power of two choices, two random
-   replicas and the less loaded one (Mitzenmacher), ignoring the cache, so one hot prefix cannot pile work onto
-   one replica.
-2. Otherwise the highest score ``cached_tokens - load_penalty_tokens * (load - min_load)``; ties go to the less
+1. The best replica by score ``cached_tokens - load_penalty_tokens * (load - min_load)``; ties go to the less
    loaded replica, then the lower index.
+2. If that replica's load is too far above the lightest one (``load - min_load > max(imbalance_abs,
+   imbalance_rel * mean_load)``), power of two choices instead: two random replicas, the less loaded one
+   (Mitzenmacher), ignoring the cache, so one hot prefix cannot pile work onto one replica.  Judging the
+   preferred replica rather than the whole fleet (as Ray's router does) keeps every other conversation where its
+   prefix is while one replica is busy.
 
 ``load`` is whatever the caller balances: requests in flight for a live router, requests served so far in the
 ``bench route`` simulation.
@@ -84,7 +86,8 @@ class ExactPrefixRouter:
         block_size: the replicas' block size in tokens (all replicas must share it, and ``hash_seed``).
         hash_seed: the replicas' ``hash_seed``.
         load_penalty_tokens: tokens of cached prefix one unit of extra load is worth.
-        imbalance_abs: loads may differ by this much before power of two choices takes over ...
+        imbalance_abs: the preferred replica's load may exceed the lightest by this much before power of two
+            choices takes over ...
         imbalance_rel: ... or by this fraction of the mean load, whichever is larger.
         seed: seed of the power-of-two draws.
         index_namespace: ``None`` for indexes fed over the wire (which keep every block under ``None``); the default
@@ -129,20 +132,27 @@ class ExactPrefixRouter:
         indexes: Sequence[BlockIndex],
         loads: Sequence[int],
         namespace: str | None = None,
+        tiebreak: Sequence[int] | None = None,
     ) -> RouteDecision:
-        """Pick a replica for a prompt (see the module docstring for the rule).
+        """Pick a replica for a prompt (see the module docstring for the rule).  ``tiebreak`` (say, requests routed
+        so far) settles ties of score and load before the index does, so equal replicas share new prompts.
 
         Raises:
-            InvalidArgumentError: no replica, or ``indexes`` and ``loads`` of different lengths.
+            InvalidArgumentError: no replica, or ``indexes``, ``loads`` (and ``tiebreak``) of different lengths.
         """
-        if not indexes or len(indexes) != len(loads):
+        if not indexes or len(indexes) != len(loads) or (tiebreak is not None and len(tiebreak) != len(loads)):
             raise InvalidArgumentError(f"need one load per index, got {len(indexes)} indexes and {len(loads)} loads")
         cached = self.cached_tokens(token_ids, indexes, namespace)
-        if too_uneven(loads, self.imbalance_abs, self.imbalance_rel):
-            return RouteDecision(power_of_two(loads, self._rng), tuple(cached), True)
         low = min(loads)
         best = max(
             range(len(loads)),
-            key=lambda i: (cached[i] - self.load_penalty_tokens * (loads[i] - low), -loads[i], -i),
+            key=lambda i: (
+                cached[i] - self.load_penalty_tokens * (loads[i] - low),
+                -loads[i],
+                -tiebreak[i] if tiebreak is not None else 0,
+                -i,
+            ),
         )
+        if loads[best] - low > max(self.imbalance_abs, self.imbalance_rel * sum(loads) / len(loads)):
+            return RouteDecision(power_of_two(loads, self._rng), tuple(cached), True)
         return RouteDecision(best, tuple(cached), False)
