@@ -46,12 +46,12 @@ REPLICA_SHARE = 8
 """Each replica holds ``1 / REPLICA_SHARE`` of the working set: eight of them together hold it once."""
 WORKLOADS: dict[str, tuple[str, int, int]] = {
     "tau-bench": ("tau_bench_airline_gpt4o.jsonl", 200, 24),
-    "mt-bench": ("mtbench_31models.jsonl", 600, 60),
+    "mt-bench": ("mtbench_31models.jsonl", 310, 62),
     "oasst": ("oasst_en100_tree_paths.jsonl", 626, 60),
-    "mooncake-conv": ("mooncake/conversation_trace.jsonl", 1500, 150),
+    "mooncake-conv": ("mooncake/conversation_trace.jsonl", 500, 100),
 }
 """Label -> (file under the shared data, conversations or trace lines in a full run, in a ``--quick`` run)."""
-REPLICAS = (2, 4, 8, 16, 64)
+REPLICAS = (2, 8, 64)
 QUICK_REPLICAS = (2, 8)
 ROUTERS = ("round-robin", "affinity", "text prefix", "exact")
 TEXT_TREE_CHARS = 400_000
