@@ -15,8 +15,11 @@ served so far, and the table's imbalance is ``max / mean`` of those counts.  Fou
 - **exact**: :class:`~prefixcache.distributed.router.ExactPrefixRouter` on a
   :class:`~prefixcache.cache.events.BlockIndex` per replica fed by that replica's KV events.
 
-The text and exact routers share the load guard (power of two choices once loads differ by more than
-``max(8, 10% of the mean)``).  Every replica holds ``1 / 8`` of the workload's working set (blocks an unbounded cache
+Both load-aware routers fall back to power of two choices past the same threshold, ``max(8, 10% of the mean)``:
+the text router when the fleet's ``max - min`` load exceeds it (Ray's rule), the exact router when its preferred
+replica's load exceeds the lightest by that much.  The exact router also gives up 128 tokens of cached prefix
+per request of extra load, so a short shared prefix (one MT-Bench question asked of 31 models) does not pile its
+conversations onto one replica.  Every replica holds ``1 / 8`` of the workload's working set (blocks an unbounded cache
 holds at the end; at least twice the longest request), and the baseline is one replica with ``N`` times that memory.
 """
 
@@ -58,6 +61,8 @@ TEXT_TREE_CHARS = 400_000
 TEXT_MATCH_RATE = 0.1
 IMBALANCE_ABS = 8
 IMBALANCE_REL = 0.1
+LOAD_PENALTY_TOKENS = 128.0
+"""Tokens of cached prefix the exact router gives up per request of extra load."""
 
 
 class Replica:
@@ -149,7 +154,9 @@ def simulate(requests: Sequence[ReplayRequest], num_replicas: int, num_blocks: i
     replicas = [Replica(num_blocks) for _ in range(num_replicas)]
     ring = ConsistentHashRing(num_replicas) if router == "affinity" else None
     text = TextPrefixRouter(num_replicas) if router == "text prefix" else None
-    exact = ExactPrefixRouter(BLOCK_SIZE, imbalance_abs=IMBALANCE_ABS, imbalance_rel=IMBALANCE_REL)
+    exact = ExactPrefixRouter(
+        BLOCK_SIZE, load_penalty_tokens=LOAD_PENALTY_TOKENS, imbalance_abs=IMBALANCE_ABS, imbalance_rel=IMBALANCE_REL
+    )
     indexes = [r.index for r in replicas]
     hit = prompt = 0
     for i, request in enumerate(requests):

@@ -37,7 +37,7 @@ def handle():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         serve.start(proxy_location="Disabled")
-        app = PrefixCacheServer.options(num_replicas=2, ray_actor_options={"num_cpus": 1}).bind(
+        app = PrefixCacheServer.options(num_replicas=2, ray_actor_options={"num_cpus": 0.5}).bind(
             num_blocks=512, block_size=BLOCK_SIZE
         )
         h = serve.run(app, name="prefixcache-test", route_prefix=None)
