@@ -24,7 +24,7 @@ from prefixcache.ray.router import MIRRORS, routed_namespace  # noqa: E402
 
 pytestmark = [
     pytest.mark.ray,
-    pytest.mark.skipif(os.environ.get("PREFIXCACHE_RAY_TESTS") != "1", reason="set PREFIXCACHE_RAY_TESTS=1 to start Ray"),
+    pytest.mark.skipif(os.environ.get("PREFIXCACHE_RAY_TESTS") != "1", reason="PREFIXCACHE_RAY_TESTS=1 starts Ray"),
 ]
 
 NUM_CONVERSATIONS = 8
