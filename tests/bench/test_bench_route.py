@@ -12,15 +12,15 @@ from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.replay.replayer import ReplayRequest
 
 
-def _conversations(num: int, turns: int, turn_tokens: int = 40) -> list[ReplayRequest]:
+def _conversations(num: int, turns: int, turn_tokens: int = 400) -> list[ReplayRequest]:
     """``num`` conversations of ``turns`` turns, interleaved; each prompt extends the previous prompt + answer."""
     history = {c: array(TOKEN_TYPECODE) for c in range(num)}
     out = []
     for t in range(turns):
         for c in range(num):
-            start = 1000 * c + 100 * t
+            start = 10_000 * c + 1000 * t
             prompt = history[c] + array(TOKEN_TYPECODE, range(start, start + turn_tokens))
-            answer = array(TOKEN_TYPECODE, range(start + 50, start + 58))
+            answer = array(TOKEN_TYPECODE, range(start + 500, start + 508))
             out.append(ReplayRequest("synthetic", f"conv{c}", t, prompt, answer))
             history[c] = prompt + answer
     return out
@@ -29,10 +29,10 @@ def _conversations(num: int, turns: int, turn_tokens: int = 40) -> list[ReplayRe
 def test_with_room_for_everything_exact_routing_matches_one_big_replica_and_round_robin_does_not() -> None:
     # 7 conversations on 4 replicas: round-robin moves every conversation at every turn.
     requests = _conversations(num=7, turns=5)
-    big = route.simulate(requests, 1, 10_000, "round-robin")["hit_rate"]
-    exact = route.simulate(requests, 4, 2_500, "exact")
-    round_robin = route.simulate(requests, 4, 2_500, "round-robin")
-    affinity = route.simulate(requests, 4, 2_500, "affinity")
+    big = route.simulate(requests, 1, 40_000, "round-robin")["hit_rate"]
+    exact = route.simulate(requests, 4, 10_000, "exact")
+    round_robin = route.simulate(requests, 4, 10_000, "round-robin")
+    affinity = route.simulate(requests, 4, 10_000, "affinity")
     assert exact["hit_rate"] == pytest.approx(big)
     assert affinity["hit_rate"] == pytest.approx(big)
     assert round_robin["hit_rate"] < 0.5 * big
@@ -42,8 +42,8 @@ def test_with_room_for_everything_exact_routing_matches_one_big_replica_and_roun
 
 def test_the_text_router_follows_its_routing_history() -> None:
     requests = _conversations(num=4, turns=4)
-    text = route.simulate(requests, 2, 2_500, "text prefix")
-    assert text["hit_rate"] == pytest.approx(route.simulate(requests, 1, 5_000, "round-robin")["hit_rate"])
+    text = route.simulate(requests, 2, 10_000, "text prefix")
+    assert text["hit_rate"] == pytest.approx(route.simulate(requests, 1, 20_000, "round-robin")["hit_rate"])
 
 
 def test_consistent_hashing_moves_few_keys_when_a_replica_is_added() -> None:
