@@ -16,7 +16,8 @@ Ray Serve's ``RequestRouter`` API is alpha (Ray >= 2.46); this module is written
 from __future__ import annotations
 
 import logging
-from typing import Any
+import weakref
+from typing import Any, ClassVar
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
@@ -24,12 +25,9 @@ from prefixcache.cache.events import BlockIndex
 from prefixcache.distributed.router import ExactPrefixRouter
 from prefixcache.distributed.subscriber import ZmqEventSubscriber
 
-__all__ = ["ExactPrefixRequestRouter", "routed_namespace", "MIRRORS"]
+__all__ = ["ExactPrefixRequestRouter", "routed_namespace"]
 
 logger = logging.getLogger(__name__)
-
-MIRRORS: dict[str, ZmqEventSubscriber] = {}
-"""Every live subscriber of this process, by KV events endpoint (for tests and debugging)."""
 
 
 def routed_namespace(fingerprint: str, namespace: str | None) -> str:
@@ -57,6 +55,9 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
     replica in one rank (Ray Serve's own choice among them).
     """
 
+    live: ClassVar[weakref.WeakSet] = weakref.WeakSet()
+    """The routers of this process (for tests and debugging)."""
+
     def initialize_state(
         self,
         load_penalty_tokens: float = 16.0,
@@ -74,6 +75,12 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         self._routers: dict[tuple[int, int], ExactPrefixRouter] = {}
         self._mirrors: dict[ReplicaID, tuple[str, BlockIndex, ZmqEventSubscriber]] = {}
         self._routed: dict[ReplicaID, int] = {}
+        ExactPrefixRequestRouter.live.add(self)
+
+    @property
+    def num_mirrored(self) -> int:
+        """Replicas whose KV events this router follows."""
+        return len(self._mirrors)
 
     def _index(self, replica: RunningReplica) -> BlockIndex | None:
         stats = replica.routing_stats or {}
@@ -88,13 +95,11 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         index = BlockIndex(strict=False)
         subscriber = ZmqEventSubscriber(endpoint, stats.get("kv_events_replay_endpoint"), index)
         self._mirrors[replica.replica_id] = (endpoint, index, subscriber)
-        MIRRORS[endpoint] = subscriber
         return index
 
     def _drop(self, replica_id: ReplicaID) -> None:
         known = self._mirrors.pop(replica_id, None)
         if known is not None:
-            MIRRORS.pop(known[0], None)
             known[2].close(timeout_s=1.0)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
