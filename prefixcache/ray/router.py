@@ -102,9 +102,6 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         if known is not None:
             known[2].close(timeout_s=1.0)
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self._routed[replica_id] = self._routed.get(replica_id, 0) + 1
-
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._drop(replica_id)
@@ -133,6 +130,8 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         routed = [self._routed.get(r.replica_id, 0) for r in candidate_replicas]
         decision = router.choose(request["prompt_ids"], indexes, loads, namespace, routed)
         chosen = candidate_replicas[decision.replica]
+        # Counted at decision time: requests routed together would otherwise all see the same tallies and tie.
+        self._routed[chosen.replica_id] = self._routed.get(chosen.replica_id, 0) + 1
         rest = sorted(
             (i for i in range(len(candidate_replicas)) if i != decision.replica),
             key=lambda i: (-decision.cached_tokens[i], loads[i]),
