@@ -1,8 +1,9 @@
 """The package's layers, checked from its source: every import points down, and no module grows past 600 lines.
 
-Layers, lowest first: errors <- cache <- models, chat <- engine <- replay <- bench, testing <- serve, integrations
-<- cli <- the ``prefixcache`` facade.  A module may import its own subpackage and any lower layer; models and chat,
-side by side, do not import each other; nothing inside the package imports the facade.
+Layers, lowest first: errors <- cache <- models, chat, distributed <- engine <- replay <- bench, testing, ray <-
+serve, integrations <- cli <- the ``prefixcache`` facade.  A module may import its own subpackage and any lower layer;
+models and chat, side by side, do not import each other (nor does distributed); nothing inside the package imports
+the facade.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ LAYERS = {
     "prefixcache.cache": 1,
     "prefixcache.models": 2,
     "prefixcache.chat": 2,
+    "prefixcache.distributed": 2,
     "prefixcache.engine": 3,
     "prefixcache.replay": 4,
     "prefixcache.bench": 5,
     "prefixcache.testing": 5,
+    "prefixcache.ray": 5,
     "prefixcache.serve": 6,
     "prefixcache.integrations": 6,
     "prefixcache.cli": 7,

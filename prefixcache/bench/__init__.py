@@ -3,7 +3,8 @@
 ``tree`` times each radix-tree operation on the standard workload, ``peers`` runs SGLang's radix cache and vLLM's
 block pool beside ours in the same process (``pip install --no-deps sglang``; see :mod:`prefixcache.bench.peers`),
 ``evict`` checks that one eviction stays O(log n) as the tree grows, ``memory`` counts bytes per cached token.
-``engine`` and ``agent`` (extra ``hf``) time the runner on a real model shape against transformers' own calls.
+``engine`` and ``agent`` (extra ``hf``) time the runner on a real model shape against transformers' own calls, ``route``
+compares routers in front of N simulated replicas.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from prefixcache.bench import agent, engine, evict, memory, peers, policy, runner, trace, tree
+from prefixcache.bench import agent, engine, evict, memory, peers, policy, route, runner, trace, tree
 from prefixcache.bench.common import BenchResult, format_table
 from prefixcache.errors import InvalidArgumentError
 
@@ -29,6 +30,7 @@ BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
     "trace": trace.run,
     "engine": engine.run,
     "agent": agent.run,
+    "route": route.run,
 }
 """Name -> ``fn(quick: bool) -> BenchResult``; the command line runs them in this order."""
 

@@ -1,0 +1,259 @@
+"""The ``route`` benchmark: replicas behind a router, simulated with caches only.
+
+Each replica is one metadata-only :class:`~prefixcache.RadixCache` (``KVBlockPool(num_blocks, block_size)``, no KV
+tensor) driven as ``prefixcache replay --no-model`` drives one: acquire, reserve, commit of prompt + answer.  Every
+request is served to completion before the next arrives, so a replica's *load* is the number of requests it has
+served so far, and the table's imbalance is ``max / mean`` of those counts.  Four routers:
+
+- **round-robin**: request ``i`` to replica ``i mod N``.
+- **affinity**: a consistent-hash ring (64 virtual nodes per replica, xxh64) keyed by the conversation id (a
+  Mooncake trace has none: its first 512-token hash block stands in).
+- **text prefix**: Ray Serve LLM's ``PrefixCacheAffinityRouter`` as documented: a prefix tree per replica of the
+  prompts *routed* there (not what the replica still caches), at most 400,000 characters each with LRU trimming;
+  the replicas with the longest match win when it covers >= 10% of the prompt, otherwise the replica with the
+  smallest tree.  Prompts here are byte-tokenized, so characters are tokens.
+- **exact**: :class:`~prefixcache.distributed.router.ExactPrefixRouter` on a
+  :class:`~prefixcache.cache.events.BlockIndex` per replica fed by that replica's KV events.
+
+Both load-aware routers fall back to power of two choices past the same threshold, ``max(8, 10% of the mean)``:
+the text router when the fleet's ``max - min`` load exceeds it (Ray's rule), the exact router when its preferred
+replica's load exceeds the lightest by that much.  The exact router also gives up 128 tokens of cached prefix
+per request of extra load, so a short shared prefix (one MT-Bench question asked of 31 models) does not pile its
+conversations onto one replica.  Every replica holds ``1 / 8`` of the workload's working set (blocks an unbounded cache
+holds at the end; at least twice the longest request), and the baseline is one replica with ``N`` times that memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+
+import xxhash
+
+from prefixcache.bench.common import BenchResult, Table, progress
+from prefixcache.bench.policy import DATA_DIR
+from prefixcache.cache.events import BlockIndex
+from prefixcache.cache.pool import KVBlockPool
+from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.chat.tokenizer import ByteTokenizer
+from prefixcache.distributed.router import ExactPrefixRouter, power_of_two, too_uneven
+from prefixcache.errors import OutOfBlocksError
+from prefixcache.replay.replayer import ReplayRequest, load_requests
+from prefixcache.replay.scenarios import MOONCAKE_BLOCK_TOKENS
+
+BLOCK_SIZE = 16
+REPLICA_SHARE = 8
+"""Each replica holds ``1 / REPLICA_SHARE`` of the working set: eight of them together hold it once."""
+WORKLOADS: dict[str, tuple[str, int, int]] = {
+    "tau-bench": ("tau_bench_airline_gpt4o.jsonl", 200, 24),
+    "mt-bench": ("mtbench_31models.jsonl", 310, 62),
+    "oasst": ("oasst_en100_tree_paths.jsonl", 626, 60),
+    "mooncake-conv": ("mooncake/conversation_trace.jsonl", 500, 100),
+}
+"""Label -> (file under the shared data, conversations or trace lines in a full run, in a ``--quick`` run)."""
+REPLICAS = (2, 8, 64)
+QUICK_REPLICAS = (2, 8)
+ROUTERS = ("round-robin", "affinity", "text prefix", "exact")
+TEXT_TREE_CHARS = 400_000
+TEXT_MATCH_RATE = 0.1
+IMBALANCE_ABS = 8
+IMBALANCE_REL = 0.1
+LOAD_PENALTY_TOKENS = 128.0
+"""Tokens of cached prefix the exact router gives up per request of extra load."""
+
+
+class Replica:
+    """One simulated replica: a metadata-only cache, the index its events feed, and what it served."""
+
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        self.index = BlockIndex()
+        self.cache = RadixCache(KVBlockPool(num_blocks, block_size), event_listener=self.index)
+        self.num_blocks = num_blocks
+        self.served = 0
+
+    def serve(self, prompt: array, answer: array) -> int:
+        """Run one request; its cached prompt tokens (0 when it cannot fit at all)."""
+        self.served += 1
+        total = len(prompt) + len(answer)
+        if self.cache.pool.blocks_for_tokens(total) > self.num_blocks:
+            return 0
+        lease = self.cache.acquire(prompt)
+        try:
+            self.cache.reserve(lease, total)
+        except OutOfBlocksError:
+            self.cache.release(lease)
+            return 0
+        self.cache.commit(lease, prompt + answer)
+        return lease.num_cached_tokens
+
+
+def session_key(request: ReplayRequest) -> str:
+    """The conversation id, or for a trace line the first hash block of its prompt."""
+    if request.conversation is None and request.prompt:
+        return f"block{request.prompt[0] // MOONCAKE_BLOCK_TOKENS}"
+    return request.conversation_id
+
+
+class ConsistentHashRing:
+    """Consistent hashing (Karger et al.): ``virtual_nodes`` points per replica on a 64-bit ring.  O(log points)."""
+
+    def __init__(self, num_replicas: int, virtual_nodes: int = 64) -> None:
+        points = sorted(
+            (xxhash.xxh64_intdigest(f"{r}/{v}".encode()), r) for r in range(num_replicas) for v in range(virtual_nodes)
+        )
+        self._keys = [k for k, _ in points]
+        self._owners = [r for _, r in points]
+
+    def owner(self, key: str) -> int:
+        i = bisect.bisect(self._keys, xxhash.xxh64_intdigest(key.encode())) % len(self._keys)
+        return self._owners[i]
+
+
+class TextPrefixRouter:
+    """Ray Serve LLM's prefix-aware routing, approximated: one LRU prefix tree per replica of the prompts routed
+    there, trimmed to ``tree_chars`` characters (tokens here)."""
+
+    def __init__(self, num_replicas: int, tree_chars: int = TEXT_TREE_CHARS, seed: int = 0) -> None:
+        import random
+
+        blocks = -(-tree_chars // BLOCK_SIZE)
+        self.trees = [RadixCache(KVBlockPool(blocks, BLOCK_SIZE)) for _ in range(num_replicas)]
+        self._rng = random.Random(seed)
+
+    def choose(self, prompt: array, loads: Sequence[int]) -> int:
+        if too_uneven(loads, IMBALANCE_ABS, IMBALANCE_REL):
+            choice = power_of_two(loads, self._rng)
+        else:
+            matched = [tree.match(prompt).num_tokens for tree in self.trees]
+            best = max(matched)
+            if prompt and best / len(prompt) >= TEXT_MATCH_RATE:
+                choice = min((i for i, m in enumerate(matched) if m == best), key=lambda i: (loads[i], i))
+            else:
+                choice = min(range(len(self.trees)), key=lambda i: (self.trees[i].stats().used_blocks, loads[i], i))
+        self._record(self.trees[choice], prompt)
+        return choice
+
+    @staticmethod
+    def _record(tree: RadixCache, prompt: array) -> None:
+        if tree.pool.blocks_for_tokens(len(prompt)) > tree.pool.num_blocks:
+            return
+        lease = tree.acquire(prompt)
+        try:
+            tree.reserve(lease, len(prompt))
+        except OutOfBlocksError:
+            tree.release(lease)
+            return
+        tree.commit(lease, prompt)
+
+
+def simulate(requests: Sequence[ReplayRequest], num_replicas: int, num_blocks: int, router: str) -> dict:
+    """Serve ``requests`` on ``num_replicas`` replicas of ``num_blocks`` blocks each, routed by ``router``."""
+    replicas = [Replica(num_blocks) for _ in range(num_replicas)]
+    ring = ConsistentHashRing(num_replicas) if router == "affinity" else None
+    text = TextPrefixRouter(num_replicas) if router == "text prefix" else None
+    exact = ExactPrefixRouter(
+        BLOCK_SIZE, load_penalty_tokens=LOAD_PENALTY_TOKENS, imbalance_abs=IMBALANCE_ABS, imbalance_rel=IMBALANCE_REL
+    )
+    indexes = [r.index for r in replicas]
+    hit = prompt = 0
+    for i, request in enumerate(requests):
+        loads = [r.served for r in replicas]
+        if router == "round-robin":
+            choice = i % num_replicas
+        elif ring is not None:
+            choice = ring.owner(session_key(request))
+        elif text is not None:
+            choice = text.choose(request.prompt, loads)
+        else:
+            choice = exact.choose(request.prompt, indexes, loads).replica
+        hit += replicas[choice].serve(request.prompt, request.answer)
+        prompt += len(request.prompt)
+    served = [r.served for r in replicas]
+    return {"hit_rate": hit / prompt if prompt else 0.0, "imbalance": max(served) * num_replicas / len(requests)}
+
+
+def working_set_blocks(requests: Sequence[ReplayRequest]) -> int:
+    """Blocks one unbounded cache holds after serving every request."""
+    unbounded = sum(-(-(len(r.prompt) + len(r.answer)) // BLOCK_SIZE) + 2 for r in requests)
+    replica = Replica(unbounded)
+    for request in requests:
+        replica.serve(request.prompt, request.answer)
+    return replica.cache.stats().used_blocks
+
+
+def measure(requests: Sequence[ReplayRequest], replica_counts: Sequence[int], show_progress: bool = True) -> dict:
+    """Per replica count: the one-big-replica baseline and every router's hit rate and imbalance."""
+    # A replica must at least fit the two longest requests, or small workloads would be all misses.
+    longest = max(-(-(len(r.prompt) + len(r.answer)) // BLOCK_SIZE) + 2 for r in requests)
+    per_replica = max(2 * longest, working_set_blocks(requests) // REPLICA_SHARE)
+    rows = []
+    for n in progress(replica_counts, "route: replicas", len(replica_counts), show_progress):
+        baseline = simulate(requests, 1, per_replica * n, "round-robin")["hit_rate"]
+        routed = {name: simulate(requests, n, per_replica, name) for name in ROUTERS}
+        rows.append({"replicas": n, "baseline": baseline, **routed})
+    return {"requests": len(requests), "replica_blocks": per_replica, "rows": rows}
+
+
+def run(quick: bool = False, replicas: Sequence[int] | None = None) -> BenchResult:
+    """Hit rate and load imbalance of each router on the shared transcripts and the Mooncake conversation trace."""
+    counts = tuple(replicas) if replicas else (QUICK_REPLICAS if quick else REPLICAS)
+    results: dict[str, dict] = {}
+    skipped: list[str] = []
+    for label, (name, full, small) in WORKLOADS.items():
+        path = DATA_DIR / name
+        if not path.is_file():
+            skipped.append(name)
+            continue
+        start = time.perf_counter()
+        requests, _ = load_requests(Path(path), ByteTokenizer(), limit=small if quick else full)
+        results[label] = measure(requests, counts, not quick)
+        results[label]["seconds"] = time.perf_counter() - start
+    rows = []
+    for label, r in results.items():
+        for row in r["rows"]:
+            exact = row["exact"]["hit_rate"]
+            rows.append(
+                (
+                    label,
+                    row["replicas"],
+                    100 * row["baseline"],
+                    *(100 * row[name]["hit_rate"] for name in ROUTERS),
+                    100 * exact / row["baseline"] if row["baseline"] else None,
+                    *(row[name]["imbalance"] for name in ROUTERS),
+                )
+            )
+    notes = [
+        f"Token hit rate (%) of all prompt tokens; block size {BLOCK_SIZE}; ByteTokenizer; conversations interleaved "
+        f"round-robin; each replica holds 1/{REPLICA_SHARE} of the working set; 'one big' = one replica with N x that.",
+        "load = max / mean requests per replica. text prefix = Ray Serve's prefix-aware router (routing history); "
+        "exact = block hashes from each replica's KV events.",
+    ]
+    for label, r in results.items():
+        notes.append(
+            f"{label}: {r['requests']:,} requests, {r['replica_blocks']:,} blocks per replica; {r['seconds']:.1f} s"
+        )
+    notes += [f"skipped {name}: not found in {DATA_DIR}" for name in skipped]
+    table = Table(
+        title="route: N replicas behind a router (cache-only simulation)",
+        headers=(
+            "workload",
+            "N",
+            "one big %",
+            "round-robin %",
+            "affinity %",
+            "text %",
+            "exact %",
+            "exact/big %",
+            "RR load",
+            "affinity load",
+            "text load",
+            "exact load",
+        ),
+        rows=tuple(rows),
+        notes=tuple(notes),
+    )
+    data = {"block_size": BLOCK_SIZE, "replica_share": REPLICA_SHARE, "skipped": skipped, "workloads": results}
+    return BenchResult("route", (table,), data)

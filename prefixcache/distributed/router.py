@@ -1,0 +1,158 @@
+"""Choose a replica for a prompt by the exact number of its tokens that replica has cached.
+
+Each replica's cached blocks are mirrored in a :class:`~prefixcache.cache.events.BlockIndex` fed by its KV events
+(in process, or over ZMQ with :mod:`prefixcache.distributed.subscriber`).  A prompt's full blocks are named by
+chained hashes (:func:`~prefixcache.cache.events.block_hashes`); because a radix cache holds whole prefixes, the
+blocks a replica holds of a prompt are always its first ``k`` ones, so ``k`` is found by binary search:
+O(log(prompt blocks)) set lookups per replica, after hashing the prompt once.
+
+The decision, as NVIDIA Dynamo's KV router and SGLang's cache-aware router make it, but on exact block hashes:
+
+1. The best replica by score ``cached_tokens - load_penalty_tokens * (load - min_load)``; ties go to the less
+   loaded replica, then the lower index.
+2. If that replica's load is too far above the lightest one (``load - min_load > max(imbalance_abs,
+   imbalance_rel * mean_load)``), power of two choices instead: two random replicas, the less loaded one
+   (Mitzenmacher), ignoring the cache, so one hot prefix cannot pile work onto one replica.  Judging the
+   preferred replica rather than the whole fleet (as Ray's router does) keeps every other conversation where its
+   prefix is while one replica is busy.
+
+``load`` is whatever the caller balances: requests in flight for a live router, requests served so far in the
+``bench route`` simulation.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prefixcache.cache.events import BlockIndex, block_hashes
+from prefixcache.errors import InvalidArgumentError
+
+__all__ = ["ExactPrefixRouter", "RouteDecision", "cached_prefix_blocks", "power_of_two"]
+
+
+def cached_prefix_blocks(index: BlockIndex, hashes: Sequence[int], namespace: str | None = None) -> int:
+    """How many leading blocks of ``hashes`` ``index`` holds under ``namespace``.  O(log len(hashes)).
+
+    Relies on the index being prefix-closed (true for any radix cache's events): if block ``j`` is held, so are
+    blocks ``0..j-1``.
+    """
+    held = index.hashes
+    lo, hi = 0, len(hashes)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if (namespace, hashes[mid - 1]) in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def power_of_two(loads: Sequence[int], rng: random.Random) -> int:
+    """Two distinct random replicas, the less loaded one (the first drawn on a tie).
+
+    Raises:
+        InvalidArgumentError: no replica.
+    """
+    if not loads:
+        raise InvalidArgumentError("no replica to choose from")
+    if len(loads) == 1:
+        return 0
+    a, b = rng.sample(range(len(loads)), 2)
+    return b if loads[b] < loads[a] else a
+
+
+def too_uneven(loads: Sequence[int], imbalance_abs: float, imbalance_rel: float) -> bool:
+    """Whether ``max(loads) - min(loads)`` exceeds ``max(imbalance_abs, imbalance_rel * mean)``."""
+    mean = sum(loads) / len(loads)
+    return max(loads) - min(loads) > max(imbalance_abs, imbalance_rel * mean)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where a request goes and why: ``cached_tokens[i]`` is replica ``i``'s exact cached prefix (block-aligned)."""
+
+    replica: int
+    cached_tokens: tuple[int, ...]
+    balanced_by_load: bool
+    """True when loads were too uneven and power of two choices decided."""
+
+
+class ExactPrefixRouter:
+    """Scores replicas by the prompt tokens whose block hashes their :class:`BlockIndex` holds, minus a load penalty.
+
+    Args:
+        block_size: the replicas' block size in tokens (all replicas must share it, and ``hash_seed``).
+        hash_seed: the replicas' ``hash_seed``.
+        load_penalty_tokens: tokens of cached prefix one unit of extra load is worth.
+        imbalance_abs: the preferred replica's load may exceed the lightest by this much before power of two
+            choices takes over ...
+        imbalance_rel: ... or by this fraction of the mean load, whichever is larger.
+        seed: seed of the power-of-two draws.
+        index_namespace: ``None`` for indexes fed over the wire (which keep every block under ``None``); the default
+            ``...`` looks blocks up under the request's own namespace (indexes fed in process).
+
+    Raises:
+        InvalidArgumentError: ``block_size < 1`` or a negative penalty or threshold.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        hash_seed: int = 0,
+        load_penalty_tokens: float = 0.0,
+        imbalance_abs: float = 8,
+        imbalance_rel: float = 0.1,
+        seed: int = 0,
+        index_namespace: object = ...,
+    ) -> None:
+        if block_size < 1 or min(load_penalty_tokens, imbalance_abs, imbalance_rel) < 0:
+            raise InvalidArgumentError("block_size must be >= 1 and penalties/thresholds >= 0")
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.load_penalty_tokens = load_penalty_tokens
+        self.imbalance_abs = imbalance_abs
+        self.imbalance_rel = imbalance_rel
+        self.index_namespace = index_namespace
+        self._rng = random.Random(seed)
+
+    def cached_tokens(
+        self, token_ids: Sequence[int], indexes: Sequence[BlockIndex], namespace: str | None = None
+    ) -> list[int]:
+        """Per replica, the prompt's leading tokens it holds in full blocks.  O(prompt + replicas * log blocks)."""
+        hashes = block_hashes(token_ids, self.block_size, namespace, self.hash_seed)
+        key = namespace if self.index_namespace is ... else self.index_namespace
+        return [cached_prefix_blocks(index, hashes, key) * self.block_size for index in indexes]
+
+    def choose(
+        self,
+        token_ids: Sequence[int],
+        indexes: Sequence[BlockIndex],
+        loads: Sequence[int],
+        namespace: str | None = None,
+        tiebreak: Sequence[int] | None = None,
+    ) -> RouteDecision:
+        """Pick a replica for a prompt (see the module docstring for the rule).  ``tiebreak`` (say, requests routed
+        so far) settles ties of score and load before the index does, so equal replicas share new prompts.
+
+        Raises:
+            InvalidArgumentError: no replica, or ``indexes``, ``loads`` (and ``tiebreak``) of different lengths.
+        """
+        if not indexes or len(indexes) != len(loads) or (tiebreak is not None and len(tiebreak) != len(loads)):
+            raise InvalidArgumentError(f"need one load per index, got {len(indexes)} indexes and {len(loads)} loads")
+        cached = self.cached_tokens(token_ids, indexes, namespace)
+        low = min(loads)
+        best = max(
+            range(len(loads)),
+            key=lambda i: (
+                cached[i] - self.load_penalty_tokens * (loads[i] - low),
+                -loads[i],
+                -tiebreak[i] if tiebreak is not None else 0,
+                -i,
+            ),
+        )
+        if loads[best] - low > max(self.imbalance_abs, self.imbalance_rel * sum(loads) / len(loads)):
+            return RouteDecision(power_of_two(loads, self._rng), tuple(cached), True)
+        return RouteDecision(best, tuple(cached), False)

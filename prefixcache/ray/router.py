@@ -1,0 +1,139 @@
+"""A Ray Serve request router that scores replicas by the exact prompt tokens they hold.
+
+Each replica of :class:`~prefixcache.ray.deployment.PrefixCacheServer` publishes its cache's KV events on ZMQ
+(:mod:`prefixcache.distributed.publisher`) and reports the endpoints, its model fingerprint and block size through
+Ray Serve's routing stats (``record_routing_stats``).  The router, which runs wherever the deployment handle is
+used (the driver, or Serve's HTTP proxy), keeps one :class:`~prefixcache.distributed.subscriber.ZmqEventSubscriber`
+per replica feeding a :class:`~prefixcache.cache.events.BlockIndex`, and ranks replicas with
+:class:`~prefixcache.distributed.router.ExactPrefixRouter`: cached prompt tokens minus a load penalty on the queue
+lengths Ray Serve probes, power of two choices when the preferred replica is too busy.  It returns two ranks, the
+chosen replica then the rest by cached tokens, so Ray Serve falls through to another replica if the first rejects
+the request or has died.
+
+Ray Serve's ``RequestRouter`` API is alpha (Ray >= 2.46); this module is written against Ray 2.60.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, ClassVar
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from prefixcache.cache.events import BlockIndex
+from prefixcache.distributed.router import ExactPrefixRouter
+from prefixcache.distributed.subscriber import ZmqEventSubscriber
+
+__all__ = ["ExactPrefixRequestRouter", "routed_namespace"]
+
+logger = logging.getLogger(__name__)
+
+
+def routed_namespace(fingerprint: str, namespace: str | None) -> str:
+    """The tree namespace a runner with ``fingerprint`` uses for a request's ``namespace`` (the same rule as
+    :meth:`~prefixcache.engine.runner.PrefixCachingRunner.namespace_key`, so the router hashes prompts exactly as
+    the replica cached them)."""
+    return f"{fingerprint}:" + ("-" if namespace is None else "=" + namespace)
+
+
+def request_of(pending: PendingRequest | None) -> dict[str, Any] | None:
+    """The ``generate`` request dict of a pending call, or None for any other call."""
+    if pending is None:
+        return None
+    candidate = pending.args[0] if pending.args else pending.kwargs.get("request")
+    if isinstance(candidate, dict) and isinstance(candidate.get("prompt_ids"), (list, tuple)):
+        return candidate
+    return None
+
+
+class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
+    """Route ``generate`` calls to the replica holding the longest exact prefix of the prompt.
+
+    Configure with ``RequestRouterConfig(request_router_class=ExactPrefixRequestRouter, request_router_kwargs=
+    {...})``; the kwargs reach :meth:`initialize_state`.  Calls without a ``prompt_ids`` request get every
+    replica in one rank (Ray Serve's own choice among them).
+    """
+
+    live: ClassVar[weakref.WeakSet] = weakref.WeakSet()
+    """The routers of this process (for tests and debugging)."""
+
+    def initialize_state(
+        self,
+        load_penalty_tokens: float = 16.0,
+        imbalance_abs: float = 4,
+        imbalance_rel: float = 0.5,
+        seed: int = 0,
+    ) -> None:
+        """Router settings; see :class:`~prefixcache.distributed.router.ExactPrefixRouter` (loads are queue lengths)."""
+        self._settings = {
+            "load_penalty_tokens": load_penalty_tokens,
+            "imbalance_abs": imbalance_abs,
+            "imbalance_rel": imbalance_rel,
+            "seed": seed,
+        }
+        self._routers: dict[tuple[int, int], ExactPrefixRouter] = {}
+        self._mirrors: dict[ReplicaID, tuple[str, BlockIndex, ZmqEventSubscriber]] = {}
+        self._routed: dict[ReplicaID, int] = {}
+        ExactPrefixRequestRouter.live.add(self)
+
+    @property
+    def num_mirrored(self) -> int:
+        """Replicas whose KV events this router follows."""
+        return len(self._mirrors)
+
+    def _index(self, replica: RunningReplica) -> BlockIndex | None:
+        stats = replica.routing_stats or {}
+        endpoint = stats.get("kv_events_endpoint")
+        if not endpoint:
+            return None
+        known = self._mirrors.get(replica.replica_id)
+        if known is not None and known[0] == endpoint:
+            return known[1]
+        if known is not None:
+            self._drop(replica.replica_id)
+        index = BlockIndex(strict=False)
+        subscriber = ZmqEventSubscriber(endpoint, stats.get("kv_events_replay_endpoint"), index)
+        self._mirrors[replica.replica_id] = (endpoint, index, subscriber)
+        return index
+
+    def _drop(self, replica_id: ReplicaID) -> None:
+        known = self._mirrors.pop(replica_id, None)
+        if known is not None:
+            known[2].close(timeout_s=1.0)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._drop(replica_id)
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        live = set(self.curr_replicas)
+        for gone in [r for r in self._mirrors if r not in live]:
+            self._drop(gone)
+        request = request_of(pending_request)
+        if request is None or len(candidate_replicas) < 2:
+            return [candidate_replicas]
+        stats = next((r.routing_stats for r in candidate_replicas if (r.routing_stats or {}).get("fingerprint")), None)
+        if stats is None:
+            return [candidate_replicas]
+        key = (int(stats["block_size"]), int(stats.get("hash_seed", 0)))
+        router = self._routers.get(key)
+        if router is None:
+            router = ExactPrefixRouter(key[0], hash_seed=key[1], index_namespace=None, **self._settings)
+            self._routers[key] = router
+        empty = BlockIndex()
+        indexes = [self._index(r) or empty for r in candidate_replicas]
+        loads = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas]
+        namespace = routed_namespace(stats["fingerprint"], request.get("namespace"))
+        routed = [self._routed.get(r.replica_id, 0) for r in candidate_replicas]
+        decision = router.choose(request["prompt_ids"], indexes, loads, namespace, routed)
+        chosen = candidate_replicas[decision.replica]
+        # Counted at decision time: requests routed together would otherwise all see the same tallies and tie.
+        self._routed[chosen.replica_id] = self._routed.get(chosen.replica_id, 0) + 1
+        rest = sorted(
+            (i for i in range(len(candidate_replicas)) if i != decision.replica),
+            key=lambda i: (-decision.cached_tokens[i], loads[i]),
+        )
+        return [[chosen], [candidate_replicas[i] for i in rest]]

@@ -1,0 +1,70 @@
+"""The route benchmark: simulated replicas, the four routers, and what each must get right."""
+
+from __future__ import annotations
+
+import os
+from array import array
+
+import pytest
+
+from prefixcache.bench import route
+from prefixcache.cache.tokens import TOKEN_TYPECODE
+from prefixcache.replay.replayer import ReplayRequest
+
+
+def _conversations(num: int, turns: int, turn_tokens: int = 400) -> list[ReplayRequest]:
+    """``num`` conversations of ``turns`` turns, interleaved; each prompt extends the previous prompt + answer."""
+    history = {c: array(TOKEN_TYPECODE) for c in range(num)}
+    out = []
+    for t in range(turns):
+        for c in range(num):
+            start = 10_000 * c + 1000 * t
+            prompt = history[c] + array(TOKEN_TYPECODE, range(start, start + turn_tokens))
+            answer = array(TOKEN_TYPECODE, range(start + 500, start + 508))
+            out.append(ReplayRequest("synthetic", f"conv{c}", t, prompt, answer))
+            history[c] = prompt + answer
+    return out
+
+
+def test_with_room_for_everything_exact_routing_matches_one_big_replica_and_round_robin_does_not() -> None:
+    # 7 conversations on 4 replicas: round-robin moves every conversation at every turn.
+    requests = _conversations(num=7, turns=5)
+    big = route.simulate(requests, 1, 40_000, "round-robin")["hit_rate"]
+    exact = route.simulate(requests, 4, 10_000, "exact")
+    round_robin = route.simulate(requests, 4, 10_000, "round-robin")
+    affinity = route.simulate(requests, 4, 10_000, "affinity")
+    assert exact["hit_rate"] == pytest.approx(big)
+    assert affinity["hit_rate"] == pytest.approx(big)
+    assert round_robin["hit_rate"] < 0.5 * big
+    assert exact["imbalance"] <= 1.25
+    assert round_robin["imbalance"] == pytest.approx(9 / (35 / 4))  # 9, 9, 9, 8 requests
+
+
+def test_the_text_router_follows_its_routing_history() -> None:
+    requests = _conversations(num=4, turns=4)
+    text = route.simulate(requests, 2, 10_000, "text prefix")
+    assert text["hit_rate"] == pytest.approx(route.simulate(requests, 1, 20_000, "round-robin")["hit_rate"])
+
+
+def test_consistent_hashing_moves_few_keys_when_a_replica_is_added() -> None:
+    keys = [f"conversation-{i}" for i in range(2000)]
+    before = route.ConsistentHashRing(8)
+    after = route.ConsistentHashRing(9)
+    moved = sum(before.owner(k) != after.owner(k) for k in keys)
+    # Ideal: 1/9 of the keys move, all of them to the new replica.
+    assert moved < 0.2 * len(keys)
+    assert all(after.owner(k) == 8 for k in keys if before.owner(k) != after.owner(k))
+
+
+def test_quick_route_benchmark_on_the_shared_data() -> None:
+    missing = [name for name, _, _ in route.WORKLOADS.values() if not (route.DATA_DIR / name).is_file()]
+    if missing:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI needs the shared data; missing {missing} in {route.DATA_DIR}")
+        pytest.skip(f"shared data not found at {route.DATA_DIR} (../shared/data beside the project)")
+    result = route.run(quick=True, replicas=(4,))
+    for label, workload in result.data["workloads"].items():
+        (row,) = workload["rows"]
+        assert row["exact"]["hit_rate"] >= row["round-robin"]["hit_rate"], label
+        assert row["exact"]["imbalance"] <= 1.5, label
+        assert 0 < row["baseline"] <= 1

@@ -1,0 +1,170 @@
+"""The ZMQ publisher and subscriber over real sockets on 127.0.0.1, and a subscriber written from vLLM's documented
+protocol (raw pyzmq + plain msgpack) to check what goes on the wire.  Every wait is bounded."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+zmq = pytest.importorskip("zmq", reason="needs the [events] extra")
+pytest.importorskip("msgspec", reason="needs the [events] extra")
+msgpack = pytest.importorskip("msgpack", reason="the independent subscriber needs msgpack")
+
+from prefixcache.cache.events import BlockIndex, block_hashes  # noqa: E402
+from prefixcache.distributed.publisher import ZmqEventPublisher  # noqa: E402
+from prefixcache.distributed.subscriber import ZmqEventSubscriber  # noqa: E402
+from prefixcache.errors import InvalidArgumentError  # noqa: E402
+
+TIMEOUT_MS = 5000
+
+
+def _wire_blocks(cache, namespaces) -> set[tuple[None, int]]:
+    """What a wire-fed index must hold: every full block of every cached sequence, keyed under None."""
+    out = set()
+    for ns in namespaces:
+        for seq in cache.cached_sequences(ns):
+            out.update((None, h) for h in block_hashes(seq, cache.block_size, ns, cache.hash_seed))
+    return out
+
+
+@pytest.fixture
+def publisher():
+    with ZmqEventPublisher() as pub:
+        yield pub
+
+
+def _raw_sub(endpoint: str):
+    context = zmq.Context.instance()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv-events")
+    sub.connect(endpoint)
+    return sub
+
+
+def _raw_replay(endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    """vLLM's replay request from a DEALER: ``[b"", start]``; answers until the signed -1 end marker."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([b"", start.to_bytes(8, "big")])
+        out = []
+        while True:
+            assert sock.poll(TIMEOUT_MS), "replay answer timed out"
+            empty, seq, payload = sock.recv_multipart()
+            assert empty == b""
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                assert payload == b""
+                return out
+            out.append((int.from_bytes(seq, "big"), payload))
+    finally:
+        sock.close()
+
+
+def test_an_independent_subscriber_reads_topic_seq_and_an_event_batch(make_cache, put, publisher) -> None:
+    sub = _raw_sub(publisher.endpoint)
+    try:
+        cache = make_cache(num_blocks=32, block_size=2)
+        cache.subscribe(publisher)
+        # PUB drops messages until the subscription reaches it: send probes until one arrives.
+        put(cache, [7, 7])
+        for _ in range(50):
+            if sub.poll(100):
+                break
+            cache.evict_all()
+            put(cache, [7, 7])
+        while sub.poll(200):
+            sub.recv_multipart()
+        put(cache, [1, 2, 3, 4, 5])
+        assert publisher.flush()
+        assert sub.poll(TIMEOUT_MS)
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv-events"
+        assert len(seq) == 8 and int.from_bytes(seq, "big") == publisher.last_seq
+        ts, events = msgpack.unpackb(payload)
+        assert isinstance(ts, float)
+        assert events == [["BlockStored", block_hashes([1, 2, 3, 4], 2), None, [1, 2, 3, 4], 2, None, None]]
+    finally:
+        sub.close()
+
+
+def test_the_replay_endpoint_answers_every_buffered_batch_from_the_asked_sequence(make_cache, put, publisher) -> None:
+    cache = make_cache(num_blocks=32, block_size=2)
+    cache.subscribe(publisher)
+    for tokens in ([1, 2], [3, 4], [5, 6]):
+        put(cache, tokens)
+        assert publisher.flush()
+    assert publisher.last_seq == 2
+    answered = _raw_replay(publisher.replay_endpoint, 1)
+    assert [seq for seq, _ in answered] == [1, 2]
+    assert [msgpack.unpackb(p)[1][0][3] for _, p in answered] == [[3, 4], [5, 6]]
+    assert _raw_replay(publisher.replay_endpoint, 3) == []
+
+
+def test_a_late_subscriber_mirrors_the_cache_exactly(make_cache, put, publisher) -> None:
+    cache = make_cache(num_blocks=12, block_size=2)
+    cache.subscribe(publisher)
+    for i in range(8):  # more than fits: the early sequences are evicted again
+        put(cache, [1, 2, 3, 4, 10 + i, 10 + i], "a" if i % 2 else None)
+    assert publisher.flush()
+    index = BlockIndex()
+    with ZmqEventSubscriber(publisher.endpoint, publisher.replay_endpoint, index) as subscriber:
+        assert subscriber.wait_for(publisher.last_seq)
+        assert index.hashes == _wire_blocks(cache, [None, "a"])
+        put(cache, [1, 2, 3, 4, 99, 99, 98, 98])
+        cache.evict(2)
+        assert publisher.flush()
+        assert subscriber.wait_for(publisher.last_seq)
+        assert index.hashes == _wire_blocks(cache, [None, "a"])
+        cache.evict_all()
+        assert publisher.flush()
+        assert subscriber.wait_for(publisher.last_seq)
+        assert index.hashes == set()
+        assert subscriber.num_gaps == 0
+
+
+def test_a_subscriber_joining_after_the_replay_buffer_wrapped_reports_a_gap(make_cache, put) -> None:
+    with ZmqEventPublisher(buffer_batches=2) as publisher:
+        cache = make_cache(num_blocks=32, block_size=2)
+        cache.subscribe(publisher)
+        for i in range(4):
+            put(cache, [i, i])
+            assert publisher.flush()
+        index = BlockIndex(strict=False)
+        with ZmqEventSubscriber(publisher.endpoint, publisher.replay_endpoint, index) as subscriber:
+            assert subscriber.wait_for(publisher.last_seq)
+            assert subscriber.num_gaps == 1
+            assert index.hashes == {(None, h) for i in (2, 3) for h in block_hashes([i, i], 2)}
+
+
+def test_publishing_only_enqueues_so_a_stalled_sender_never_blocks_the_cache(make_cache, put, publisher) -> None:
+    release = threading.Event()
+    real_send = publisher._send
+
+    def stalled_send(events):
+        release.wait(10)
+        real_send(events)
+
+    publisher._send = stalled_send
+    cache = make_cache(num_blocks=64, block_size=2)
+    cache.subscribe(publisher)
+    worker = threading.Thread(target=lambda: [put(cache, [i, i, i, i]) for i in range(20)])
+    worker.start()
+    worker.join(5)
+    stalled = worker.is_alive()
+    release.set()
+    assert not stalled, "cache inserts waited for the sender"
+    assert publisher.flush()
+    assert publisher.last_seq >= 0
+
+
+def test_bad_sizes_are_rejected_before_any_socket_is_bound() -> None:
+    with pytest.raises(InvalidArgumentError):
+        ZmqEventPublisher(buffer_batches=0)
+
+
+def test_an_endpoint_already_in_use_raises_and_closes_what_was_opened(publisher) -> None:
+    with pytest.raises(zmq.ZMQError):
+        ZmqEventPublisher(publisher.endpoint)

@@ -1,0 +1,94 @@
+"""The exact-prefix router: cached prefix lengths from a BlockIndex, the score, and the load guard."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixcache.cache.events import BlockIndex, block_hashes
+from prefixcache.distributed.router import ExactPrefixRouter, cached_prefix_blocks, power_of_two
+from prefixcache.errors import InvalidArgumentError
+
+
+def _indexed_cache(make_cache, put, sequences, namespace=None, num_blocks=64):
+    cache = make_cache(num_blocks=num_blocks, block_size=2)
+    index = BlockIndex()
+    cache.subscribe(index)
+    for seq in sequences:
+        put(cache, seq, namespace)
+    return cache, index
+
+
+# make_cache and put are factories: each example builds a fresh cache.
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1, max_size=8),
+    st.lists(st.integers(0, 3), min_size=1, max_size=14),
+)
+def test_cached_prefix_blocks_equals_a_linear_scan_of_the_cache(make_cache, put, sequences, query) -> None:
+    cache, index = _indexed_cache(make_cache, put, sequences, num_blocks=24)
+    hashes = block_hashes(query, 2)
+    linear = 0
+    while linear < len(hashes) and (None, hashes[linear]) in index.hashes:
+        linear += 1
+    assert cached_prefix_blocks(index, hashes) == linear
+    # The cache itself agrees, rounded down to whole blocks.
+    assert linear == cache.match(query).num_tokens // 2
+
+
+def test_the_replica_holding_the_longest_prefix_wins(make_cache, put) -> None:
+    _, short = _indexed_cache(make_cache, put, [[1, 2, 3, 4]])
+    _, long = _indexed_cache(make_cache, put, [[1, 2, 3, 4, 5, 6, 7]])
+    _, other = _indexed_cache(make_cache, put, [[9, 9, 9, 9, 9, 9]])
+    router = ExactPrefixRouter(2)
+    decision = router.choose([1, 2, 3, 4, 5, 6, 7, 8], [short, long, other], [0, 0, 0])
+    assert decision.replica == 1
+    assert decision.cached_tokens == (4, 6, 0)
+    assert not decision.balanced_by_load
+
+
+def test_namespaces_carry_over_a_prefix_cached_for_another_tenant_scores_zero(make_cache, put) -> None:
+    _, tenant_a = _indexed_cache(make_cache, put, [[1, 2, 3, 4]], namespace="a")
+    _, plain = _indexed_cache(make_cache, put, [[1, 2]])
+    router = ExactPrefixRouter(2)
+    assert router.cached_tokens([1, 2, 3, 4], [tenant_a, plain], "a") == [4, 0]
+    assert router.cached_tokens([1, 2, 3, 4], [tenant_a, plain], None) == [0, 2]
+
+
+def test_with_nothing_cached_the_least_loaded_replica_wins() -> None:
+    decision = ExactPrefixRouter(2).choose([1, 2, 3, 4], [BlockIndex(), BlockIndex(), BlockIndex()], [3, 1, 2])
+    assert decision.replica == 1
+
+
+def test_the_load_penalty_trades_cached_tokens_for_load(make_cache, put) -> None:
+    _, warm = _indexed_cache(make_cache, put, [[1, 2, 3, 4]])
+    indexes = [warm, BlockIndex()]
+    assert ExactPrefixRouter(2, load_penalty_tokens=1.0).choose([1, 2, 3, 4], indexes, [3, 0]).replica == 0
+    assert ExactPrefixRouter(2, load_penalty_tokens=2.0).choose([1, 2, 3, 4], indexes, [3, 0]).replica == 1
+
+
+def test_too_uneven_loads_fall_back_to_power_of_two_choices(make_cache, put) -> None:
+    _, warm = _indexed_cache(make_cache, put, [[1, 2, 3, 4]])
+    router = ExactPrefixRouter(2, imbalance_abs=2, imbalance_rel=0.0, seed=1)
+    decision = router.choose([1, 2, 3, 4], [warm, BlockIndex()], [10, 0])
+    assert decision.balanced_by_load and decision.replica == 1
+
+
+def test_power_of_two_picks_the_less_loaded_of_two_distinct_replicas() -> None:
+    rng = random.Random(0)
+    picks = [power_of_two([5, 0, 5, 5], rng) for _ in range(200)]
+    # Replica 1 wins whenever drawn (probability 1/2); the others only against each other.
+    assert 0.4 < picks.count(1) / 200 < 0.6
+    assert power_of_two([7], rng) == 0
+
+
+def test_bad_arguments_raise_the_package_error() -> None:
+    with pytest.raises(InvalidArgumentError):
+        ExactPrefixRouter(0)
+    with pytest.raises(InvalidArgumentError):
+        ExactPrefixRouter(2).choose([1, 2], [BlockIndex()], [0, 0])
+    with pytest.raises(InvalidArgumentError):
+        power_of_two([], random.Random(0))
