@@ -144,6 +144,20 @@ def create_app(
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "prefixcache"}
         return {"object": "list", "data": [card]}
 
+    async def _collect(events: Any, kind: str, value: Any, endpoint: str) -> ChatCompletion | Response:
+        """Drain a job's events to its end: the finished completion, or the error response (counted in metrics)."""
+        try:
+            while kind == "delta":
+                kind, value = await anext(events)
+        finally:
+            await events.aclose()
+        if kind != "done":
+            error = value if kind == "error" else RuntimeError("the server is shutting down")
+            metrics.failed(endpoint, _status_of(error))
+            return _error_response(error)
+        metrics.observe(endpoint, value.usage)
+        return value
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         namespace = authenticate(request)
@@ -166,17 +180,10 @@ def create_app(
         events = run_job(start)
         kind, first = await anext(events)
         if not chat.stream or kind == "error":
-            try:
-                while kind == "delta":
-                    kind, first = await anext(events)
-            finally:
-                await events.aclose()
-            if kind != "done":
-                error = first if kind == "error" else RuntimeError("the server is shutting down")
-                metrics.failed("/v1/chat/completions", _status_of(error))
-                return _error_response(error)
-            metrics.observe("/v1/chat/completions", first.usage)
-            return JSONResponse(chat_response(request_id, model_name, first))
+            done = await _collect(events, kind, first, "/v1/chat/completions")
+            if isinstance(done, Response):
+                return done
+            return JSONResponse(chat_response(request_id, model_name, done))
 
         async def sse() -> AsyncIterator[str]:
             try:
@@ -223,18 +230,11 @@ def create_app(
         events = run_job(start)
         kind, first = await anext(events)
         if not body.stream or kind == "error":
-            try:
-                while kind == "delta":
-                    kind, first = await anext(events)
-            finally:
-                await events.aclose()
-            if kind != "done":
-                error = first if kind == "error" else RuntimeError("the server is shutting down")
-                metrics.failed("/v1/completions", _status_of(error))
-                return _error_response(error)
-            metrics.observe("/v1/completions", first.usage)
+            done = await _collect(events, kind, first, "/v1/completions")
+            if isinstance(done, Response):
+                return done
             return JSONResponse(
-                completion_response(request_id, model_name, first.content or "", first.finish_reason, first.usage)
+                completion_response(request_id, model_name, done.content or "", done.finish_reason, done.usage)
             )
 
         async def sse() -> AsyncIterator[str]:
