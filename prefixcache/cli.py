@@ -396,6 +396,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     per_token = kv_bytes_per_token(args.layers, args.kv_heads, args.head_dim, _DTYPES[args.dtype])
     tokens = args.memory // per_token
     blocks = tokens // args.block_size
+    if blocks < 1:
+        raise InvalidArgumentError(
+            f"--memory {args.memory:,} bytes holds no block of {args.block_size} tokens "
+            f"({per_token * args.block_size:,} bytes at {per_token:,} bytes per token)"
+        )
     print(
         f"bytes per token: {per_token:,} (2 x {args.layers} layers x {args.kv_heads} KV heads x "
         f"{args.head_dim} head_dim x {torch.empty((), dtype=_DTYPES[args.dtype]).element_size()} bytes)"

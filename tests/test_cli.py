@@ -218,6 +218,12 @@ def test_plan_rejects_a_non_positive_size(capsys: pytest.CaptureFixture[str]) ->
     assert "must be positive" in capsys.readouterr().err
 
 
+def test_plan_rejects_memory_that_holds_no_block(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*PLAN_8B[:-1], "1KiB"]) == 2
+
+    assert "holds no block of 16 tokens (2,097,152 bytes" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("text", "size"),
     [("24GiB", 24 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000), ("4096", 4096), ("2 kib", 2048)],

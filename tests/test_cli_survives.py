@@ -277,6 +277,7 @@ def test_skip_invalid_skips_a_too_deeply_nested_first_line_which_otherwise_names
         ('{"n": ' + "9" * 5000 + "}", "not usable JSON: an integer of 5,000 digits at column 7"),
         ('{"id": "x", "messages": tru}', "not valid JSON: Expecting value at column 25"),
         ('{"id": "é", "messages": [x]}', "not valid JSON: Expecting value at column 26"),
+        ('{"id": "x\tb", "messages": []}', "not valid JSON: Invalid control character at column 10"),
         ('{"messages": "\xff"}', "not valid UTF-8 (invalid start byte at column 15)"),
     ],
 )

@@ -232,6 +232,8 @@ class RadixCache:
         boundary) and removes a leaf once nothing of it is left; its parent may then become a candidate.  The result
         and the ``BlockRemoved`` events say exactly what was freed.  O(log c) per block freed.
         """
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 0:
+            raise InvalidArgumentError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
         with self._mutex:
             return self._tree.evict(num_blocks)
 

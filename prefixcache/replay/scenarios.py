@@ -138,7 +138,9 @@ def _iter_json_lines(path: Path) -> Iterator[tuple[int, Any, ScenarioError | Non
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as exc:
-                message = f"not valid JSON: {exc.msg} at column {exc.colno}"
+                # Some of json's messages end in " at" ("Invalid control character at"); don't say it twice.
+                reason = exc.msg[: -len(" at")] if exc.msg.endswith(" at") else exc.msg
+                message = f"not valid JSON: {reason} at column {exc.colno}"
                 yield line_no, None, ScenarioError(message, str(path), line_no)
                 continue
             except RecursionError:

@@ -172,6 +172,8 @@ CASES = {
     ),
     "negative allocation": Case(lambda w: w.cache.allocate(-1), InvalidArgumentError, "non-negative int"),
     "float allocation": Case(lambda w: w.cache.allocate(1.0), InvalidArgumentError, "non-negative int"),
+    "negative eviction": Case(lambda w: w.cache.evict(-1), InvalidArgumentError, "non-negative int, got -1"),
+    "str eviction": Case(lambda w: w.cache.evict("3"), InvalidArgumentError, "non-negative int, got '3'"),
 }
 
 
