@@ -166,10 +166,11 @@ class RadixCache:
         with self._mutex:
             if not isinstance(match, MatchResult) or match.owner is not self:
                 raise LockError("lock takes a MatchResult returned by this cache's match()")
-            if match.node.end < match.num_tokens:
+            node = match.node
+            if node.start + len(node.tokens) < match.num_tokens:
                 # Block-granular eviction cut the matched tail off the node: its block table is stale.
                 raise LockError("cannot lock a stale match: eviction shortened it after the match; match again")
-            return self._locks.lock(match.node)
+            return self._locks.lock(node)
 
     def unlock(self, handle: LockHandle) -> None:
         """Release a lock taken by :meth:`lock`.  O(depth).
