@@ -111,31 +111,16 @@ def build_bench_model(quick: bool, layers: int):
     Raises InvalidArgumentError when transformers (extra ``hf``) is missing or the shared config is absent.
     """
     try:
-        import transformers
+        import transformers  # noqa: F401 - only to say which extra is missing
     except ImportError:
         raise InvalidArgumentError("this benchmark needs transformers: pip install 'prefixcache[hf]'") from None
-    from prefixcache.models.hf import HFCausalLM, random_model_from_config
+    from prefixcache.models.hf import random_model_from_config, tiny_random_model
 
     if not quick:
         if not (QWEN_DIR / "config.json").is_file():
             raise InvalidArgumentError(f"the Qwen config is missing at {QWEN_DIR}; run with --quick or fetch ../shared")
         return random_model_from_config(QWEN_DIR, layers=layers, seed=0, device="cpu")
-    config = transformers.AutoConfig.for_model(
-        "qwen2",
-        vocab_size=2048,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        initializer_range=0.2,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        return HFCausalLM(transformers.AutoModelForCausalLM.from_config(config).eval())
+    return tiny_random_model("qwen2", vocab_size=2048, layers=layers, max_positions=4096)
 
 
 def _ids(model, n: int, seed: int) -> list[int]:

@@ -433,3 +433,31 @@ def random_model_from_config(
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return HFCausalLM(model.to(_resolve_device(device)))
+
+
+def tiny_random_model(
+    model_type: str = "qwen2", *, vocab_size: int = 300, layers: int = 2, max_positions: int = 512, seed: int = 0
+) -> HFCausalLM:
+    """A small randomly initialised Hugging Face model of ``model_type`` for tests and quick benchmarks: hidden size
+    64, intermediate 128, 4 query heads over 2 KV heads (grouped-query attention), ``layers`` layers, no BOS/EOS.
+    Weights come from the architecture's initialiser (``initializer_range`` 0.2, so that logits differ visibly)
+    under ``torch.manual_seed(seed)``, with the global RNG state restored.  Raises UnsupportedModelError as
+    :class:`HFCausalLM` does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return HFCausalLM(AutoModelForCausalLM.from_config(config).eval())

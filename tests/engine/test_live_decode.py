@@ -17,25 +17,10 @@ TOL = 1e-4
 
 
 def _hf_qwen2():
-    transformers = pytest.importorskip("transformers")
-    from prefixcache.models.hf import HFCausalLM
+    pytest.importorskip("transformers")
+    from prefixcache.models.hf import tiny_random_model
 
-    config = transformers.AutoConfig.for_model(
-        "qwen2",
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.2,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(1)
-        return HFCausalLM(transformers.AutoModelForCausalLM.from_config(config).eval())
+    return tiny_random_model("qwen2", max_positions=1024, seed=1)
 
 
 @pytest.fixture(scope="module", params=["embedded", "hf-qwen2"])

@@ -13,7 +13,7 @@ from prefixcache.testing import greedy_reference
 
 transformers = pytest.importorskip("transformers")
 
-from prefixcache.models.hf import HFCausalLM  # noqa: E402
+from prefixcache.models.hf import HFCausalLM, tiny_random_model  # noqa: E402
 
 NEW = 6
 VOCAB = 1000
@@ -24,22 +24,7 @@ def prompt(n: int = 200, seed: int = 0) -> list[int]:
 
 
 def hf_model(seed: int = 0) -> torch.nn.Module:
-    config = transformers.AutoConfig.for_model(
-        "llama",
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        initializer_range=0.2,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return transformers.AutoModelForCausalLM.from_config(config).eval()
+    return tiny_random_model("llama", vocab_size=VOCAB, seed=seed).model
 
 
 def warm_then_check(runner: PrefixCachingRunner, change) -> None:
