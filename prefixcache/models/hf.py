@@ -293,7 +293,8 @@ def _growing_layer_class() -> type:
             super().reset()
 
         def crop(self, tokens_to_remove: int) -> None:
-            raise NotImplementedError("prefixcache's live K/V is never cropped")
+            # Cropping would drop rows the request's pool blocks still hold; nothing in prefixcache's path crops.
+            raise UnsupportedModelError("prefixcache's live K/V cannot be cropped (assisted decoding is not supported)")
 
     return GrowingLayer
 

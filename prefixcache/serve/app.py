@@ -60,6 +60,16 @@ def _error_response(error: BaseException) -> JSONResponse:
     return JSONResponse(error_body(message, kind=kind), status_code=status)
 
 
+async def _closing(lines: AsyncIterator[str], events: Any) -> AsyncIterator[str]:
+    """``lines``, then close the job's ``events`` however the response ends (finished, failed, or the client gone),
+    which cancels the job and frees its blocks."""
+    try:
+        async for line in lines:
+            yield line
+    finally:
+        await events.aclose()
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -185,13 +195,6 @@ def create_app(
                 return done
             return JSONResponse(chat_response(request_id, model_name, done))
 
-        async def sse() -> AsyncIterator[str]:
-            try:
-                async for line in chat_sse():
-                    yield line
-            finally:
-                await events.aclose()
-
         async def chat_sse() -> AsyncIterator[str]:
             kind_, value = kind, first
             yield _sse(chat_chunk(request_id, model_name, {"role": "assistant", "content": ""}))
@@ -212,7 +215,7 @@ def create_app(
                     yield _sse(chat_chunk(request_id, model_name, None, usage=done.usage))
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        return StreamingResponse(_closing(chat_sse(), events), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -237,13 +240,6 @@ def create_app(
                 completion_response(request_id, model_name, done.content or "", done.finish_reason, done.usage)
             )
 
-        async def sse() -> AsyncIterator[str]:
-            try:
-                async for line in completion_sse():
-                    yield line
-            finally:
-                await events.aclose()
-
         async def completion_sse() -> AsyncIterator[str]:
             kind_, value = kind, first
             while kind_ == "delta":
@@ -261,7 +257,7 @@ def create_app(
                     yield _sse(chunk)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream")
+        return StreamingResponse(_closing(completion_sse(), events), media_type="text/event-stream")
 
     @app.post("/v1/cache/prefill")
     async def prefill(request: Request) -> Response:
