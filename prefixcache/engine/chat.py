@@ -129,9 +129,12 @@ def chat_stream(
     strings (at most 4) end the answer before them; the turn is cached as with a stop token.  Closing the generator
     early releases the request's blocks and caches nothing of it.
 
-    Raises :class:`TemplateError` (bad messages or tools), :class:`InvalidArgumentError` (bad ``stop``,
+    Raises :class:`TemplateError` (bad messages or tools), :class:`InvalidArgumentError` (no messages, bad ``stop``,
     ``tool_choice`` or sampling), and the errors of :meth:`PrefixCachingRunner.stream`, before yielding anything.
     """
+    if isinstance(messages, Sequence) and not isinstance(messages, str) and len(messages) == 0:
+        # The template would render a bare generation prompt: an answer to nothing, which the server refuses too.
+        raise InvalidArgumentError("messages must be a non-empty list of chat messages")
     stops = check_stop(stop)
     forced_text = check_tool_choice(tool_choice, tools)
     parse_calls = bool(tools) and tool_choice != "none"

@@ -302,7 +302,7 @@ class PrefixCachingRunner:
         stop generation unless ``stop_token_ids`` is given; ``stop`` strings end the text before them.  With
         ``tools``, ``<tool_call>`` blocks come back parsed in ``ChatResult.tool_calls`` (see
         :func:`prefixcache.engine.chat.chat_stream`, which also streams).  Raises TemplateError for bad messages,
-        InvalidArgumentError for bad ``stop`` or ``tool_choice``, else as :meth:`generate`."""
+        InvalidArgumentError for no messages, bad ``stop`` or ``tool_choice``, else as :meth:`generate`."""
         from prefixcache.engine.chat import complete_chat
 
         done = complete_chat(

@@ -1,11 +1,15 @@
 """The OpenAI-compatible HTTP API (FastAPI): chat completions with tools, completions, models, health, metrics, and
 prefix warming.
 
-Every request is authenticated first (a 401 touches nothing: no body is parsed, no cache state read or changed),
-its namespace taken from its API key, and its model work handed to the one :class:`ModelWorker` thread.  Responses
-always carry ``usage.prompt_tokens_details.cached_tokens``; a streamed response without
+Every ``/v1`` request is authenticated first (a 401 touches nothing: no body is parsed, no cache state read or
+changed), its namespace taken from its API key, and its model work handed to the one :class:`ModelWorker` thread.
+Responses always carry ``usage.prompt_tokens_details.cached_tokens``; a streamed response without
 ``stream_options.include_usage`` carries the usage on its finishing chunk.  A client that disconnects mid-stream
 cancels its job, which closes its generator and frees its blocks.
+
+``GET /health`` and ``GET /metrics`` stay open with ``--api-keys``, as in vLLM: load balancers and Prometheus probe
+them without credentials, and they show only pool-wide aggregates (no prompt, namespace or key).  Every error,
+the router's own 404 and 405 included, has OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from prefixcache.engine.chat import ChatCompletion, chat_stream, completion_stream
 from prefixcache.engine.runner import PrefixCachingRunner
@@ -34,6 +39,7 @@ from prefixcache.serve.protocol import (
     error_body,
     parse_chat_request,
     parse_completion_request,
+    parse_prefill_request,
     usage_json,
 )
 from prefixcache.serve.worker import ModelWorker
@@ -134,6 +140,14 @@ def create_app(
     async def unauthorized(request: Request, error: Unauthorized) -> JSONResponse:
         body = error_body(str(error), param=None, code="invalid_api_key")
         return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        # The router's own 404 (no such path) and 405 (wrong method), in the error shape every OpenAI client parses.
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        message = f"{error.detail}: {request.method} {request.url.path}"
+        body = error_body(message, kind=kind, code=str(error.detail).lower().replace(" ", "_"))
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, error: BadRequest) -> JSONResponse:
@@ -262,22 +276,19 @@ def create_app(
     @app.post("/v1/cache/prefill")
     async def prefill(request: Request) -> Response:
         namespace = authenticate(request)
-        body = await read_json(request)
-        if not isinstance(body, dict) or set(body) - {"model", "messages", "tools", "prompt"}:
-            raise BadRequest("prefill takes model, messages (+ tools) or prompt (text or token ids)")
-        if "model" in body:
-            check_model(body["model"])
-        if ("messages" in body) == ("prompt" in body):
-            raise BadRequest("give exactly one of messages or prompt")
+        body = parse_prefill_request(await read_json(request), runner.tokenizer.vocab_size)
+        if body.model is not None:
+            check_model(body.model)
 
         def start() -> Generator[int, None, Any]:
-            if "messages" in body:
-                ids = runner.tokenizer.render_chat(body["messages"], body.get("tools"), add_generation_prompt=False)
-            elif isinstance(body["prompt"], str):
-                ids = runner.tokenizer.encode(body["prompt"])
+            if body.messages is not None:
+                ids = runner.tokenizer.render_chat(body.messages, body.tools, add_generation_prompt=False)
+            elif isinstance(body.prompt, str):
+                ids = runner.tokenizer.encode(body.prompt)
             else:
-                ids = body["prompt"]
-            return runner.stream(ids, SamplingParams(max_new_tokens=0), namespace=namespace)
+                ids = body.prompt
+            params = SamplingParams(max_new_tokens=0)
+            return runner.stream(ids, params, namespace=namespace, priority=body.priority, retain_s=body.retain_s)
 
         async for kind, value in run_job(start):
             if kind == "error":

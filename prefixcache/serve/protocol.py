@@ -9,6 +9,7 @@ smolagents send it.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,12 +26,14 @@ __all__ = [
     "BadRequest",
     "ChatRequest",
     "CompletionRequest",
+    "PrefillRequest",
     "chat_chunk",
     "chat_response",
     "completion_response",
     "error_body",
     "parse_chat_request",
     "parse_completion_request",
+    "parse_prefill_request",
     "usage_json",
 ]
 
@@ -42,6 +45,7 @@ _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "e
 _COMMON = frozenset({"model", "stream", "stream_options", "stop", "temperature", "top_p", "seed", "n", "max_tokens"})
 _CHAT = _COMMON | {"messages", "tools", "tool_choice", "max_completion_tokens", "response_format"}
 _COMPLETION = _COMMON | {"prompt"}
+_PREFILL = frozenset({"model", "messages", "tools", "prompt", "priority", "retain_s"})
 
 
 class BadRequest(Exception):
@@ -204,6 +208,53 @@ def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
     elif not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt must be a non-empty string or a list of token ids (one prompt only)", "prompt")
     return CompletionRequest(common.model, prompt, common.stream, common.include_usage, common.stop, common.sampling)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequest:
+    """A checked ``POST /v1/cache/prefill`` body: ``messages`` (with ``tools``) or ``prompt``, and the retention of
+    :meth:`RadixCache.retain` (``priority`` ``None``: not retained)."""
+
+    model: str | None
+    messages: list[dict[str, Any]] | None
+    tools: list[dict[str, Any]] | None
+    prompt: str | list[int] | None
+    priority: int | None
+    retain_s: float | None
+
+
+def parse_prefill_request(body: Any, vocab_size: int) -> PrefillRequest:
+    """Check a prefill body: exactly one of ``messages`` (+ ``tools``) or ``prompt`` (text or token ids below
+    ``vocab_size``); ``priority`` a positive integer, ``retain_s`` (needs ``priority``) a positive finite number of
+    seconds.  Raises :class:`BadRequest` naming the parameter."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    for name in body:
+        if name not in _PREFILL:
+            raise BadRequest(f"unsupported parameter: {name}; prefill takes {', '.join(sorted(_PREFILL))}", name)
+    model = body.get("model")
+    if model is not None and (not isinstance(model, str) or not model):
+        raise BadRequest("model must be a non-empty string", "model")
+    if ("messages" in body) == ("prompt" in body):
+        raise BadRequest("give exactly one of messages or prompt", "messages")
+    messages, tools, prompt = None, None, None
+    if "messages" in body:
+        chat = parse_chat_request({"model": model or "-", "messages": body["messages"], "tools": body.get("tools")})
+        messages, tools = chat.messages, chat.tools
+    elif "tools" in body:
+        raise BadRequest("tools go with messages, not with prompt", "tools")
+    else:
+        prompt = parse_completion_request({"model": "-", "prompt": body["prompt"]}, vocab_size).prompt
+    priority, retain_s = body.get("priority"), body.get("retain_s")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or priority < 1):
+        raise BadRequest(f"priority must be a positive integer, got {priority!r}", "priority")
+    if retain_s is not None:
+        if priority is None:
+            raise BadRequest("retain_s needs a priority", "retain_s")
+        if isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not 0 < retain_s < math.inf:
+            raise BadRequest(f"retain_s must be a positive finite number of seconds, got {retain_s!r}", "retain_s")
+        retain_s = float(retain_s)
+    return PrefillRequest(model, messages, tools, prompt, priority, retain_s)
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:
