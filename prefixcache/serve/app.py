@@ -104,14 +104,16 @@ def create_app(
     app.state.worker = worker
     app.state.metrics = metrics
 
-    async def run_job(start: Callable[[], Generator[Any, None, Any]]) -> AsyncIterator[tuple[str, Any]]:
+    async def run_job(
+        start: Callable[[], Generator[Any, None, Any]], deltas: bool = True
+    ) -> AsyncIterator[tuple[str, Any]]:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
         def sink(kind: str, value: Any) -> None:
             loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
-        job = worker.submit(start, sink)
+        job = worker.submit(start, sink, deltas=deltas)
         try:
             while True:
                 kind, value = await events.get()
@@ -201,7 +203,7 @@ def create_app(
                 **chat.sampling,
             )
 
-        events = run_job(start)
+        events = run_job(start, deltas=chat.stream)
         kind, first = await anext(events)
         if not chat.stream or kind == "error":
             done = await _collect(events, kind, first, "/v1/chat/completions")
@@ -244,7 +246,7 @@ def create_app(
                 runner, ids, stop=body.stop, namespace=namespace, request_id=request_id, **body.sampling
             )
 
-        events = run_job(start)
+        events = run_job(start, deltas=body.stream)
         kind, first = await anext(events)
         if not body.stream or kind == "error":
             done = await _collect(events, kind, first, "/v1/completions")
@@ -290,7 +292,7 @@ def create_app(
             params = SamplingParams(max_new_tokens=0)
             return runner.stream(ids, params, namespace=namespace, priority=body.priority, retain_s=body.retain_s)
 
-        async for kind, value in run_job(start):
+        async for kind, value in run_job(start, deltas=False):
             if kind == "error":
                 metrics.failed("/v1/cache/prefill", _status_of(value))
                 return _error_response(value)

@@ -20,7 +20,9 @@ __all__ = ["BackgroundServer", "bind", "serve_forever", "start_background"]
 def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A listening TCP socket on ``host:port`` (``port=0``: a free port).  Raises ``OSError`` if it cannot bind."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets only when the proto says TCP, and without it
+    # Nagle holds the second write of a response (body after headers) for the client's delayed ACK, ~40 ms.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

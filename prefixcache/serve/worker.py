@@ -20,6 +20,7 @@ __all__ = ["Job", "ModelWorker"]
 
 logger = logging.getLogger("prefixcache.serve")
 
+JobStart = Callable[[], Generator[Any, None, Any]]
 EventSink = Callable[[str, Any], None]
 """``on_event(kind, value)``: ``("delta", yielded value)``, ``("done", return value)``, ``("error", exception)``,
 or ``("cancelled", None)``; called on the worker thread."""
@@ -28,11 +29,12 @@ or ``("cancelled", None)``; called on the worker thread."""
 class Job:
     """One submitted request: :meth:`cancel` from any thread stops it at its next step."""
 
-    __slots__ = ("_cancelled", "on_event", "start")
+    __slots__ = ("_cancelled", "deltas", "on_event", "start")
 
-    def __init__(self, start: Callable[[], Generator[Any, None, Any]], on_event: EventSink) -> None:
+    def __init__(self, start: JobStart, on_event: EventSink, deltas: bool = True) -> None:
         self.start = start
         self.on_event = on_event
+        self.deltas = deltas
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -60,10 +62,12 @@ class ModelWorker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, start: Callable[[], Generator[Any, None, Any]], on_event: EventSink) -> Job:
+    def submit(self, start: JobStart, on_event: EventSink, *, deltas: bool = True) -> Job:
         """Queue a job; ``start()`` is called on the worker thread and must return a generator (an exception from
-        it is reported as an ``"error"`` event).  Raises ``RuntimeError`` after :meth:`close`."""
-        job = Job(start, on_event)
+        it is reported as an ``"error"`` event).  ``deltas=False`` reports only the job's end (a non-streamed
+        response needs no ``"delta"``, and each event costs the server a cross-thread wake-up).  Raises
+        ``RuntimeError`` after :meth:`close`."""
+        job = Job(start, on_event, deltas)
         with self._busy:
             if self._closed:
                 raise RuntimeError("the model worker is closed")
@@ -141,6 +145,8 @@ class ModelWorker:
                     self._active.remove(entry)
                     self._finish(job, "error", error)
                 else:
+                    if not job.deltas:
+                        continue
                     try:
                         job.on_event("delta", value)
                     except Exception:
