@@ -179,7 +179,13 @@ def _tau_bench(num_conversations: int, max_turns: int | None) -> dict[str, Any] 
     if not TAU_BENCH.is_file():
         return None
     scenario = load_scenario(TAU_BENCH, tools=default_tools_for(TAU_BENCH))
-    per_conversation = _turns(scenario.conversations[:num_conversations], max_turns)
+    return _replay_three_ways(_turns(scenario.conversations[:num_conversations], max_turns))
+
+
+def _replay_three_ways(per_conversation: list[list[tuple[list[dict], list | None]]]) -> dict[str, Any]:
+    """Replay ``per_conversation`` (per conversation, its turns' (messages, tools)) serially in-process, with
+    ``CLIENTS`` threads in-process, and with ``CLIENTS`` streaming HTTP clients; each on a fresh cache that holds
+    everything.  Raises what a request raised."""
     model = build_model("tiny", device="cpu")
     runner = PrefixCachingRunner(model, cache_tokens=1)
     # Every cached sequence is a prompt, a prefix of its conversation's last prompt: their sum (plus a block each)

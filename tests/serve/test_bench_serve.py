@@ -1,0 +1,39 @@
+"""``prefixcache bench serve`` at its smallest: every request succeeds and the figures it prints are consistent."""
+
+from __future__ import annotations
+
+import math
+
+from prefixcache.serve import bench
+
+
+def test_overhead_pairs_report_wall_and_cpu_medians() -> None:
+    figures = bench._overhead(4)
+    assert figures["requests"] == 4
+    for key in ("in_process_p50_ms", "http_p50_ms", "in_process_cpu_p50_ms", "http_cpu_p50_ms"):
+        assert figures[key] > 0, key
+    assert math.isfinite(figures["overhead_p50_ms"]) and math.isfinite(figures["overhead_cpu_p50_ms"])
+    assert figures["load_average_1m"] >= 0
+
+
+def test_the_three_replays_serve_every_turn_and_count_the_same_prompt_tokens() -> None:
+    system = {"role": "system", "content": "You answer questions about flights. " * 8}
+    conversations = []
+    for i in range(20):
+        first = [system, {"role": "user", "content": f"Question {i}?"}]
+        second = [*first, {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "And then?"}]
+        conversations.append([(first, None), (second, None)])
+    figures = bench._replay_three_ways(conversations)
+    assert figures["requests"] == 40 and figures["http_requests_ok"] == 40
+    assert figures["evictions"] == 0
+    # Second turns always find their own first turn; first turns can only race each other for the system prompt.
+    for mode in ("serial", "in_process", "http"):
+        assert 0 < figures[f"{mode}_hit_tokens"] <= figures["serial_hit_tokens"], mode
+
+
+def test_the_serial_replay_reuses_everything_but_each_prompt_s_new_part() -> None:
+    system = {"role": "system", "content": "You answer questions about flights. " * 8}
+    conversations = [[([system, {"role": "user", "content": f"Question {i}?"}], None)] for i in range(3)]
+    figures = bench._replay_three_ways(conversations)
+    assert figures["serial_hit_rate"] > 0.5
+    assert figures["serial_hit_tokens"] >= 2 * len(system["content"])
