@@ -150,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     serve.add_argument(
-        "--api-keys", metavar="FILE", help="one 'KEY [NAMESPACE]' per line; each key gets its own cache namespace"
+        "--api-keys",
+        metavar="FILE",
+        help="one 'KEY [NAMESPACE]' per line; each key gets its own cache namespace (/health and /metrics stay open)",
     )
 
     plan = commands.add_parser("plan", help="how many tokens and blocks of KV fit in a memory budget")
