@@ -67,8 +67,9 @@ class RadixCache:
 
     Low-level operations: :meth:`match` (read-only lookup), :meth:`lock` / :meth:`unlock`, :meth:`allocate` /
     :meth:`free`, :meth:`insert`, :meth:`evict`.  Request-level operations, which the runner uses:
-    :meth:`acquire` (match + lock + copy-on-write), :meth:`reserve` (blocks for new tokens), :meth:`commit`
-    (insert + release) and :meth:`release` (give everything back after a failure).
+    :meth:`acquire` (match + lock + copy-on-write), :meth:`reserve` (blocks for new tokens), :meth:`insert_prefix`
+    (cache a running request's prompt, keep its lease), :meth:`commit` (insert + release) and :meth:`release` (give
+    everything back after a failure); :meth:`cached_length` is a scheduler's look-ahead.
 
     Sequences in different namespaces (cache salt) share nothing: each namespace has its own root.
 
