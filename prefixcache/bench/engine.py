@@ -10,7 +10,10 @@ layers, measured side by side in one process, repeats interleaved, medians:
   removed, the old path that gathered the whole prefix out of the pool at every step;
 - continuous batching: 8 sessions behind one system prompt served together by ``runner.generate_many`` (one packed
   forward per step) against one session alone, in aggregate generated tokens per second; on the embedded ``small``
-  model, which has a packed batched forward (the HF adapter runs a batch row by row, so it would gain nothing).
+  model, which has a packed batched forward (the HF adapter runs a batch row by row, so it would gain nothing);
+- prefix-aware scheduling: the same sessions arriving together behind the system prompt *uncached*, through one
+  :class:`~prefixcache.engine.batching.BatchEngine` with ``policy="lpm"`` (the system prompt prefilled once) and with
+  ``policy="fcfs"`` (every session prefills it): prefilled tokens and wall time.
 
 Clock: the calling thread's CPU time with torch held to one intra-op thread (as in ``bench runner``): on a small
 shared machine a second thread makes every op wait for a descheduled peer, and wall time counts other processes'
@@ -305,6 +308,39 @@ def measure_batching(setup: EngineSetup) -> dict:
     }
 
 
+def measure_shared_prefill(setup: EngineSetup) -> dict:
+    """``batch_sessions`` sessions behind one uncached ``batch_system_tokens`` system prompt, submitted together to a
+    :class:`~prefixcache.engine.batching.BatchEngine` with prefix-aware scheduling (``"lpm"``) and without
+    (``"fcfs"``), each on a fresh cache: prefilled tokens, wall seconds (``time.perf_counter``) and thread CPU
+    seconds (:data:`clock`) of each.  Raises AssertionError when the two disagree on any session's tokens."""
+    from prefixcache.engine.batching import BatchEngine
+    from prefixcache.models.llama import build_model
+
+    model = build_model(setup.batch_preset, device="cpu")
+    system = _ids_below(259, setup.batch_system_tokens, seed=2)
+    prompts = [system + _ids_below(259, setup.batch_question_tokens, seed=600 + i) for i in range(setup.batch_sessions)]
+    params = SamplingParams(max_new_tokens=setup.batch_new_tokens)
+    tokens = setup.batch_sessions * (len(prompts[0]) + setup.batch_new_tokens) + setup.batch_system_tokens
+    out: dict = {"model": setup.batch_preset, "sessions": setup.batch_sessions, "system_tokens": len(system)}
+    outputs = {}
+    for policy in ("lpm", "fcfs"):
+        engine = BatchEngine(PrefixCachingRunner(model, cache_tokens=tokens, block_size=BLOCK_SIZE), policy=policy)
+        wall, cpu = time.perf_counter(), clock()
+        handles = [engine.submit(prompt, params) for prompt in prompts]
+        engine.run_until_idle()
+        results = [handle.result() for handle in handles]
+        out[policy] = {
+            "prefilled_tokens": sum(r.usage.prefilled_tokens for r in results),
+            "wall_s": time.perf_counter() - wall,
+            "cpu_s": clock() - cpu,
+            "steps": engine.steps,
+        }
+        outputs[policy] = [r.token_ids for r in results]
+    if outputs["lpm"] != outputs["fcfs"]:
+        raise AssertionError("prefix-aware scheduling changed a session's tokens")
+    return out
+
+
 def _ids_below(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -319,6 +355,7 @@ def run(quick: bool = False) -> BenchResult:
         warm = [measure_warm(model, n, setup.repeats) for n in setup.ttft_lengths]
         decode = [measure_decode(model, c, setup.decode_steps, setup.repeats) for c in setup.decode_contexts]
         batching = measure_batching(setup)
+        shared = measure_shared_prefill(setup)
     rows = []
     for c in cold:
         rows.append(
@@ -360,6 +397,14 @@ def run(quick: bool = False) -> BenchResult:
             f"{batching['batched_tokens_per_s'] / batching['serial_tokens_per_s']:.2f}",
         )
     )
+    lpm, fcfs = shared["lpm"], shared["fcfs"]
+    sessions = f"{shared['sessions']} new sessions"
+    behind = f"{shared['system_tokens']:,} shared, uncached"
+    baseline = f"arrival order (fcfs, {shared['model']})"
+    ours, base = lpm["prefilled_tokens"], fcfs["prefilled_tokens"]
+    rows.append((f"{sessions}, prefilled tokens", behind, baseline, f"{ours:,}", f"{base:,}", f"{ours / base:.2f}"))
+    ours, base = lpm["wall_s"], fcfs["wall_s"]
+    rows.append((f"{sessions}, wall time (s)", behind, baseline, f"{ours:.2f}", f"{base:.2f}", f"{ours / base:.2f}"))
     shape = f"{model.name}, hidden {model.config.hidden_size}, vocab {model.vocab_size:,}"
     table = Table(
         title=f"engine: runner vs the model's own transformers calls ({shape}, {'quick' if quick else 'full'})",
@@ -369,9 +414,18 @@ def run(quick: bool = False) -> BenchResult:
             f"thread CPU time, medians of {setup.repeats} interleaved repeats, one process, {threads} torch thread(s), "
             f"block_size {BLOCK_SIZE}; greedy tokens checked equal to the baseline's",
             "'old: gather' is forward_cached without live K/V: each step copies the prefix out of the pool",
+            "new sessions: submitted together to one BatchEngine, prefix-aware (lpm: longest cached prefix first, a "
+            "shared uncached prefix prefilled once) vs fcfs; wall time, not thread CPU time",
         ),
     )
-    data = {"setup": _setup_dict(setup), "cold": cold, "warm": warm, "decode": decode, "batching": batching}
+    data = {
+        "setup": _setup_dict(setup),
+        "cold": cold,
+        "warm": warm,
+        "decode": decode,
+        "batching": batching,
+        "shared_prefill": shared,
+    }
     return BenchResult("engine", (table,), data)
 
 

@@ -219,14 +219,7 @@ class Admission:
             LockError: the lease is closed.
         """
         self.check_lease(lease, "commit")
-        m = lease.num_cached_tokens
-        prompt = lease.token_ids
-        shared = min(len(q), len(prompt))
-        if len(q) < m or q[:shared] != prompt[:shared]:
-            raise InvalidTokensError(
-                "committed tokens must start with the prefix the lease matched and agree with its prompt: the "
-                "prompt (or a prefix of it at least as long as the match) followed by tokens computed after it"
-            )
+        self._check_committed(lease, q)
         table = self.blocks.as_block_ids(lease.block_table)
         result = self.blocks.insert(q, table, lease.first_owned_block, lease.namespace, lease.request_id)
         # The lease owns nothing now; should the unlock fail, release() only has the lock left to drop.
@@ -236,6 +229,68 @@ class Admission:
         # Eviction during this request may have left a seam that only this request's lock kept from healing.
         self._heal_path(lease.lock.node)
         return result
+
+    def insert_prefix(self, lease: Lease, q: array) -> InsertResult:
+        """Insert the request's tokens ``q`` (KV written) and keep the lease open: the tree takes the request's
+        whole blocks of ``q``, the lease switches to the tree's blocks for them under a lock on the new path, so
+        other requests hit ``q`` while this one goes on (SGLang caches a request's prompt when its prefill ends,
+        not when it finishes).  The block the request goes on writing, where ``q`` ends inside one, stays the
+        request's: the tree gets a copy of its first ``len(q) % block_size`` rows, or (no block to be had for the
+        copy) only the whole blocks of ``q``.  :meth:`commit` or :meth:`release` closes the lease as before.
+
+        Raises:
+            InvalidTokensError: ``q`` does not start with the lease's matched prefix and agree with its prompt.
+            InvalidArgumentError: the tokens need more blocks than the lease holds.
+            LockError: the lease is closed.
+        Nothing changes when it raises.
+        """
+        self.check_lease(lease, "insert_prefix")
+        self._check_committed(lease, q)
+        bs = self.block_size
+        n = len(q)
+        if -(-n // bs) > len(lease.block_table):
+            raise InvalidArgumentError(
+                f"{n} tokens need {-(-n // bs)} blocks of {bs} tokens, but the lease holds {len(lease.block_table)}"
+            )
+        full, rows = divmod(n, bs)
+        first_owned = lease.first_owned_block
+        table = self.blocks.as_block_ids(lease.block_table[:full])
+        if rows:
+            try:
+                copy = self.blocks.allocate(1, "the copy of a partly written block")
+            except OutOfBlocksError:
+                rows = 0
+            else:
+                self.blocks.pool.copy_rows(int(lease.block_table[full]), int(copy[0]), rows)
+                table = np.concatenate((table, copy.astype(np.intp)))
+        n = full * bs + rows
+        if n <= first_owned * bs:
+            return InsertResult(0, n, 0)  # nothing beyond the locked prefix that a whole block could hold
+        try:
+            result = self.blocks.insert(q[:n], table, first_owned, lease.namespace, lease.request_id)
+        except BaseException:
+            if rows:
+                self.blocks.free(table[-1:])
+            raise
+        # The tree holds q[:n] now (the request's blocks, or equal ones inserted before): lock it before unlocking
+        # the old path, so no block of the lease is unprotected in between.
+        tree = self.tree
+        match = tree.match(q, lease.namespace, full * bs, self.owner)
+        handle = self.locks.lock(tree.lock_point(match.node, full * bs))
+        self.locks.unlock(lease.lock)
+        lease.lock = handle
+        lease.block_table[:full] = match.block_table
+        lease.first_owned_block = full
+        return result
+
+    def _check_committed(self, lease: Lease, q: array) -> None:
+        prompt = lease.token_ids
+        shared = min(len(q), len(prompt))
+        if len(q) < lease.num_cached_tokens or q[:shared] != prompt[:shared]:
+            raise InvalidTokensError(
+                "committed tokens must start with the prefix the lease matched and agree with its prompt: the "
+                "prompt (or a prefix of it at least as long as the match) followed by tokens computed after it"
+            )
 
     def release(self, lease: Lease) -> None:
         """Drop a lease without caching anything: free its own blocks and unlock its prefix.

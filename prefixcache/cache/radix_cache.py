@@ -67,8 +67,9 @@ class RadixCache:
 
     Low-level operations: :meth:`match` (read-only lookup), :meth:`lock` / :meth:`unlock`, :meth:`allocate` /
     :meth:`free`, :meth:`insert`, :meth:`evict`.  Request-level operations, which the runner uses:
-    :meth:`acquire` (match + lock + copy-on-write), :meth:`reserve` (blocks for new tokens), :meth:`commit`
-    (insert + release) and :meth:`release` (give everything back after a failure).
+    :meth:`acquire` (match + lock + copy-on-write), :meth:`reserve` (blocks for new tokens), :meth:`insert_prefix`
+    (cache a running request's prompt, keep its lease), :meth:`commit` (insert + release) and :meth:`release` (give
+    everything back after a failure); :meth:`cached_length` is a scheduler's look-ahead.
 
     Sequences in different namespaces (cache salt) share nothing: each namespace has its own root.
 
@@ -307,6 +308,36 @@ class RadixCache:
         q = as_token_array(token_ids)
         with self._mutex:
             return self._admission.commit(lease, q)
+
+    def insert_prefix(self, lease: Lease, token_ids: TokenIds) -> InsertResult:
+        """Insert tokens of a request that is still running (its prompt, once prefilled) and keep its lease open, so
+        that other requests hit them while it decodes; :meth:`commit` or :meth:`release` later closes the lease as
+        usual.  The lease's whole blocks of ``token_ids`` pass to the tree and its lock moves onto the new path;
+        where ``token_ids`` end inside a block, the tree gets a copy of that block's rows and the request keeps
+        writing its own.  O(len(token_ids)) plus one block copy.
+
+        Raises:
+            InvalidTokensError: ``token_ids`` do not start with the lease's matched prefix and agree with its prompt.
+            InvalidArgumentError: the tokens need more blocks than the lease holds.
+            LockError: the lease is closed.
+        Nothing changes when it raises (the lease stays open).
+        """
+        q = as_token_array(token_ids)
+        with self._mutex:
+            return self._admission.insert_prefix(lease, q)
+
+    def cached_length(self, token_ids: TokenIds, namespace: str | None = None, *, for_prefill: bool = False) -> int:
+        """Tokens of ``token_ids`` that :meth:`match` would find cached (at most ``len - 1`` with ``for_prefill``),
+        as a pure look-ahead: nothing is counted in :meth:`stats` and no access time or hit count changes, so a
+        scheduler may ask every step for every waiting request.  O(depth) plus O(n) C-speed comparison.
+
+        Raises:
+            InvalidTokensError, NamespaceError: bad input.
+        """
+        q = as_token_array(token_ids)
+        namespace = check_namespace(namespace)
+        with self._mutex:
+            return self._tree.match(q, namespace, len(q) - 1 if for_prefill else len(q), self, touch=False).num_tokens
 
     def release(self, lease: Lease) -> None:
         """Drop a lease without caching anything: free its own blocks and unlock its prefix.

@@ -136,13 +136,15 @@ class RadixTree:
 
     # ---- lookup -------------------------------------------------------------------------------------------
 
-    def match(self, q: array, namespace: str | None, limit: int, owner: object) -> MatchResult:
-        """Longest cached prefix of ``q[:limit]``: refreshes the matched path's access time and hit count, never
-        changes the tree's shape.  ``owner`` is stamped on the result (the cache that may lock it)."""
+    def match(self, q: array, namespace: str | None, limit: int, owner: object, touch: bool = True) -> MatchResult:
+        """Longest cached prefix of ``q[:limit]``: refreshes the matched path's access time and hit count (unless
+        ``touch`` is False: a scheduler's look-ahead), never changes the tree's shape.  ``owner`` is stamped on the
+        result (the cache that may lock it)."""
         root = self.roots.get(namespace)
         if root is None:
             return MatchResult(0, EMPTY_BLOCKS, namespace, new_root(namespace), owner)
-        self.clock += 1
+        if touch:
+            self.clock += 1
         tick = self.clock
         node = root
         pos = 0
@@ -161,13 +163,14 @@ class RadixTree:
             if child.start % bs and parts:
                 parts[-1] = parts[-1][:-1]
             parts.append(child.blocks)
-            child.last_access = tick
-            child.hit_count += 1
+            if touch:
+                child.last_access = tick
+                child.hit_count += 1
             node = child
             pos += matched
             if matched < len(edge):
                 break
-        if node.evict_key is not None:
+        if touch and node.evict_key is not None:
             self.evictor.refresh(node)
         # Only the final node can be a candidate (a leaf); its ancestors are re-filed when they become leaves.
         table = np.concatenate(parts)[: -(-pos // bs)] if parts else EMPTY_BLOCKS

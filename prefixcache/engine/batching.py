@@ -7,6 +7,21 @@ prefill, as in Sarathi and vLLM's ``max_num_batched_tokens``), all in one call o
 and its own lease on the cache, exactly as :meth:`PrefixCachingRunner.generate` does one at a time, so its tokens
 are its serial output (greedy: equal; logits within float rounding).
 
+Prefix-aware scheduling (``policy="lpm"``, the default), after SGLang's longest-prefix-match policy (Zheng et al.,
+"SGLang: Efficient Execution of Structured Language Model Programs", 2024):
+
+- Waiting requests are admitted longest cached prefix first (ties in arrival order), so the requests that reuse the
+  most run while their prefix is still cached.  Fairness bound: a request that has waited ``max_wait_steps`` steps
+  is *due*; due requests are admitted before all others, in arrival order, and are never held back (below).  So a
+  later arrival overtakes a request only during the first ``max_wait_steps`` steps that request waits.
+- A request's prompt is inserted into the cache as soon as its prefill ends (:meth:`RadixCache.insert_prefix`), not
+  when it finishes: requests admitted while it decodes hit its prompt.
+- A waiting request whose prompt shares at least one block more with the prompt of a running request still in
+  prefill than the cache holds now is held back until that prefill is inserted, then matched again: N requests
+  that arrive together behind one uncached system prompt prefill it once, not N times.
+
+``policy="fcfs"`` is the engine without these: arrival order, no holding back, prompts cached when requests finish.
+
 Thread safety: :meth:`BatchEngine.submit` may be called from any thread; one thread steps the engine (the background
 thread after :meth:`BatchEngine.start`, else whoever calls :meth:`BatchEngine.run_until_idle`).
 """
@@ -14,25 +29,30 @@ thread after :meth:`BatchEngine.start`, else whoever calls :meth:`BatchEngine.ru
 from __future__ import annotations
 
 import asyncio
+import itertools
 import queue
 import threading
 import time
+from array import array
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from prefixcache.cache.radix_cache import Lease
-from prefixcache.cache.tokens import TokenIds
+from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.engine.runner import GenerationResult, PrefixCachingRunner, Usage
 from prefixcache.engine.sampling import SamplingParams, sample_token, sampling_generator
 from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
 from prefixcache.models.base import BatchRow, LiveKV, forward_batch
 
 _END = object()
+POLICIES = ("lpm", "fcfs")
+"""Admission policies: longest cached prefix first with shared prefills (``"lpm"``), or arrival order (``"fcfs"``)."""
 
 
 class RequestHandle:
@@ -79,6 +99,10 @@ class _Request:
     namespace: str
     handle: RequestHandle
     submitted_at: float
+    prompt_array: array  # the prompt as the cache stores it, converted once
+    arrival: int
+    waited_steps: int = 0  # steps spent waiting without being admitted (the fairness bound counts these)
+    prompt_inserted: bool = False  # the prompt's K/V are in the tree while the request goes on
     live: LiveKV = field(default_factory=LiveKV)
     lease: Lease | None = None
     cached: int = 0
@@ -98,17 +122,33 @@ class BatchEngine:
     """Runs many requests together on ``runner``'s model and cache (continuous batching with chunked prefill).
 
     ``max_batch_tokens`` bounds the tokens of one step (decode rows first, one token each, then prefill chunks in
-    arrival order); ``max_running`` the requests holding leases at once.  Raises InvalidArgumentError for a bound
-    below 1.
+    admission order); ``max_running`` the requests holding leases at once.  ``policy`` is ``"lpm"`` (prefix-aware
+    scheduling, see the module docstring) or ``"fcfs"``; ``max_wait_steps`` is the fairness bound of ``"lpm"``: steps
+    a request may wait before no later arrival is admitted ahead of it.  Raises InvalidArgumentError for a bound
+    below 1 or an unknown policy.
     """
 
-    def __init__(self, runner: PrefixCachingRunner, *, max_batch_tokens: int = 512, max_running: int = 32) -> None:
-        for name, value in (("max_batch_tokens", max_batch_tokens), ("max_running", max_running)):
+    def __init__(
+        self,
+        runner: PrefixCachingRunner,
+        *,
+        max_batch_tokens: int = 512,
+        max_running: int = 32,
+        policy: str = "lpm",
+        max_wait_steps: int = 32,
+    ) -> None:
+        bounds = (("max_batch_tokens", max_batch_tokens), ("max_running", max_running))
+        for name, value in (*bounds, ("max_wait_steps", max_wait_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        if policy not in POLICIES:
+            raise InvalidArgumentError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.runner = runner
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
+        self.policy = policy
+        self.max_wait_steps = max_wait_steps
+        self._arrivals = itertools.count()
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._lock = threading.Condition()
@@ -128,10 +168,19 @@ class BatchEngine:
         runner = self.runner
         prompt = [int(t) for t in runner._check_tokens(prompt_ids, "prompt")]
         runner._check_capacity(len(prompt) + sampling.max_new_tokens)
-        request = _Request(prompt, sampling, runner.namespace_key(namespace), RequestHandle(), time.perf_counter())
+        request = _Request(
+            prompt,
+            sampling,
+            runner.namespace_key(namespace),
+            RequestHandle(),
+            time.perf_counter(),
+            as_token_array(prompt),
+            0,
+        )
         with self._lock:
             if self._closed:
                 raise InvalidArgumentError("the engine is closed")
+            request.arrival = next(self._arrivals)
             self._waiting.append(request)
             self._lock.notify_all()
         return request.handle
@@ -202,32 +251,77 @@ class BatchEngine:
             self._fail(request, CancelledError())
 
     def _admit(self) -> None:
-        cache, pool = self.runner.cache, self.runner.pool
-        while len(self._running) < self.max_running:
-            with self._lock:
-                if not self._waiting:
-                    return
-                request = self._waiting.popleft()
-            try:
-                request.lease = cache.acquire(request.prompt, request.namespace)
-                cache.reserve(request.lease, len(request.prompt))
-            except OutOfBlocksError as error:
-                if not self._running:
-                    self._fail(request, error)
+        with self._lock:
+            waiting = list(self._waiting)
+        if not waiting:
+            return
+        admitted: set[int] = set()
+        if len(self._running) < self.max_running:
+            for request, cached in self._admission_order(waiting):
+                if len(self._running) >= self.max_running:
+                    break
+                if cached is not None and self._held_back(request, cached):
                     continue
-                # Running requests hold the pool: wait for them to finish and free it.
-                if request.lease is not None:
-                    cache.release(request.lease)
-                    request.lease = None
+                outcome = self._try_admit(request)
+                if outcome is None:
+                    break  # running requests hold the pool: wait for them to finish and free it
+                admitted.add(id(request))
                 with self._lock:
-                    self._waiting.appendleft(request)
-                return
-            except Exception as error:  # noqa: BLE001 - this request fails, the others go on
-                self._fail(request, error)
+                    self._waiting.remove(request)
+        for request in waiting:
+            if id(request) not in admitted:
+                request.waited_steps += 1
+
+    def _admission_order(self, waiting: list[_Request]) -> list[tuple[_Request, int | None]]:
+        """``(request, cached tokens)`` in the order to try, the count None where the request may not be held back:
+        arrival order under ``"fcfs"``; under ``"lpm"`` the due requests in arrival order, then the others by cached
+        prefix, longest first (ties in arrival order).  O(waiting x prompt) C-speed token comparison."""
+        if self.policy == "fcfs":
+            return [(request, None) for request in waiting]
+        due = [(r, None) for r in waiting if r.waited_steps >= self.max_wait_steps]
+        cache = self.runner.cache
+        others = [
+            (r, cache.cached_length(r.prompt_array, r.namespace, for_prefill=True))
+            for r in waiting
+            if r.waited_steps < self.max_wait_steps
+        ]
+        others.sort(key=lambda pair: (-pair[1], pair[0].arrival))
+        return due + others
+
+    def _held_back(self, request: _Request, cached: int) -> bool:
+        """Whether a running request still in prefill will insert a prompt that gives ``request`` (``cached`` tokens
+        cached now) at least one block more cached prefix."""
+        limit = len(request.prompt) - 1
+        for other in self._running:
+            if other.namespace != request.namespace or other.prompt_inserted or other.position >= len(other.prompt):
                 continue
-            request.cached = request.position = request.lease.num_cached_tokens
-            request.generator = sampling_generator(request.sampling, pool.kv.device)
-            self._running.append(request)
+            shared = min(_common_prefix(request.prompt_array, other.prompt_array), limit)
+            if shared - cached >= self.runner.cache.block_size:
+                return True
+        return False
+
+    def _try_admit(self, request: _Request) -> bool | None:
+        """Acquire ``request``'s lease and move it to running (True), or fail it (False), or leave it waiting because
+        the pool is held by running requests (None)."""
+        cache, pool = self.runner.cache, self.runner.pool
+        try:
+            request.lease = cache.acquire(request.prompt_array, request.namespace)
+            cache.reserve(request.lease, len(request.prompt))
+        except OutOfBlocksError as error:
+            if request.lease is not None:
+                cache.release(request.lease)
+                request.lease = None
+            if self._running:
+                return None
+            self._fail(request, error)
+            return False
+        except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+            self._fail(request, error)
+            return False
+        request.cached = request.position = request.lease.num_cached_tokens
+        request.generator = sampling_generator(request.sampling, pool.kv.device)
+        self._running.append(request)
+        return True
 
     def _plan(self) -> tuple[list[BatchRow], list[_Request]]:
         budget = self.max_batch_tokens
@@ -258,6 +352,13 @@ class BatchEngine:
         if sampling.max_new_tokens == 0:
             self._finish(request, "prefill")
             return
+        if self.policy == "lpm" and not request.prompt_inserted:
+            try:
+                self.runner.cache.insert_prefix(request.lease, request.prompt_array)
+            except Exception as error:  # noqa: BLE001
+                self._fail(request, error)
+                return
+            request.prompt_inserted = True
         token = sample_token(logits, sampling, request.generator)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
@@ -296,3 +397,10 @@ class BatchEngine:
             self._running.remove(request)
         if not request.handle.future.done():
             request.handle._finish(error=error)
+
+
+def _common_prefix(a: array, b: array) -> int:
+    """Length of the common prefix of two token arrays (numpy views, no copy)."""
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.frombuffer(a, dtype=np.uint32, count=n) != np.frombuffer(b, dtype=np.uint32, count=n))
+    return int(diff[0]) if diff.size else n
