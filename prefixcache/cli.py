@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -368,6 +369,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     from prefixcache.engine.runner import PrefixCachingRunner
     from prefixcache.models.llama import build_model
 
+    if args.snapshot_every is not None and (args.snapshot is None or not args.snapshot_every > 0):
+        raise InvalidArgumentError("--snapshot-every needs --snapshot and a positive number of minutes")
+    if args.snapshot is not None and importlib.util.find_spec("safetensors") is None:
+        raise InvalidArgumentError("--snapshot needs safetensors: pip install 'prefixcache[snapshot]'")
     keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
     try:
         tokenizer = None
@@ -390,8 +395,6 @@ def _run_serve(args: argparse.Namespace) -> int:
     runner = PrefixCachingRunner(
         model, tokenizer, cache_tokens=args.cache_tokens, cache_memory=args.cache_memory, block_size=args.block_size
     )
-    if args.snapshot_every is not None and (args.snapshot is None or not args.snapshot_every > 0):
-        raise InvalidArgumentError("--snapshot-every needs --snapshot and a positive number of minutes")
     # What was restored, or why the cache starts cold, is worth a line at the default verbosity.
     logging.getLogger("prefixcache.serve.snapshots").setLevel(logging.INFO)
     name = args.served_model_name or args.model

@@ -68,6 +68,8 @@ MANIFEST = "snapshot.json"
 KV_FILE = "kv.safetensors"
 VERSION_PREFIX = "snapshot-"
 TEMP_PREFIX = ".snapshot-tmp-"
+COPY_CHUNK_BLOCKS = 256
+"""Blocks copied between the device pool and host memory at a time."""
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +167,13 @@ def capture(
     kv = None
     if pool.kv is not None:
         ids = torch.tensor(list(snapshot_index), dtype=torch.long, device=pool.kv.device)
-        kv = pool.kv.index_select(2, ids).cpu().contiguous()
+        shape = list(pool.kv.shape)
+        shape[2] = len(ids)
+        kv = torch.empty(shape, dtype=pool.kv.dtype)
+        # In chunks, so a nearly full device pool never needs a second copy of its cached K/V on the device.
+        for first in range(0, len(ids), COPY_CHUNK_BLOCKS):
+            chunk = ids[first : first + COPY_CHUNK_BLOCKS]
+            kv[:, :, first : first + len(chunk)] = pool.kv.index_select(2, chunk).cpu()
     manifest = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -351,7 +359,9 @@ def restore(snapshot: Snapshot, tree: RadixTree) -> SnapshotSummary:
         if pool.kv is not None and new_id:
             source = torch.tensor(list(new_id), dtype=torch.long)
             target = torch.from_numpy(allocated.astype(np.int64)).to(pool.kv.device)
-            pool.kv.index_copy_(2, target, snapshot.kv.index_select(2, source).to(pool.kv.device))
+            for first in range(0, len(source), COPY_CHUNK_BLOCKS):
+                rows = snapshot.kv.index_select(2, source[first : first + COPY_CHUNK_BLOCKS]).to(pool.kv.device)
+                pool.kv.index_copy_(2, target[first : first + COPY_CHUNK_BLOCKS], rows)
     except BaseException:
         pool.decref(allocated)
         raise

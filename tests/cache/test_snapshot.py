@@ -122,6 +122,33 @@ def test_a_round_trip_is_bit_exact(tmp_path: Path) -> None:
     assert loaded.stats().cached_tokens == cache.stats().cached_tokens
 
 
+def test_k_v_copied_in_chunks_round_trips_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(snapshot, "COPY_CHUNK_BLOCKS", 3)
+    cache = busy_cache()
+    cache.save(tmp_path / "snap")
+
+    loaded = RadixCache.load(tmp_path / "snap", make_pool())
+
+    original_kv = node_kv(cache)
+    assert all(torch.equal(value, original_kv[key]) for key, value in node_kv(loaded).items())
+    assert node_kv(loaded).keys() == original_kv.keys()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_half_precision_k_v_round_trips_bit_exact(tmp_path: Path, dtype: torch.dtype) -> None:
+    cache = RadixCache(make_pool(dtype=dtype))
+    serve(cache, SYSTEM + [1, 2, 3], seed=1)
+    serve(cache, SYSTEM + [4, 5], seed=2)
+    cache.save(tmp_path / "snap")
+
+    loaded = RadixCache.load(tmp_path / "snap", make_pool(dtype=dtype))
+
+    original_kv = node_kv(cache)
+    assert node_kv(loaded).keys() == original_kv.keys()
+    for key, value in node_kv(loaded).items():
+        assert value.dtype == dtype and torch.equal(value.view(torch.int16), original_kv[key].view(torch.int16))
+
+
 def test_restored_cache_matches_every_prompt_like_the_original(tmp_path: Path) -> None:
     cache = busy_cache()
     cache.save(tmp_path / "snap")
