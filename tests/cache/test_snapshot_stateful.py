@@ -2,7 +2,7 @@
 
 ``save`` writes a snapshot at any point (leases and locks open) and must change nothing; ``load`` finishes the
 running requests on the old cache and continues on a new cache loaded from the latest snapshot, into a pool of the
-same size (then it holds exactly what was committed at the save) or half the size (then a prefix-closed part of it).
+starting size (then it holds exactly what was committed at the save) or half that (then a prefix-closed part of it).
 Every K/V row of every cached sequence is checked against the prefix id the machine wrote there, and
 ``check_invariants()`` runs after every step.
 """
@@ -29,12 +29,14 @@ class SnapshotMachine(RadixCacheMachine):
         super().__init__()
         self.folder = Path(tempfile.mkdtemp(prefix="prefixcache-snapshot-test-"))
         self.saved: dict[str, set] | None = None
+        self.full_blocks = 0  # the pool size the machine started with: loads use it or half of it
 
     @rule()
     def save(self) -> None:
         before = self.cache.stats()
         order = [node.node_id for node in self.cache._tree.evictor.members()]
 
+        self.full_blocks = self.full_blocks or self.cache.pool.num_blocks
         summary = self.cache.save(self.folder)
 
         assert self.cache.stats() == before
@@ -50,8 +52,8 @@ class SnapshotMachine(RadixCacheMachine):
         for _, _, handle in self.locks:
             self.cache.unlock(handle)
         self.leases, self.locks, self.released_handles = [], [], []
-        old = self.cache.pool
-        num_blocks = max(1, old.num_blocks // 2) if smaller else old.num_blocks
+        # Every snapshot comes from a pool of at most full_blocks: a pool that size holds all of it.
+        num_blocks = self.full_blocks // 2 if smaller else self.full_blocks
         pool = KVBlockPool(num_blocks, self.block_size, num_layers=1, num_kv_heads=1, head_dim=1, device="cpu")
 
         self.cache = RadixCache.load(self.folder, pool, policy=self.cache.policy.name)
