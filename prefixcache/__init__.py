@@ -17,6 +17,7 @@ from prefixcache.cache import (
     LRUPolicy,
     MatchResult,
     RadixCache,
+    SnapshotSummary,
 )
 from prefixcache.engine import ChatResult, GenerationResult, PrefixCachingRunner, SamplingParams, Usage
 from prefixcache.errors import (
@@ -29,6 +30,10 @@ from prefixcache.errors import (
     PoolBusyError,
     PrefixCacheError,
     ScenarioError,
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotMismatchError,
+    SnapshotNotFoundError,
     TemplateError,
     UnsupportedModelError,
     VerificationError,
@@ -60,6 +65,11 @@ __all__ = [
     "RadixCache",
     "SamplingParams",
     "ScenarioError",
+    "SnapshotCorruptError",
+    "SnapshotError",
+    "SnapshotMismatchError",
+    "SnapshotNotFoundError",
+    "SnapshotSummary",
     "TemplateError",
     "UnsupportedModelError",
     "Usage",

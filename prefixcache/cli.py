@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import json
 import logging
 import os
@@ -153,6 +154,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-keys",
         metavar="FILE",
         help="one 'KEY [NAMESPACE]' per line; each key gets its own cache namespace (/health and /metrics stay open)",
+    )
+    serve.add_argument(
+        "--snapshot",
+        metavar="DIR",
+        help="restore the cache from this snapshot folder at start (cold if missing or refused, saying why) and "
+        "save it there on a clean shutdown (needs prefixcache[snapshot])",
+    )
+    serve.add_argument(
+        "--snapshot-every",
+        metavar="MIN",
+        type=float,
+        help="also save the snapshot every MIN minutes (needs --snapshot)",
     )
 
     plan = commands.add_parser("plan", help="how many tokens and blocks of KV fit in a memory budget")
@@ -358,6 +371,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     from prefixcache.engine.runner import PrefixCachingRunner
     from prefixcache.models.llama import build_model
 
+    if args.snapshot_every is not None and (args.snapshot is None or not args.snapshot_every > 0):
+        raise InvalidArgumentError("--snapshot-every needs --snapshot and a positive number of minutes")
+    if args.snapshot is not None and importlib.util.find_spec("safetensors") is None:
+        raise InvalidArgumentError("--snapshot needs safetensors: pip install 'prefixcache[snapshot]'")
     keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
     try:
         tokenizer = None
@@ -380,8 +397,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     runner = PrefixCachingRunner(
         model, tokenizer, cache_tokens=args.cache_tokens, cache_memory=args.cache_memory, block_size=args.block_size
     )
+    # What was restored, or why the cache starts cold, is worth a line at the default verbosity.
+    logging.getLogger("prefixcache.serve.snapshots").setLevel(logging.INFO)
     name = args.served_model_name or args.model
-    app = create_app(runner, model_name=name, api_keys=keys)
+    every_s = None if args.snapshot_every is None else 60.0 * args.snapshot_every
+    app = create_app(runner, model_name=name, api_keys=keys, snapshot_dir=args.snapshot, snapshot_every_s=every_s)
 
     def announce(url: str) -> None:
         print(f"serving {name!r} at {url}/v1 ({runner.pool.capacity_tokens:,} tokens of KV)", flush=True)

@@ -93,5 +93,22 @@ class UnsupportedModelError(PrefixCacheError, ValueError):
     """A model architecture or feature (sliding window, recurrent state...) that prefix caching cannot serve exactly."""
 
 
+class SnapshotError(PrefixCacheError, ValueError):
+    """A cache snapshot (:mod:`prefixcache.cache.snapshot`) cannot be saved or loaded; the cache is left as it was."""
+
+
+class SnapshotNotFoundError(SnapshotError, FileNotFoundError):
+    """The folder holds no snapshot (yet): nothing to restore."""
+
+
+class SnapshotCorruptError(SnapshotError):
+    """A snapshot's files are truncated, edited or damaged: a checksum, a size or the format does not hold."""
+
+
+class SnapshotMismatchError(SnapshotError):
+    """A sound snapshot of something else: another model or tokenizer fingerprint, KV dtype, block size, KV shape or
+    format version.  Loading it would serve K/V computed by another model, so it is refused."""
+
+
 class VerificationError(PrefixCacheError, AssertionError):
     """Cached output differed from the uncached reference beyond tolerance (``--verify``)."""

@@ -11,6 +11,7 @@ from prefixcache.cache.evictor import LFUPolicy, LRUPolicy
 from prefixcache.cache.locks import LockHandle
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.cache.snapshot import SnapshotSummary
 from prefixcache.cache.stats import CacheStats
 from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult
 
@@ -29,4 +30,5 @@ __all__ = [
     "LockHandle",
     "MatchResult",
     "RadixCache",
+    "SnapshotSummary",
 ]

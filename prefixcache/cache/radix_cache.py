@@ -20,12 +20,15 @@ serialized; model compute happens outside, on blocks the request owns privately.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
+from prefixcache.cache import snapshot
 from prefixcache.cache.admission import Admission, Lease
 from prefixcache.cache.blocks import BlockLedger
 from prefixcache.cache.events import EventListener, EventPublisher
@@ -37,7 +40,7 @@ from prefixcache.cache.retention import Retention
 from prefixcache.cache.stats import CacheStats, HitCounters
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult, RadixTree
-from prefixcache.errors import InvalidArgumentError, LockError, NamespaceError
+from prefixcache.errors import InvalidArgumentError, LockError, NamespaceError, SnapshotError
 
 __all__ = [
     "CacheStats",
@@ -386,6 +389,72 @@ class RadixCache:
                 node = node.parent
             path.reverse()
             return tree.retention.retain(path, priority, retain_s)
+
+    # ---- snapshots ----------------------------------------------------------------------------------------
+
+    def save(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        identity: Mapping[str, str] | None = None,
+        keep_namespace: Callable[[str | None], bool] | None = None,
+    ) -> snapshot.SnapshotSummary:
+        """Save the cached tree and its K/V into the snapshot folder ``directory``, atomically
+        (:mod:`prefixcache.cache.snapshot`): the previous snapshot stays current until the new one is complete.
+
+        ``identity`` (e.g. model and tokenizer fingerprints) is stored for :meth:`restore` to check;
+        ``keep_namespace`` picks the namespaces saved (all when None).  Changes nothing in the cache (no access time,
+        counter or block moves); the mutex is held while the tree and its K/V are copied, not while files are written.
+        O(cached tokens) plus the copy and the write of the saved blocks.
+
+        Raises:
+            OSError: a write failed (the previous snapshot stays current).
+            SnapshotError: safetensors is missing.
+        """
+        with self._mutex:
+            captured = snapshot.capture(self._tree, identity, keep_namespace)
+        return snapshot.write(captured, directory)
+
+    def restore(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        identity: Mapping[str, str] | None = None,
+        replace: bool = False,
+    ) -> snapshot.SnapshotSummary:
+        """Load the snapshot in ``directory`` into this cache, which must be empty (``replace=True`` evicts
+        everything first, once the snapshot has been read and checked).  When the snapshot holds more than the pool,
+        the most recently used whole prefixes that fit are loaded.  Every checksum is verified before the cache is
+        touched; on any error the cache is left as it was.
+
+        Raises:
+            SnapshotNotFoundError: no snapshot there.  SnapshotCorruptError: truncated, edited or damaged files.
+            SnapshotMismatchError: another block size, KV dtype or shape, format version, or ``identity`` value.
+            SnapshotError: the cache is not empty (or locked/owned blocks remain after ``replace``).
+        """
+        loaded = snapshot.read(directory)
+        snapshot.check_compatible(loaded, self.pool, identity)
+        with self._mutex:
+            if replace:
+                if self._tree.locked_tokens or self._blocks.num_owned:
+                    raise SnapshotError("cannot replace the cache's content while requests hold locks or blocks")
+                self._tree.evict(self.pool.num_blocks + 1)
+            return snapshot.restore(loaded, self._tree)
+
+    @classmethod
+    def load(
+        cls,
+        directory: str | os.PathLike[str],
+        pool: KVBlockPool,
+        *,
+        identity: Mapping[str, str] | None = None,
+        **kwargs: Any,
+    ) -> RadixCache:
+        """A new cache over ``pool`` (``kwargs`` as for the constructor) holding the snapshot in ``directory``;
+        see :meth:`restore` (``pool`` must have no block in use).  Raises as :meth:`restore`."""
+        cache = cls(pool, **kwargs)
+        cache.restore(directory, identity=identity)
+        return cache
 
     # ---- observation --------------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ threads compute in parallel and only wait for each other during bookkeeping.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import xxhash
 
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import InsertResult, Lease, RadixCache, check_namespace
+from prefixcache.cache.snapshot import SnapshotSummary
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
 from prefixcache.engine.sampling import SamplingParams, sample_token, sampling_generator
@@ -171,6 +173,45 @@ class PrefixCachingRunner:
         """The tree namespace for a user namespace: the model/tokenizer fingerprint plus the cache salt."""
         namespace = check_namespace(namespace)
         return f"{self.fingerprint}:" + ("-" if namespace is None else "=" + namespace)
+
+    def save_snapshot(self, directory: str | os.PathLike[str]) -> SnapshotSummary:
+        """Save what is cached for this model and tokenizer (every namespace under the current fingerprint) into the
+        snapshot folder ``directory``, with the model and tokenizer fingerprints (see :meth:`RadixCache.save`: atomic,
+        changes nothing in the cache).  Call it between requests' model steps (the server saves on its model thread).
+
+        Raises:
+            OSError: a write failed; the previous snapshot stays current.
+            SnapshotError: safetensors is missing.
+        """
+        self._check_weights()
+        prefix = f"{self.fingerprint}:"
+        return self.cache.save(
+            directory,
+            identity=self._snapshot_identity(),
+            keep_namespace=lambda namespace: namespace is not None and namespace.startswith(prefix),
+        )
+
+    def load_snapshot(self, directory: str | os.PathLike[str]) -> SnapshotSummary:
+        """Replace what is cached with the snapshot in ``directory``, saved by :meth:`save_snapshot` for the same model
+        weights and tokenizer (most recently used part first when the pool is smaller).  Returns what was loaded.
+        The snapshot is read and verified before anything cached is dropped; on any error the cache is unchanged.
+
+        Raises:
+            SnapshotNotFoundError: no snapshot there.  SnapshotCorruptError: truncated, edited or damaged files.
+            SnapshotMismatchError: another model or tokenizer fingerprint, KV dtype, block size or KV shape.
+            SnapshotError: requests are running (they hold locks or blocks).
+        """
+        self._check_weights()
+        return self.cache.restore(directory, identity=self._snapshot_identity(), replace=True)
+
+    def _snapshot_identity(self) -> dict[str, str]:
+        # The cache fingerprint adds invalidate()'s epoch: a snapshot saved after invalidate() names weights that no
+        # fingerprint identifies, so it never loads into a fresh runner.
+        return {
+            "model_fingerprint": self.model.fingerprint(),
+            "tokenizer": self.tokenizer.name,
+            "cache_fingerprint": self.fingerprint,
+        }
 
     def generate(
         self,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Generator
 from contextlib import asynccontextmanager
@@ -42,6 +43,7 @@ from prefixcache.serve.protocol import (
     parse_prefill_request,
     usage_json,
 )
+from prefixcache.serve.snapshots import SnapshotKeeper
 from prefixcache.serve.worker import ModelWorker
 
 __all__ = ["create_app"]
@@ -85,24 +87,42 @@ def create_app(
     *,
     model_name: str = "prefixcache",
     api_keys: ApiKeys | None = None,
+    snapshot_dir: str | os.PathLike[str] | None = None,
+    snapshot_every_s: float | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``runner`` as model ``model_name``; ``api_keys`` (default: open) map keys to
     namespaces.  ``app.state.worker`` is the model thread (closed when the app shuts down; call
     ``app.state.worker.close()`` yourself when the app is used without its lifespan, as with httpx's ASGI
-    transport) and ``app.state.runner`` the runner."""
+    transport) and ``app.state.runner`` the runner.
+
+    With ``snapshot_dir`` the app's lifespan restores the cache from that snapshot folder at start (cold, saying
+    why, when there is none or it is refused), saves it every ``snapshot_every_s`` seconds and on a clean shutdown
+    (:class:`~prefixcache.serve.snapshots.SnapshotKeeper`, ``app.state.snapshots``)."""
     keys = api_keys if api_keys is not None else ApiKeys.open()
     worker = ModelWorker()
     metrics = ServerMetrics(runner.cache)
+    snapshots = None if snapshot_dir is None else SnapshotKeeper(runner, worker, snapshot_dir, snapshot_every_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        yield
-        worker.close()
+        if snapshots is None:
+            yield
+            worker.close()
+            return
+        await snapshots.restore()
+        periodic = asyncio.create_task(snapshots.run_periodic())
+        try:
+            yield
+        finally:
+            periodic.cancel()
+            await snapshots.save()
+            worker.close()
 
     app = FastAPI(title="prefixcache", lifespan=lifespan)
     app.state.runner = runner
     app.state.worker = worker
     app.state.metrics = metrics
+    app.state.snapshots = snapshots
 
     async def run_job(
         start: Callable[[], Generator[Any, None, Any]], deltas: bool = True

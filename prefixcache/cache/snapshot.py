@@ -1,0 +1,548 @@
+"""Snapshots: the cached tree and its K/V on disk, so a restarted process starts warm.
+
+llama.cpp saves and restores a slot's KV to a file; LMCache and SGLang's HiCache keep KV on disk beside the device.
+Here the whole radix tree is saved: its K/V blocks in one safetensors file, the tree and its metadata in JSON.
+
+Layout of a snapshot folder ``DIR`` (made by the first save)::
+
+    DIR/CURRENT                 the name of the complete version below (one line)
+    DIR/snapshot-<time>-<id>/snapshot.json   format version, pool shape, identity, namespaces, nodes, checksums
+    DIR/snapshot-<time>-<id>/kv.safetensors  "kv": [num_layers, 2, num_saved_blocks, block_size, num_kv_heads,
+                                             head_dim]
+
+Atomic writes.  A save writes a new version into a temporary folder inside ``DIR``, fsyncs its files and the folder,
+renames it to its version name, then replaces ``CURRENT`` (``os.replace`` of a fsynced file: atomic on POSIX and
+Windows).  That replace is the commit point: an exception or a crash before it leaves the previous version current
+and intact, and after it the new one is complete.  Older versions and stale temporary folders are removed last
+(a failure there is only logged); the next save removes what a crash left behind.
+
+Integrity.  ``snapshot.json`` holds its own checksum (xxh3-128 of the canonical JSON of the rest) and the size and
+checksum of ``kv.safetensors``, so a truncated, edited or damaged file is refused before anything is loaded
+(:class:`~prefixcache.errors.SnapshotCorruptError`).  A sound snapshot of another block size, KV dtype, KV shape or
+model/tokenizer identity is refused too (:class:`~prefixcache.errors.SnapshotMismatchError`).
+
+What is saved: every node of the tree (locked ones included: a lock only pins a prefix that running requests read;
+restored nodes are unlocked), with its tokens, blocks, access time and hits (the LRU/LFU order), retention priority
+and what is left of its retention time, and the request id that inserted it.  Blocks requests own privately are not
+in the tree and are never saved.  Saving reads the tree and copies the K/V it holds; it changes nothing.
+
+Restoring fills an empty cache.  When the snapshot holds more blocks than the pool has free, it loads the most
+recently used part that fits, whole prefixes only (a node is loaded only with its parent): nodes are taken in order
+of retention priority, then last access, from the roots down, and a node that does not fit is skipped with its
+subtree.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xxhash
+
+from prefixcache.cache.node import Node, new_root
+from prefixcache.cache.pool import BLOCK_ID_DTYPE, KVBlockPool
+from prefixcache.cache.tokens import TOKEN_TYPECODE
+from prefixcache.errors import SnapshotCorruptError, SnapshotError, SnapshotMismatchError, SnapshotNotFoundError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Mapping
+
+    from prefixcache.cache.tree import RadixTree
+
+FORMAT = "prefixcache-snapshot"
+FORMAT_VERSION = 1
+CURRENT = "CURRENT"
+MANIFEST = "snapshot.json"
+KV_FILE = "kv.safetensors"
+VERSION_PREFIX = "snapshot-"
+TEMP_PREFIX = ".snapshot-tmp-"
+COPY_CHUNK_BLOCKS = 256
+"""Blocks copied between the device pool and host memory at a time."""
+
+logger = logging.getLogger(__name__)
+
+# One save at a time in this process: two savers racing on CURRENT could each remove the other's new version.
+_write_lock = threading.Lock()
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotSummary:
+    """What a save wrote or a restore loaded: ``num_nodes`` tree nodes holding ``num_tokens`` tokens in
+    ``num_blocks`` blocks (``kv_bytes`` bytes of K/V), in the version folder ``path``.  A restore into a pool too small
+    for the whole snapshot counts what it left out in ``skipped_nodes`` and ``skipped_tokens``."""
+
+    path: str
+    num_nodes: int
+    num_tokens: int
+    num_blocks: int
+    kv_bytes: int
+    skipped_nodes: int = 0
+    skipped_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A snapshot in memory: the manifest (the JSON of ``snapshot.json`` less its checksum) and the saved K/V
+    (``[num_layers, 2, num_saved_blocks, block_size, num_kv_heads, head_dim]`` on the CPU, None for a metadata-only
+    pool).  ``path`` is the version folder it was read from ("" before it is written)."""
+
+    manifest: dict[str, Any]
+    kv: torch.Tensor | None
+    path: str = ""
+
+
+def pool_shape(pool: KVBlockPool) -> dict[str, Any]:
+    """The pool facts a snapshot must share with the pool it is loaded into (the block count may differ)."""
+    return {
+        "block_size": pool.block_size,
+        "dtype": str(pool.dtype).removeprefix("torch."),
+        "num_layers": pool.num_layers,
+        "num_kv_heads": pool.num_kv_heads,
+        "head_dim": pool.head_dim,
+    }
+
+
+# ---- capture and write ------------------------------------------------------------------------------------------
+
+
+def capture(
+    tree: RadixTree,
+    identity: Mapping[str, str] | None = None,
+    keep_namespace: Callable[[str | None], bool] | None = None,
+) -> Snapshot:
+    """Copy the tree (namespaces ``keep_namespace`` accepts, all when None) and its K/V into memory.  Reads only:
+    no access time, hit count, counter or block changes.  The caller holds the cache's mutex.  O(cached tokens), plus
+    one device gather and one device-to-host copy of the saved blocks."""
+    pool = tree.pool
+    retention_now = tree.retention.clock()
+    namespaces: list[str | None] = []
+    nodes: list[dict[str, Any]] = []
+    snapshot_index: dict[int, int] = {}  # pool block id -> index in the saved K/V
+    num_tokens = 0
+    for namespace, root in tree.roots.items():
+        if keep_namespace is not None and not keep_namespace(namespace):
+            continue
+        ns = len(namespaces)
+        namespaces.append(namespace)
+        stack: list[tuple[Node, int]] = [(child, -1) for child in root.children.values()]
+        while stack:
+            node, parent = stack.pop()
+            index = len(nodes)
+            blocks = [snapshot_index.setdefault(b, len(snapshot_index)) for b in node.blocks.tolist()]
+            remaining = None
+            priority = node.priority
+            if priority and node.retain_until is not None:
+                remaining = node.retain_until - retention_now
+                if remaining <= 0:
+                    priority, remaining = 0, None
+            nodes.append(
+                {
+                    "parent": parent,
+                    "namespace": ns,
+                    "start": node.start,
+                    "tokens": node.tokens.tolist(),
+                    "blocks": blocks,
+                    "shares_first": node.shares_first,
+                    "last_access": node.last_access,
+                    "hit_count": node.hit_count,
+                    "priority": priority,
+                    "retain_s": remaining,
+                    "origin": node.origin,
+                }
+            )
+            num_tokens += len(node.tokens)
+            stack.extend((child, index) for child in node.children.values())
+    kv = None
+    if pool.kv is not None:
+        ids = torch.tensor(list(snapshot_index), dtype=torch.long, device=pool.kv.device)
+        shape = list(pool.kv.shape)
+        shape[2] = len(ids)
+        kv = torch.empty(shape, dtype=pool.kv.dtype)
+        # In chunks, so a nearly full device pool never needs a second copy of its cached K/V on the device.
+        for first in range(0, len(ids), COPY_CHUNK_BLOCKS):
+            chunk = ids[first : first + COPY_CHUNK_BLOCKS]
+            kv[:, :, first : first + len(chunk)] = pool.kv.index_select(2, chunk).cpu()
+    manifest = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "created_unix_s": time.time(),
+        "identity": dict(identity or {}),
+        "pool": {**pool_shape(pool), "num_blocks": pool.num_blocks},
+        "clock": tree.clock,
+        "namespaces": namespaces,
+        "num_blocks": len(snapshot_index),
+        "num_tokens": num_tokens,
+        "nodes": nodes,
+    }
+    return Snapshot(manifest, kv)
+
+
+def write(snapshot: Snapshot, directory: str | os.PathLike[str]) -> SnapshotSummary:
+    """Write ``snapshot`` as the new current version of the snapshot folder ``directory`` (made if missing), atomically
+    (see the module docstring).  Returns what was written.
+
+    Raises:
+        SnapshotError: safetensors is not installed (``pip install 'prefixcache[snapshot]'``).
+        OSError: a write, fsync or rename failed before the commit point; the previous version stays current.
+    """
+    folder = Path(directory)
+    manifest = dict(snapshot.manifest)
+    files: dict[str, dict[str, Any]] = {}
+    blobs: dict[str, bytes] = {}
+    if snapshot.kv is not None:
+        blobs[KV_FILE] = _safetensors().save({"kv": snapshot.kv}, metadata={"format": FORMAT})
+        files[KV_FILE] = {"bytes": len(blobs[KV_FILE]), "xxh3_128": _digest(blobs[KV_FILE])}
+    manifest["files"] = files
+    body = _canonical(manifest)
+    document = json.dumps({"checksum": {"xxh3_128": _digest(body)}, "manifest": manifest}, separators=(",", ":"))
+    with _write_lock:
+        os.makedirs(folder, exist_ok=True)
+        name = f"{VERSION_PREFIX}{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+        temp = folder / f"{TEMP_PREFIX}{name}"
+        final = folder / name
+        committed = False
+        try:
+            os.mkdir(temp)
+            for file_name, blob in blobs.items():
+                _write_file(temp / file_name, blob)
+            _write_file(temp / MANIFEST, document.encode())
+            _fsync_dir(temp)
+            os.rename(temp, final)
+            _fsync_dir(folder)
+            pointer = folder / f"{TEMP_PREFIX}{CURRENT}"
+            _write_file(pointer, (name + "\n").encode())
+            os.replace(pointer, folder / CURRENT)
+            committed = True
+        finally:
+            if not committed:
+                for leftover in (temp, final, folder / f"{TEMP_PREFIX}{CURRENT}"):
+                    _remove(leftover)
+        try:
+            _fsync_dir(folder)
+        except Exception as error:  # the new version is current: a failure here must not report the save failed
+            logger.warning("snapshot %s is current, but syncing its folder failed: %s", final, error)
+        for entry in _entries(folder):
+            # Only what saves make: other files a user keeps in the folder stay.
+            stale = entry.startswith(TEMP_PREFIX) or (entry.startswith(VERSION_PREFIX) and (folder / entry).is_dir())
+            if entry != name and stale:
+                _remove(folder / entry)
+    kv_bytes = 0 if snapshot.kv is None else snapshot.kv.numel() * snapshot.kv.element_size()
+    return SnapshotSummary(str(final), len(manifest["nodes"]), manifest["num_tokens"], manifest["num_blocks"], kv_bytes)
+
+
+# ---- read and check ---------------------------------------------------------------------------------------------
+
+
+def read(directory: str | os.PathLike[str]) -> Snapshot:
+    """Read and verify the current version of the snapshot folder ``directory`` (or a version folder itself).
+
+    Every checksum and size is checked before anything is returned.  O(snapshot bytes).
+
+    Raises:
+        SnapshotNotFoundError: no snapshot there (no folder, or no ``CURRENT`` and no ``snapshot.json``).
+        SnapshotCorruptError: a file is missing, truncated, edited or damaged.
+        SnapshotMismatchError: written by another format version.
+        SnapshotError: safetensors is not installed.
+    """
+    folder = Path(directory)
+    pointer = folder / CURRENT
+    if pointer.is_file():
+        name = _read_bytes(pointer).decode(errors="replace").strip()
+        if not name.startswith(VERSION_PREFIX) or "/" in name or "\\" in name or name in (".", ".."):
+            raise SnapshotCorruptError(f"{pointer} names no snapshot version ({name[:80]!r})")
+        version = folder / name
+        if not (version / MANIFEST).is_file():
+            raise SnapshotCorruptError(f"{pointer} names {name}, which has no {MANIFEST}")
+    elif (folder / MANIFEST).is_file():
+        version = folder
+    else:
+        raise SnapshotNotFoundError(f"no snapshot in {folder} (no {CURRENT} file)")
+    manifest = _read_manifest(version / MANIFEST)
+    kv = None
+    if KV_FILE in manifest["files"]:
+        blob = _read_bytes(version / KV_FILE)
+        expected = manifest["files"][KV_FILE]
+        if len(blob) != expected.get("bytes") or _digest(blob) != expected.get("xxh3_128"):
+            raise SnapshotCorruptError(
+                f"{version / KV_FILE}: {len(blob)} bytes whose checksum does not match the {expected.get('bytes')} "
+                "bytes written (truncated or damaged)"
+            )
+        try:
+            kv = _safetensors().load(blob)["kv"]
+        except SnapshotError:
+            raise
+        except Exception as error:  # a checksummed file that safetensors still refuses: written wrong
+            raise SnapshotCorruptError(f"{version / KV_FILE} does not parse: {error}") from None
+    return Snapshot(manifest, kv, str(version))
+
+
+def check_compatible(snapshot: Snapshot, pool: KVBlockPool, identity: Mapping[str, str] | None = None) -> None:
+    """Refuse a snapshot whose K/V cannot be used in ``pool``: another block size, dtype or KV shape, or, for each
+    key of ``identity`` (a model or tokenizer fingerprint), another value or none saved.
+
+    Raises:
+        SnapshotMismatchError: naming what differs, saved and here.
+        SnapshotCorruptError: the saved K/V do not have the shape the manifest says.
+    """
+    manifest = snapshot.manifest
+    saved_pool = manifest["pool"]
+    here = pool_shape(pool)
+    for key, value in here.items():
+        if saved_pool.get(key) != value:
+            raise SnapshotMismatchError(
+                f"the snapshot {snapshot.path} was saved with {key} {saved_pool.get(key)!r}, this pool has {value!r}"
+            )
+    saved_identity = manifest["identity"]
+    for key, value in (identity or {}).items():
+        if saved_identity.get(key) != value:
+            saved = saved_identity.get(key)
+            raise SnapshotMismatchError(
+                f"the snapshot {snapshot.path} was saved for {key} {saved!r}, this one is {value!r}"
+                if saved is not None
+                else f"the snapshot {snapshot.path} was saved without a {key}; refusing it for {value!r}"
+            )
+    if snapshot.kv is not None:
+        shape = (pool.num_layers, 2, manifest["num_blocks"], pool.block_size, pool.num_kv_heads, pool.head_dim)
+        if tuple(snapshot.kv.shape) != shape or snapshot.kv.dtype != pool.dtype:
+            raise SnapshotCorruptError(
+                f"the snapshot's K/V are {tuple(snapshot.kv.shape)} {snapshot.kv.dtype}, its manifest says {shape}"
+            )
+    elif pool.kv is not None and manifest["num_blocks"]:
+        raise SnapshotCorruptError(f"the snapshot {snapshot.path} has no K/V file for its blocks")
+
+
+# ---- restore ----------------------------------------------------------------------------------------------------
+
+
+def restore(snapshot: Snapshot, tree: RadixTree) -> SnapshotSummary:
+    """Build the snapshot's nodes into ``tree``, which must be empty, with fresh pool blocks holding the saved K/V.
+
+    Loads the most recently used part that fits the free blocks (see the module docstring).  Restored nodes keep
+    their access times, hits, origin and retention (within the cap).  The caller holds the cache's mutex and has
+    checked :func:`check_compatible`.  O(restored tokens) plus one host-to-device copy.
+
+    Raises:
+        SnapshotError: the tree is not empty or blocks are in use.
+        SnapshotCorruptError: the nodes do not form a valid tree (only a snapshot written wrong can do that).
+    Nothing changes when it raises.
+    """
+    pool = tree.pool
+    if tree.roots or pool.num_used_blocks:
+        raise SnapshotError(
+            f"a snapshot is restored into an empty cache; this one has {tree.num_nodes} nodes and "
+            f"{pool.num_used_blocks} blocks in use (evict_all() first, with no request running)"
+        )
+    manifest = snapshot.manifest
+    records = manifest["nodes"]
+    try:
+        chosen, skipped_nodes, skipped_tokens = _choose(records, pool.num_free_blocks, pool.block_size)
+    except (KeyError, TypeError, IndexError, ValueError) as error:
+        raise SnapshotCorruptError(f"the snapshot {snapshot.path} holds a malformed node: {error!r}") from None
+    new_id: dict[int, int] = {}
+    for index in chosen:
+        for block in records[index]["blocks"]:
+            new_id.setdefault(block, len(new_id))
+    allocated = pool.allocate(len(new_id))
+    try:
+        if pool.kv is not None and new_id:
+            source = torch.tensor(list(new_id), dtype=torch.long)
+            target = torch.from_numpy(allocated.astype(np.int64)).to(pool.kv.device)
+            for first in range(0, len(source), COPY_CHUNK_BLOCKS):
+                rows = snapshot.kv.index_select(2, source[first : first + COPY_CHUNK_BLOCKS]).to(pool.kv.device)
+                pool.kv.index_copy_(2, target[first : first + COPY_CHUNK_BLOCKS], rows)
+    except BaseException:
+        pool.decref(allocated)
+        raise
+    num_tokens = _link(tree, records, chosen, manifest["namespaces"], allocated, new_id)
+    tree.clock = max(tree.clock, int(manifest["clock"]))
+    if tree.events.listeners:
+        tree.events.emit(tree.events.hash_tree(tree.roots))
+    kv_bytes = 0 if pool.kv is None else len(new_id) * pool.block_size * pool.bytes_per_token
+    return SnapshotSummary(snapshot.path, len(chosen), num_tokens, len(new_id), kv_bytes, skipped_nodes, skipped_tokens)
+
+
+def _choose(records: list[dict[str, Any]], budget_blocks: int, block_size: int) -> tuple[list[int], int, int]:
+    """Indices of the nodes to load, parents first: a frontier from the roots down, highest (priority, last access)
+    first, taking each node whose own blocks still fit.  Checks the structure the tree will rely on.  Also returns
+    the nodes and tokens left out."""
+    children: dict[int, list[int]] = {}
+    for index, record in enumerate(records):
+        parent = record["parent"]
+        if not -1 <= parent < index:
+            raise ValueError(f"node {index} names parent {parent}")
+        children.setdefault(parent, []).append(index)
+    frontier = [(-records[i]["priority"], -records[i]["last_access"], i) for i in children.get(-1, [])]
+    heapq.heapify(frontier)
+    chosen: list[int] = []
+    while frontier:
+        index = heapq.heappop(frontier)[2]
+        record = records[index]
+        tokens, blocks, start = record["tokens"], record["blocks"], record["start"]
+        parent = records[record["parent"]] if record["parent"] >= 0 else None
+        expected_start = parent["start"] + len(parent["tokens"]) if parent else 0
+        if not tokens or start != expected_start:
+            raise ValueError(f"node {index} starts at {start}, after its parent at {expected_start}")
+        if len(blocks) != (start + len(tokens) - 1) // block_size - start // block_size + 1:
+            raise ValueError(f"node {index} holds {len(blocks)} blocks for positions {start}..{start + len(tokens)}")
+        if record["shares_first"] and (parent is None or blocks[0] != parent["blocks"][-1]):
+            raise ValueError(f"node {index} says it shares its parent's last block, which it does not")
+        own = len(blocks) - bool(record["shares_first"])
+        if own > budget_blocks:
+            continue
+        budget_blocks -= own
+        chosen.append(index)
+        for child in children.get(index, ()):
+            heapq.heappush(frontier, (-records[child]["priority"], -records[child]["last_access"], child))
+    taken = set(chosen)
+    left_out = [r for i, r in enumerate(records) if i not in taken]
+    return chosen, len(left_out), sum(len(r["tokens"]) for r in left_out)
+
+
+def _link(
+    tree: RadixTree,
+    records: list[dict[str, Any]],
+    chosen: list[int],
+    namespaces: list[str | None],
+    allocated: np.ndarray,
+    new_id: dict[int, int],
+) -> int:
+    """Create the chosen nodes (parents first) in ``tree`` on the ``allocated`` blocks; returns their tokens."""
+    pool = tree.pool
+    built: dict[int, Node] = {}
+    num_tokens = 0
+    for index in chosen:
+        record = records[index]
+        namespace = namespaces[record["namespace"]]
+        if record["parent"] >= 0:
+            parent = built[record["parent"]]
+        else:
+            parent = tree.roots.get(namespace)
+            if parent is None:
+                parent = tree.roots[namespace] = new_root(namespace)
+        blocks = np.array([allocated[new_id[b]] for b in record["blocks"]], dtype=BLOCK_ID_DTYPE)
+        shares = bool(record["shares_first"])
+        if shares:
+            pool.incref(blocks[:1])  # the first block is the parent's last: one more holder
+        tokens = array(TOKEN_TYPECODE, record["tokens"])
+        # Restored nodes get fresh ids from the tree's own counter, as insert and split do.
+        node = Node(next(tree._ids), parent, tokens, record["start"], blocks)
+        node.namespace = namespace
+        node.last_access = record["last_access"]
+        node.hit_count = record["hit_count"]
+        node.origin = record["origin"]
+        node.shares_first = shares
+        if shares:
+            parent.sharing_child = node
+        parent.children[tokens[0]] = node
+        built[index] = node
+        num_tokens += len(tokens)
+        tree.num_nodes += 1
+        tree.evictable_tokens += len(tokens)
+        tree.evictable_blocks += len(blocks) - shares
+    for node in built.values():
+        if not node.children:
+            tree.evictor.add(node)
+    retained: set[int] = set()
+    for index in chosen:
+        record = records[index]
+        parent_retained = record["parent"] < 0 or record["parent"] in retained
+        if record["priority"] and parent_retained:
+            node = built[index]
+            tree.retention.retain([node], record["priority"], record["retain_s"])
+            if node.priority:
+                retained.add(index)
+    return num_tokens
+
+
+# ---- files ------------------------------------------------------------------------------------------------------
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        document = json.loads(_read_bytes(path))
+        manifest = document["manifest"]
+        checksum = document["checksum"]["xxh3_128"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise SnapshotCorruptError(f"{path} is not a snapshot manifest: {error}") from None
+    if not isinstance(manifest, dict) or _digest(_canonical(manifest)) != checksum:
+        raise SnapshotCorruptError(f"{path} does not match its checksum (edited or damaged)")
+    if manifest.get("format") != FORMAT:
+        raise SnapshotCorruptError(f"{path} is not a {FORMAT} manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise SnapshotMismatchError(
+            f"{path} has snapshot format version {manifest.get('version')!r}; this prefixcache reads {FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise SnapshotCorruptError(f"cannot read {path}: {error}") from None
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to a new file and fsync it."""
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a folder's entries (renames, new files) durable; Windows has no fsync of a folder."""
+    if os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _entries(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError as error:
+        logger.warning("cannot list snapshot folder %s to remove old versions: %s", folder, error)
+        return []
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or folder if it is there; a failure is only logged (the next save tries again)."""
+    try:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    except Exception as error:  # cleaning up must not turn a finished save (or the original error) into another
+        logger.warning("cannot remove %s: %s", path, error)
+
+
+def _canonical(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _digest(data: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise SnapshotError("snapshots of K/V need safetensors: pip install 'prefixcache[snapshot]'") from None
+    return safetensors.torch

@@ -1,0 +1,127 @@
+"""Snapshots for the server: restore the cache at start, save it every few minutes and on a clean shutdown.
+
+Every save and restore runs as a job on the :class:`~prefixcache.serve.worker.ModelWorker` thread, between two steps
+of the running requests, so it never races a forward pass (a restore fills the pool; a save reads it).  A snapshot
+that is missing, refused (another model, block size, dtype) or damaged leaves the server to start cold, and the log
+says why; a failed save is logged and the previous snapshot stays current.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Generator
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+from prefixcache.cache.snapshot import SnapshotSummary
+from prefixcache.engine.runner import PrefixCachingRunner
+from prefixcache.errors import InvalidArgumentError, SnapshotError, SnapshotNotFoundError
+from prefixcache.serve.worker import ModelWorker
+
+__all__ = ["SnapshotKeeper", "run_on_worker"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def run_on_worker(worker: ModelWorker, fn: Callable[[], T]) -> Future[T]:
+    """Run ``fn()`` on the worker thread as a one-step job; the future holds its result or exception (a
+    ``RuntimeError`` if the worker closes first).  Raises ``RuntimeError`` if the worker is closed already."""
+    future: Future[T] = Future()
+
+    def steps() -> Generator[Any, None, T]:
+        yield from ()
+        return fn()
+
+    def on_event(kind: str, value: Any) -> None:
+        if kind == "done":
+            future.set_result(value)
+        elif kind == "error":
+            future.set_exception(value)
+        elif kind == "cancelled":
+            future.set_exception(RuntimeError("the model worker closed before the job ran"))
+
+    worker.submit(steps, on_event)
+    return future
+
+
+class SnapshotKeeper:
+    """The snapshot folder ``directory`` of a server over ``runner``: :meth:`restore` at start, :meth:`save` every
+    ``every_s`` seconds (:meth:`run_periodic`; never when None) and at shutdown, each on ``worker``'s thread.
+
+    ``restored`` is what the start loaded (None when it started cold, ``restore_error`` then says why);
+    ``last_saved`` the latest save and ``save_errors`` the number of failed ones.
+
+    Raises:
+        InvalidArgumentError: ``every_s`` is not a positive number.
+    """
+
+    def __init__(
+        self,
+        runner: PrefixCachingRunner,
+        worker: ModelWorker,
+        directory: str | os.PathLike[str],
+        every_s: float | None = None,
+    ) -> None:
+        if every_s is not None and (isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or every_s <= 0):
+            raise InvalidArgumentError(f"the snapshot interval must be a positive number of seconds, got {every_s!r}")
+        self.runner = runner
+        self.worker = worker
+        self.directory = os.fspath(directory)
+        self.every_s = every_s
+        self.restored: SnapshotSummary | None = None
+        self.restore_error: str | None = None
+        self.last_saved: SnapshotSummary | None = None
+        self.save_errors = 0
+
+    async def restore(self) -> SnapshotSummary | None:
+        """Load the snapshot into the runner's cache; on any failure start cold and log why.  Returns what loaded."""
+        try:
+            self.restored = await asyncio.wrap_future(run_on_worker(self.worker, self._load))
+        except SnapshotNotFoundError:
+            self.restore_error = f"no snapshot in {self.directory} yet"
+            logger.info("starting with an empty cache: %s", self.restore_error)
+        except (SnapshotError, OSError) as error:
+            self.restore_error = str(error)
+            logger.warning("starting with an empty cache: the snapshot was refused: %s", error)
+        else:
+            loaded = self.restored
+            skipped = f"; {loaded.skipped_tokens:,} tokens did not fit the pool" if loaded.skipped_tokens else ""
+            logger.info(
+                "restored %s tokens (%s nodes, %s blocks) from %s%s",
+                f"{loaded.num_tokens:,}",
+                f"{loaded.num_nodes:,}",
+                f"{loaded.num_blocks:,}",
+                loaded.path,
+                skipped,
+            )
+        return self.restored
+
+    async def save(self) -> SnapshotSummary | None:
+        """Save the cache now; a failure is logged (the previous snapshot stays current).  Returns what was saved."""
+        try:
+            saved = await asyncio.wrap_future(run_on_worker(self.worker, self._save))
+        except (SnapshotError, OSError, RuntimeError) as error:
+            self.save_errors += 1
+            logger.error("saving the cache snapshot to %s failed: %s", self.directory, error)
+            return None
+        self.last_saved = saved
+        logger.info("saved %s cached tokens (%s nodes) to %s", f"{saved.num_tokens:,}", saved.num_nodes, saved.path)
+        return saved
+
+    async def run_periodic(self) -> None:
+        """Save every ``every_s`` seconds until cancelled (returns at once when ``every_s`` is None)."""
+        if self.every_s is None:
+            return
+        while True:
+            await asyncio.sleep(self.every_s)
+            await self.save()
+
+    def _load(self) -> SnapshotSummary:
+        return self.runner.load_snapshot(self.directory)
+
+    def _save(self) -> SnapshotSummary:
+        return self.runner.save_snapshot(self.directory)

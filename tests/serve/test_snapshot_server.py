@@ -1,0 +1,120 @@
+"""``prefixcache serve --snapshot DIR``: a restarted server answers the next agent turn from the cache, a refused
+snapshot starts it cold saying why, and ``--snapshot-every`` saves while it runs."""
+
+from __future__ import annotations
+
+import logging
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefixcache import PrefixCachingRunner
+from prefixcache.cli import main
+from prefixcache.models.llama import LlamaModel
+from prefixcache.serve import create_app, start_background
+
+pytest.importorskip("safetensors", reason="needs: pip install 'prefixcache[snapshot]'")
+
+SERVE = [sys.executable, "-m", "prefixcache", "serve", "--port", "0", "--cache-tokens", "4096"]
+
+
+def start(snapshot: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen(
+        [*SERVE, "--snapshot", str(snapshot), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    line = process.stdout.readline()
+    match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+    if match is None:
+        process.kill()
+        raise AssertionError(f"no URL in {line!r}: {process.stderr.read()[-2000:]}")
+    return process, match.group(1)
+
+
+def stop(process: subprocess.Popen) -> str:
+    """Ctrl-C, as a user stops it; returns what it logged."""
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr[-2000:]
+    return stderr
+
+
+def turn(url: str, messages: list[dict]) -> dict:
+    body = {"model": "tiny", "messages": messages, "max_tokens": 4, "temperature": 0}
+    answer = httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+    messages.append(answer["choices"][0]["message"])
+    return answer["usage"]
+
+
+def test_a_restarted_server_answers_the_next_turn_from_its_snapshot(tmp_path: Path) -> None:
+    snapshot = tmp_path / "snap"
+    messages = [{"role": "system", "content": "You are a terse support agent for Acme."}]
+    process, url = start(snapshot)
+    try:
+        usages = []
+        for question in ("Where is order 12?", "And order 13?", "Cancel both."):
+            messages.append({"role": "user", "content": question})
+            usages.append(turn(url, messages))
+    finally:
+        first_log = stop(process)
+    assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert "no snapshot" in first_log and "saved" in first_log
+    assert (snapshot / "CURRENT").is_file()
+
+    process, url = start(snapshot)
+    try:
+        messages.append({"role": "user", "content": "Thanks!"})
+        fourth = turn(url, messages)
+    finally:
+        second_log = stop(process)
+
+    assert "restored" in second_log
+    # Every token of the third turn's prompt (and more: its answer, as far as it renders back the same) is cached.
+    assert fourth["prompt_tokens_details"]["cached_tokens"] >= usages[2]["prompt_tokens"]
+
+
+def test_a_damaged_snapshot_starts_the_server_cold_and_says_why(
+    tiny: LlamaModel, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    snapshot = tmp_path / "snap"
+    first = PrefixCachingRunner(tiny, cache_tokens=4096)
+    app = create_app(first, model_name="tiny", snapshot_dir=snapshot)
+    with start_background(app) as server:
+        turn(server.url, [{"role": "user", "content": "hello there"}])
+    assert app.state.snapshots.last_saved.num_tokens > 0
+    version = snapshot / (snapshot / "CURRENT").read_text().strip()
+    (version / "snapshot.json").write_text((version / "snapshot.json").read_text().replace('"clock":', '"clock":7'))
+
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096)
+    app = create_app(runner, model_name="tiny", snapshot_dir=snapshot)
+    with caplog.at_level(logging.WARNING, "prefixcache.serve.snapshots"), start_background(app) as server:
+        usage = turn(server.url, [{"role": "user", "content": "hello there"}])
+
+    assert "starting with an empty cache" in caplog.text and "checksum" in caplog.text
+    assert app.state.snapshots.restored is None and "checksum" in app.state.snapshots.restore_error
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_snapshot_every_saves_while_the_server_runs(tiny: LlamaModel, tmp_path: Path) -> None:
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096)
+    app = create_app(runner, model_name="tiny", snapshot_dir=tmp_path / "snap", snapshot_every_s=0.2)
+    with start_background(app) as server:
+        usage = turn(server.url, [{"role": "user", "content": "remember this prompt"}])
+        keeper = app.state.snapshots
+        deadline = time.monotonic() + 30
+        while (keeper.last_saved is None or keeper.last_saved.num_tokens == 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert keeper.restore_error is not None and keeper.restored is None  # nothing to restore at first
+        assert keeper.last_saved.num_tokens >= usage["prompt_tokens"]
+        fresh = PrefixCachingRunner(tiny, cache_tokens=4096)
+        assert fresh.load_snapshot(tmp_path / "snap").num_tokens >= usage["prompt_tokens"]
+
+
+def test_snapshot_every_needs_a_snapshot_folder(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--snapshot-every", "5"]) == 2
+    assert "--snapshot-every needs --snapshot" in capsys.readouterr().err
