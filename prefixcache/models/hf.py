@@ -437,12 +437,19 @@ def random_model_from_config(
 
 
 def tiny_random_model(
-    model_type: str = "qwen2", *, vocab_size: int = 300, layers: int = 2, max_positions: int = 512, seed: int = 0
+    model_type: str = "qwen2",
+    *,
+    vocab_size: int = 300,
+    layers: int = 2,
+    max_positions: int = 512,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
 ) -> HFCausalLM:
     """A small randomly initialised Hugging Face model of ``model_type`` for tests and quick benchmarks: hidden size
     64, intermediate 128, 4 query heads over 2 KV heads (grouped-query attention), ``layers`` layers, no BOS/EOS.
     Weights come from the architecture's initialiser (``initializer_range`` 0.2, so that logits differ visibly)
-    under ``torch.manual_seed(seed)``, with the global RNG state restored.  Raises UnsupportedModelError as
+    under ``torch.manual_seed(seed)`` on the CPU, with the global RNG state restored, then moved to ``device``.
+    Raises UnsupportedModelError as
     :class:`HFCausalLM` does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -461,4 +468,4 @@ def tiny_random_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return HFCausalLM(AutoModelForCausalLM.from_config(config).eval())
+        return HFCausalLM(AutoModelForCausalLM.from_config(config).eval().to(device))
