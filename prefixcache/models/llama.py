@@ -27,6 +27,7 @@ from prefixcache.models.base import (
     ModelConfig,
     check_cached_call,
     check_live,
+    check_logits_from,
     check_reference_call,
     config_fingerprint,
     weights_version_of,
@@ -356,16 +357,20 @@ class LlamaModel:
         return grown
 
     @torch.inference_mode()
-    def forward_reference(self, token_ids: torch.Tensor, *, return_logits: bool = False) -> torch.Tensor:
+    def forward_reference(
+        self, token_ids: torch.Tensor, *, return_logits: bool = False, logits_from: int = 0
+    ) -> torch.Tensor:
         """Uncached full causal forward of ``token_ids[T]``; float32 logits ``[1, vocab_size]`` of the last position,
-        or ``[T, vocab_size]`` with ``return_logits``.
+        or ``[T - logits_from, vocab_size]`` of positions ``logits_from ..`` with ``return_logits``.
 
         Touches no pool.  Cost: O(T^2) attention.  Raises InvalidTokensError, CapacityError
-        (``T > max_position``).
+        (``T > max_position``), InvalidArgumentError (``logits_from`` outside ``0 .. T - 1``).
         """
         ids = check_reference_call(self, token_ids)
+        check_logits_from(logits_from, ids.numel())
         positions = torch.arange(ids.numel(), device=self.device)
-        return self._forward(ids, positions, lambda _layer, k, v: (k, v), return_logits)
+        keep = logits_from if return_logits else ids.numel() - 1
+        return self._forward(ids, positions, lambda _layer, k, v: (k, v), return_logits, logits_from=keep)
 
     def _forward(
         self,
@@ -374,9 +379,13 @@ class LlamaModel:
         kv_source: _KVSource,
         return_logits: bool,
         attend: _Attend | None = None,
+        logits_from: int | None = None,
     ) -> torch.Tensor:
         """ids ``[n]`` at ``positions[n]`` (consecutive); K/V of every earlier position come from ``kv_source`` and
-        are attended by ``attend`` (default :meth:`_attention`)."""
+        are attended by ``attend`` (default :meth:`_attention`).  Logits of the last position, of every position with
+        ``return_logits``, or of ``ids[logits_from:]`` when given."""
+        if logits_from is None:
+            logits_from = 0 if return_logits else ids.numel() - 1
         attend = attend or self._attention
         n, heads, kv_heads, d = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self._rope(positions)
@@ -388,9 +397,9 @@ class LlamaModel:
             q = self._apply_rope(q.view(n, heads, d), cos, sin)
             k = self._apply_rope(k.view(n, kv_heads, d), cos, sin)
             k_all, v_all = kv_source(i, k, v.view(n, kv_heads, d))
-            if i == last and not return_logits:
-                # Only the last position's hidden state reaches the LM head: its attention query and MLP suffice.
-                q, x, positions = q[-1:], x[-1:], positions[-1:]
+            if i == last and logits_from:
+                # Only these positions' hidden states reach the LM head: their attention queries and MLP suffice.
+                q, x, positions = q[logits_from:], x[logits_from:], positions[logits_from:]
             x = x + F.linear(attend(q, k_all, v_all, positions), layer.o)
             h = self._rms_norm(x, layer.mlp_norm)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
