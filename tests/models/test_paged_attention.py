@@ -164,3 +164,23 @@ def test_bench_engine_on_cuda_without_cuda_is_a_one_line_error(capsys) -> None:
     out, err = capsys.readouterr()
     assert out == ""
     assert err.count("\n") == 1 and "no CUDA device" in err
+
+
+def test_runner_tokens_with_paged_attention_equal_those_of_the_gather_path() -> None:
+    from prefixcache.engine.runner import PrefixCachingRunner
+    from prefixcache.engine.sampling import SamplingParams
+
+    model = build_model("tiny", device="cpu")
+    system = list(range(40, 77))
+    prompts = [system + [5, 6, 7], system + [9, 8]]  # the second hits the first's blocks
+    params = SamplingParams(max_new_tokens=4)
+    tokens = {}
+    for paged in (False, True):
+        model.paged_attention = paged
+        runner = PrefixCachingRunner(model, cache_tokens=256, block_size=16)
+        assert runner.pool.kv.device == model.device  # the pool lives on the model's device
+        results = [runner.generate(p, params) for p in prompts]
+        assert results[1].usage.cached_tokens >= 32
+        tokens[paged] = [r.token_ids for r in results]
+
+    assert tokens[True] == tokens[False]
