@@ -28,10 +28,13 @@ Triton kernel per shape class on CUDA (a decoding kernel for short query sets), 
 Trade-offs: the fused kernel needs ``torch.compile`` (the first call of each shape compiles, seconds; shapes are
 marked dynamic to limit recompiles), a KV tile of at least 16 tokens (``block_size`` a multiple of 16; the kernel's
 ``BLOCK_N`` must divide it, so it is set to the largest of 64, 32, 16 that does), and it builds a small BlockMask per
-forward (``[1, 1, ceil(n / Q_BLOCK_SIZE), num_table_blocks]`` int32, shared by every layer).  Eager ``flex_attention``
+forward (``[1, 1, ceil(n / Q_BLOCK_SIZE), num_table_blocks]`` int32, shared by every layer; no query-major copy,
+which only the backward pass reads).  Eager ``flex_attention``
 (the CPU here) is the unfused reference: it materializes ``[H, n, num_blocks * block_size]`` scores over the *whole
 pool*, so it is correct but slower than the gather on CPU.  Hence :func:`paged_attention_default`: on for CUDA, off on
-the CPU, where tests switch it on to check it against the gather path.
+the CPU, where tests switch it on to check it against the gather path.  Not yet run on a GPU: whether the compiled
+kernel keeps the pool's strided ``[1, H_kv, slots, D]`` view without a copy, and compiles once per shape class rather
+than once per forward (each forward brings a new ``mask_mod`` closure), are the first things to check there.
 """
 
 from __future__ import annotations
