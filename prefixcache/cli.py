@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {names} (default all)")
     bench.add_argument("--quick", action="store_true", help="small sizes (seconds); figures are not judged")
     bench.add_argument("--json", metavar="OUT", help="write results as JSON")
+    bench.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the engine benchmark runs (default cpu)"
+    )
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server over the prefix cache")
     serve.add_argument("--model", default="tiny", help="embedded preset tiny (default) or small, or hf:PATH")
@@ -357,6 +360,13 @@ def _run_bench(args: argparse.Namespace) -> int:
         extra["serve"] = serve_bench.run
     except ImportError:  # without the server extra there is no serve benchmark
         pass
+    if args.device != "cpu":
+        from functools import partial
+
+        from prefixcache.bench import engine
+
+        engine.check_device(args.device)  # before any benchmark runs
+        extra["engine"] = partial(engine.run, device=args.device)
     if args.quick:
         print("quick run (--quick): small sizes for a smoke test; the figures are not judged against the goals\n")
     bench.run(args.names or None, quick=args.quick, json_path=args.json, extra=extra)

@@ -26,7 +26,7 @@ import xxhash
 
 from prefixcache.cache.radix_cache import CacheStats, RadixCache
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
-from prefixcache.models.base import CausalLM, LiveKV, check_cached_call, check_reference_call
+from prefixcache.models.base import CausalLM, LiveKV, check_cached_call, check_logits_from, check_reference_call
 
 __all__ = [
     "CacheSnapshot",
@@ -347,9 +347,11 @@ class ScriptedModel:
         logits = self._logits(context, start_pos)
         return logits if return_logits else logits[-1:]
 
-    def forward_reference(self, token_ids: torch.Tensor, *, return_logits: bool = False) -> torch.Tensor:
+    def forward_reference(
+        self, token_ids: torch.Tensor, *, return_logits: bool = False, logits_from: int = 0
+    ) -> torch.Tensor:
         ids = check_reference_call(self, token_ids)
-        logits = self._logits(ids.tolist(), 0)
+        logits = self._logits(ids.tolist(), check_logits_from(logits_from, ids.numel()))
         return logits if return_logits else logits[-1:]
 
     def _logits(self, context: list[int], first: int) -> torch.Tensor:

@@ -15,10 +15,14 @@ layers, measured side by side in one process, repeats interleaved, medians:
   :class:`~prefixcache.engine.batching.BatchEngine` with ``policy="lpm"`` (the system prompt prefilled once) and with
   ``policy="fcfs"`` (every session prefills it): prefilled tokens and wall time.
 
-Clock: the calling thread's CPU time with torch held to one intra-op thread (as in ``bench runner``): on a small
-shared machine a second thread makes every op wait for a descheduled peer, and wall time counts other processes'
-time slices; all three paths run the same way.  ``--quick`` (CI) runs a 2-layer, hidden-64 Qwen2 at short lengths:
-it checks the code path, its figures mean little.
+- paged attention (:mod:`prefixcache.models.paged_attention`) on the embedded model: decode time per token reading
+  the pool through the block table against the gather of the prefix out of the pool, logits checked equal.
+
+Clock: on the CPU, the calling thread's CPU time with torch held to one intra-op thread (as in ``bench runner``): on a
+small shared machine a second thread makes every op wait for a descheduled peer, and wall time counts other processes'
+time slices; all paths run the same way.  With ``device="cuda"`` (``--device cuda``) every model and pool lives on
+the GPU and the clock is wall time after a device synchronize.  ``--quick`` (CI) runs a 2-layer, hidden-64 Qwen2 at
+short lengths: it checks the code path, its figures mean little.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from prefixcache.bench.common import BenchResult, Table
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError
+from prefixcache.models.paged_attention import paged_attention_supported
 
 QWEN_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tokenizers" / "qwen2.5-0.5b-instruct"
 """The Qwen2.5-0.5B-Instruct tokenizer and config folder beside the repository."""
@@ -45,7 +50,40 @@ BLOCK_SIZE = 16
 WARM_SUFFIX_TOKENS = 64
 TORCH_THREADS = 1
 clock: Callable[[], float] = time.thread_time
-"""Seconds of CPU time of the calling thread: the clock of every figure here (see the module docstring)."""
+"""The clock of every figure here: seconds of CPU time of the calling thread, or GPU wall time inside
+:func:`device_clock` for CUDA (see the module docstring)."""
+DEVICES = ("cpu", "cuda")
+
+
+def check_device(device: str) -> torch.device:
+    """``device`` as a torch device when this machine has it.
+
+    Raises:
+        InvalidArgumentError: not one of :data:`DEVICES`, or ``cuda`` without a CUDA device.
+    """
+    if device not in DEVICES:
+        raise InvalidArgumentError(f"device must be one of {list(DEVICES)}, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgumentError("--device cuda: no CUDA device here (torch.cuda.is_available() is False)")
+    return torch.device(device)
+
+
+def _cuda_wall_clock() -> float:
+    torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+@contextlib.contextmanager
+def device_clock(device: torch.device) -> Iterator[None]:
+    """Make :data:`clock` the device's clock inside the block: wall time after a synchronize on CUDA (the CPU only
+    launches kernels there, so its CPU time would miss the work); the thread's CPU time otherwise."""
+    global clock
+    before = clock
+    clock = _cuda_wall_clock if device.type == "cuda" else time.thread_time
+    try:
+        yield
+    finally:
+        clock = before
 
 
 @contextlib.contextmanager
@@ -108,8 +146,9 @@ QUICK = EngineSetup(
 )
 
 
-def build_bench_model(quick: bool, layers: int):
-    """The HF model under test: the shared Qwen2.5-0.5B config cut to ``layers`` layers, or (``quick``) a tiny Qwen2.
+def build_bench_model(quick: bool, layers: int, device: torch.device | str = "cpu"):
+    """The HF model under test on ``device``: the shared Qwen2.5-0.5B config cut to ``layers`` layers, or (``quick``)
+    a tiny Qwen2.
 
     Raises InvalidArgumentError when transformers (extra ``hf``) is missing or the shared config is absent.
     """
@@ -122,8 +161,8 @@ def build_bench_model(quick: bool, layers: int):
     if not quick:
         if not (QWEN_DIR / "config.json").is_file():
             raise InvalidArgumentError(f"the Qwen config is missing at {QWEN_DIR}; run with --quick or fetch ../shared")
-        return random_model_from_config(QWEN_DIR, layers=layers, seed=0, device="cpu")
-    return tiny_random_model("qwen2", vocab_size=2048, layers=layers, max_positions=4096)
+        return random_model_from_config(QWEN_DIR, layers=layers, seed=0, device=device)
+    return tiny_random_model("qwen2", vocab_size=2048, layers=layers, max_positions=4096, device=device)
 
 
 def _ids(model, n: int, seed: int) -> list[int]:
@@ -144,11 +183,11 @@ def _own_forward(hf, ids: list[int], cache=None) -> tuple[float, int]:
 
     cache = DynamicCache(config=hf.config) if cache is None else cache
     start = cache.get_seq_length()
-    positions = torch.arange(start, start + len(ids)).unsqueeze(0)
+    positions = torch.arange(start, start + len(ids), device=hf.device).unsqueeze(0)
 
     def run():
         out = hf.model(
-            input_ids=torch.tensor([ids]),
+            input_ids=torch.tensor([ids], device=hf.device),
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
@@ -229,8 +268,8 @@ def measure_decode(model, context: int, steps: int, repeats: int) -> dict:
         cache = copy.deepcopy(prefilled)
         seconds, out = _timed(
             lambda cache=cache: model.model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                torch.tensor([prompt], device=model.device),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
                 past_key_values=cache,
                 max_new_tokens=steps,
                 min_new_tokens=steps,
@@ -266,19 +305,19 @@ def _gather_decode(runner: PrefixCachingRunner, prompt: list[int], tokens: list[
         sequence = prompt + tokens
         start = clock()
         for position in range(len(prompt) - 1, len(sequence) - 1):
-            step = torch.tensor([sequence[position]])
+            step = torch.tensor([sequence[position]], device=model.device)
             model.forward_cached(step, position, runner.pool.kv, table)
         return (clock() - start) / len(tokens)
     finally:
         runner.cache.release(lease)
 
 
-def measure_batching(setup: EngineSetup) -> dict:
+def measure_batching(setup: EngineSetup, device: torch.device | str = "cpu") -> dict:
     """Aggregate generated tokens/s of ``batch_sessions`` sessions served together over one session alone, both
     behind a cached system prompt; the batched tokens are checked equal to the serial ones."""
     from prefixcache.models.llama import build_model
 
-    model = build_model(setup.batch_preset, device="cpu")
+    model = build_model(setup.batch_preset, device=device)
     system = torch.randint(0, 259, (setup.batch_system_tokens,), generator=torch.Generator().manual_seed(1)).tolist()
     questions = [_ids_below(259, setup.batch_question_tokens, seed=500 + i) for i in range(setup.batch_sessions)]
     prompts = [system + q for q in questions]
@@ -341,21 +380,66 @@ def measure_shared_prefill(setup: EngineSetup) -> dict:
     return out
 
 
+@torch.inference_mode()
+def measure_paged(setup: EngineSetup, context: int, device: torch.device, atol: float = 1e-4) -> dict:
+    """Seconds per decode token at ``context`` tokens on the embedded ``batch_preset`` model: attention through the
+    block table (``paged_attention``) against the gather of the prefix out of the pool; every step's logits are
+    checked equal between the two (float32, within ``atol``).  The block table is shuffled, so the request's blocks
+    are scattered over the pool as they are after evictions."""
+    from prefixcache.models.llama import build_model
+
+    model = build_model(setup.batch_preset, device=device)
+    steps = setup.decode_steps
+    num_blocks = -(-(context + steps) // BLOCK_SIZE)
+    if not paged_attention_supported(device, BLOCK_SIZE):
+        raise InvalidArgumentError(f"paged attention does not run on {device} with blocks of {BLOCK_SIZE} tokens")
+    shape = (model.num_layers, 2, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+    kv = torch.zeros(shape, dtype=model.dtype, device=device)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(7))
+    table = order.to(device)
+    ids = torch.tensor(_ids_below(model.vocab_size, context + steps, seed=600), device=device)
+    model.forward_cached(ids[:context], 0, kv, table)
+    seconds = {True: 0.0, False: 0.0}
+    for position in range(context, context + steps):
+        logits = {}
+        for paged in (True, False):
+            model.paged_attention = paged
+            start = clock()
+            logits[paged] = model.forward_cached(ids[position : position + 1], position, kv, table)
+            seconds[paged] += clock() - start
+        diff = float((logits[True] - logits[False]).abs().max())
+        if diff > atol:
+            raise AssertionError(f"paged attention at {position}: logits differ from the gather path's by {diff:.3g}")
+    return {
+        "model": setup.batch_preset,
+        "context": context,
+        "steps": steps,
+        "paged_s": seconds[True] / steps,
+        "gather_s": seconds[False] / steps,
+    }
+
+
 def _ids_below(vocab: int, n: int, seed: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def run(quick: bool = False) -> BenchResult:
-    """Measure and tabulate; raises InvalidArgumentError without transformers or (full run) the shared config."""
+def run(quick: bool = False, device: str = "cpu") -> BenchResult:
+    """Measure and tabulate on ``device`` (``"cpu"`` or ``"cuda"``).
+
+    Raises InvalidArgumentError without transformers, (full run) without the shared config, or for a device this
+    machine lacks (see :func:`check_device`).
+    """
+    where = check_device(device)
     setup = QUICK if quick else FULL
-    model = build_bench_model(quick, setup.layers)
+    model = build_bench_model(quick, setup.layers, where)
     threads = TORCH_THREADS
-    with one_torch_thread():
+    with one_torch_thread(), device_clock(where):
         cold = [measure_cold(model, n, setup.repeats) for n in setup.ttft_lengths]
         warm = [measure_warm(model, n, setup.repeats) for n in setup.ttft_lengths]
         decode = [measure_decode(model, c, setup.decode_steps, setup.repeats) for c in setup.decode_contexts]
-        batching = measure_batching(setup)
+        batching = measure_batching(setup, where)
         shared = measure_shared_prefill(setup)
+        paged = [measure_paged(setup, c, where) for c in setup.decode_contexts]
     rows = []
     for c in cold:
         rows.append(
@@ -405,26 +489,43 @@ def run(quick: bool = False) -> BenchResult:
     rows.append((f"{sessions}, prefilled tokens", behind, baseline, f"{ours:,}", f"{base:,}", f"{ours / base:.2f}"))
     ours, base = lpm["wall_s"], fcfs["wall_s"]
     rows.append((f"{sessions}, wall time (s)", behind, baseline, f"{ours:.2f}", f"{base:.2f}", f"{ours / base:.2f}"))
+    for p in paged:
+        rows.append(
+            (
+                "paged attention (ms/token)",
+                f"{p['context']:,}",
+                f"gather from the pool ({p['model']}, embedded)",
+                *_cells(p["paged_s"], p["gather_s"]),
+            )
+        )
     shape = f"{model.name}, hidden {model.config.hidden_size}, vocab {model.vocab_size:,}"
     table = Table(
-        title=f"engine: runner vs the model's own transformers calls ({shape}, {'quick' if quick else 'full'})",
+        title=(
+            f"engine: runner vs the model's own transformers calls ({shape}, {'quick' if quick else 'full'}, "
+            f"{where.type})"
+        ),
         headers=("measure", "tokens", "baseline is", "ours", "baseline", "ours / baseline"),
         rows=tuple(rows),
         notes=(
-            f"thread CPU time, medians of {setup.repeats} interleaved repeats, one process, {threads} torch thread(s), "
+            f"{'GPU wall time' if where.type == 'cuda' else 'thread CPU time'}, medians of {setup.repeats} interleaved "
+            f"repeats, one process, {threads} torch thread(s), "
             f"block_size {BLOCK_SIZE}; greedy tokens checked equal to the baseline's",
             "'old: gather' is forward_cached without live K/V: each step copies the prefix out of the pool",
             "new sessions: submitted together to one BatchEngine, prefix-aware (lpm: longest cached prefix first, a "
             "shared uncached prefix prefilled once) vs fcfs; wall time, not thread CPU time",
+            "'paged attention': forward_cached reading the pool through the block table (flex_attention; eager, "
+            "unfused on the CPU), logits checked equal to the gather path's",
         ),
     )
     data = {
+        "device": where.type,
         "setup": _setup_dict(setup),
         "cold": cold,
         "warm": warm,
         "decode": decode,
         "batching": batching,
         "shared_prefill": shared,
+        "paged": paged,
     }
     return BenchResult("engine", (table,), data)
 

@@ -124,9 +124,12 @@ class CausalLM(Protocol):
         """
         ...
 
-    def forward_reference(self, token_ids: torch.Tensor, *, return_logits: bool = False) -> torch.Tensor:
+    def forward_reference(
+        self, token_ids: torch.Tensor, *, return_logits: bool = False, logits_from: int = 0
+    ) -> torch.Tensor:
         """Full causal recompute of ``token_ids[T]`` with no pool; float32 logits ``[1, vocab_size]`` of the last
-        position, or ``[T, vocab_size]`` with ``return_logits=True``."""
+        position, or ``[T - logits_from, vocab_size]`` (positions ``logits_from .. T - 1``; the LM head runs on
+        nothing else) with ``return_logits=True``.  ``logits_from`` must be in ``0 .. T - 1``."""
         ...
 
 
@@ -181,6 +184,16 @@ def forward_batch(model: CausalLM, rows: list[BatchRow], kv: torch.Tensor) -> li
     if own is not None:
         return own(rows, kv)
     return [model.forward_cached(r.token_ids, r.start_pos, kv, r.block_table, live=r.live) for r in rows]
+
+
+def check_logits_from(logits_from: object, num_tokens: int) -> int:
+    """Return ``logits_from`` if it is an int in ``0 .. num_tokens - 1`` (a position of the sequence).
+
+    Raises InvalidArgumentError otherwise.
+    """
+    if isinstance(logits_from, bool) or not isinstance(logits_from, int) or not 0 <= logits_from < num_tokens:
+        raise InvalidArgumentError(f"logits_from must be an int in 0..{num_tokens - 1}, got {logits_from!r}")
+    return logits_from
 
 
 def check_live(live: object, start_pos: int) -> bool:

@@ -28,7 +28,14 @@ import torch
 import xxhash
 
 from prefixcache.errors import InvalidArgumentError, UnsupportedModelError
-from prefixcache.models.base import LiveKV, check_cached_call, check_live, check_reference_call, weights_version_of
+from prefixcache.models.base import (
+    LiveKV,
+    check_cached_call,
+    check_live,
+    check_logits_from,
+    check_reference_call,
+    weights_version_of,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -197,21 +204,24 @@ class HFCausalLM:
         return out.logits[0].float() if return_logits else out.logits[0, -1:].float()
 
     @torch.inference_mode()
-    def forward_reference(self, token_ids: torch.Tensor, *, return_logits: bool = False) -> torch.Tensor:
+    def forward_reference(
+        self, token_ids: torch.Tensor, *, return_logits: bool = False, logits_from: int = 0
+    ) -> torch.Tensor:
         """The model's own full forward of ``token_ids[T]`` with no cache; float32 logits ``[1, vocab_size]`` of the
-        last position (``logits_to_keep=1``), or ``[T, vocab_size]`` with ``return_logits``.
+        last position (``logits_to_keep=1``), or ``[T - logits_from, vocab_size]`` of positions ``logits_from ..``
+        with ``return_logits`` (``logits_to_keep=T - logits_from``).
 
-        Touches no pool.  Raises InvalidTokensError, CapacityError (``T > max_position``).
+        Touches no pool.  Raises InvalidTokensError, CapacityError (``T > max_position``), InvalidArgumentError
+        (``logits_from`` outside ``0 .. T - 1``).
         """
         ids = check_reference_call(self, token_ids)
+        check_logits_from(logits_from, ids.numel())
         positions = torch.arange(ids.numel(), device=self.device)
-        out = self.model(
-            input_ids=ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            use_cache=False,
-            **self._logits_kwargs(return_logits),
-        )
-        return out.logits[0].float() if return_logits else out.logits[0, -1:].float()
+        keep = ids.numel() - logits_from if return_logits else 1
+        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+        out = self.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False, **kwargs)
+        # A model without logits_to_keep returns every position: keep the asked ones.
+        return out.logits[0, -keep:].float()
 
     def _logits_kwargs(self, return_logits: bool) -> dict[str, int]:
         # logits_to_keep=0 means every position in transformers.
@@ -437,12 +447,19 @@ def random_model_from_config(
 
 
 def tiny_random_model(
-    model_type: str = "qwen2", *, vocab_size: int = 300, layers: int = 2, max_positions: int = 512, seed: int = 0
+    model_type: str = "qwen2",
+    *,
+    vocab_size: int = 300,
+    layers: int = 2,
+    max_positions: int = 512,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
 ) -> HFCausalLM:
     """A small randomly initialised Hugging Face model of ``model_type`` for tests and quick benchmarks: hidden size
     64, intermediate 128, 4 query heads over 2 KV heads (grouped-query attention), ``layers`` layers, no BOS/EOS.
     Weights come from the architecture's initialiser (``initializer_range`` 0.2, so that logits differ visibly)
-    under ``torch.manual_seed(seed)``, with the global RNG state restored.  Raises UnsupportedModelError as
+    under ``torch.manual_seed(seed)`` on the CPU, with the global RNG state restored, then moved to ``device``.
+    Raises UnsupportedModelError as
     :class:`HFCausalLM` does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -461,4 +478,4 @@ def tiny_random_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return HFCausalLM(AutoModelForCausalLM.from_config(config).eval())
+        return HFCausalLM(AutoModelForCausalLM.from_config(config).eval().to(device))

@@ -27,10 +27,12 @@ from prefixcache.models.base import (
     ModelConfig,
     check_cached_call,
     check_live,
+    check_logits_from,
     check_reference_call,
     config_fingerprint,
     weights_version_of,
 )
+from prefixcache.models.paged_attention import PagedAttention, paged_attention_default, paged_attention_supported
 
 # Names the forward and init code below; bump it whenever either changes the numbers, so that no
 # cache built by older code is ever matched against a newer model.
@@ -70,6 +72,8 @@ _QUERY_CHUNK = 1024
 
 # (layer index, new K [n, H_kv, D], new V [n, H_kv, D]) -> (K, V) of all positions [S, H_kv, D].
 _KVSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (q [n, H, D], K, V from the source, positions [n]) -> [n, H * D].
+_Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -95,8 +99,9 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
 class LlamaModel:
     """A seeded Llama-style decoder implementing :class:`prefixcache.models.base.CausalLM`.
 
-    Build one with :func:`build_model`.  Not thread-safe with respect to a shared pool: the caller (the
-    runner) owns which slots are written.
+    Build one with :func:`build_model`.  ``paged_attention`` (bool, default: on CUDA) makes :meth:`forward_cached`
+    attend through the pool's block table instead of gathering the context.  Not thread-safe with respect to a
+    shared pool: the caller (the runner) owns which slots are written.
     """
 
     def __init__(
@@ -113,6 +118,8 @@ class LlamaModel:
         self.max_position = config.max_position
         self.dtype = dtype
         self.device = _resolve_device(device)
+        # forward_cached attends through the pool's block table (models.paged_attention) instead of gathering.
+        self.paged_attention = paged_attention_default(self.device)
         self._config_fingerprint = config_fingerprint(config, architecture=ARCHITECTURE, dtype=dtype)
         self._fingerprint: str | None = None
         self._fingerprint_version: int | None = None
@@ -220,6 +227,8 @@ class LlamaModel:
             float32 logits ``[1, vocab_size]`` of the last position, or ``[n, vocab_size]`` with
             ``return_logits``; row i predicts position ``start_pos + i + 1``.
 
+        With ``paged_attention`` (default on CUDA) attention reads the pool through ``block_table`` in place (see
+        :mod:`prefixcache.models.paged_attention`) and ``live`` is not used.
         Cost: O(n * (start_pos + n)) attention plus, without a filled ``live``, a gather of ``start_pos + n`` K/V
         rows per layer; with it, a copy of n rows per layer (amortised).
         Raises InvalidTokensError, InvalidArgumentError, CapacityError (see ``check_cached_call``).
@@ -233,6 +242,16 @@ class LlamaModel:
         slots_new = table[positions // block_size] * block_size + positions % block_size  # [n]
         # [num_layers, 2, num_blocks * block_size, H_kv, D]: a view, so index_copy_ writes the pool itself.
         flat = kv.view(self.num_layers, 2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+        if self.paged_attention and paged_attention_supported(kv.device, block_size):
+
+            def into_pool(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                flat[layer].index_copy_(1, slots_new, torch.stack([k, v]))
+                return flat[layer, 0], flat[layer, 1]
+
+            if live is not None:
+                live.reset()  # its rows would go stale while the pool alone is written
+            attend = PagedAttention(table, end_pos, num_blocks, block_size)
+            return self._forward(ids, positions, into_pool, return_logits, attend)
         if live is not None:
             prefix = all_pos[:start_pos]
             prefix_slots = table[prefix // block_size] * block_size + prefix % block_size
@@ -338,21 +357,36 @@ class LlamaModel:
         return grown
 
     @torch.inference_mode()
-    def forward_reference(self, token_ids: torch.Tensor, *, return_logits: bool = False) -> torch.Tensor:
+    def forward_reference(
+        self, token_ids: torch.Tensor, *, return_logits: bool = False, logits_from: int = 0
+    ) -> torch.Tensor:
         """Uncached full causal forward of ``token_ids[T]``; float32 logits ``[1, vocab_size]`` of the last position,
-        or ``[T, vocab_size]`` with ``return_logits``.
+        or ``[T - logits_from, vocab_size]`` of positions ``logits_from ..`` with ``return_logits``.
 
         Touches no pool.  Cost: O(T^2) attention.  Raises InvalidTokensError, CapacityError
-        (``T > max_position``).
+        (``T > max_position``), InvalidArgumentError (``logits_from`` outside ``0 .. T - 1``).
         """
         ids = check_reference_call(self, token_ids)
+        check_logits_from(logits_from, ids.numel())
         positions = torch.arange(ids.numel(), device=self.device)
-        return self._forward(ids, positions, lambda _layer, k, v: (k, v), return_logits)
+        keep = logits_from if return_logits else ids.numel() - 1
+        return self._forward(ids, positions, lambda _layer, k, v: (k, v), return_logits, logits_from=keep)
 
     def _forward(
-        self, ids: torch.Tensor, positions: torch.Tensor, kv_source: _KVSource, return_logits: bool
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_source: _KVSource,
+        return_logits: bool,
+        attend: _Attend | None = None,
+        logits_from: int | None = None,
     ) -> torch.Tensor:
-        """ids ``[n]`` at ``positions[n]`` (consecutive); K/V of every earlier position come from ``kv_source``."""
+        """ids ``[n]`` at ``positions[n]`` (consecutive); K/V of every earlier position come from ``kv_source`` and
+        are attended by ``attend`` (default :meth:`_attention`).  Logits of the last position, of every position with
+        ``return_logits``, or of ``ids[logits_from:]`` when given."""
+        if logits_from is None:
+            logits_from = 0 if return_logits else ids.numel() - 1
+        attend = attend or self._attention
         n, heads, kv_heads, d = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self._rope(positions)
         x = self.embed[ids]  # [n, hidden]
@@ -363,10 +397,10 @@ class LlamaModel:
             q = self._apply_rope(q.view(n, heads, d), cos, sin)
             k = self._apply_rope(k.view(n, kv_heads, d), cos, sin)
             k_all, v_all = kv_source(i, k, v.view(n, kv_heads, d))
-            if i == last and not return_logits:
-                # Only the last position's hidden state reaches the LM head: its attention query and MLP suffice.
-                q, x, positions = q[-1:], x[-1:], positions[-1:]
-            x = x + F.linear(self._attention(q, k_all, v_all, positions), layer.o)
+            if i == last and logits_from:
+                # Only these positions' hidden states reach the LM head: their attention queries and MLP suffice.
+                q, x, positions = q[logits_from:], x[logits_from:], positions[logits_from:]
+            x = x + F.linear(attend(q, k_all, v_all, positions), layer.o)
             h = self._rms_norm(x, layer.mlp_norm)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down)

@@ -7,9 +7,10 @@ seeded random order.  Each scenario file gets a fresh cache.
 
 With a model, every request really runs: prefill of the uncached suffix, the answer's K/V computed, and the
 prefill time of the same prompt with no cache measured alongside (same model, scratch blocks).  ``verify`` also
-runs the no-cache reference and raises :class:`~prefixcache.errors.VerificationError` if any logit differs by more
-than ``atol`` or any greedy token differs.  Without a model (``--no-model``) only the cache accounting runs, on a
-metadata-only pool, which takes seconds for millions of tokens.
+runs the no-cache reference (whose time then is the uncached prefill time) and raises
+:class:`~prefixcache.errors.VerificationError` if any logit differs by more than ``atol`` or any greedy token differs.
+Without a model (``--no-model``) only the cache accounting runs, on a metadata-only pool, which takes seconds for
+millions of tokens.
 """
 
 from __future__ import annotations
@@ -166,11 +167,11 @@ class Replayer:
                 else:
                     result = runner.generate(request.prompt, forced_tokens=request.answer, return_logits=self.verify)
                     cached, copied, ttft = result.usage.cached_tokens, result.usage.copied_tokens, result.usage.ttft_s
-                    if scratch is not None:
-                        uncached_s = self._uncached_prefill_s(request.prompt, scratch)
                     if self.verify:
-                        diff = self._verify(request, cached, result.prompt_logits)
+                        diff, uncached_s = self._verify(request, cached, result.prompt_logits)
                         report.max_abs_logit_diff = max(report.max_abs_logit_diff, diff)
+                    elif scratch is not None:
+                        uncached_s = self._uncached_prefill_s(request.prompt, scratch)
                     report.prefill_s_cached += ttft
                     if scratch is not None:
                         report.prefill_s_uncached += uncached_s
@@ -344,10 +345,17 @@ class Replayer:
         int(torch.argmax(logits[-1]))
         return time.perf_counter() - start
 
-    def _verify(self, request: ReplayRequest, cached: int, prompt_logits: torch.Tensor) -> float:
+    def _verify(self, request: ReplayRequest, cached: int, prompt_logits: torch.Tensor) -> tuple[float, float]:
+        """``(max abs logit difference, seconds)`` of the uncached reference of ``request.prompt``.
+
+        The reference is a full forward of the prompt with no cache whose LM head runs only on the positions the
+        cached run computed (from ``cached`` on), so it is also the uncached prefill that the report's speed-up
+        divides by: a second full forward per request would double a verified replay's cost for the same figure.
+        """
         prompt = torch.tensor(request.prompt, dtype=torch.long)
-        reference = self.model.forward_reference(prompt, return_logits=True)[cached:]
-        reference = reference.float().cpu()
+        start = time.perf_counter()
+        reference = self.model.forward_reference(prompt, return_logits=True, logits_from=cached).float().cpu()
+        seconds = time.perf_counter() - start
         diff = float((prompt_logits - reference).abs().max())
         same_tokens = torch.equal(prompt_logits.argmax(-1), reference.argmax(-1))
         if diff > self.atol or not same_tokens:
@@ -356,7 +364,7 @@ class Replayer:
                 f"differ from the uncached reference by {diff:.3g} (tolerance {self.atol}); "
                 f"greedy tokens {'equal' if same_tokens else 'DIFFER'}"
             )
-        return diff
+        return diff, seconds
 
 
 def free_memory_bytes(device: torch.device | str) -> int | None:

@@ -391,13 +391,20 @@ def test_shared_transcripts_hit_what_an_infinite_cache_would(shared_data, name: 
 
 @pytest.mark.skipif(
     not SLOW,
-    reason="31 requests of 16-26k tokens, each verified by a full recompute: minutes on a CPU; "
-    "set PREFIXCACHE_SLOW_TESTS=1 to run",
+    reason="the 20-conversation tau-bench replay on the 4-layer Qwen2 (285 requests, 1.65M prompt tokens), each "
+    "request verified by a full uncached forward: hours on 2 CPU cores; set PREFIXCACHE_SLOW_TESTS=1 to run",
 )
-def test_shared_agent_trajectories_verify_with_the_model(shared_data, tiny: LlamaModel) -> None:
-    path = shared_data("tau_bench_airline_gpt4o.jsonl")
+def test_shared_agent_trajectories_verify_with_the_model(shared_data, qwen_dir: Path) -> None:
+    pytest.importorskip("transformers")
+    from prefixcache.chat.hf_tokenizer import HFTokenizer
+    from prefixcache.models.hf import random_model_from_config
 
-    report = replay_paths([path], Replayer(tiny, verify=True), limit=3).scenarios[0]
+    path = shared_data("tau_bench_airline_gpt4o.jsonl")
+    model = random_model_from_config(qwen_dir / "config.json", layers=4)
+    replayer = Replayer(model, HFTokenizer(qwen_dir), verify=True)
+
+    report = replay_paths([path], replayer, limit=20).scenarios[0]
 
     assert report.verified is True
+    assert report.requests == 285
     assert report.cached_tokens == report.ideal_cached_tokens > 0
