@@ -8,8 +8,10 @@ O(log(prompt blocks)) set lookups per replica, after hashing the prompt once.
 
 The decision, as NVIDIA Dynamo's KV router and SGLang's cache-aware router make it, but on exact block hashes:
 
-1. The best replica by score ``cached_tokens - load_penalty_tokens * (load - min_load)``; ties go to the less
-   loaded replica, then the lower index.
+1. The best replica by score ``cached_tokens - load_penalty_tokens * max(0, load - mean_load)``; ties go to the
+   less loaded replica, then the lower index.  Only load above the fleet's mean costs anything: among replicas at
+   or below the mean the longest exact match wins outright, so a conversation (or a group sharing a first turn)
+   stays together while its replica carries no more than its share, and moves only once it carries more.
 2. If that replica's load is too far above the lightest one (``load - min_load > max(imbalance_abs,
    imbalance_rel * mean_load)``), power of two choices instead: two random replicas, the less loaded one
    (Mitzenmacher), ignoring the cache, so one hot prefix cannot pile work onto one replica.  Judging the
@@ -85,7 +87,7 @@ class ExactPrefixRouter:
     Args:
         block_size: the replicas' block size in tokens (all replicas must share it, and ``hash_seed``).
         hash_seed: the replicas' ``hash_seed``.
-        load_penalty_tokens: tokens of cached prefix one unit of extra load is worth.
+        load_penalty_tokens: tokens of cached prefix one unit of load above the mean is worth.
         imbalance_abs: the preferred replica's load may exceed the lightest by this much before power of two
             choices takes over ...
         imbalance_rel: ... or by this fraction of the mean load, whichever is larger.
@@ -144,15 +146,16 @@ class ExactPrefixRouter:
             raise InvalidArgumentError(f"need one load per index, got {len(indexes)} indexes and {len(loads)} loads")
         cached = self.cached_tokens(token_ids, indexes, namespace)
         low = min(loads)
+        mean = sum(loads) / len(loads)
         best = max(
             range(len(loads)),
             key=lambda i: (
-                cached[i] - self.load_penalty_tokens * (loads[i] - low),
+                cached[i] - self.load_penalty_tokens * max(0.0, loads[i] - mean),
                 -loads[i],
                 -tiebreak[i] if tiebreak is not None else 0,
                 -i,
             ),
         )
-        if loads[best] - low > max(self.imbalance_abs, self.imbalance_rel * sum(loads) / len(loads)):
+        if loads[best] - low > max(self.imbalance_abs, self.imbalance_rel * mean):
             return RouteDecision(power_of_two(loads, self._rng), tuple(cached), True)
         return RouteDecision(best, tuple(cached), False)

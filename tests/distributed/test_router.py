@@ -63,11 +63,24 @@ def test_with_nothing_cached_the_least_loaded_replica_wins() -> None:
     assert decision.replica == 1
 
 
-def test_the_load_penalty_trades_cached_tokens_for_load(make_cache, put) -> None:
+def test_the_load_penalty_trades_cached_tokens_for_load_above_the_mean(make_cache, put) -> None:
     _, warm = _indexed_cache(make_cache, put, [[1, 2, 3, 4]])
     indexes = [warm, BlockIndex()]
-    assert ExactPrefixRouter(2, load_penalty_tokens=1.0).choose([1, 2, 3, 4], indexes, [3, 0]).replica == 0
-    assert ExactPrefixRouter(2, load_penalty_tokens=2.0).choose([1, 2, 3, 4], indexes, [3, 0]).replica == 1
+    # Replica 0 serves 1.5 requests above the mean of 1.5: worth 4 cached tokens at a penalty under 8/3.
+    assert ExactPrefixRouter(2, load_penalty_tokens=2.5).choose([1, 2, 3, 4], indexes, [3, 0]).replica == 0
+    assert ExactPrefixRouter(2, load_penalty_tokens=3.0).choose([1, 2, 3, 4], indexes, [3, 0]).replica == 1
+
+
+def test_load_at_or_below_the_mean_costs_nothing_so_the_longest_match_wins(make_cache, put) -> None:
+    _, short = _indexed_cache(make_cache, put, [[1, 2]])
+    _, long = _indexed_cache(make_cache, put, [[1, 2, 3, 4]])
+    indexes = [short, long, BlockIndex()]
+    # Loads 0, 2, 4 (mean 2): replica 1 is busier than replica 0 but not above the mean, so its longer match wins
+    # even at a penalty that would otherwise outweigh it.
+    decision = ExactPrefixRouter(2, load_penalty_tokens=100.0).choose([1, 2, 3, 4], indexes, [0, 2, 4])
+    assert decision.replica == 1 and decision.cached_tokens == (2, 4, 0)
+    # One more request on replica 1 puts it above the mean (7/3): the penalty now sends the prompt to replica 0.
+    assert ExactPrefixRouter(2, load_penalty_tokens=100.0).choose([1, 2, 3, 4], indexes, [0, 3, 4]).replica == 0
 
 
 def test_too_uneven_loads_fall_back_to_power_of_two_choices(make_cache, put) -> None:
