@@ -21,10 +21,13 @@ served so far, and the table's imbalance is ``max / mean`` of those counts.  Fou
 Both load-aware routers fall back to power of two choices past the same threshold, ``max(8, 10% of the mean)``:
 the text router when the fleet's ``max - min`` load exceeds it (Ray's rule), the exact router when its preferred
 replica's load exceeds the lightest by that much.  The exact router also gives up 128 tokens of cached prefix
-per request its replica has served above the mean, so a short shared prefix (one MT-Bench question asked of 31
-models) does not pile its conversations onto one replica, while replicas at or below the mean compete on cache
-alone.  Every replica holds ``1 / 8`` of the workload's working set (blocks an unbounded cache
-holds at the end; at least twice the longest request), and the baseline is one replica with ``N`` times that memory.
+per request of extra load while replicas have served up to 16 requests on average, and relatively less after
+(``128 * 16 / mean``: 8 tokens at a mean of 256), so early on a short shared prefix (one MT-Bench question
+asked of 31 models) does not pile its conversations onto one replica, while later a conversation or a group
+sharing a first turn stays together.
+
+Every replica holds ``1 / 8`` of the workload's working set (blocks an unbounded cache holds at the end; at least
+twice the longest request), and the baseline is one replica with ``N`` times that memory.
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ TEXT_MATCH_RATE = 0.1
 IMBALANCE_ABS = 8
 IMBALANCE_REL = 0.1
 LOAD_PENALTY_TOKENS = 128.0
-"""Tokens of cached prefix the exact router gives up per request served above the mean."""
+"""Tokens of cached prefix the exact router gives up per request of extra load ..."""
+LOAD_RELATIVE_ABOVE = 16.0
+"""... while the mean load is at most this; beyond it, relatively less (see ExactPrefixRouter)."""
 
 
 class Replica:
@@ -172,7 +177,11 @@ def simulate(
     ring = ConsistentHashRing(num_replicas) if router == "affinity" else None
     text = TextPrefixRouter(num_replicas) if router == "text prefix" else None
     exact = ExactPrefixRouter(
-        BLOCK_SIZE, load_penalty_tokens=LOAD_PENALTY_TOKENS, imbalance_abs=IMBALANCE_ABS, imbalance_rel=IMBALANCE_REL
+        BLOCK_SIZE,
+        load_penalty_tokens=LOAD_PENALTY_TOKENS,
+        relative_above=LOAD_RELATIVE_ABOVE,
+        imbalance_abs=IMBALANCE_ABS,
+        imbalance_rel=IMBALANCE_REL,
     )
     indexes = [r.index for r in replicas]
     hits: list[int] = []
