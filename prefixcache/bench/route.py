@@ -14,13 +14,20 @@ served so far, and the table's imbalance is ``max / mean`` of those counts.  Fou
   smallest tree.  Prompts here are byte-tokenized, so characters are tokens.
 - **exact**: :class:`~prefixcache.distributed.router.ExactPrefixRouter` on a
   :class:`~prefixcache.cache.events.BlockIndex` per replica fed by that replica's KV events.
+- **oracle**: the replica with the longest exact match, load ignored (ties to the less loaded): what routing on the
+  cache alone gives.  It is not an upper bound when memory is short: piling a shared prefix's conversations onto one
+  replica overflows it.
 
 Both load-aware routers fall back to power of two choices past the same threshold, ``max(8, 10% of the mean)``:
 the text router when the fleet's ``max - min`` load exceeds it (Ray's rule), the exact router when its preferred
 replica's load exceeds the lightest by that much.  The exact router also gives up 128 tokens of cached prefix
-per request of extra load, so a short shared prefix (one MT-Bench question asked of 31 models) does not pile its
-conversations onto one replica.  Every replica holds ``1 / 8`` of the workload's working set (blocks an unbounded cache
-holds at the end; at least twice the longest request), and the baseline is one replica with ``N`` times that memory.
+per request of extra load while replicas have served up to 16 requests on average, and relatively less after
+(``128 * 16 / mean``: 8 tokens at a mean of 256), so early on a short shared prefix (one MT-Bench question
+asked of 31 models) does not pile its conversations onto one replica, while later a conversation or a group
+sharing a first turn stays together.
+
+Every replica holds ``1 / 8`` of the workload's working set (blocks an unbounded cache holds at the end; at least
+twice the longest request), and the baseline is one replica with ``N`` times that memory.
 """
 
 from __future__ import annotations
@@ -56,13 +63,15 @@ WORKLOADS: dict[str, tuple[str, int, int]] = {
 """Label -> (file under the shared data, conversations or trace lines in a full run, in a ``--quick`` run)."""
 REPLICAS = (2, 8, 64)
 QUICK_REPLICAS = (2, 8)
-ROUTERS = ("round-robin", "affinity", "text prefix", "exact")
+ROUTERS = ("round-robin", "affinity", "text prefix", "exact", "oracle")
 TEXT_TREE_CHARS = 400_000
 TEXT_MATCH_RATE = 0.1
 IMBALANCE_ABS = 8
 IMBALANCE_REL = 0.1
 LOAD_PENALTY_TOKENS = 128.0
-"""Tokens of cached prefix the exact router gives up per request of extra load."""
+"""Tokens of cached prefix the exact router gives up per request of extra load ..."""
+LOAD_RELATIVE_ABOVE = 16.0
+"""... while the mean load is at most this; beyond it, relatively less (see ExactPrefixRouter)."""
 
 
 class Replica:
@@ -149,16 +158,34 @@ class TextPrefixRouter:
         tree.commit(lease, prompt)
 
 
-def simulate(requests: Sequence[ReplayRequest], num_replicas: int, num_blocks: int, router: str) -> dict:
-    """Serve ``requests`` on ``num_replicas`` replicas of ``num_blocks`` blocks each, routed by ``router``."""
+def simulate(
+    requests: Sequence[ReplayRequest],
+    num_replicas: int,
+    num_blocks: int,
+    router: str,
+    reference_hits: Sequence[int] | None = None,
+) -> dict:
+    """Serve ``requests`` on ``num_replicas`` replicas of ``num_blocks`` blocks each, routed by ``router``.
+
+    Returns ``hit_rate``, ``imbalance`` and ``hits`` (cached prompt tokens per request).  For the exact and oracle
+    routers, given ``reference_hits`` (the one big replica's ``hits``), it also splits the tokens they miss against
+    it: ``steered`` (a longer prefix sat on another replica; the router chose otherwise), ``absent`` (no replica
+    held the prefix any more: evicted for lack of memory, duplicates included) and ``other`` (the rest: partial
+    blocks, a prefix the chosen replica lost to its own eviction), each as a fraction of all prompt tokens.
+    """
     replicas = [Replica(num_blocks) for _ in range(num_replicas)]
     ring = ConsistentHashRing(num_replicas) if router == "affinity" else None
     text = TextPrefixRouter(num_replicas) if router == "text prefix" else None
     exact = ExactPrefixRouter(
-        BLOCK_SIZE, load_penalty_tokens=LOAD_PENALTY_TOKENS, imbalance_abs=IMBALANCE_ABS, imbalance_rel=IMBALANCE_REL
+        BLOCK_SIZE,
+        load_penalty_tokens=LOAD_PENALTY_TOKENS,
+        relative_above=LOAD_RELATIVE_ABOVE,
+        imbalance_abs=IMBALANCE_ABS,
+        imbalance_rel=IMBALANCE_REL,
     )
     indexes = [r.index for r in replicas]
-    hit = prompt = 0
+    hits: list[int] = []
+    steered = absent = prompt = 0
     for i, request in enumerate(requests):
         loads = [r.served for r in replicas]
         if router == "round-robin":
@@ -168,11 +195,28 @@ def simulate(requests: Sequence[ReplayRequest], num_replicas: int, num_blocks: i
         elif text is not None:
             choice = text.choose(request.prompt, loads)
         else:
-            choice = exact.choose(request.prompt, indexes, loads).replica
-        hit += replicas[choice].serve(request.prompt, request.answer)
+            if router == "exact":
+                decision = exact.choose(request.prompt, indexes, loads)
+                choice, cached = decision.replica, decision.cached_tokens
+            else:
+                cached = tuple(exact.cached_tokens(request.prompt, indexes))
+                choice = max(range(num_replicas), key=lambda r: (cached[r], -loads[r], -r))
+            steered += max(cached) - cached[choice]
+            if reference_hits is not None:
+                absent += max(0, reference_hits[i] // BLOCK_SIZE * BLOCK_SIZE - max(cached))
+        hits.append(replicas[choice].serve(request.prompt, request.answer))
         prompt += len(request.prompt)
     served = [r.served for r in replicas]
-    return {"hit_rate": hit / prompt if prompt else 0.0, "imbalance": max(served) * num_replicas / len(requests)}
+    result = {
+        "hit_rate": sum(hits) / prompt if prompt else 0.0,
+        "imbalance": max(served) * num_replicas / len(requests),
+        "hits": hits,
+    }
+    if reference_hits is not None and router in ("exact", "oracle") and prompt:
+        missed = sum(reference_hits) - sum(hits)
+        result["missed"] = {"steered": steered / prompt, "absent": absent / prompt}
+        result["missed"]["other"] = missed / prompt - result["missed"]["steered"] - result["missed"]["absent"]
+    return result
 
 
 def working_set_blocks(requests: Sequence[ReplayRequest]) -> int:
@@ -191,9 +235,11 @@ def measure(requests: Sequence[ReplayRequest], replica_counts: Sequence[int], sh
     per_replica = max(2 * longest, working_set_blocks(requests) // REPLICA_SHARE)
     rows = []
     for n in progress(replica_counts, "route: replicas", len(replica_counts), show_progress):
-        baseline = simulate(requests, 1, per_replica * n, "round-robin")["hit_rate"]
-        routed = {name: simulate(requests, n, per_replica, name) for name in ROUTERS}
-        rows.append({"replicas": n, "baseline": baseline, **routed})
+        big = simulate(requests, 1, per_replica * n, "round-robin")
+        routed = {name: simulate(requests, n, per_replica, name, big["hits"]) for name in ROUTERS}
+        for result in routed.values():
+            del result["hits"]
+        rows.append({"replicas": n, "baseline": big["hit_rate"], **routed})
     return {"requests": len(requests), "replica_blocks": per_replica, "rows": rows}
 
 
@@ -214,14 +260,14 @@ def run(quick: bool = False, replicas: Sequence[int] | None = None) -> BenchResu
     rows = []
     for label, r in results.items():
         for row in r["rows"]:
-            exact = row["exact"]["hit_rate"]
+            big = row["baseline"]
             rows.append(
                 (
                     label,
                     row["replicas"],
                     100 * row["baseline"],
                     *(100 * row[name]["hit_rate"] for name in ROUTERS),
-                    100 * exact / row["baseline"] if row["baseline"] else None,
+                    *(100 * row[name]["hit_rate"] / big if big else None for name in ("exact", "oracle")),
                     *(row[name]["imbalance"] for name in ROUTERS),
                 )
             )
@@ -229,11 +275,18 @@ def run(quick: bool = False, replicas: Sequence[int] | None = None) -> BenchResu
         f"Token hit rate (%) of all prompt tokens; block size {BLOCK_SIZE}; ByteTokenizer; conversations interleaved "
         f"round-robin; each replica holds 1/{REPLICA_SHARE} of the working set; 'one big' = one replica with N x that.",
         "load = max / mean requests per replica. text prefix = Ray Serve's prefix-aware router (routing history); "
-        "exact = block hashes from each replica's KV events.",
+        "exact = block hashes from each replica's KV events; oracle = the longest exact match, load ignored.",
     ]
     for label, r in results.items():
         notes.append(
             f"{label}: {r['requests']:,} requests, {r['replica_blocks']:,} blocks per replica; {r['seconds']:.1f} s"
+        )
+        row = next((x for x in r["rows"] if x["replicas"] == REPLICA_SHARE), r["rows"][0])
+        missed = row["exact"]["missed"]
+        notes.append(
+            f"  exact at N={row['replicas']} misses vs one big, % of prompt tokens: steered away from the prefix "
+            f"{100 * missed['steered']:.1f}, prefix evicted everywhere {100 * missed['absent']:.1f}, "
+            f"other {100 * missed['other']:.1f}"
         )
     notes += [f"skipped {name}: not found in {DATA_DIR}" for name in skipped]
     table = Table(
@@ -246,11 +299,14 @@ def run(quick: bool = False, replicas: Sequence[int] | None = None) -> BenchResu
             "affinity %",
             "text %",
             "exact %",
+            "oracle %",
             "exact/big %",
+            "oracle/big %",
             "RR load",
             "affinity load",
             "text load",
             "exact load",
+            "oracle load",
         ),
         rows=tuple(rows),
         notes=tuple(notes),

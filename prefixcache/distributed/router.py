@@ -8,8 +8,13 @@ O(log(prompt blocks)) set lookups per replica, after hashing the prompt once.
 
 The decision, as NVIDIA Dynamo's KV router and SGLang's cache-aware router make it, but on exact block hashes:
 
-1. The best replica by score ``cached_tokens - load_penalty_tokens * (load - min_load)``; ties go to the less
-   loaded replica, then the lower index.
+1. The best replica by score ``cached_tokens - penalty * (load - min_load)``; ties go to the less loaded
+   replica, then the lower index.  ``penalty`` is ``load_penalty_tokens`` per unit of load, or, with
+   ``relative_above`` set, ``load_penalty_tokens * min(1, relative_above / mean_load)``: relative to the mean
+   load once it passes ``relative_above``, since one request ahead matters when replicas have served ten each and
+   hardly at all when they have served two hundred.  So early on a short shared prefix is spread for balance, and
+   later a conversation (or a group sharing a first turn) stays with its cached prefix while the load guard below
+   keeps the balance.
 2. If that replica's load is too far above the lightest one (``load - min_load > max(imbalance_abs,
    imbalance_rel * mean_load)``), power of two choices instead: two random replicas, the less loaded one
    (Mitzenmacher), ignoring the cache, so one hot prefix cannot pile work onto one replica.  Judging the
@@ -85,7 +90,9 @@ class ExactPrefixRouter:
     Args:
         block_size: the replicas' block size in tokens (all replicas must share it, and ``hash_seed``).
         hash_seed: the replicas' ``hash_seed``.
-        load_penalty_tokens: tokens of cached prefix one unit of extra load is worth.
+        load_penalty_tokens: tokens of cached prefix one unit of extra load is worth ...
+        relative_above: ... while the mean load is at most this; above it the penalty falls as ``1 / mean_load``
+            (``None``: never, an absolute penalty, right for queue lengths).
         imbalance_abs: the preferred replica's load may exceed the lightest by this much before power of two
             choices takes over ...
         imbalance_rel: ... or by this fraction of the mean load, whichever is larger.
@@ -103,6 +110,7 @@ class ExactPrefixRouter:
         *,
         hash_seed: int = 0,
         load_penalty_tokens: float = 0.0,
+        relative_above: float | None = None,
         imbalance_abs: float = 8,
         imbalance_rel: float = 0.1,
         seed: int = 0,
@@ -110,9 +118,12 @@ class ExactPrefixRouter:
     ) -> None:
         if block_size < 1 or min(load_penalty_tokens, imbalance_abs, imbalance_rel) < 0:
             raise InvalidArgumentError("block_size must be >= 1 and penalties/thresholds >= 0")
+        if relative_above is not None and not relative_above > 0:
+            raise InvalidArgumentError(f"relative_above must be > 0 or None, got {relative_above}")
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.load_penalty_tokens = load_penalty_tokens
+        self.relative_above = relative_above
         self.imbalance_abs = imbalance_abs
         self.imbalance_rel = imbalance_rel
         self.index_namespace = index_namespace
@@ -144,15 +155,19 @@ class ExactPrefixRouter:
             raise InvalidArgumentError(f"need one load per index, got {len(indexes)} indexes and {len(loads)} loads")
         cached = self.cached_tokens(token_ids, indexes, namespace)
         low = min(loads)
+        mean = sum(loads) / len(loads)
+        per_unit = self.load_penalty_tokens
+        if self.relative_above is not None and mean > self.relative_above:
+            per_unit *= self.relative_above / mean
         best = max(
             range(len(loads)),
             key=lambda i: (
-                cached[i] - self.load_penalty_tokens * (loads[i] - low),
+                cached[i] - per_unit * (loads[i] - low),
                 -loads[i],
                 -tiebreak[i] if tiebreak is not None else 0,
                 -i,
             ),
         )
-        if loads[best] - low > max(self.imbalance_abs, self.imbalance_rel * sum(loads) / len(loads)):
+        if loads[best] - low > max(self.imbalance_abs, self.imbalance_rel * mean):
             return RouteDecision(power_of_two(loads, self._rng), tuple(cached), True)
         return RouteDecision(best, tuple(cached), False)

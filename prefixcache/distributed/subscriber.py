@@ -62,6 +62,7 @@ class ZmqEventSubscriber:
         self.num_gaps = 0
         """How many times batches were missing and not available for replay (the mirror may be incomplete)."""
         self.num_bad_messages = 0
+        self._replay_failures = 0
         self._applied = threading.Condition()
         self._stop = threading.Event()
         self._context = zmq.Context()
@@ -133,14 +134,21 @@ class ZmqEventSubscriber:
         deadline = time.monotonic() + self.replay_timeout_s
         while not self._stop.is_set():
             remaining_ms = int(1000 * (deadline - time.monotonic()))
-            if remaining_ms <= 0 or not self._replay.poll(remaining_ms):
-                logger.warning("replay from %d got no complete answer within %.1f s", start, self.replay_timeout_s)
+            if remaining_ms <= 0:
+                # Once per outage: a publisher that has gone away would otherwise log at every resync.
+                self._replay_failures += 1
+                level = logging.WARNING if self._replay_failures == 1 else logging.DEBUG
+                logger.log(level, "replay from %d got no complete answer within %.1f s", start, self.replay_timeout_s)
                 return
+            # Short polls, so close() is not kept waiting (nor logged at) while the publisher is gone.
+            if not self._replay.poll(min(remaining_ms, 50)):
+                continue
             frames = self._replay.recv_multipart()
             if len(frames) != 3 or frames[0] != b"" or len(frames[1]) != 8:
                 self.num_bad_messages += 1
                 continue
             if frames[1] == END_SEQ:
+                self._replay_failures = 0
                 return
             seq = int.from_bytes(frames[1], "big")
             if seq <= self.last_seq:

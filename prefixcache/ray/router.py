@@ -61,13 +61,16 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
     def initialize_state(
         self,
         load_penalty_tokens: float = 16.0,
+        relative_above: float | None = None,
         imbalance_abs: float = 4,
         imbalance_rel: float = 0.5,
         seed: int = 0,
     ) -> None:
-        """Router settings; see :class:`~prefixcache.distributed.router.ExactPrefixRouter` (loads are queue lengths)."""
+        """Router settings; see :class:`~prefixcache.distributed.router.ExactPrefixRouter` (loads are queue lengths,
+        so the penalty is absolute unless ``relative_above`` is given)."""
         self._settings = {
             "load_penalty_tokens": load_penalty_tokens,
+            "relative_above": relative_above,
             "imbalance_abs": imbalance_abs,
             "imbalance_rel": imbalance_rel,
             "seed": seed,

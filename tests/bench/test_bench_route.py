@@ -68,3 +68,44 @@ def test_quick_route_benchmark_on_the_shared_data() -> None:
         assert row["exact"]["hit_rate"] >= row["round-robin"]["hit_rate"], label
         assert row["exact"]["imbalance"] <= 1.5, label
         assert 0 < row["baseline"] <= 1
+
+
+def _shared_first_turn(num: int, turns: int) -> list[ReplayRequest]:
+    """``num`` conversations that all open with the same 160-token question, then go their own ways."""
+    question = array(TOKEN_TYPECODE, range(90_000, 90_160))
+    out = []
+    history = {c: question for c in range(num)}
+    for t in range(turns):
+        for c in range(num):
+            start = 10_000 * c + 1000 * t
+            prompt = history[c] if t == 0 else history[c] + array(TOKEN_TYPECODE, range(start, start + 32))
+            answer = array(TOKEN_TYPECODE, range(start + 500, start + 800))
+            out.append(ReplayRequest("synthetic", f"conv{c}", t, prompt, answer))
+            history[c] = prompt + answer
+    return out
+
+
+def test_the_oracle_piles_a_shared_first_turn_on_one_replica_and_the_exact_router_does_not() -> None:
+    requests = _shared_first_turn(num=16, turns=3)
+    big = route.simulate(requests, 1, 40_000, "round-robin")
+    oracle = route.simulate(requests, 4, 10_000, "oracle", big["hits"])
+    exact = route.simulate(requests, 4, 10_000, "exact", big["hits"])
+    assert oracle["hit_rate"] == pytest.approx(big["hit_rate"])
+    assert oracle["imbalance"] == pytest.approx(4.0)  # every conversation follows the question to replica 0
+    assert exact["imbalance"] <= 1.25
+    # With room for everything, whatever the exact router misses it missed by steering away from the prefix.
+    assert exact["missed"]["absent"] == 0
+    # (up to the last prompt token, which is always computed, so a fully cached prompt hits one token short)
+    assert abs(exact["missed"]["other"]) < 0.005
+    # It steers away at most from the question and a few conversations moved for balance.
+    assert 0 < exact["missed"]["steered"] < 0.25 * big["hit_rate"]
+
+
+def test_misses_of_prefixes_no_replica_still_holds_count_as_absent() -> None:
+    requests = _conversations(num=8, turns=3)
+    big = route.simulate(requests, 1, 40_000, "round-robin")
+    # Each replica fits about one conversation's history (<= 1,300 tokens): the interleaving evicts the rest.
+    oracle = route.simulate(requests, 2, 90, "oracle", big["hits"])
+    assert oracle["missed"]["steered"] == 0
+    assert oracle["missed"]["absent"] > 0.3
+    assert oracle["hit_rate"] < big["hit_rate"] - 0.3

@@ -3,7 +3,9 @@ protocol (raw pyzmq + plain msgpack) to check what goes on the wire.  Every wait
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 
 import pytest
 
@@ -168,3 +170,28 @@ def test_bad_sizes_are_rejected_before_any_socket_is_bound() -> None:
 def test_an_endpoint_already_in_use_raises_and_closes_what_was_opened(publisher) -> None:
     with pytest.raises(zmq.ZMQError):
         ZmqEventPublisher(publisher.endpoint)
+
+
+def test_closing_a_subscriber_after_its_publisher_is_quiet_and_prompt(caplog) -> None:
+    publisher = ZmqEventPublisher()
+    subscriber = ZmqEventSubscriber(
+        publisher.endpoint, publisher.replay_endpoint, BlockIndex(), replay_timeout_s=5.0, resync_interval_s=0.1
+    )
+    assert subscriber.wait_for(-1)
+    publisher.close()
+    time.sleep(0.3)  # a resync's replay request is now waiting on the closed publisher
+    with caplog.at_level(logging.DEBUG, logger="prefixcache.distributed.subscriber"):
+        subscriber.close(timeout_s=5.0)
+    assert not subscriber._thread.is_alive()
+    assert not [r for r in caplog.records if "no complete answer" in r.getMessage()]
+
+
+def test_a_gone_publisher_is_warned_about_once_per_outage(caplog) -> None:
+    publisher = ZmqEventPublisher()
+    endpoints = publisher.endpoint, publisher.replay_endpoint
+    publisher.close()
+    with caplog.at_level(logging.WARNING, logger="prefixcache.distributed.subscriber"):
+        with ZmqEventSubscriber(*endpoints, BlockIndex(), replay_timeout_s=0.1, resync_interval_s=0.05) as sub:
+            time.sleep(0.8)  # several resyncs, each timing out
+            assert sub._replay_failures >= 3
+    assert len([r for r in caplog.records if "no complete answer" in r.getMessage()]) == 1

@@ -66,8 +66,22 @@ def test_with_nothing_cached_the_least_loaded_replica_wins() -> None:
 def test_the_load_penalty_trades_cached_tokens_for_load(make_cache, put) -> None:
     _, warm = _indexed_cache(make_cache, put, [[1, 2, 3, 4]])
     indexes = [warm, BlockIndex()]
-    assert ExactPrefixRouter(2, load_penalty_tokens=1.0).choose([1, 2, 3, 4], indexes, [3, 0]).replica == 0
-    assert ExactPrefixRouter(2, load_penalty_tokens=2.0).choose([1, 2, 3, 4], indexes, [3, 0]).replica == 1
+    # Mean load 1, so each request ahead costs the full penalty: two of them against 4 cached tokens.
+    assert ExactPrefixRouter(2, load_penalty_tokens=1.0).choose([1, 2, 3, 4], indexes, [2, 0]).replica == 0
+    assert ExactPrefixRouter(2, load_penalty_tokens=2.5).choose([1, 2, 3, 4], indexes, [2, 0]).replica == 1
+
+
+def test_a_relative_penalty_makes_the_same_load_gap_cost_less_once_the_fleet_has_served_more(make_cache, put) -> None:
+    _, warm = _indexed_cache(make_cache, put, [[1, 2, 3, 4]])
+    indexes = [warm, BlockIndex()]
+    router = ExactPrefixRouter(2, load_penalty_tokens=3.0, relative_above=2.0, imbalance_abs=10)
+    # Two requests ahead at mean load 1 (not above 2): 6 tokens of penalty outweigh the 4 cached ones.
+    assert router.choose([1, 2, 3, 4], indexes, [2, 0]).replica == 1
+    # Two requests ahead at mean load 5: each costs 3 * 2 / 5 tokens, 2.4 in all, so the cached prefix wins ...
+    assert router.choose([1, 2, 3, 4], indexes, [6, 4]).replica == 0
+    # ... where an absolute penalty still moves it.
+    absolute = ExactPrefixRouter(2, load_penalty_tokens=3.0, imbalance_abs=10)
+    assert absolute.choose([1, 2, 3, 4], indexes, [6, 4]).replica == 1
 
 
 def test_too_uneven_loads_fall_back_to_power_of_two_choices(make_cache, put) -> None:
@@ -88,6 +102,8 @@ def test_power_of_two_picks_the_less_loaded_of_two_distinct_replicas() -> None:
 def test_bad_arguments_raise_the_package_error() -> None:
     with pytest.raises(InvalidArgumentError):
         ExactPrefixRouter(0)
+    with pytest.raises(InvalidArgumentError):
+        ExactPrefixRouter(2, relative_above=0)
     with pytest.raises(InvalidArgumentError):
         ExactPrefixRouter(2).choose([1, 2], [BlockIndex()], [0, 0])
     with pytest.raises(InvalidArgumentError):
