@@ -304,12 +304,17 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @rule(pick=picks)
     def release(self, pick: int) -> None:
         _, lease, _ = self.leases.pop(pick % len(self.leases))
-        free_before = self.cache.stats().free_blocks
+        before = self.cache.stats()
 
         self.cache.release(lease)
 
         owned = len(lease.block_table) - lease.first_owned_block
-        assert self.cache.stats().free_blocks == free_before + owned
+        after = self.cache.stats()
+        # Unlocked, a seam on the lease's path may heal (tree.heal_seam): one duplicate block freed per seam, nothing
+        # uncached.
+        healed = after.free_blocks - before.free_blocks - owned
+        assert 0 <= healed <= before.num_nodes
+        assert after.cached_tokens == before.cached_tokens
 
     @rule(num_blocks=st.one_of(st.integers(0, 4), st.none()))
     def evict(self, num_blocks: int | None) -> None:
