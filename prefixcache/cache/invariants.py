@@ -62,6 +62,8 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
                 fail(f"node {node.node_id} has an empty edge")
             if parent.children.get(node.tokens[0]) is not node:
                 fail(f"node {node.node_id} is not filed under its first token")
+            if node.end != node.start + size:
+                fail(f"node {node.node_id} ends at {node.end}, not at {node.start} + {size} tokens")
             if node.start != parent.start + len(parent.tokens):
                 fail(f"node {node.node_id} starts at {node.start}, its parent ends at {parent.end}")
             if node.namespace != namespace or node.evicted:
@@ -79,6 +81,8 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
             if sharer is not None and (sharer.evicted or sharer.parent is not node):
                 fail(f"node {node.node_id} names a sharing child that is not its child")
             own_blocks = len(node.blocks) - shares
+            if node.num_own_blocks != own_blocks:
+                fail(f"node {node.node_id} counts {node.num_own_blocks} own blocks, its blocks say {own_blocks}")
             if node.priority:
                 retained_tokens += size
                 retained_blocks += own_blocks
@@ -95,7 +99,7 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
                 fail(f"node {node.node_id} candidate status is wrong")
             if listening and len(node.block_hashes or ()) != node.end // bs - node.start // bs:
                 fail(f"node {node.node_id} keeps {len(node.block_hashes or ())} block hashes")
-            if node.evict_key is not None and node.evict_key != (node.priority, *policy.priority(node), node.node_id):
+            if node.evict_key is not None and node.evict_key != tree.evictor.key(node):
                 fail(f"node {node.node_id} is filed under a stale eviction key")
             held.append(node.blocks)
             stack.extend(node.children.values())
@@ -125,5 +129,9 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
         fail(f"{retained_blocks} retained blocks exceed the cap of {retention.cap_blocks}")
     if (locked, evictable) != (tree.locked_tokens, tree.evictable_tokens):
         fail(f"token totals locked/evictable {tree.locked_tokens}/{tree.evictable_tokens} != {locked}/{evictable}")
-    if {node.node_id for node in tree.evictor.members()} != candidates or len(tree.evictor) != len(candidates):
+    members = tree.evictor.members()
+    if {node.node_id for node in members} != candidates or len(tree.evictor) != len(candidates):
         fail("eviction candidates differ from the unlocked leaves")
+    ranks = [(node.priority, *policy.priority(node), node.node_id) for node in members]
+    if ranks != sorted(ranks):
+        fail("eviction order is not (retention priority, policy priority, node id)")

@@ -35,14 +35,17 @@ class LockRegistry:
         self.handles: dict[int, LockHandle] = {}
         self._ids = itertools.count(1)
 
-    def lock(self, node: Node) -> LockHandle:
-        """Lock the path ending at ``node``.
+    def lock(self, node: Node, num_tokens: int = 0) -> LockHandle:
+        """Lock the path ending at ``node``, which must still hold the first ``num_tokens`` tokens of the path.
 
         Raises:
-            LockError: the node was evicted (a stale match).
+            LockError: the node was evicted, or block-granular eviction shortened it below ``num_tokens`` (a stale
+                match).
         """
-        if node.evicted:
-            raise LockError("cannot lock a stale match: its node was evicted after the match; match again")
+        if node.evicted or node.end < num_tokens:
+            if node.evicted:
+                raise LockError("cannot lock a stale match: its node was evicted after the match; match again")
+            raise LockError("cannot lock a stale match: eviction shortened it after the match; match again")
         handle = LockHandle(next(self._ids), node, self.owner)
         self.tree.lock_path(node)
         self.handles[handle.handle_id] = handle

@@ -25,7 +25,8 @@ class Node:
     eviction policies); ``evict_key`` the key it is filed under while it is an eviction candidate, else None.
     ``shares_first`` says whether the first block is also held by the parent (a split inside a block, or a seam
     healed by :meth:`~prefixcache.cache.tree.RadixTree.heal_seam`): that block is freed only with the parent, so the
-    node's *own* blocks, the ones evicting it frees, are ``len(blocks) - shares_first``.  ``priority`` and
+    node's *own* blocks, the ones evicting it frees, are ``num_own_blocks == len(blocks) - shares_first``, kept as a
+    field wherever either changes because lock and unlock add it up on every node they pass.  ``priority`` and
     ``retain_until`` are its retention (:mod:`prefixcache.cache.retention`): 0 and None when not retained.
     """
 
@@ -35,6 +36,7 @@ class Node:
         "children",
         "tokens",
         "start",
+        "end",
         "blocks",
         "lock_count",
         "last_access",
@@ -45,6 +47,7 @@ class Node:
         "origin",
         "block_hashes",
         "shares_first",
+        "num_own_blocks",
         "sharing_child",
         "priority",
         "retain_until",
@@ -56,6 +59,7 @@ class Node:
         self.children: dict[int, Node] = {}
         self.tokens = tokens
         self.start = start
+        self.end = start + len(tokens)  # kept as a field: the lock of every match compares it
         self.blocks = blocks
         self.lock_count = 0
         self.last_access = 0
@@ -68,18 +72,10 @@ class Node:
         # Chained hashes of the full blocks this node owns (see prefixcache.cache.events); kept only while listened to.
         self.block_hashes: list[int] | None = None
         self.shares_first = False
+        self.num_own_blocks = len(blocks)
         self.sharing_child: Node | None = None  # the child whose first block is this node's last, if any
         self.priority = 0
         self.retain_until: float | None = None
-
-    @property
-    def end(self) -> int:
-        return self.start + len(self.tokens)
-
-    @property
-    def num_own_blocks(self) -> int:
-        """Blocks that evicting this node alone would free (its first one is the parent's too when shared)."""
-        return len(self.blocks) - self.shares_first
 
 
 def new_root(namespace: str | None) -> Node:

@@ -170,11 +170,7 @@ class RadixCache:
         with self._mutex:
             if not isinstance(match, MatchResult) or match.owner is not self:
                 raise LockError("lock takes a MatchResult returned by this cache's match()")
-            node = match.node
-            if node.start + len(node.tokens) < match.num_tokens:
-                # Block-granular eviction cut the matched tail off the node: its block table is stale.
-                raise LockError("cannot lock a stale match: eviction shortened it after the match; match again")
-            return self._locks.lock(node)
+            return self._locks.lock(match.node, match.num_tokens)
 
     def unlock(self, handle: LockHandle) -> None:
         """Release a lock taken by :meth:`lock`.  O(depth).
@@ -469,7 +465,7 @@ class RadixCache:
                 block_size=self.block_size,
                 free_blocks=pool.num_free_blocks,
                 used_blocks=pool.num_used_blocks,
-                cached_tokens=tree.evictable_tokens + tree.locked_tokens,
+                cached_tokens=tree.cached_tokens,
                 evictable_tokens=tree.evictable_tokens,
                 locked_tokens=tree.locked_tokens,
                 num_nodes=tree.num_nodes,

@@ -72,7 +72,7 @@ class Retention:
         covered = 0
         for node in path:
             if not node.priority:
-                own = len(node.blocks) - node.shares_first
+                own = node.num_own_blocks
                 if self.retained_blocks + own > self.cap_blocks:
                     break
                 self.retained_blocks += own
@@ -98,7 +98,7 @@ class Retention:
             until, _, node = heapq.heappop(deadlines)
             if node.evicted or not node.priority or node.retain_until != until:
                 continue  # evicted, or re-marked since: a newer entry (or none) stands for it
-            self.retained_blocks -= len(node.blocks) - node.shares_first
+            self.retained_blocks -= node.num_own_blocks
             self.retained_tokens -= len(node.tokens)
             node.priority = 0
             node.retain_until = None

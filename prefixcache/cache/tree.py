@@ -97,8 +97,9 @@ class EvictResult:
 class RadixTree:
     """The nodes of every namespace (one root each), their lock counts and the eviction candidates.
 
-    Sizes kept incrementally (O(1) to read): ``num_nodes``, ``evictable_tokens`` (on unlocked nodes),
-    ``evictable_blocks`` (what evicting every unlocked node would free), ``locked_tokens``, and the eviction totals
+    Sizes kept incrementally (O(1) to read): ``num_nodes``, ``cached_tokens``, ``evictable_tokens`` (on unlocked
+    nodes), ``evictable_blocks`` (what evicting every unlocked node would free), ``locked_tokens`` (the difference of
+    the first two), and the eviction totals
     ``evictions`` (leaves evicted, whole or in part), ``evicted_tokens``, ``evicted_blocks``.
     Complexities: :meth:`match` and :meth:`insert` cost O(depth) dict lookups plus O(n) C-speed token comparison;
     each block evicted costs O(log c) in the number ``c`` of eviction candidates.
@@ -128,11 +129,16 @@ class RadixTree:
         self.num_nodes = 0
         self.evictable_tokens = 0
         self.evictable_blocks = 0
-        self.locked_tokens = 0
+        self.cached_tokens = 0
         self.evictions = 0
         self.evicted_tokens = 0
         self.evicted_blocks = 0
         self._ids = itertools.count(1)
+
+    @property
+    def locked_tokens(self) -> int:
+        """Cached tokens on locked nodes.  Derived, so that lock and unlock move only the evictable sizes."""
+        return self.cached_tokens - self.evictable_tokens
 
     # ---- lookup -------------------------------------------------------------------------------------------
 
@@ -192,10 +198,8 @@ class RadixTree:
         """Add one lock to ``node`` and every ancestor: none of them can be evicted until :meth:`unlock_path`."""
         while node.parent is not None:
             if node.lock_count == 0:
-                size = len(node.tokens)
-                self.evictable_tokens -= size
-                self.evictable_blocks -= len(node.blocks) - node.shares_first
-                self.locked_tokens += size
+                self.evictable_tokens -= len(node.tokens)
+                self.evictable_blocks -= node.num_own_blocks
                 if node.evict_key is not None:
                     self.evictor.discard(node)
             node.lock_count += 1
@@ -206,10 +210,8 @@ class RadixTree:
         while node.parent is not None:
             node.lock_count -= 1
             if node.lock_count == 0:
-                size = len(node.tokens)
-                self.locked_tokens -= size
-                self.evictable_tokens += size
-                self.evictable_blocks += len(node.blocks) - node.shares_first
+                self.evictable_tokens += len(node.tokens)
+                self.evictable_blocks += node.num_own_blocks
                 if not node.children:
                     self.evictor.add(node)
             node = node.parent
@@ -287,7 +289,8 @@ class RadixTree:
             node.children[q[pos]] = leaf
             self.num_nodes += 1
             self.evictable_tokens += n - pos
-            self.evictable_blocks += len(leaf.blocks) - healed
+            self.cached_tokens += n - pos
+            self.evictable_blocks += leaf.num_own_blocks
             self.evictor.add(leaf)
             if self.events.listeners:
                 self.events.announce_leaf(leaf, q)
@@ -324,7 +327,9 @@ class RadixTree:
         upper.namespace = node.namespace
         upper.origin = node.origin
         upper.shares_first = node.shares_first
+        upper.num_own_blocks = len(upper_blocks) - upper.shares_first
         node.shares_first = new_start % bs != 0
+        node.num_own_blocks = len(lower_blocks) - node.shares_first
         upper.sharing_child = node if node.shares_first else None
         if upper.shares_first:
             node.parent.sharing_child = upper
@@ -358,7 +363,7 @@ class RadixTree:
         """
         if self.retention.deadlines:
             self.retention.expire()
-        freed = nodes = trims = tokens = 0
+        freed = nodes = trims = tokens = own_blocks = 0  # own_blocks: the unlocked blocks that left the tree
         evictor = self.evictor
         pool = self.pool
         bs = self.block_size
@@ -375,9 +380,10 @@ class RadixTree:
                 batch: list[np.ndarray] = []
                 expected = 0
                 while freed + expected < num_blocks and len(evictor):
-                    leaf = evictor.first()
+                    # Popped at once, as a whole leaf mostly goes; a trimmed one is filed back under its key.
+                    leaf = evictor.pop()
                     blocks = leaf.blocks
-                    own = len(blocks) - leaf.shares_first
+                    own = leaf.num_own_blocks
                     want = num_blocks - freed - expected
                     if by_block and own > want:
                         keep = len(blocks) - want
@@ -390,16 +396,17 @@ class RadixTree:
                                 del leaf.block_hashes[-gone:]
                         batch.append(blocks[keep:])
                         leaf.blocks = blocks[:keep]
+                        leaf.num_own_blocks = own - want
                         del leaf.tokens[new_end - leaf.start :]
+                        leaf.end = new_end
                         if leaf.priority:
                             self.retention.removed(leaf, cut, want)
                         expected += want
                         tokens += cut
-                        self.evictable_tokens -= cut
-                        self.evictable_blocks -= want
+                        own_blocks += want
                         trims += 1
+                        evictor.add(leaf)
                         break
-                    evictor.pop()
                     parent = leaf.parent
                     del parent.children[leaf.tokens[0]]
                     if listening and leaf.block_hashes:
@@ -416,10 +423,8 @@ class RadixTree:
                     if leaf.priority:
                         self.retention.removed(leaf, size, own)
                     tokens += size
+                    own_blocks += own
                     nodes += 1
-                    self.evictable_tokens -= size
-                    self.evictable_blocks -= own
-                    self.num_nodes -= 1
                     leaf.evicted = True
                     if parent.parent is not None:
                         if not parent.children and parent.lock_count == 0:
@@ -435,7 +440,12 @@ class RadixTree:
                     freed += pool.decref(released)
                     raise
         finally:
-            # Even when interrupted: count and announce what left the tree.
+            # Even when interrupted: count and announce what left the tree.  The sizes are updated here, once, not
+            # per leaf: the evicted nodes are unlocked, so evictable and cached sizes drop alike.
+            self.num_nodes -= nodes
+            self.cached_tokens -= tokens
+            self.evictable_tokens -= tokens
+            self.evictable_blocks -= own_blocks
             self.evictions += nodes + trims
             self.evicted_tokens += tokens
             self.evicted_blocks += freed
@@ -502,6 +512,7 @@ class RadixTree:
     def link_sharing(self, parent: Node, child: Node) -> None:
         """Record that ``child``'s first block is now ``parent``'s last (after :meth:`share_parent_block`)."""
         child.shares_first = True
+        child.num_own_blocks = len(child.blocks) - 1
         parent.sharing_child = child
 
     # ---- inspection ---------------------------------------------------------------------------------------
