@@ -442,13 +442,13 @@ def _link(
         node.last_access = record["last_access"]
         node.hit_count = record["hit_count"]
         node.origin = record["origin"]
-        node.shares_first = shares
         if shares:
-            parent.sharing_child = node
+            tree.link_sharing(parent, node)
         parent.children[tokens[0]] = node
         built[index] = node
         num_tokens += len(tokens)
         tree.num_nodes += 1
+        tree.cached_tokens += len(tokens)
         tree.evictable_tokens += len(tokens)
         tree.evictable_blocks += len(blocks) - shares
     for node in built.values():
