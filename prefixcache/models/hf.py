@@ -35,7 +35,7 @@ from prefixcache.models.base import (
     check_reference_call,
     weights_version_of,
 )
-from prefixcache.models.hf_cache import growing_layer_class
+from prefixcache.models.hf_cache import PaddedBatch, growing_layer_class
 
 logger = logging.getLogger(__name__)
 
@@ -198,11 +198,12 @@ class HFCausalLM:
         each row's prefix K/V (its live cache, else gathered from the pool) is copied into one batch cache of
         ``[B, H_kv, P, D]`` per layer, ``P`` the longest prefix, the gap after a shorter prefix masked out by the
         attention mask; ``position_ids`` continue each row's own prefix, so RoPE and learned positions see exactly
-        the positions of a serial call.  The new K/V are then appended to each row's live cache and written into its
-        pool slots.  A group of one row is a plain :meth:`forward_cached`.  (Padded batching with per-row positions, as
-        in Hugging Face ``generate`` with left padding; the copy per step is the rows' contexts, small next to the
-        weights a step reads.)  Rows must belong to different requests and write disjoint pool slots.  Raises as
-        :meth:`forward_cached`, every row checked before anything runs; a row of a failed group has its live reset.
+        the positions of a serial call.  While the same rows step on together the batch cache is kept and appended
+        to (:class:`~prefixcache.models.hf_cache.PaddedBatch`), so a decode step copies no context.  The new K/V are
+        also appended to each row's live cache and written into its pool slots.  A group of one row is a plain
+        :meth:`forward_cached`.  (Padded batching with per-row positions, as Hugging Face ``generate`` batches.)
+        Rows must belong to different requests and write disjoint pool slots.  Raises as :meth:`forward_cached`,
+        every row checked before anything runs; the rows of a failed group have their live K/V reset.
         """
         checked = [check_cached_call(self, r.token_ids, r.start_pos, kv, r.block_table) for r in rows]
         groups: dict[int, list[int]] = {}
@@ -240,23 +241,30 @@ class HFCausalLM:
                 row.live.data if reuse else self._cache_from_pool(row.live, kv, table, row.start_pos, end_pos)
             )
         starts = [row.start_pos for row in rows]
-        longest = max(starts)
-        mask = torch.ones(batch, longest + n, dtype=torch.long, device=self.device)
-        for b, start in enumerate(starts):
-            mask[b, start:longest] = 0
         offsets = torch.arange(n, device=self.device)
         positions = torch.stack([offsets + start for start in starts])  # [B, n]
-        batch_cache = self._new_cache(longest + n)
-        for layer_index, layer in enumerate(batch_cache.layers):
-            keys = [
-                cache.layers[layer_index].keys if start else None for cache, start in zip(caches, starts, strict=True)
-            ]
-            values = [
-                cache.layers[layer_index].values if start else None for cache, start in zip(caches, starts, strict=True)
-            ]
-            layer.fill_padded(
-                keys, values, starts, longest, (self.num_kv_heads, self.head_dim), self.dtype, self.device
-            )
+        state = PaddedBatch.find(caches, starts)
+        if state is not None:
+            mask = torch.cat([state.mask, state.mask.new_ones(batch, n)], dim=1)
+        else:
+            longest = max(starts)
+            mask = torch.ones(batch, longest + n, dtype=torch.long, device=self.device)
+            for b, start in enumerate(starts):
+                mask[b, start:longest] = 0
+            batch_cache = self._new_cache(longest + n)
+            for index, layer in enumerate(batch_cache.layers):
+                keys = [
+                    cache.layers[index].keys if start else None for cache, start in zip(caches, starts, strict=True)
+                ]
+                values = [
+                    cache.layers[index].values if start else None for cache, start in zip(caches, starts, strict=True)
+                ]
+                layer.fill_padded(
+                    keys, values, starts, longest, (self.num_kv_heads, self.head_dim), self.dtype, self.device
+                )
+            state = PaddedBatch.attach(caches, mask, batch_cache)
+        width = mask.shape[1] - n
+        batch_cache = state.cache
         out = self.model(
             input_ids=torch.stack([ids for ids, _ in checked]),
             attention_mask=mask,
@@ -265,7 +273,8 @@ class HFCausalLM:
             **self._logits_kwargs(False),
             **{self._cache_kwarg: batch_cache},
         )
-        new = self._new_kv(batch_cache, longest, longest + n, batch)  # [L, 2, B, n, H_kv, D]
+        new = self._new_kv(batch_cache, width, width + n, batch)  # [L, 2, B, n, H_kv, D]
+        state.mask, state.ends = mask, tuple(start + n for start in starts)
         slots = []
         for b, (row, (_, table)) in enumerate(zip(rows, checked, strict=True)):
             row_positions = offsets + row.start_pos

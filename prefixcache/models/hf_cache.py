@@ -1,9 +1,11 @@
-"""Transformers cache layers for prefixcache's live K/V (extra ``prefixcache[hf]``): a layer that appends in place, and
-filling one for a padded batch of requests."""
+"""Transformers caches for prefixcache's live K/V (extra ``prefixcache[hf]``): a layer that appends in place, and the
+padded batch cache that several requests decode in together."""
 
 from __future__ import annotations
 
 import functools
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -89,3 +91,39 @@ def growing_layer_class() -> type:
             raise UnsupportedModelError("prefixcache's live K/V cannot be cropped (assisted decoding is not supported)")
 
     return GrowingLayer
+
+
+@dataclass(eq=False)
+class PaddedBatch:
+    """The batch cache of a padded forward over several requests, kept while the same requests go on together.
+
+    ``cache`` holds every member's K/V as one batch (``[B, H_kv, width, D]`` per layer), where ``mask[B, width]`` is
+    1 at a member's real positions and 0 in the gap after a shorter prefix; ``ends`` are the members' positions after
+    the last step.  Each member's own live cache points at it (attribute ``prefixcache_batch``), and it refers to them
+    only weakly, so it lives exactly as long as a member does.  Rebuilding it every step would copy every member's
+    context once per step.
+    """
+
+    members: tuple[weakref.ref, ...]
+    ends: tuple[int, ...]
+    mask: torch.Tensor
+    cache: Any
+
+    @staticmethod
+    def attach(caches: list[Any], mask: torch.Tensor, cache: Any) -> PaddedBatch:
+        """A new batch over the members' live ``caches``, each of which now points at it."""
+        state = PaddedBatch(tuple(weakref.ref(c) for c in caches), (), mask, cache)
+        for member in caches:
+            member.prefixcache_batch = state
+        return state
+
+    @staticmethod
+    def find(caches: list[Any], starts: list[int]) -> PaddedBatch | None:
+        """The batch these live ``caches`` (in this order) stepped in last, if they all continue from where it left
+        them (``starts`` equal to its ``ends``); else None.  O(B)."""
+        state = getattr(caches[0], "prefixcache_batch", None)
+        if state is None or state.ends != tuple(starts) or len(state.members) != len(caches):
+            return None
+        if any(ref() is not member for ref, member in zip(state.members, caches, strict=True)):
+            return None
+        return state

@@ -164,3 +164,24 @@ def test_rows_group_by_the_leading_blocks_they_share() -> None:
     assert group.suffix_slots[3].tolist() == [32, 33] + [33] * 9
     # Prefill rows never join a group; a lone row forms none.
     assert plan_shared_prefix_groups(tables, ends, [0, 3], block_size=4, device=torch.device("cpu")) == []
+
+
+def test_hf_rows_decoding_on_together_keep_one_batch_cache() -> None:
+    model = _hf("llama")
+    kv = torch.zeros(kv_pool_shape(model, 24, BLOCK))
+    tables = [torch.arange(0, 8), torch.arange(8, 16), torch.arange(16, 24)]
+    sequences = [_ids(9, 1), _ids(14, 2), _ids(3, 3)]
+    lives = [LiveKV() for _ in sequences]
+    for seq, table, live in zip(sequences, tables, lives, strict=True):
+        model.forward_cached(torch.tensor(seq), 0, kv, table, live=live)
+    batches = []
+    for step in range(4):
+        members = [0, 1, 2] if step < 3 else [0, 2]  # row 1 leaves: the others need a batch of their own
+        rows = [BatchRow(torch.tensor([step + 1]), len(sequences[i]), tables[i], lives[i]) for i in members]
+        for i in members:
+            sequences[i] = sequences[i] + [step + 1]
+        for row_logits, i in zip(model.forward_batch(rows, kv), members, strict=True):
+            assert _close(row_logits, model, sequences[i]) < TOL
+        batches.append(lives[0].data.prefixcache_batch)
+    assert batches[0] is batches[1] is batches[2] and batches[3] is not batches[2]
+    assert batches[2].cache.get_seq_length() == 14 + 3  # the longest prefix, then one position a step
