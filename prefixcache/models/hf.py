@@ -15,7 +15,6 @@ full-attention architectures pass the checks but are untested; replay them with 
 
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
 import json
@@ -29,6 +28,7 @@ import xxhash
 
 from prefixcache.errors import InvalidArgumentError, UnsupportedModelError
 from prefixcache.models.base import (
+    BatchRow,
     LiveKV,
     check_cached_call,
     check_live,
@@ -36,6 +36,7 @@ from prefixcache.models.base import (
     check_reference_call,
     weights_version_of,
 )
+from prefixcache.models.hf_cache import PaddedBatch, growing_layer_class
 
 logger = logging.getLogger(__name__)
 
@@ -167,24 +168,11 @@ class HFCausalLM:
         """
         ids, table = check_cached_call(self, token_ids, start_pos, kv, block_table)
         reuse = check_live(live, start_pos)
-        num_blocks, block_size = kv.shape[2], kv.shape[3]
+        block_size = kv.shape[3]
         end_pos = start_pos + ids.numel()
         positions = torch.arange(start_pos, end_pos, device=self.device)
-        # [num_layers, 2, num_blocks * block_size, H_kv, D]: a view, so index_copy_ writes the pool itself.
-        flat = kv.view(self.num_layers, 2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
-        if reuse:
-            cache = live.data
-        else:
-            cache = self._new_cache(end_pos)
-            if start_pos:
-                prefix = torch.arange(start_pos, device=self.device)
-                slots = table[prefix // block_size] * block_size + prefix % block_size
-                # index_select copies; [L, 2, start_pos, H_kv, D] -> per layer [1, H_kv, start_pos, D] (HF layout).
-                rows = flat.index_select(2, slots).transpose(2, 3).unsqueeze(2)
-                for layer in range(self.num_layers):
-                    cache.update(rows[layer, 0], rows[layer, 1], layer)
-            if live is not None:
-                live.data, live.num_tokens = cache, start_pos
+        flat = _flat(kv)
+        cache = live.data if reuse else self._cache_from_pool(live, kv, table, start_pos, end_pos)
         try:
             out = self.model(
                 input_ids=ids.unsqueeze(0),
@@ -202,6 +190,102 @@ class HFCausalLM:
         if live is not None:
             live.num_tokens = end_pos
         return out.logits[0].float() if return_logits else out.logits[0, -1:].float()
+
+    @torch.inference_mode()
+    def forward_batch(self, rows: list[BatchRow], kv: torch.Tensor) -> list[torch.Tensor]:
+        """Run several requests' new tokens together; per row the float32 logits ``[1, vocab_size]`` of its last token.
+
+        Rows with the same number of new tokens (all decode rows, for one) go through the model as one padded batch:
+        each row's prefix K/V (its live cache, else gathered from the pool) is copied into one batch cache of
+        ``[B, H_kv, P, D]`` per layer, ``P`` the longest prefix, the gap after a shorter prefix masked out by the
+        attention mask; ``position_ids`` continue each row's own prefix, so RoPE and learned positions see exactly
+        the positions of a serial call.  While the same rows step on together the batch cache is kept and appended
+        to (:class:`~prefixcache.models.hf_cache.PaddedBatch`), so a decode step copies no context.  The new K/V are
+        also appended to each row's live cache and written into its pool slots.  A group of one row is a plain
+        :meth:`forward_cached`.  (Padded batching with per-row positions, as Hugging Face ``generate`` batches.)
+        Rows must belong to different requests and write disjoint pool slots.  Raises as :meth:`forward_cached`,
+        every row checked before anything runs; the rows of a failed group have their live K/V reset.
+        """
+        checked = [check_cached_call(self, r.token_ids, r.start_pos, kv, r.block_table) for r in rows]
+        groups: dict[int, list[int]] = {}
+        for index, (ids, _) in enumerate(checked):
+            groups.setdefault(ids.numel(), []).append(index)
+        logits: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        for members in groups.values():
+            if len(members) == 1:
+                row = rows[members[0]]
+                logits[members[0]] = self.forward_cached(
+                    row.token_ids, row.start_pos, kv, row.block_table, live=row.live
+                )
+                continue
+            group_rows = [rows[i] for i in members]
+            try:
+                out = self._forward_padded(group_rows, [checked[i] for i in members], kv)
+            except BaseException:
+                for row in group_rows:
+                    row.live.reset()
+                raise
+            for index, row_logits in zip(members, out, strict=True):
+                logits[index] = row_logits
+        return logits
+
+    def _forward_padded(
+        self, rows: list[BatchRow], checked: list[tuple[torch.Tensor, torch.Tensor]], kv: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """One forward of ``B`` rows of ``n`` new tokens each over a padded batch cache (see :meth:`forward_batch`)."""
+        n, batch = checked[0][0].numel(), len(rows)
+        caches = []
+        for row, (_, table) in zip(rows, checked, strict=True):
+            reuse = check_live(row.live, row.start_pos)
+            end_pos = row.start_pos + n
+            caches.append(
+                row.live.data if reuse else self._cache_from_pool(row.live, kv, table, row.start_pos, end_pos)
+            )
+        starts = [row.start_pos for row in rows]
+        offsets = torch.arange(n, device=self.device)
+        positions = torch.stack([offsets + start for start in starts])  # [B, n]
+        state = PaddedBatch.find(caches, starts)
+        if state is not None:
+            mask = torch.cat([state.mask, state.mask.new_ones(batch, n)], dim=1)
+        else:
+            longest = max(starts)
+            mask = torch.ones(batch, longest + n, dtype=torch.long, device=self.device)
+            for b, start in enumerate(starts):
+                mask[b, start:longest] = 0
+            batch_cache = self._new_cache(longest + n)
+            for index, layer in enumerate(batch_cache.layers):
+                keys = [
+                    cache.layers[index].keys if start else None for cache, start in zip(caches, starts, strict=True)
+                ]
+                values = [
+                    cache.layers[index].values if start else None for cache, start in zip(caches, starts, strict=True)
+                ]
+                layer.fill_padded(
+                    keys, values, starts, longest, (self.num_kv_heads, self.head_dim), self.dtype, self.device
+                )
+            state = PaddedBatch.attach(caches, mask, batch_cache)
+        width = mask.shape[1] - n
+        batch_cache = state.cache
+        out = self.model(
+            input_ids=torch.stack([ids for ids, _ in checked]),
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            **self._logits_kwargs(False),
+            **{self._cache_kwarg: batch_cache},
+        )
+        new = self._new_kv(batch_cache, width, width + n, batch)  # [L, 2, B, n, H_kv, D]
+        state.mask, state.ends = mask, tuple(start + n for start in starts)
+        slots = []
+        for b, (row, (_, table)) in enumerate(zip(rows, checked, strict=True)):
+            row_positions = offsets + row.start_pos
+            slots.append(table[row_positions // kv.shape[3]] * kv.shape[3] + row_positions % kv.shape[3])
+            for layer_index, layer in enumerate(caches[b].layers):
+                # [1, H_kv, n, D], the layout the model appends in.
+                layer.update(new[layer_index, 0, b].transpose(0, 1)[None], new[layer_index, 1, b].transpose(0, 1)[None])
+            row.live.num_tokens = row.start_pos + n
+        _flat(kv).index_copy_(2, torch.cat(slots), new.flatten(2, 3))
+        return list(out.logits[:, -1].float().split(1))
 
     @torch.inference_mode()
     def forward_reference(
@@ -223,6 +307,24 @@ class HFCausalLM:
         # A model without logits_to_keep returns every position: keep the asked ones.
         return out.logits[0, -keep:].float()
 
+    def _cache_from_pool(
+        self, live: LiveKV | None, kv: torch.Tensor, table: torch.Tensor, start_pos: int, end_pos: int
+    ) -> Any:
+        """A new cache (capacity ``end_pos``) holding positions ``0 .. start_pos - 1`` gathered from the pool (a copy);
+        it becomes ``live``'s cache when ``live`` is given."""
+        cache = self._new_cache(end_pos)
+        if start_pos:
+            prefix = torch.arange(start_pos, device=self.device)
+            block_size = kv.shape[3]
+            slots = table[prefix // block_size] * block_size + prefix % block_size
+            # index_select copies; [L, 2, start_pos, H_kv, D] -> per layer [1, H_kv, start_pos, D] (HF layout).
+            rows = _flat(kv).index_select(2, slots).transpose(2, 3).unsqueeze(2)
+            for layer in range(self.num_layers):
+                cache.update(rows[layer, 0], rows[layer, 1], layer)
+        if live is not None:
+            live.data, live.num_tokens = cache, start_pos
+        return cache
+
     def _logits_kwargs(self, return_logits: bool) -> dict[str, int]:
         # logits_to_keep=0 means every position in transformers.
         return {"logits_to_keep": 0 if return_logits else 1} if self._keeps_logits else {}
@@ -232,12 +334,13 @@ class HFCausalLM:
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.config)
-        cache.layers = [_growing_layer_class()(capacity) for _ in cache.layers]
+        cache.layers = [growing_layer_class()(capacity) for _ in cache.layers]
         return cache
 
-    def _new_kv(self, cache: Any, start_pos: int, end_pos: int) -> torch.Tensor:
-        """K/V of positions ``start_pos .. end_pos - 1`` from ``cache`` as ``[num_layers, 2, n, H_kv, D]``."""
-        want = (1, self.num_kv_heads, end_pos, self.head_dim)
+    def _new_kv(self, cache: Any, start_pos: int, end_pos: int, batch: int | None = None) -> torch.Tensor:
+        """K/V of positions ``start_pos .. end_pos - 1`` from ``cache`` as ``[num_layers, 2, n, H_kv, D]``, or with
+        ``batch`` rows as ``[num_layers, 2, batch, n, H_kv, D]``."""
+        want = (batch or 1, self.num_kv_heads, end_pos, self.head_dim)
         rows = []
         for index, layer in enumerate(cache.layers):
             if tuple(layer.keys.shape) != want or tuple(layer.values.shape) != want:
@@ -246,67 +349,23 @@ class HFCausalLM:
                     f"{tuple(layer.values.shape)}, expected {want} [batch, kv_heads, positions, head_dim] from its "
                     "config; its attention does not keep plain per-token K/V"
                 )
-            rows.append(torch.stack([layer.keys[0, :, start_pos:], layer.values[0, :, start_pos:]]))
+            rows.append(torch.stack([layer.keys[..., start_pos:, :], layer.values[..., start_pos:, :]]))
         if len(rows) != self.num_layers:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} filled {len(rows)} cache layers, expected {self.num_layers}"
             )
-        return torch.stack(rows).transpose(2, 3)  # [L, 2, H_kv, n, D] -> [L, 2, n, H_kv, D]
+        stacked = torch.stack(rows)  # [L, 2, B, H_kv, n, D]
+        if batch is None:
+            return stacked[:, :, 0].transpose(2, 3)  # [L, 2, n, H_kv, D]
+        return stacked.transpose(3, 4)  # [L, 2, B, n, H_kv, D]
 
     def __repr__(self) -> str:
         return f"HFCausalLM({self.name}, dtype={self.dtype}, device={self.device})"
 
 
-@functools.cache
-def _growing_layer_class() -> type:
-    """A transformers ``DynamicLayer`` that appends into a preallocated buffer instead of concatenating.
-
-    ``DynamicLayer.update`` concatenates, copying the whole context at every decode step; this layer writes the new
-    rows into spare capacity (doubling when full) and exposes ``keys``/``values`` as views of the filled part, so
-    the attention sees exactly the tensors it would have seen.  Built lazily: transformers is an optional extra.
-    """
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        def __init__(self, capacity: int = 0) -> None:
-            super().__init__()
-            self.capacity_hint = capacity
-            self.length = 0
-            self.key_buffer: torch.Tensor | None = None
-            self.value_buffer: torch.Tensor | None = None
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            end = self.length + key_states.shape[-2]
-            if self.key_buffer is None or end > self.key_buffer.shape[-2]:
-                size = max(end, self.capacity_hint, 2 * (0 if self.key_buffer is None else self.key_buffer.shape[-2]))
-                self.key_buffer = self._grown(self.key_buffer, key_states, size)
-                self.value_buffer = self._grown(self.value_buffer, value_states, size)
-            self.key_buffer[..., self.length : end, :] = key_states
-            self.value_buffer[..., self.length : end, :] = value_states
-            self.length = end
-            self.keys = self.key_buffer[..., :end, :]
-            self.values = self.value_buffer[..., :end, :]
-            return self.keys, self.values
-
-        def _grown(self, old: torch.Tensor | None, like: torch.Tensor, size: int) -> torch.Tensor:
-            shape = (*like.shape[:-2], size, like.shape[-1])
-            buffer = like.new_empty(shape)
-            if old is not None:
-                buffer[..., : self.length, :] = old[..., : self.length, :]
-            return buffer
-
-        def reset(self) -> None:
-            self.length = 0
-            self.key_buffer = self.value_buffer = None
-            super().reset()
-
-        def crop(self, tokens_to_remove: int) -> None:
-            # Cropping would drop rows the request's pool blocks still hold; nothing in prefixcache's path crops.
-            raise UnsupportedModelError("prefixcache's live K/V cannot be cropped (assisted decoding is not supported)")
-
-    return GrowingLayer
+def _flat(kv: torch.Tensor) -> torch.Tensor:
+    """``kv`` as ``[num_layers, 2, num_blocks * block_size, H_kv, D]``: a view, so index_copy_ writes the pool."""
+    return kv.view(kv.shape[0], 2, kv.shape[2] * kv.shape[3], kv.shape[4], kv.shape[5])
 
 
 def _check_supported(model: Any) -> str:

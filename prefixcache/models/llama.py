@@ -33,10 +33,12 @@ from prefixcache.models.base import (
     weights_version_of,
 )
 from prefixcache.models.paged_attention import PagedAttention, paged_attention_default, paged_attention_supported
+from prefixcache.models.shared_prefix import plan_shared_prefix_groups, shared_prefix_decode_attention
 
 # Names the forward and init code below; bump it whenever either changes the numbers, so that no
-# cache built by older code is ever matched against a newer model.
-ARCHITECTURE = "prefixcache.llama/1"
+# cache built by older code is ever matched against a newer model.  /2: attention reads the KV heads without
+# repeating them (grouped decode queries, SDPA's enable_gqa), which rounds differently from /1.
+ARCHITECTURE = "prefixcache.llama/2"
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(
@@ -72,8 +74,8 @@ _QUERY_CHUNK = 1024
 
 # (layer index, new K [n, H_kv, D], new V [n, H_kv, D]) -> (K, V) of all positions [S, H_kv, D].
 _KVSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-# (q [n, H, D], K, V from the source, positions [n]) -> [n, H * D].
-_Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (q [n, H, D], K, V from the source, position of the first query) -> [n, H * D].
+_Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -251,7 +253,7 @@ class LlamaModel:
             if live is not None:
                 live.reset()  # its rows would go stale while the pool alone is written
             attend = PagedAttention(table, end_pos, num_blocks, block_size)
-            return self._forward(ids, positions, into_pool, return_logits, attend)
+            return self._forward(ids, start_pos, into_pool, return_logits, attend)
         if live is not None:
             prefix = all_pos[:start_pos]
             prefix_slots = table[prefix // block_size] * block_size + prefix % block_size
@@ -263,7 +265,7 @@ class LlamaModel:
                 buffer[layer, :, start_pos:end_pos] = new
                 return buffer[layer, 0, :end_pos], buffer[layer, 1, :end_pos]
 
-            logits = self._forward(ids, positions, from_live, return_logits)
+            logits = self._forward(ids, start_pos, from_live, return_logits)
             live.num_tokens = end_pos
             return logits
         slots_all = table[all_pos // block_size] * block_size + all_pos % block_size  # [start_pos + n]
@@ -273,14 +275,16 @@ class LlamaModel:
             kv_all = flat[layer].index_select(1, slots_all)  # [2, start_pos + n, H_kv, D]
             return kv_all[0], kv_all[1]
 
-        return self._forward(ids, positions, from_pool, return_logits)
+        return self._forward(ids, start_pos, from_pool, return_logits)
 
     @torch.inference_mode()
     def forward_batch(self, rows: list[BatchRow], kv: torch.Tensor) -> list[torch.Tensor]:
         """One packed forward over several requests' new tokens (continuous batching, as in vLLM and SGLang).
 
         Every row's tokens go through the projections, MLPs and LM head together (``[sum n, hidden]`` matmuls);
-        attention runs per row over that row's live K/V (a varlen loop: rows have different contexts).  Each row's
+        attention runs per row over that row's live K/V (a varlen loop: rows have different contexts; with the KV heads
+        never repeated, a decode row's attention reads its context once, and padding the rows into one batch would
+        copy every context once more per step).  Each row's
         new K/V are written into its pool slots and appended to its ``live``.  Returns per row the float32 logits
         ``[1, vocab_size]`` of its last position.  Rows must belong to different requests.  Raises as
         :meth:`forward_cached` (checked for every row before anything is written).
@@ -304,8 +308,17 @@ class LlamaModel:
             all_ids.append(ids)
             all_pos.append(positions)
             offset += ids.numel()
-        ids, positions = torch.cat(all_ids), torch.cat(all_pos)
+        ids, positions, new_slots = torch.cat(all_ids), torch.cat(all_pos), torch.cat(slots)
         lasts = torch.tensor([hi - 1 for _, hi, _, _ in spans], device=self.device)
+        groups = plan_shared_prefix_groups(
+            [table.tolist() for _, table in checked],
+            [end for _, _, _, end in spans],
+            [r for r, (lo, hi, _, _) in enumerate(spans) if hi - lo == 1],
+            block_size,
+            self.device,
+        )
+        grouped = {r for group in groups for r in group.rows}
+        group_queries = [lasts[list(group.rows)] for group in groups]
         n, heads, kv_heads, d = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self._rope(positions)
         x = self.embed[ids]
@@ -315,13 +328,25 @@ class LlamaModel:
             q = self._apply_rope(q.view(n, heads, d), cos, sin)
             new = torch.stack([self._apply_rope(k.view(n, kv_heads, d), cos, sin), v.view(n, kv_heads, d)])
             final = i == len(self.layers) - 1
-            outs = []
-            for (lo, hi, start, end), buffer, row_slots in zip(spans, buffers, slots, strict=True):
-                flat[i].index_copy_(1, row_slots, new[:, lo:hi])
+            flat[i].index_copy_(1, new_slots, new)  # rows write disjoint slots: one copy for all
+            outs: list[torch.Tensor] = []
+            for r, ((lo, hi, start, end), buffer) in enumerate(zip(spans, buffers, strict=True)):
                 buffer[i, :, start:end] = new[:, lo:hi]
                 # Last layer: only each row's last query reaches the LM head.
                 q_lo = hi - 1 if final else lo
-                outs.append(self._attention(q[q_lo:hi], buffer[i, 0, :end], buffer[i, 1, :end], positions[q_lo:hi]))
+                if r not in grouped:
+                    outs.append(self._attention(q[q_lo:hi], buffer[i, 0, :end], buffer[i, 1, :end], end - hi + q_lo))
+                else:
+                    outs.append(q.new_empty(0))
+            for group, rows_q in zip(groups, group_queries, strict=True):
+                # Rows share the pool blocks of positions < shared_tokens: the first row's live copy serves them all.
+                shared = buffers[group.rows[0]][i, :, : group.shared_tokens]
+                suffix = flat[i].index_select(1, group.suffix_slots.flatten()).unflatten(1, group.suffix_slots.shape)
+                o = shared_prefix_decode_attention(
+                    q[rows_q], shared[0], shared[1], suffix[0], suffix[1], group.suffix_mask
+                )
+                for j, r in enumerate(group.rows):
+                    outs[r] = o[j : j + 1]
             if final:
                 x = x[lasts]
             x = x + F.linear(torch.cat(outs), layer.o)
@@ -368,27 +393,26 @@ class LlamaModel:
         """
         ids = check_reference_call(self, token_ids)
         check_logits_from(logits_from, ids.numel())
-        positions = torch.arange(ids.numel(), device=self.device)
         keep = logits_from if return_logits else ids.numel() - 1
-        return self._forward(ids, positions, lambda _layer, k, v: (k, v), return_logits, logits_from=keep)
+        return self._forward(ids, 0, lambda _layer, k, v: (k, v), return_logits, logits_from=keep)
 
     def _forward(
         self,
         ids: torch.Tensor,
-        positions: torch.Tensor,
+        start: int,
         kv_source: _KVSource,
         return_logits: bool,
         attend: _Attend | None = None,
         logits_from: int | None = None,
     ) -> torch.Tensor:
-        """ids ``[n]`` at ``positions[n]`` (consecutive); K/V of every earlier position come from ``kv_source`` and
-        are attended by ``attend`` (default :meth:`_attention`).  Logits of the last position, of every position with
-        ``return_logits``, or of ``ids[logits_from:]`` when given."""
+        """ids ``[n]`` at positions ``start .. start + n - 1``; K/V of earlier positions come from ``kv_source`` and
+        are attended by ``attend(q, K, V, first query position)`` (default :meth:`_attention`).  Logits of the last
+        position, of every position with ``return_logits``, or of ``ids[logits_from:]`` when given."""
         if logits_from is None:
             logits_from = 0 if return_logits else ids.numel() - 1
         attend = attend or self._attention
         n, heads, kv_heads, d = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
-        cos, sin = self._rope(positions)
+        cos, sin = self._rope(torch.arange(start, start + n, device=self.device))
         x = self.embed[ids]  # [n, hidden]
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -399,34 +423,44 @@ class LlamaModel:
             k_all, v_all = kv_source(i, k, v.view(n, kv_heads, d))
             if i == last and logits_from:
                 # Only these positions' hidden states reach the LM head: their attention queries and MLP suffice.
-                q, x, positions = q[logits_from:], x[logits_from:], positions[logits_from:]
-            x = x + F.linear(attend(q, k_all, v_all, positions), layer.o)
+                q, x, start, n = q[logits_from:], x[logits_from:], start + logits_from, n - logits_from
+            x = x + F.linear(attend(q, k_all, v_all, start), layer.o)
             h = self._rms_norm(x, layer.mlp_norm)
             gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + F.linear(F.silu(gate) * up, layer.down)
         h = self._rms_norm(x, self.final_norm)
         return F.linear(h, self.lm_head).float()
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """q ``[n, H, D]`` at ``positions[n]``; k, v ``[S, H_kv, D]`` of positions ``0..S-1`` -> ``[n, H * D]``.
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+        """q ``[n, H, D]`` at positions ``start .. start + n - 1``; k, v ``[start + n, H_kv, D]`` -> ``[n, H * D]``.
 
-        Query i sees keys at positions <= positions[i]; head h reads KV head ``h // (H / H_kv)``.
+        Query i sees keys at positions <= start + i; head h reads KV head ``h // (H / H_kv)``.  The KV heads are never
+        repeated (that copy of the whole context per step cost more than the attention itself): one query (decode)
+        is laid out as ``[H_kv, H / H_kv, D]``, so each KV head's group of query heads attends it in one unmasked
+        call; longer blocks use SDPA's ``enable_gqa`` with a causal mask, bottom-right aligned.
         """
-        n = q.shape[0]
-        q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        k = k.transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D]
+        n, kv_heads = q.shape[0], self.num_kv_heads
+        group = self.num_heads // kv_heads
+        k = k.transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D] (a view)
         v = v.transpose(0, 1).unsqueeze(0)
-        group = self.num_heads // self.num_kv_heads
-        if group > 1:
-            # Explicit head repeat rather than SDPA's enable_gqa, which needs torch >= 2.5.
-            k = k.repeat_interleave(group, dim=1)  # [1, H, S, D]
-            v = v.repeat_interleave(group, dim=1)
+        if n == 1:
+            o = F.scaled_dot_product_attention(q.view(1, kv_heads, group, -1), k, v)  # [1, H_kv, group, D]
+            return o.reshape(1, -1)
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if start == 0 and n <= _QUERY_CHUNK:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=group > 1)
+            return o[0].transpose(0, 1).reshape(n, -1)
         key_pos = torch.arange(k.shape[2], device=q.device)
         out = []
         for lo in range(0, n, _QUERY_CHUNK):
             hi = min(lo + _QUERY_CHUNK, n)
-            mask = key_pos[None, :] <= positions[lo:hi, None]  # [chunk, S]: causal, prefix included
-            out.append(F.scaled_dot_product_attention(q[:, :, lo:hi], k, v, attn_mask=mask))
+            query_pos = torch.arange(start + lo, start + hi, device=q.device)
+            mask = key_pos[None, : start + hi] <= query_pos[:, None]  # [chunk, keys]: causal, prefix included
+            out.append(
+                F.scaled_dot_product_attention(
+                    q[:, :, lo:hi], k[:, :, : start + hi], v[:, :, : start + hi], attn_mask=mask, enable_gqa=group > 1
+                )
+            )
         o = out[0] if len(out) == 1 else torch.cat(out, dim=2)  # [1, H, n, D]
         return o[0].transpose(0, 1).reshape(n, -1)
 

@@ -123,7 +123,7 @@ def paged_block_mask(
 
 
 class PagedAttention:
-    """One forward's attention over the pool for one request: ``attend(q, k_pool, v_pool, positions)``.
+    """One forward's attention over the pool for one request: ``attend(q, k_pool, v_pool, start)``.
 
     Built per forward from the request's block table and its span of positions ``start_pos .. end_pos - 1``; the
     queries of a call are always the span's last ``n`` positions (all of them, or only the last one where the model
@@ -138,12 +138,10 @@ class PagedAttention:
         self.block_size = block_size
         self._masks: dict[int, BlockMask] = {}
 
-    def __call__(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, start: int) -> torch.Tensor:
         """q ``[n, H, D]`` (the span's last n positions); k_pool, v_pool ``[num_blocks * block_size, H_kv, D]``: one
-        layer of the pool, holding this request's rows up to ``end_pos`` -> ``[n, H * D]``.  ``positions`` is not
-        read (the span says them)."""
+        layer of the pool, holding this request's rows up to ``end_pos`` -> ``[n, H * D]``.  ``start`` (the first
+        query's position) is not read: the span says it."""
         n = q.shape[0]
         mask = self._masks.get(n)
         if mask is None:
