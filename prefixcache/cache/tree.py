@@ -41,6 +41,7 @@ from __future__ import annotations
 import itertools
 import logging
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -132,6 +133,9 @@ class RadixTree:
         self.evictions = 0
         self.evicted_tokens = 0
         self.evicted_blocks = 0
+        # The host tier's demote(leaf, first, block_ids), called before eviction frees leaf.blocks[first:] (or removes
+        # the leaf, first == 0); None without a host tier, so eviction pays one test per leaf for it.
+        self.demote: Callable[[Node, int, np.ndarray], None] | None = None
         self._ids = itertools.count(1)
 
     # ---- lookup -------------------------------------------------------------------------------------------
@@ -361,6 +365,7 @@ class RadixTree:
         bs = self.block_size
         by_block = self.granularity == "block"
         listening = bool(self.events.listeners)
+        demote = self.demote
         events: list[KVEvent] = []
         try:
             while freed < num_blocks and len(evictor):
@@ -380,6 +385,8 @@ class RadixTree:
                         keep = len(blocks) - want
                         new_end = (leaf.start // bs + keep) * bs
                         cut = leaf.end - new_end
+                        if demote is not None:
+                            demote(leaf, keep, blocks[keep:])
                         if listening and leaf.block_hashes:
                             gone = leaf.end // bs - new_end // bs
                             if gone:
@@ -396,6 +403,9 @@ class RadixTree:
                         self.evictable_blocks -= want
                         trims += 1
                         break
+                    if demote is not None:
+                        # A shared first block stays with the parent, but its later rows are this leaf's: copy it too.
+                        demote(leaf, 0, blocks)
                     evictor.pop()
                     parent = leaf.parent
                     del parent.children[leaf.tokens[0]]
