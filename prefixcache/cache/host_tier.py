@@ -321,7 +321,9 @@ class HostTier:
         pool = ledger.pool
         handle = locks.lock(tree.lock_point(match.node, b0 * bs))
         try:
-            available = pool.num_free_blocks + tree.evictable_blocks
+            # A device match ending inside block b0 leaves a seam: the promoted leaf starts with its own copy of that
+            # block, and the parent's copy stays pinned beside it when a sibling shares it (see tree.heal_seam).
+            available = pool.num_free_blocks + tree.evictable_blocks - (m % bs != 0)
             num = len(hits)
             if num_tokens is not None:
                 # The request's need beyond its device prefix, plus a copy-on-write block when the promoted blocks
@@ -330,7 +332,7 @@ class HostTier:
                 if max(-(-num_tokens // bs), b0 + num) - b0 + cow > available:
                     num = 0
             else:
-                num = min(num, available)
+                num = max(0, min(num, available))
             if num == 0:
                 return Promotion(m, m)
             hits = hits[:num]
