@@ -43,7 +43,7 @@ import xxhash
 from prefixcache.cache.blocks import BlockLedger
 from prefixcache.cache.events import BlockRemoved, BlockStored, EventPublisher
 from prefixcache.cache.locks import LockRegistry
-from prefixcache.cache.node import Node
+from prefixcache.cache.node import Node, common_prefix_length
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.cache.tree import RadixTree
@@ -55,12 +55,21 @@ DEVICE_MEDIUM = "GPU"
 HOST_MEDIUM = "CPU"
 
 
-@dataclass(slots=True)
-class HostBlock:
-    """One host-resident block: its host pool id and, when it was announced, the event that stored it."""
+@dataclass(slots=True, eq=False)
+class HostRun:
+    """Consecutive host-resident blocks of one sequence, demoted together: blocks ``first .. first + len - 1``.
 
-    block_id: int
-    stored: BlockStored | None
+    ``key`` names the run by its first block (a digest of the namespace and every token up to that block's end);
+    ``tokens`` are the run's own tokens (``len(block_ids) * block_size``), compared with a prompt at C speed to see how
+    far it goes on; ``block_ids`` are host pool ids; ``stored`` one event per block when they were announced.
+    """
+
+    key: int
+    namespace: str | None
+    first: int
+    tokens: array
+    block_ids: np.ndarray
+    stored: list[BlockStored] | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +156,13 @@ def check_host_pool(host: KVBlockPool, device: KVBlockPool) -> None:
 
 
 class HostTier:
-    """The host pool, the index of host-resident blocks in LRU order, and the moves between the tiers.
+    """The host pool, the host-resident runs in LRU order, and the moves between the tiers.
 
-    ``entries`` maps a block key (see the module docstring) to its :class:`HostBlock`, least recently used first.
-    Counters: ``demoted_blocks``, ``promoted_blocks``, ``dropped_blocks`` (host LRU victims).  Callers hold the
-    cache's mutex.  Costs: demoting or promoting ``b`` blocks of a sequence of ``n`` tokens is one C-speed hash pass
-    over the ``n`` tokens plus O(b) dict operations and one batched copy.
+    ``runs`` maps a run's key (see :class:`HostRun`) to the run, least recently used first.  Counters:
+    ``demoted_blocks``, ``promoted_blocks``, ``dropped_blocks`` (host LRU victims).  Callers hold the cache's mutex.
+    Costs: demoting blocks of a leaf, or promoting them for a prompt of ``n`` tokens, is one C-speed hash pass over
+    the sequence, a C-speed token comparison, O(runs touched) dict operations and one batched copy: nothing is done
+    per block in Python, so the cache-only replay stays fast.
     """
 
     def __init__(self, pool: KVBlockPool, device_pool: KVBlockPool, events: EventPublisher) -> None:
@@ -161,45 +171,34 @@ class HostTier:
         self.device_pool = device_pool
         self.block_size = pool.block_size
         self.events = events
-        self.entries: OrderedDict[int, HostBlock] = OrderedDict()
-        self.pinned: dict[int, HostBlock] = {}  # entries taken out of the LRU while a promotion reads them
+        self.runs: OrderedDict[int, HostRun] = OrderedDict()
+        self.pinned: dict[int, HostRun] = {}  # runs taken out of the LRU while a promotion reads them
         self.demoted_blocks = 0
         self.promoted_blocks = 0
         self.dropped_blocks = 0
 
-    @property
-    def num_blocks(self) -> int:
-        """Host-resident blocks now."""
-        return len(self.entries) + len(self.pinned)
-
     # ---- keys ---------------------------------------------------------------------------------------------
 
-    def _hasher(self, tokens: array, namespace: str | None, first_block: int) -> xxhash.xxh3_128:
+    def _hasher(self, tokens: array, namespace: str | None, num_blocks: int) -> xxhash.xxh3_128:
+        """A digest state over the namespace and the first ``num_blocks`` blocks of ``tokens``."""
         h = xxhash.xxh3_128()
         name = b"\xff" if namespace is None else namespace.encode("utf-8", errors="surrogatepass")
         h.update(len(name).to_bytes(8, "little") + name)
-        h.update(memoryview(tokens)[: first_block * self.block_size].cast("B"))
+        h.update(memoryview(tokens)[: num_blocks * self.block_size].cast("B"))
         return h
 
-    def _keys(self, tokens: array, namespace: str | None, first_block: int, stop_block: int) -> list[int]:
-        """Keys of blocks ``first_block .. stop_block - 1`` of ``tokens``.  O(len(tokens)) C-speed hashing."""
-        h = self._hasher(tokens, namespace, first_block)
-        data = memoryview(tokens).cast("B")
-        step = 4 * self.block_size
-        keys = []
-        for j in range(first_block, stop_block):
-            h.update(data[j * step : (j + 1) * step])
-            keys.append(h.intdigest())
-        return keys
+    def _key(self, tokens: array, namespace: str | None, block: int) -> int:
+        """The key of block ``block`` of ``tokens``: a digest of everything up to its end.  O(position) in C."""
+        return self._hasher(tokens, namespace, block + 1).intdigest()
 
     # ---- demotion (the tree's hook) -------------------------------------------------------------------------
 
     def demote(self, leaf: Node, first: int, block_ids: np.ndarray) -> None:
         """Called by :meth:`RadixTree.evict` before it frees ``block_ids`` (``leaf.blocks[first:]``) of ``leaf``: copy
-        the ones full on the leaf's path to host blocks.  A removed leaf's shared first block is passed too: the parent
-        keeps it, but its rows past the parent's end are the leaf's, and the parent, ending inside it, never will
-        demote it as a full block.  Best effort: a failure is logged and the blocks are simply evicted (the tree's
-        eviction must not be interrupted halfway)."""
+        the ones full on the leaf's path to host blocks, as one run.  A removed leaf's shared first block is passed
+        too: the parent keeps it, but its rows past the parent's end are the leaf's, and the parent, ending inside it,
+        never will demote it as a full block.  Best effort: a failure is logged and the blocks are simply evicted (the
+        tree's eviction must not be interrupted halfway)."""
         try:
             self._demote(leaf, first, block_ids)
         except Exception:
@@ -208,75 +207,77 @@ class HostTier:
     def _demote(self, leaf: Node, first: int, block_ids: np.ndarray) -> None:
         bs = self.block_size
         first_block = leaf.start // bs + first
-        num_full = min(len(block_ids), leaf.end // bs - first_block)
-        if num_full <= 0:
+        # Past the host's size, keep the blocks nearest the device prefix: they are the ones a promotion reaches.
+        pinned = sum(len(run.block_ids) for run in self.pinned.values())
+        num = min(len(block_ids), leaf.end // bs - first_block, self.pool.num_blocks - pinned)
+        if num <= 0:
             return
         path = _path_tokens(leaf)
-        keys = self._keys(path, leaf.namespace, first_block, first_block + num_full)
-        entries = self.entries
-        fresh = [i for i, key in enumerate(keys) if key not in entries and key not in self.pinned]
-        for key in keys:
-            if key in entries:
-                entries.move_to_end(key)  # the device recomputed a block the host still held
-        # Past the host's size, keep the blocks nearest the device prefix: they are the ones a promotion reaches.
-        fresh = fresh[: self.pool.num_blocks - len(self.pinned)]
-        if not fresh:
+        key = self._key(path, leaf.namespace, first_block)
+        if key in self.pinned:
             return
-        self._make_room(len(fresh))
-        host_ids = self.pool.allocate(len(fresh))
+        old = self.runs.pop(key, None)
+        if old is not None:
+            # A run from the same block on: the device recomputed it, or another continuation; keep the newer.
+            self._free(old.block_ids, old.stored)
+        self._make_room(num)
+        host_ids = self.pool.allocate(num).astype(np.intp)
         try:
             if self.pool.kv is not None:
-                src = torch.from_numpy(np.asarray(block_ids[fresh], dtype=np.int64)).to(self.device_pool.device)
-                self.pool.kv[:, :, torch.from_numpy(host_ids.astype(np.int64))] = self.device_pool.kv[:, :, src].to(
-                    "cpu"
-                )
+                src = torch.from_numpy(np.asarray(block_ids[:num], dtype=np.int64)).to(self.device_pool.device)
+                self.pool.kv[:, :, torch.from_numpy(host_ids)] = self.device_pool.kv[:, :, src].to("cpu")
         except BaseException:
             self.pool.decref(host_ids)
             raise
-        stored = self._stored_events(leaf, path, first_block, fresh) if self.events.listeners else None
-        # Tail first, so that the LRU drops a run from its far end.
-        for n in range(len(fresh) - 1, -1, -1):
-            key = keys[fresh[n]]
-            entries[key] = HostBlock(int(host_ids[n]), stored[n] if stored else None)
-        self.demoted_blocks += len(fresh)
+        stored = self._stored_events(leaf, path, first_block, num) if self.events.listeners else None
+        tokens = path[first_block * bs : (first_block + num) * bs]
+        self.runs[key] = HostRun(key, leaf.namespace, first_block, tokens, host_ids, stored)
+        self.demoted_blocks += num
         if stored:
             self.events.deferred.extend(stored)
 
-    def _stored_events(self, leaf: Node, path: array, first_block: int, fresh: list[int]) -> list[BlockStored]:
+    def _stored_events(self, leaf: Node, path: array, first_block: int, num: int) -> list[BlockStored] | None:
         # The chained event hashes of the leaf's full blocks are on the leaf while anyone listens.
         bs = self.block_size
         hashes = leaf.block_hashes or []
-        base = leaf.start // bs
+        offset = first_block - leaf.start // bs
+        if offset + num > len(hashes):
+            return None
         out = []
-        for i in fresh:
-            k = first_block + i
-            offset = k - base
-            if offset >= len(hashes):
-                break
-            parent = hashes[offset - 1] if offset else self.events.hash_before(leaf.parent, k)
+        for i in range(offset, offset + num):
+            k = leaf.start // bs + i
+            parent = hashes[i - 1] if i else self.events.hash_before(leaf.parent, k)
             tokens = tuple(path[k * bs : (k + 1) * bs])
-            out.append(BlockStored(leaf.namespace, (hashes[offset],), parent, k, tokens, bs, HOST_MEDIUM))
-        return out if len(out) == len(fresh) else []
+            out.append(BlockStored(leaf.namespace, (hashes[i],), parent, k, tokens, bs, HOST_MEDIUM))
+        return out
 
     def _make_room(self, num_blocks: int) -> None:
-        """Drop least recently used host blocks until ``num_blocks`` are free."""
+        """Drop least recently used host blocks until ``num_blocks`` are free: whole runs, then the tail of one."""
         short = num_blocks - self.pool.num_free_blocks
-        if short <= 0:
-            return
-        victims = [self.entries.popitem(last=False)[1] for _ in range(min(short, len(self.entries)))]
-        self._free(victims)
-        self.dropped_blocks += len(victims)
+        runs = self.runs
+        while short > 0 and runs:
+            run = next(iter(runs.values()))
+            size = len(run.block_ids)
+            if size <= short:
+                runs.popitem(last=False)
+                self._free(run.block_ids, run.stored)
+                cut = size
+            else:
+                cut = short
+                keep = size - cut
+                self._free(run.block_ids[keep:], run.stored[keep:] if run.stored else None)
+                run.block_ids = run.block_ids[:keep]
+                del run.tokens[keep * self.block_size :]
+                if run.stored:
+                    del run.stored[keep:]
+            short -= cut
+            self.dropped_blocks += cut
 
-    def _free(self, blocks: list[HostBlock]) -> None:
-        if not blocks:
-            return
-        self.pool.decref(np.fromiter((b.block_id for b in blocks), dtype=np.intp, count=len(blocks)))
-        removed = [b.stored for b in blocks if b.stored is not None]
-        if removed and self.events.listeners:
-            by_namespace: dict[str | None, list[int]] = {}
-            for event in removed:
-                by_namespace.setdefault(event.namespace, []).extend(event.block_hashes)
-            self.events.emit([BlockRemoved(ns, tuple(hashes), HOST_MEDIUM) for ns, hashes in by_namespace.items()])
+    def _free(self, block_ids: np.ndarray, stored: list[BlockStored] | None) -> None:
+        self.pool.decref(block_ids)
+        if stored and self.events.listeners:
+            hashes = tuple(h for event in stored for h in event.block_hashes)
+            self.events.emit([BlockRemoved(stored[0].namespace, hashes, HOST_MEDIUM)])
 
     # ---- promotion ------------------------------------------------------------------------------------------
 
@@ -299,23 +300,13 @@ class HostTier:
         as many blocks as can be had are promoted.  Exception-safe: whatever raises, no block is leaked, the
         temporary lock is released and the host blocks stay host-resident.
         """
-        if not self.entries:
+        if not self.runs:
             return None
         bs = self.block_size
         match = tree.match(q, namespace, len(q), owner)
         m = match.num_tokens
         b0 = m // bs
-        hits: list[tuple[int, HostBlock]] = []
-        h = self._hasher(q, namespace, b0)
-        data = memoryview(q).cast("B")
-        step = 4 * bs
-        for j in range(b0, len(q) // bs):
-            h.update(data[j * step : (j + 1) * step])
-            key = h.intdigest()
-            entry = self.entries.get(key)
-            if entry is None:
-                break
-            hits.append((key, entry))
+        hits = self._find(q, namespace, b0)
         if not hits:
             return None
         pool = ledger.pool
@@ -324,7 +315,7 @@ class HostTier:
             # A device match ending inside block b0 leaves a seam: the promoted leaf starts with its own copy of that
             # block, and the parent's copy stays pinned beside it when a sibling shares it (see tree.heal_seam).
             available = pool.num_free_blocks + tree.evictable_blocks - (m % bs != 0)
-            num = len(hits)
+            num = sum(k for _, k in hits)
             if num_tokens is not None:
                 # The request's need beyond its device prefix, plus a copy-on-write block when the promoted blocks
                 # reach the prompt's last token (admission matches one token less and copies that block).
@@ -335,25 +326,50 @@ class HostTier:
                 num = max(0, min(num, available))
             if num == 0:
                 return Promotion(m, m)
-            hits = hits[:num]
-            for key, _ in hits:
-                self.pinned[key] = self.entries.pop(key)
+            hits = _take(hits, num)
+            for run, _ in hits:
+                self.pinned[run.key] = self.runs.pop(run.key)
             try:
                 self._promote(tree, ledger, q, namespace, match.block_table[:b0], b0, hits)
             except BaseException as error:
-                for key, _ in hits:
-                    self.entries[key] = self.pinned.pop(key)
+                for run, _ in hits:
+                    self.runs[run.key] = self.pinned.pop(run.key)
                 if isinstance(error, OutOfBlocksError):
                     # Only a block held for a moment by copy-on-write can cause it; the request recomputes instead.
                     return Promotion(m, m)
                 raise
-            for key, _ in hits:
-                del self.pinned[key]
-            self._free([entry for _, entry in hits])
+            for run, k in hits:
+                del self.pinned[run.key]
+                self._consume(run, k, q)
             self.promoted_blocks += num
             return Promotion(m, (b0 + num) * bs)
         finally:
             locks.unlock(handle)
+
+    def _find(self, q: array, namespace: str | None, b0: int) -> list[tuple[HostRun, int]]:
+        """The runs continuing ``q`` from block ``b0``, each with how many of its blocks ``q`` shares in full."""
+        bs = self.block_size
+        num_full = len(q) // bs
+        data = memoryview(q).cast("B")
+        step = 4 * bs
+        h = self._hasher(q, namespace, b0)
+        hits: list[tuple[HostRun, int]] = []
+        j = b0
+        while j < num_full:
+            h.update(data[j * step : (j + 1) * step])
+            run = self.runs.get(h.intdigest())
+            if run is None:
+                break
+            size = min(len(run.block_ids), num_full - j)
+            k = common_prefix_length(run.tokens, q, j * bs, size * bs) // bs
+            if k == 0:
+                break
+            hits.append((run, k))
+            h.update(data[(j + 1) * step : (j + k) * step])
+            j += k
+            if k < len(run.block_ids):
+                break
+        return hits
 
     def _promote(
         self,
@@ -363,12 +379,12 @@ class HostTier:
         namespace: str | None,
         prefix: np.ndarray,
         b0: int,
-        hits: list[tuple[int, HostBlock]],
+        hits: list[tuple[HostRun, int]],
     ) -> None:
-        num = len(hits)
+        num = sum(k for _, k in hits)
         fresh = ledger.allocate(num, "promotion from host memory")
         try:
-            self.copy_in(fresh, np.fromiter((e.block_id for _, e in hits), dtype=np.int64, count=num))
+            self.copy_in(fresh, np.concatenate([run.block_ids[:k] for run, k in hits]))
             table = np.concatenate((prefix.astype(np.intp), fresh.astype(np.intp)))
             ledger.insert(q[: (b0 + num) * self.block_size], table, b0, namespace, None)
         except BaseException:
@@ -377,43 +393,89 @@ class HostTier:
                 ledger.free(owned)
             raise
 
+    def _consume(self, run: HostRun, k: int, q: array) -> None:
+        """Free the first ``k`` blocks of a promoted run; the rest stays on host as a run of its own."""
+        bs = self.block_size
+        self._free(run.block_ids[:k], run.stored[:k] if run.stored else None)
+        if k == len(run.block_ids):
+            return
+        rest_first = run.first + k
+        path = q[: rest_first * bs] + run.tokens[k * bs : (k + 1) * bs]
+        key = self._key(path, run.namespace, rest_first)
+        rest = HostRun(
+            key,
+            run.namespace,
+            rest_first,
+            run.tokens[k * bs :],
+            run.block_ids[k:],
+            run.stored[k:] if run.stored else None,
+        )
+        old = self.runs.pop(key, None)
+        if old is not None:
+            self._free(old.block_ids, old.stored)
+        self.runs[key] = rest
+
     def copy_in(self, device_ids: np.ndarray, host_ids: np.ndarray) -> None:
         """Copy host blocks ``host_ids`` into device blocks ``device_ids`` (all layers, K and V): one batched,
         non-blocking host-to-device copy (asynchronous from pinned memory).  No-op for metadata-only pools."""
         device = self.device_pool
         if device.kv is None:
             return
-        rows = self.pool.kv[:, :, torch.from_numpy(host_ids)]
+        rows = self.pool.kv[:, :, torch.from_numpy(np.asarray(host_ids, dtype=np.int64))]
         dst = torch.from_numpy(np.asarray(device_ids, dtype=np.int64)).to(device.device)
         device.kv[:, :, dst] = rows.to(device.device, non_blocking=True)
 
     # ---- observation ----------------------------------------------------------------------------------------
 
+    @property
+    def num_blocks(self) -> int:
+        """Host-resident blocks now.  O(runs)."""
+        return sum(len(run.block_ids) for run in (*self.runs.values(), *self.pinned.values()))
+
     def stored_events(self) -> list[BlockStored]:
-        """The events of every announced host block (for a new subscriber), least recently used first."""
-        return [entry.stored for entry in self.entries.values() if entry.stored is not None]
+        """The events of every announced host block (for a new subscriber), least recently used run first."""
+        return [event for run in self.runs.values() if run.stored for event in run.stored]
 
     def check_invariants(self) -> None:
-        """The host pool's free list is consistent; every host-resident block has exactly one holder (its entry);
-        no block is both free and used or listed twice; no promotion is in flight.
+        """The host pool's free list is consistent; every host-resident block has exactly one holder (its run); no
+        block is both free and used or in two runs; each run is filed under its key, with its tokens and events
+        matching its blocks; no promotion is in flight.  O(host blocks).
 
         Raises:
             AssertionError: naming what is wrong.
         """
         pool = self.pool
+        bs = self.block_size
         pool.check_invariants()
         if self.pinned:
-            raise AssertionError(f"{len(self.pinned)} host blocks still pinned by a promotion")
-        ids = np.fromiter((e.block_id for e in self.entries.values()), dtype=np.intp, count=len(self.entries))
+            raise AssertionError(f"{len(self.pinned)} host runs still pinned by a promotion")
+        for key, run in self.runs.items():
+            if run.key != key or not len(run.block_ids):
+                raise AssertionError(f"host run {key:#x} is filed under another key or empty")
+            if len(run.tokens) != len(run.block_ids) * bs:
+                raise AssertionError(f"host run {key:#x} has {len(run.tokens)} tokens for {len(run.block_ids)} blocks")
+            if run.stored is not None and len(run.stored) != len(run.block_ids):
+                raise AssertionError(f"host run {key:#x} keeps {len(run.stored)} events for {len(run.block_ids)}")
+        runs = list(self.runs.values())
+        ids = np.concatenate([run.block_ids for run in runs]) if runs else np.zeros(0, dtype=np.intp)
         if np.unique(ids).size != ids.size:
-            raise AssertionError("a host block is listed under two keys")
+            raise AssertionError("a host block is in two runs")
         expected = np.zeros(pool.num_blocks, dtype=np.int32)
         expected[ids] = 1
         if not np.array_equal(expected, pool.ref_counts()):
             bad = np.flatnonzero(expected != pool.ref_counts())[:5].tolist()
-            raise AssertionError(f"host reference counts differ from the host index for blocks {bad}")
-        if pool.num_used_blocks != len(self.entries):
-            raise AssertionError(f"{pool.num_used_blocks} host blocks used, {len(self.entries)} indexed")
+            raise AssertionError(f"host reference counts differ from the host runs for blocks {bad}")
+
+
+def _take(hits: list[tuple[HostRun, int]], num: int) -> list[tuple[HostRun, int]]:
+    """The first ``num`` blocks of ``hits``."""
+    out = []
+    for run, k in hits:
+        if num <= 0:
+            break
+        out.append((run, min(k, num)))
+        num -= k
+    return out
 
 
 def _path_tokens(node: Node) -> array:
