@@ -5,20 +5,23 @@ short, the evictor's victims are copied to host memory instead of being dropped,
 copies them back (*promotion*) instead of recomputing them.  Host memory is cheap and plentiful, a host-to-device copy
 is much faster than prefill, so a host pool several times the device pool turns capacity misses into hits.
 
-Residency.  Only *full* blocks move to host (as vLLM caches only full blocks).  A host block is named by a digest of
-its namespace and every token from position 0 to the block's end (xxh3-128, computed incrementally), so equal keys
-mean equal prefixes and a block is found again from any request's tokens without a tree walk.  The device tree keeps
-only device blocks; what its evictor cut off a leaf's tail lives on in :attr:`HostTier.entries` as blocks
-``k, k + 1, ...`` right after what the device still holds, so a request's cached prefix is its device match followed
-by the consecutive host blocks after it.  Block-granular eviction frees a leaf's tail first, so the host holds the
-continuation of the device prefix; the host LRU drops the least recently demoted or promoted block when it is full
-(a run is filed tail first, so a dropped block leaves the blocks nearer the device prefix in place).
+Residency.  Only *full* blocks move to host (as vLLM caches only full blocks).  The device tree keeps only device
+blocks; what its evictor frees at once from a leaf's tail (blocks ``k .. k + n - 1`` of one sequence) lives on in
+:attr:`HostTier.runs` as one :class:`HostRun`, named by a digest (xxh3-128) of its namespace and every token up to the
+end of its first block, and holding its own tokens.  Block-granular eviction frees a leaf's tail first, so a run
+starts where the device prefix (or the next run) ends: a request's cached prefix is its device match followed by the
+runs found by digesting its own tokens at each run boundary and comparing the run's tokens with its own (both C-speed
+passes), with no tree walk and no per-block Python work.  Equal digests mean equal prefixes; the token comparison
+decides how far a run goes on.  The host LRU orders runs by demotion or promotion; when full it drops the least
+recent runs, and cuts the tail off the last one it needs (a tail first, so the blocks nearer the device prefix, the
+ones a promotion reaches, stay).
 
 Promotion (:meth:`HostTier.promote`, from admission, before the prompt is matched): the device match is locked, fresh
 device blocks are allocated (which may evict and demote other device blocks; feasibility first, as admission: nothing
 is evicted for a request that then cannot fit), the host blocks are copied in, and the tokens are inserted into the
-device tree as an ordinary leaf; the host copies are then freed (a block lives in one tier at a time, except when the
-device recomputed a block the host still holds).  Any exception on the way gives back every block and the lock.
+device tree as an ordinary leaf; the host copies are then freed, so a block lives in one tier at a time (except when
+the device recomputed a block the host still holds); what a prompt did not use of a run stays, as a run of its own.
+Any exception on the way gives back every block and the lock.
 
 Events: with a host tier, the device tree's events carry ``medium="GPU"`` and the tier's own ``medium="CPU"`` (vLLM's
 names for its two media).  A demotion is ``BlockRemoved(GPU)`` followed by ``BlockStored(CPU)`` with the same block
