@@ -105,6 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     size = replay.add_mutually_exclusive_group()
     size.add_argument("--cache-tokens", type=parse_count, help="pool capacity in tokens (default: unlimited)")
     size.add_argument("--cache-memory", type=parse_size, help="pool capacity in bytes of KV, e.g. 512MiB")
+    host = replay.add_mutually_exclusive_group()
+    host.add_argument(
+        "--host-cache-tokens", type=parse_count, help="host-memory tier in tokens for evicted blocks (default none)"
+    )
+    host.add_argument("--host-cache-memory", type=parse_size, help="host-memory tier in bytes of KV, e.g. 4GiB")
     replay.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="eviction policy (default lru)")
     replay.add_argument("--verify", action="store_true", help="check every request against the no-cache reference")
     replay.add_argument(
@@ -276,7 +281,12 @@ def _run_replay(args: argparse.Namespace) -> int:
         require_matplotlib()  # fail before a long replay, not after it
     if args.layers is not None and not args.model_config:
         raise InvalidArgumentError("--layers needs --model-config")
-    check_options(has_model=not args.no_model, cache_memory=args.cache_memory, verify=args.verify)
+    check_options(
+        has_model=not args.no_model,
+        cache_memory=args.cache_memory,
+        verify=args.verify,
+        host_cache_memory=args.host_cache_memory,
+    )
     _check_outputs(args)
     try:
         tokenizer = _load_tokenizer(args, progress)
@@ -292,6 +302,8 @@ def _run_replay(args: argparse.Namespace) -> int:
         policy=args.policy,
         verify=args.verify,
         explain=args.explain,
+        host_cache_tokens=args.host_cache_tokens,
+        host_cache_memory=args.host_cache_memory,
     )
     replayer.check_pool_memory()
     try:

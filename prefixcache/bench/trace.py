@@ -22,6 +22,7 @@ from pathlib import Path
 
 from prefixcache.bench.common import BenchResult, Table, progress
 from prefixcache.bench.policy import DATA_DIR
+from prefixcache.cache.host_tier import make_host_pool
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.cache.tokens import TOKEN_TYPECODE
@@ -46,6 +47,10 @@ CAPACITIES: tuple[int | None, ...] = (
 """Cache sizes in tokens; ``None`` is unlimited (sized from the trace so that nothing is evicted)."""
 BLOCK_SIZE = 16
 GRANULARITY_FRACTIONS = (0.10, 0.25, 0.50)
+HOST_TIER_FRACTIONS = (0.10, 0.25)
+"""Device pools X of the host-tier table, as fractions of each trace's working set; each is run alone and with a
+host tier of 4X."""
+HOST_TIER_FACTOR = 4
 QUICK_REQUESTS = 300
 
 
@@ -127,6 +132,8 @@ def measure_trace(path: Path, *, limit: int | None, block_size: int = BLOCK_SIZE
     return {
         "working_set_blocks": working_set,
         "granularity": measure_granularity(path, limit=limit, working_set_blocks=working_set, block_size=block_size),
+        "host_tier": measure_host_tier(path, limit=limit, working_set_blocks=working_set, block_size=block_size),
+        "unlimited_hit_rate": rows[-1]["hit_rate"],
         "requests": requests,
         "input_tokens": input_tokens,
         "expand_s": expand_s,
@@ -172,6 +179,59 @@ def measure_granularity(
         }
         for i, fraction in enumerate(GRANULARITY_FRACTIONS)
     ]
+
+
+def measure_host_tier(
+    path: Path, *, limit: int | None, working_set_blocks: int, block_size: int = BLOCK_SIZE
+) -> list[dict]:
+    """Stream the trace through LRU device pools X of 10/25% of its working set, alone and with a host-memory tier of
+    ``HOST_TIER_FACTOR`` X (:mod:`prefixcache.cache.host_tier`, metadata only: demotion and promotion move block ids);
+    per X the token hit rate alone, and with the tier split into device and host hits."""
+    sizes = [max(1, round(f * working_set_blocks)) for f in HOST_TIER_FRACTIONS]
+    caches: dict[tuple[int, bool], RadixCache] = {}
+    for i, size in enumerate(sizes):
+        caches[i, False] = RadixCache(KVBlockPool(size, block_size))
+        pool = KVBlockPool(size, block_size)
+        caches[i, True] = RadixCache(pool, host_pool=make_host_pool(pool, size * HOST_TIER_FACTOR))
+    hit = dict.fromkeys(caches, 0)
+    seconds = dict.fromkeys(caches, 0.0)
+    input_tokens = 0
+    clock = time.perf_counter
+    for request in iter_mooncake(path, limit=limit):
+        tokens = array(TOKEN_TYPECODE)
+        tokens.frombytes(request.token_ids.tobytes())
+        n = len(tokens)
+        input_tokens += n
+        for key, cache in caches.items():
+            if -(-n // block_size) > sizes[key[0]]:
+                continue
+            start = clock()
+            try:
+                lease = cache.acquire(tokens, num_tokens=n)
+            except OutOfBlocksError:
+                continue
+            cache.commit(lease, tokens)
+            seconds[key] += clock() - start
+            hit[key] += lease.num_cached_tokens
+    rows = []
+    for i, fraction in enumerate(HOST_TIER_FRACTIONS):
+        tiered = caches[i, True].stats()
+        rows.append(
+            {
+                "fraction": fraction,
+                "device_tokens": sizes[i] * block_size,
+                "host_tokens": sizes[i] * block_size * HOST_TIER_FACTOR,
+                "device_only_hit_rate": hit[i, False] / input_tokens if input_tokens else 0.0,
+                "tiered_hit_rate": hit[i, True] / input_tokens if input_tokens else 0.0,
+                "tiered_host_hit_rate": tiered.host_hit_tokens / input_tokens if input_tokens else 0.0,
+                "demoted_blocks": tiered.demoted_blocks,
+                "promoted_blocks": tiered.promoted_blocks,
+                "host_dropped_blocks": tiered.host_dropped_blocks,
+                "device_only_s": seconds[i, False],
+                "tiered_s": seconds[i, True],
+            }
+        )
+    return rows
 
 
 def _capacity_label(capacity: int | None) -> str:
@@ -247,6 +307,42 @@ def run(quick: bool = False) -> BenchResult:
             "tokens; blocks evicted: total blocks freed by eviction over the trace.",
         ),
     )
+    host_tier = Table(
+        title=f"trace: host-memory tier, device pool X alone vs X plus a {HOST_TIER_FACTOR}X host tier (LRU)",
+        headers=(
+            "trace",
+            "X",
+            "X tokens",
+            "X alone %",
+            f"X+{HOST_TIER_FACTOR}X %",
+            "of which host %",
+            "unlimited %",
+            "promoted blocks",
+            "dropped on host",
+            "time ratio",
+        ),
+        rows=tuple(
+            (
+                name.split("_")[0],
+                f"{h['fraction']:.0%}",
+                h["device_tokens"],
+                100.0 * h["device_only_hit_rate"],
+                100.0 * h["tiered_hit_rate"],
+                100.0 * h["tiered_host_hit_rate"],
+                100.0 * r["unlimited_hit_rate"],
+                h["promoted_blocks"],
+                h["host_dropped_blocks"],
+                h["tiered_s"] / h["device_only_s"] if h["device_only_s"] else None,
+            )
+            for name, r in results.items()
+            for h in r["host_tier"]
+        ),
+        notes=(
+            "X: fraction of the trace's working set (blocks the unlimited cache holds at the end).  Token hit rate "
+            "of all input tokens; 'of which host' were promoted from host memory.  Time ratio: seconds in acquire + "
+            "commit with the tier over without it (the --no-model cost of demotion and promotion).",
+        ),
+    )
     data = {
         "block_size": BLOCK_SIZE,
         "limit_requests": limit,
@@ -255,4 +351,4 @@ def run(quick: bool = False) -> BenchResult:
         "seconds": seconds,
         "traces": results,
     }
-    return BenchResult("trace", (table, granularity), data)
+    return BenchResult("trace", (table, granularity, host_tier), data)

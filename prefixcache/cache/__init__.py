@@ -8,6 +8,7 @@ the caller's model -> tree insert; :class:`~prefixcache.cache.radix_cache.RadixC
 from prefixcache.cache.admission import Lease
 from prefixcache.cache.events import AllCleared, BlockIndex, BlockRemoved, BlockStored
 from prefixcache.cache.evictor import LFUPolicy, LRUPolicy
+from prefixcache.cache.host_tier import make_host_pool
 from prefixcache.cache.locks import LockHandle
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
@@ -31,4 +32,5 @@ __all__ = [
     "MatchResult",
     "RadixCache",
     "SnapshotSummary",
+    "make_host_pool",
 ]

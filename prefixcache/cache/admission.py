@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -35,6 +36,9 @@ from prefixcache.cache.locks import LockHandle, LockRegistry
 from prefixcache.cache.stats import HitCounters
 from prefixcache.cache.tree import InsertResult, RadixTree
 from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidTokensError, LockError, OutOfBlocksError
+
+if TYPE_CHECKING:
+    from prefixcache.cache.host_tier import HostTier
 
 
 @dataclass(slots=True, eq=False)
@@ -45,7 +49,8 @@ class Lease:
     ``block_table[:first_owned_block]`` are the tree's blocks of the matched prefix (kept alive by ``lock``);
     ``block_table[first_owned_block:]`` are owned by the request (the copy-on-write block of a match ending inside
     a block, then the blocks for the tokens it computes).  ``num_cached_tokens`` prompt tokens need no prefill;
-    ``num_copied_tokens`` of them were copied rather than shared.
+    ``num_copied_tokens`` of them were copied rather than shared, ``num_host_tokens`` of them were promoted from the
+    host-memory tier (:mod:`prefixcache.cache.host_tier`) for this request.
     """
 
     token_ids: array
@@ -60,6 +65,7 @@ class Lease:
     request_id: str | None = None
     # False once the blocks from first_owned_block on are handed to the tree or freed; the lock may still be held.
     owns_blocks: bool = True
+    num_host_tokens: int = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -80,6 +86,7 @@ class Admission:
         self.counters = counters
         self.owner = owner
         self.block_size = tree.block_size
+        self.host: HostTier | None = None
 
     def acquire(self, q: array, namespace: str | None, request_id: str | None, num_tokens: int | None = None) -> Lease:
         """Match, lock and copy-on-write for the prompt ``q`` (see the module docstring).  If not even one block
@@ -107,6 +114,9 @@ class Admission:
                 f"{num_tokens} tokens need {-(-num_tokens // bs)} blocks; "
                 f"the pool holds {pool.num_blocks} blocks of {bs} tokens"
             )
+        promotion = None
+        if self.host is not None:
+            promotion = self.host.promote(tree, self.blocks, self.locks, q, namespace, num_tokens, self.owner)
         match = tree.match(q, namespace, len(q) - 1, self.owner)
         self._heal_path(match.node)
         table = match.block_table.copy()
@@ -157,6 +167,9 @@ class Admission:
                 table = np.concatenate((table, extra))
             lease = Lease(q, namespace, num_cached, copied, table, first_owned, handle, bs)
             lease.request_id = request_id
+            if promotion is not None:
+                lease.num_host_tokens = promotion.host_tokens(num_cached)
+                self.counters.host_hit_tokens += lease.num_host_tokens
             self.counters.record_query(len(q), num_cached, own)
             self.counters.record_request(len(q), num_cached - own)
         except BaseException as error:

@@ -29,7 +29,7 @@ import logging
 import sys
 from array import array
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -62,7 +62,9 @@ class BlockStored:
 
     ``block_hashes[i]`` names block ``first_block + i``; ``parent_block_hash`` is the hash of block
     ``first_block - 1`` (the namespace root hash when ``first_block == 0``); ``token_ids`` are the tokens of the
-    stored blocks, ``len(block_hashes) * block_size`` of them.
+    stored blocks, ``len(block_hashes) * block_size`` of them.  ``medium`` says where they live: None for a cache
+    with one pool, ``"GPU"`` (the device pool) or ``"CPU"`` (host memory) with a host tier
+    (:mod:`prefixcache.cache.host_tier`), as vLLM's events name them.
     """
 
     namespace: str | None
@@ -71,14 +73,16 @@ class BlockStored:
     first_block: int
     token_ids: tuple[int, ...]
     block_size: int
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Full blocks evicted from the cache."""
+    """Full blocks evicted from the cache (from the tier ``medium`` names, when the cache has a host tier)."""
 
     namespace: str | None
     block_hashes: tuple[int, ...]
+    medium: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,20 +135,24 @@ def block_hashes(token_ids: Iterable[int], block_size: int, namespace: str | Non
 
 class BlockIndex:
     """A consumer that mirrors the cached blocks from events: ``index(event)`` applies one, ``hashes`` holds
-    ``(namespace, block_hash)`` pairs.
+    ``(namespace, block_hash)`` pairs held in any tier, ``media`` the tiers holding each pair of events that name
+    one (a cache with a host tier: ``"GPU"``, ``"CPU"``; the same block may be in both for a while).
 
     With ``strict`` (the default) an event that contradicts the mirror raises ``AssertionError``: a block
-    stored twice, or removed while not held.
+    stored twice (in the same tier), or removed while not held.
     """
 
     def __init__(self, *, strict: bool = True) -> None:
         self.strict = strict
         self.hashes: set[tuple[str | None, int]] = set()
+        self.media: dict[tuple[str | None, int], set[str]] = {}
         self.num_events = 0
 
     def __call__(self, event: KVEvent) -> None:
         self.num_events += 1
-        if isinstance(event, BlockStored):
+        if isinstance(event, (BlockStored, BlockRemoved)) and event.medium is not None:
+            self._apply_tiered(event)
+        elif isinstance(event, BlockStored):
             for h in event.block_hashes:
                 key = (event.namespace, h)
                 if self.strict and key in self.hashes:
@@ -160,8 +168,39 @@ class BlockIndex:
             if self.strict and self.hashes:
                 raise AssertionError(f"cache cleared while {len(self.hashes)} blocks are still held")
             self.hashes.clear()
+            self.media.clear()
         else:
             raise TypeError(f"not a KV event: {type(event).__name__}")
+
+    def _apply_tiered(self, event: BlockStored | BlockRemoved) -> None:
+        medium = event.medium
+        stored = isinstance(event, BlockStored)
+        for h in event.block_hashes:
+            key = (event.namespace, h)
+            media = self.media.get(key)
+            if stored:
+                if media is None:
+                    media = self.media[key] = set()
+                elif self.strict and medium in media:
+                    raise AssertionError(f"block {h:#x} stored twice in {medium}")
+                media.add(medium)
+                self.hashes.add(key)
+            else:
+                if media is None or medium not in media:
+                    if self.strict:
+                        raise AssertionError(f"block {h:#x} removed from {medium} but not held there")
+                    continue
+                media.discard(medium)
+                if not media:
+                    del self.media[key]
+                    self.hashes.discard(key)
+
+
+def _stamped(event: KVEvent, medium: str) -> KVEvent | None:
+    if isinstance(event, (BlockStored, BlockRemoved)):
+        return replace(event, medium=medium) if event.medium is None else event
+    # An empty device pool is not an empty cache while host memory holds blocks: the tiers' removals say it all.
+    return None
 
 
 class EventPublisher:
@@ -176,9 +215,19 @@ class EventPublisher:
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.listeners: list[EventListener] = []
+        # With a host tier: the medium stamped on the tree's own events, and the tier's events raised during an
+        # eviction, sent right after the eviction's own (a demotion is removed from the device, then stored on host).
+        self.medium: str | None = None
+        self.deferred: list[KVEvent] = []
 
     def emit(self, events: list[KVEvent], listeners: list[EventListener] | None = None) -> None:
-        """Send ``events`` in order to every listener (or to ``listeners``); a listener's exception is logged."""
+        """Send ``events`` in order to every listener (or to ``listeners``), then any deferred ones; a listener's
+        exception is logged."""
+        if self.medium is not None:
+            events = [e for e in (_stamped(event, self.medium) for event in events) if e is not None]
+        if self.deferred and listeners is None:
+            events = [*events, *self.deferred]
+            self.deferred = []
         for event in events:
             for callback in listeners if listeners is not None else tuple(self.listeners):
                 try:
@@ -191,12 +240,12 @@ class EventPublisher:
         token sequence ending in the leaf."""
         bs = self.block_size
         first = leaf.start // bs
-        parent_hash = self._hash_before(leaf.parent, first)
+        parent_hash = self.hash_before(leaf.parent, first)
         leaf.block_hashes = chain_hashes(path, bs, parent_hash, self.hash_seed, first, len(path) // bs)
         if leaf.block_hashes:
             self.emit([self._stored_event(leaf, path, parent_hash)])
 
-    def _hash_before(self, node: Node, block: int) -> int:
+    def hash_before(self, node: Node, block: int) -> int:
         """The hash of block ``block - 1`` on the path ending at ``node`` (the root hash for block 0).  O(depth)."""
         if block == 0:
             return namespace_root_hash(node.namespace, self.hash_seed)

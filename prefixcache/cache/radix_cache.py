@@ -33,6 +33,7 @@ from prefixcache.cache.admission import Admission, Lease
 from prefixcache.cache.blocks import BlockLedger
 from prefixcache.cache.events import EventListener, EventPublisher
 from prefixcache.cache.evictor import EvictionPolicy, Evictor
+from prefixcache.cache.host_tier import DEVICE_MEDIUM, HostTier
 from prefixcache.cache.invariants import check_invariants
 from prefixcache.cache.locks import LockHandle, LockRegistry
 from prefixcache.cache.pool import BlockIds, KVBlockPool
@@ -89,8 +90,14 @@ class RadixCache:
     blocks asked for can be had at all.  :meth:`retain` keeps chosen prefixes ahead of everything else, within
     ``max_retained_fraction`` of the pool (``clock`` gives the seconds retention times are measured in).
 
+    Host-memory tier: with ``host_pool`` (a second, larger :class:`~prefixcache.KVBlockPool` on the CPU, e.g. from
+    :func:`~prefixcache.cache.host_tier.make_host_pool`) the full blocks eviction frees are copied there instead of
+    dropped, and :meth:`acquire` promotes them back into device blocks when a prompt matches them
+    (:mod:`prefixcache.cache.host_tier`).  Without one, nothing on the lookup, lock or eviction path changes.
+
     Raises:
-        InvalidArgumentError: ``pool`` is not a KVBlockPool, ``hit_rate_window`` not a positive int, ``hash_seed``
+        InvalidArgumentError: ``host_pool`` is not a CPU pool with the device pool's block size, KV shape and dtype;
+            ``pool`` is not a KVBlockPool, ``hit_rate_window`` not a positive int, ``hash_seed``
             not an int in ``[0, 2**64)``, an unknown policy or granularity, or ``max_retained_fraction`` outside
             ``[0, 1]``.
     """
@@ -106,6 +113,7 @@ class RadixCache:
         eviction_granularity: str = "block",
         max_retained_fraction: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
+        host_pool: KVBlockPool | None = None,
     ) -> None:
         if not isinstance(pool, KVBlockPool):
             raise InvalidArgumentError(f"pool must be a KVBlockPool, got {type(pool).__name__}")
@@ -125,6 +133,12 @@ class RadixCache:
         self._locks = LockRegistry(self._tree, self)
         self._counters = HitCounters(hit_rate_window)
         self._admission = Admission(self._tree, self._blocks, self._locks, self._counters, self)
+        self._host: HostTier | None = None
+        if host_pool is not None:
+            self._host = HostTier(host_pool, pool, self._events)
+            self._tree.demote = self._host.demote
+            self._admission.host = self._host
+            self._events.medium = DEVICE_MEDIUM
         if event_listener is not None:
             self.subscribe(event_listener)
 
@@ -482,7 +496,26 @@ class RadixCache:
                 retained_tokens=tree.retention.retained_tokens,
                 retained_blocks=tree.retention.retained_blocks,
                 evictable_blocks=tree.evictable_blocks,
+                **self._host_stats(),
             )
+
+    def _host_stats(self) -> dict[str, int]:
+        host = self._host
+        if host is None:
+            return {}
+        return {
+            "host_hit_tokens": self._counters.host_hit_tokens,
+            "host_num_blocks": host.pool.num_blocks,
+            "host_used_blocks": host.pool.num_used_blocks,
+            "demoted_blocks": host.demoted_blocks,
+            "promoted_blocks": host.promoted_blocks,
+            "host_dropped_blocks": host.dropped_blocks,
+        }
+
+    @property
+    def host_pool(self) -> KVBlockPool | None:
+        """The host-memory tier's pool, or None."""
+        return None if self._host is None else self._host.pool
 
     def subscribe(self, callback: EventListener) -> None:
         """Send KV events (:mod:`prefixcache.cache.events`) to ``callback`` from now on, starting with a
@@ -493,6 +526,8 @@ class RadixCache:
         with self._mutex:
             self._events.listeners.append(callback)
             self._events.emit(self._events.hash_tree(self._tree.roots), [callback])
+            if self._host is not None:
+                self._events.emit(self._host.stored_events(), [callback])
 
     def unsubscribe(self, callback: EventListener) -> None:
         """Stop sending events to ``callback``.
@@ -519,3 +554,5 @@ class RadixCache:
         """
         with self._mutex:
             check_invariants(self._tree, self._blocks, self._locks)
+            if self._host is not None:
+                self._host.check_invariants()

@@ -24,6 +24,11 @@ class CacheStats:
     eviction shortens a leaf before it removes it); ``evicted_tokens`` / ``evicted_blocks`` what went.
     ``retained_tokens`` / ``retained_blocks`` are what retention keeps (:mod:`prefixcache.cache.retention`);
     ``evictable_blocks`` what evicting every unlocked node would free.
+
+    With a host-memory tier (:mod:`prefixcache.cache.host_tier`): ``host_hit_tokens`` of the hit tokens were promoted
+    from host memory (the rest, ``device_hit_tokens``, were on the device already); ``host_num_blocks`` /
+    ``host_used_blocks`` size the host pool; ``demoted_blocks``, ``promoted_blocks`` and ``host_dropped_blocks``
+    count blocks moved to host, brought back, and dropped by the host LRU.  All 0 without a host tier.
     """
 
     num_blocks: int
@@ -47,10 +52,29 @@ class CacheStats:
     retained_tokens: int = 0
     retained_blocks: int = 0
     evictable_blocks: int = 0
+    host_hit_tokens: int = 0
+    host_num_blocks: int = 0
+    host_used_blocks: int = 0
+    demoted_blocks: int = 0
+    promoted_blocks: int = 0
+    host_dropped_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def device_hit_tokens(self) -> int:
+        """Hit tokens found in the device pool (not promoted from host memory)."""
+        return self.hit_tokens - self.host_hit_tokens
+
+    @property
+    def device_hit_rate(self) -> float:
+        return self.device_hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        return self.host_hit_tokens / self.query_tokens if self.query_tokens else 0.0
 
     @property
     def window_hit_rate(self) -> float:
@@ -65,6 +89,7 @@ class HitCounters:
         self.query_tokens = 0
         self.hit_tokens = 0
         self.self_hit_tokens = 0
+        self.host_hit_tokens = 0  # of hit_tokens, those promoted from the host-memory tier
         self.rejected_requests = 0
         self.window: deque[tuple[int, int]] = deque(maxlen=window)
         self.window_query_tokens = 0

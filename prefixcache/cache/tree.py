@@ -41,6 +41,7 @@ from __future__ import annotations
 import itertools
 import logging
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -133,6 +134,9 @@ class RadixTree:
         self.evictions = 0
         self.evicted_tokens = 0
         self.evicted_blocks = 0
+        # The host tier's demote(leaf, first, block_ids), called before eviction frees leaf.blocks[first:] (or removes
+        # the leaf, first == 0); None without a host tier, so eviction pays one test per leaf for it.
+        self.demote: Callable[[Node, int, np.ndarray], None] | None = None
         self._ids = itertools.count(1)
 
     @property
@@ -369,6 +373,7 @@ class RadixTree:
         bs = self.block_size
         by_block = self.granularity == "block"
         listening = bool(self.events.listeners)
+        demote = self.demote
         events: list[KVEvent] = []
         try:
             while freed < num_blocks and len(evictor):
@@ -389,6 +394,8 @@ class RadixTree:
                         keep = len(blocks) - want
                         new_end = (leaf.start // bs + keep) * bs
                         cut = leaf.end - new_end
+                        if demote is not None:
+                            demote(leaf, keep, blocks[keep:])
                         if listening and leaf.block_hashes:
                             gone = leaf.end // bs - new_end // bs
                             if gone:
@@ -407,6 +414,9 @@ class RadixTree:
                         trims += 1
                         evictor.add(leaf)
                         break
+                    if demote is not None:
+                        # A shared first block stays with the parent, but its later rows are this leaf's: copy it too.
+                        demote(leaf, 0, blocks)
                     parent = leaf.parent
                     del parent.children[leaf.tokens[0]]
                     if listening and leaf.block_hashes:

@@ -13,7 +13,8 @@ integers; ``parent_block_hash`` is ``nil`` for a chain's first block, as vLLM se
 root hash, the way vLLM folds its cache salt into the first block's hash: :func:`from_wire` therefore gives events
 with ``namespace=None``, and a consumer looks a prompt up by ``(None, hash)`` with hashes computed for the prompt's
 namespace.  The block position is not sent either: decoded :class:`BlockStored` events carry ``first_block=0``
-for a root block and ``-1`` (unknown) otherwise.
+for a root block and ``-1`` (unknown) otherwise.  An event's own ``medium`` (set by a cache with a host tier,
+:mod:`prefixcache.cache.host_tier`) is sent in place of the publisher's, and decoded back onto the event.
 
 Needs the ``[events]`` extra (msgspec).
 """
@@ -68,9 +69,10 @@ def to_wire(event: KVEvent, medium: str | None = None) -> WireEvent:
     """
     if isinstance(event, BlockStored):
         parent = None if event.first_block == 0 else event.parent_block_hash
+        medium = event.medium or medium
         return WireBlockStored(list(event.block_hashes), parent, list(event.token_ids), event.block_size, None, medium)
     if isinstance(event, BlockRemoved):
-        return WireBlockRemoved(list(event.block_hashes), medium)
+        return WireBlockRemoved(list(event.block_hashes), event.medium or medium)
     if isinstance(event, AllCleared):
         return WireAllBlocksCleared()
     raise TypeError(f"not a KV event: {type(event).__name__}")
@@ -82,10 +84,16 @@ def from_wire(event: WireEvent) -> KVEvent:
         root = event.parent_block_hash is None
         parent = 0 if root else event.parent_block_hash
         return BlockStored(
-            None, tuple(event.block_hashes), parent, 0 if root else -1, tuple(event.token_ids), event.block_size
+            None,
+            tuple(event.block_hashes),
+            parent,
+            0 if root else -1,
+            tuple(event.token_ids),
+            event.block_size,
+            event.medium,
         )
     if isinstance(event, WireBlockRemoved):
-        return BlockRemoved(None, tuple(event.block_hashes))
+        return BlockRemoved(None, tuple(event.block_hashes), event.medium)
     return AllCleared()
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import xxhash
 
+from prefixcache.cache.host_tier import host_pool_for
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import InsertResult, Lease, RadixCache, check_namespace
 from prefixcache.cache.snapshot import SnapshotSummary
@@ -45,6 +46,8 @@ class Usage:
     ``cached_tokens`` counts every prompt token whose KV was reused, shared or copied (``copied_tokens`` is the
     copied part), so ``cached_tokens + prefilled_tokens == prompt_tokens``.  ``ttft_s`` is the prefill time up to
     the first token's logits; ``decode_s`` the time after it (decode steps, or the teacher-forced tokens).
+    ``host_cached_tokens`` of the cached tokens were promoted from the host-memory tier (0 without one); the rest
+    were on the device.
     """
 
     prompt_tokens: int
@@ -54,6 +57,7 @@ class Usage:
     generated_tokens: int
     ttft_s: float
     decode_s: float
+    host_cached_tokens: int = 0
 
     def to_openai(self) -> dict[str, Any]:
         """OpenAI-style usage: ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
@@ -65,6 +69,7 @@ class Usage:
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "prefilled_tokens": self.prefilled_tokens,
             "copied_tokens": self.copied_tokens,
+            "host_cached_tokens": self.host_cached_tokens,
             "ttft_s": self.ttft_s,
             "decode_s": self.decode_s,
         }
@@ -109,7 +114,9 @@ class PrefixCachingRunner:
     fingerprint changes, so nothing cached with the old weights is ever served.  :meth:`invalidate` does the same for
     changes no counter sees (``tensor.data`` writes, a swapped module).
 
-    ``eviction_granularity`` and ``max_retained_fraction`` are passed to the :class:`RadixCache`.
+    ``eviction_granularity`` and ``max_retained_fraction`` are passed to the :class:`RadixCache`.  With
+    ``host_cache_tokens`` or ``host_cache_memory`` (bytes) the cache gets a host-memory tier of that size
+    (:mod:`prefixcache.cache.host_tier`): evicted blocks move there and come back when a prompt matches them.
 
     Raises:
         InvalidArgumentError: more than one size given, or a bad size.
@@ -127,6 +134,8 @@ class PrefixCachingRunner:
         policy: str = "lru",
         eviction_granularity: str = "block",
         max_retained_fraction: float = 0.5,
+        host_cache_tokens: int | None = None,
+        host_cache_memory: int | None = None,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise InvalidArgumentError(f"model must implement the CausalLM protocol, got {type(model).__name__}")
@@ -156,6 +165,7 @@ class PrefixCachingRunner:
             policy,
             eviction_granularity=eviction_granularity,
             max_retained_fraction=max_retained_fraction,
+            host_pool=host_pool_for(self.pool, host_cache_tokens, host_cache_memory),
         )
         self._epoch = 0
         self._weights_version = self._read_weights_version()
@@ -488,6 +498,7 @@ class PrefixCachingRunner:
             generated_tokens=len(generated),
             ttft_s=ttft,
             decode_s=decode,
+            host_cached_tokens=lease.num_host_tokens,
         )
         return GenerationResult(tuple(generated), finish, usage, prompt_logits, insert)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from prefixcache.cache.host_tier import host_pool_for
 from prefixcache.cache.pool import KVBlockPool, check_block_size, kv_bytes_per_token
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
@@ -63,14 +64,18 @@ class ReplayInterrupted(KeyboardInterrupt):
         self.report = report
 
 
-def check_options(*, has_model: bool, cache_memory: int | None, verify: bool) -> None:
+def check_options(
+    *, has_model: bool, cache_memory: int | None, verify: bool, host_cache_memory: int | None = None
+) -> None:
     """Refuse option combinations that need a model, before one is loaded.
 
     Raises:
-        InvalidArgumentError: ``cache_memory`` or ``verify`` without a model.
+        InvalidArgumentError: ``cache_memory``, ``host_cache_memory`` or ``verify`` without a model.
     """
     if not has_model and cache_memory is not None:
         raise InvalidArgumentError("--cache-memory needs a model (bytes per token); use --cache-tokens")
+    if not has_model and host_cache_memory is not None:
+        raise InvalidArgumentError("--host-cache-memory needs a model (bytes per token); use --host-cache-tokens")
     if not has_model and verify:
         raise InvalidArgumentError("--verify needs a model; drop --no-model")
 
@@ -80,6 +85,8 @@ class Replayer:
 
     ``model=None`` is the cache-only mode.  The pool holds ``cache_tokens`` tokens (``cache_memory`` bytes with a
     model); with neither, it is sized so that nothing is ever evicted (an infinite cache for this replay).
+    ``host_cache_tokens`` / ``host_cache_memory`` add a host-memory tier of that size
+    (:mod:`prefixcache.cache.host_tier`); the report then says how many cached tokens came from it.
     With ``explain``, each request is explained against the cache just before it runs
     (:func:`~prefixcache.replay.explain.explain`) and the report keeps the most frequent divergence points.
     """
@@ -97,8 +104,12 @@ class Replayer:
         atol: float = 1e-4,
         measure_uncached: bool = True,
         explain: bool = False,
+        host_cache_tokens: int | None = None,
+        host_cache_memory: int | None = None,
     ) -> None:
-        check_options(has_model=model is not None, cache_memory=cache_memory, verify=verify)
+        check_options(
+            has_model=model is not None, cache_memory=cache_memory, verify=verify, host_cache_memory=host_cache_memory
+        )
         check_block_size(block_size)
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
@@ -110,6 +121,8 @@ class Replayer:
         self.atol = atol
         self.measure_uncached = measure_uncached
         self.explain = explain
+        self.host_cache_tokens = host_cache_tokens
+        self.host_cache_memory = host_cache_memory
 
     def replay(
         self,
@@ -229,6 +242,7 @@ class Replayer:
         stats = cache.stats()
         report.evictions = stats.evictions
         report.evicted_tokens = stats.evicted_tokens
+        report.host_cached_tokens = stats.host_hit_tokens
         report.num_blocks = cache.pool.num_blocks
         report.verified = True if self.verify else None
         if tally is not None:
@@ -268,7 +282,8 @@ class Replayer:
         else:
             num_blocks = None
         if self.model is None:
-            cache = RadixCache(KVBlockPool(num_blocks, bs), self.policy)
+            pool = KVBlockPool(num_blocks, bs)
+            cache = RadixCache(pool, self.policy, host_pool=host_pool_for(pool, self.host_cache_tokens))
             return None, cache
         if num_blocks is not None:
             self.check_pool_memory(num_blocks * bs * self.bytes_per_token, "the unlimited pool this replay needs")
@@ -279,6 +294,8 @@ class Replayer:
             cache_memory=self.cache_memory if num_blocks is None else None,
             block_size=bs,
             policy=self.policy,
+            host_cache_tokens=self.host_cache_tokens,
+            host_cache_memory=self.host_cache_memory,
         )
         return runner, runner.cache
 
@@ -433,6 +450,7 @@ def replay_paths(
         ReplayInterrupted: Ctrl-C; its ``report`` has the files and requests completed before it, marked partial.
     """
     report = ReplayReport(block_size=replayer.block_size)
+    report.host_tier = replayer.host_cache_tokens is not None or replayer.host_cache_memory is not None
     if replayer.model is not None:
         report.model = getattr(getattr(replayer.model, "config", None), "name", type(replayer.model).__name__)
     loaded: list[tuple[str, list[ReplayRequest], int]] = []

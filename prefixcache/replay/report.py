@@ -14,7 +14,7 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def _row(s: ScenarioReport, with_model: bool) -> list:
+def _row(s: ScenarioReport, with_model: bool, host_tier: bool = False) -> list:
     row = [
         f"{s.scenario} (partial)" if s.partial else s.scenario,
         s.requests,
@@ -29,6 +29,8 @@ def _row(s: ScenarioReport, with_model: bool) -> list:
         s.peak_blocks_used,
         s.drift_requests,
     ]
+    if host_tier:
+        row += [_pct(s.device_hit_rate), _pct(s.host_hit_rate)]
     if with_model:
         speedup = s.speedup
         row += [
@@ -57,11 +59,13 @@ def format_replay(report: ReplayReport) -> str:
         "peak blocks",
         "drift",
     ]
+    if report.host_tier:
+        headers += ["device rate", "host rate"]
     if with_model:
         headers += ["prefill s (cache)", "prefill s (none)", "speed-up", "verified"]
-    rows = [_row(s, with_model) for s in report.scenarios]
+    rows = [_row(s, with_model, report.host_tier) for s in report.scenarios]
     if len(report.scenarios) > 1:
-        rows.append(_row(report.total, with_model))
+        rows.append(_row(report.total, with_model, report.host_tier))
     title = f"model: {report.model or 'none (cache accounting only)'}, block size {report.block_size}"
     if report.partial:
         title = (

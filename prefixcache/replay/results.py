@@ -69,6 +69,7 @@ class ScenarioReport:
     prefilled_tokens: int = 0
     copied_tokens: int = 0
     ideal_cached_tokens: int = 0
+    host_cached_tokens: int = 0
     evictions: int = 0
     evicted_tokens: int = 0
     peak_blocks_used: int = 0
@@ -94,6 +95,16 @@ class ScenarioReport:
         return self.ideal_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
+    def host_hit_rate(self) -> float:
+        """Prompt tokens promoted from the host-memory tier, over all prompt tokens (0 without a host tier)."""
+        return self.host_cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def device_hit_rate(self) -> float:
+        """Prompt tokens found in the device pool, over all prompt tokens."""
+        return (self.cached_tokens - self.host_cached_tokens) / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
     def speedup(self) -> float | None:
         if not self.prefill_s_cached or self.prefill_s_uncached is None:
             return None
@@ -104,6 +115,8 @@ class ScenarioReport:
         del out["series"]  # one sample per request: too big for the report, it is for plots
         out["hit_rate"] = self.hit_rate
         out["ideal_hit_rate"] = self.ideal_hit_rate
+        out["device_hit_rate"] = self.device_hit_rate
+        out["host_hit_rate"] = self.host_hit_rate
         out["speedup"] = self.speedup
         return out
 
@@ -117,6 +130,7 @@ class ReplayReport:
     block_size: int = 16
     requests_log: list[dict[str, Any]] = field(default_factory=list)
     partial: bool = False
+    host_tier: bool = False  # the replay had a host-memory tier: the table gives hit rates per tier
 
     @property
     def total(self) -> ScenarioReport:
@@ -130,6 +144,7 @@ class ReplayReport:
                 "prefilled_tokens",
                 "copied_tokens",
                 "ideal_cached_tokens",
+                "host_cached_tokens",
                 "evictions",
                 "evicted_tokens",
                 "drift_requests",

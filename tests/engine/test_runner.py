@@ -296,6 +296,7 @@ def test_usage_to_openai(two_requests: tuple[Usage, Usage]) -> None:
         "prompt_tokens_details": {"cached_tokens": 6},
         "prefilled_tokens": 7,
         "copied_tokens": 2,
+        "host_cached_tokens": 0,
         "ttft_s": usage.ttft_s,
         "decode_s": usage.decode_s,
     }

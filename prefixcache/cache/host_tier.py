@@ -1,0 +1,493 @@
+"""The host-memory tier: a second, larger block pool in host memory that catches what device eviction frees.
+
+The idea is SGLang's HiCache and vLLM's CPU offloading (and llama.cpp's ``--cache-ram``): when the device pool runs
+short, the evictor's victims are copied to host memory instead of being dropped, and a later request that matches them
+copies them back (*promotion*) instead of recomputing them.  Host memory is cheap and plentiful, a host-to-device copy
+is much faster than prefill, so a host pool several times the device pool turns capacity misses into hits.
+
+Residency.  Only *full* blocks move to host (as vLLM caches only full blocks).  The device tree keeps only device
+blocks; what its evictor frees at once from a leaf's tail (blocks ``k .. k + n - 1`` of one sequence) lives on in
+:attr:`HostTier.runs` as one :class:`HostRun`, named by a digest (xxh3-128) of its namespace and every token up to the
+end of its first block, and holding its own tokens.  Block-granular eviction frees a leaf's tail first, so a run
+starts where the device prefix (or the next run) ends: a request's cached prefix is its device match followed by the
+runs found by digesting its own tokens at each run boundary and comparing the run's tokens with its own (both C-speed
+passes), with no tree walk and no per-block Python work.  Equal digests mean equal prefixes; the token comparison
+decides how far a run goes on.  The host LRU orders runs by demotion or promotion; when full it drops the least
+recent runs, and cuts the tail off the last one it needs (a tail first, so the blocks nearer the device prefix, the
+ones a promotion reaches, stay).
+
+Promotion (:meth:`HostTier.promote`, from admission, before the prompt is matched): the device match is locked, fresh
+device blocks are allocated (which may evict and demote other device blocks; feasibility first, as admission: nothing
+is evicted for a request that then cannot fit), the host blocks are copied in, and the tokens are inserted into the
+device tree as an ordinary leaf; the host copies are then freed, so a block lives in one tier at a time (except when
+the device recomputed a block the host still holds); what a prompt did not use of a run stays, as a run of its own.
+Any exception on the way gives back every block and the lock.
+
+Events: with a host tier, the device tree's events carry ``medium="GPU"`` and the tier's own ``medium="CPU"`` (vLLM's
+names for its two media).  A demotion is ``BlockRemoved(GPU)`` followed by ``BlockStored(CPU)`` with the same block
+hashes; a promotion ``BlockStored(GPU)`` followed by ``BlockRemoved(CPU)`` (copied first, then freed); a drop
+``BlockRemoved(CPU)``.  The device tree sends no ``AllCleared``: with two tiers the removals say it all.  Host
+blocks demoted while nobody listened are never announced (so neither is their removal).
+
+With ``num_layers == 0`` on both pools (the ``--no-model`` replay) demotion and promotion move block ids only.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import xxhash
+
+from prefixcache.cache.blocks import BlockLedger
+from prefixcache.cache.events import BlockRemoved, BlockStored, EventPublisher
+from prefixcache.cache.locks import LockRegistry
+from prefixcache.cache.node import Node, common_prefix_length
+from prefixcache.cache.pool import KVBlockPool
+from prefixcache.cache.tokens import TOKEN_TYPECODE
+from prefixcache.cache.tree import RadixTree
+from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
+
+logger = logging.getLogger(__name__)
+
+DEVICE_MEDIUM = "GPU"
+HOST_MEDIUM = "CPU"
+
+
+@dataclass(slots=True, eq=False)
+class HostRun:
+    """Consecutive host-resident blocks of one sequence, demoted together: blocks ``first .. first + len - 1``.
+
+    ``key`` names the run by its first block (a digest of the namespace and every token up to that block's end);
+    ``tokens`` are the run's own tokens (``len(block_ids) * block_size``), compared with a prompt at C speed to see how
+    far it goes on; ``block_ids`` are host pool ids; ``stored`` one event per block when they were announced.
+    """
+
+    key: int
+    namespace: str | None
+    first: int
+    tokens: array
+    block_ids: np.ndarray
+    stored: list[BlockStored] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """What :meth:`HostTier.promote` did for a prompt: the device match before it (``device_tokens``) and the end of
+    the promoted blocks (``host_end``, a token position; equal to ``device_tokens`` when nothing was promoted)."""
+
+    device_tokens: int
+    host_end: int
+
+    def host_tokens(self, num_cached_tokens: int) -> int:
+        """Of a request's ``num_cached_tokens``, those that came from host memory."""
+        return max(0, min(num_cached_tokens, self.host_end) - self.device_tokens)
+
+
+def make_host_pool(device_pool: KVBlockPool, num_blocks: int) -> KVBlockPool:
+    """A host pool of ``num_blocks`` blocks shaped like ``device_pool`` (block size, KV shape, dtype) on the CPU,
+    page-locked (pinned) when the device pool is on CUDA so that copies between them run asynchronously.
+
+    Raises:
+        InvalidArgumentError: ``num_blocks < 1``.
+    """
+    pool = KVBlockPool(
+        num_blocks,
+        device_pool.block_size,
+        num_layers=device_pool.num_layers,
+        num_kv_heads=device_pool.num_kv_heads,
+        head_dim=device_pool.head_dim,
+        dtype=device_pool.dtype,
+        device="cpu",
+    )
+    if pool.kv is not None and device_pool.device.type == "cuda":
+        pool.kv = pool.kv.pin_memory()
+    return pool
+
+
+def host_pool_for(
+    device_pool: KVBlockPool, host_tokens: int | None = None, host_bytes: int | None = None
+) -> KVBlockPool | None:
+    """The host pool for ``device_pool`` holding ``host_tokens`` tokens (rounded up to whole blocks) or as many
+    whole blocks as ``host_bytes`` bytes of KV hold; None when both are None.
+
+    Raises:
+        InvalidArgumentError: both given, a size that is not a positive int, or ``host_bytes`` for a metadata-only
+            pool (no bytes per token) or too small for one block.
+    """
+    if host_tokens is None and host_bytes is None:
+        return None
+    if host_tokens is not None and host_bytes is not None:
+        raise InvalidArgumentError("give at most one of the host tier's size in tokens and in bytes")
+    size = host_tokens if host_tokens is not None else host_bytes
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise InvalidArgumentError(f"the host tier's size must be a positive int, got {size!r}")
+    bs = device_pool.block_size
+    if host_tokens is not None:
+        return make_host_pool(device_pool, -(-host_tokens // bs))
+    per_block = device_pool.bytes_per_token * bs
+    if per_block == 0:
+        raise InvalidArgumentError("a host tier sized in bytes needs a model (bytes per token); give it in tokens")
+    if host_bytes < per_block:
+        raise InvalidArgumentError(f"{host_bytes} bytes of host memory hold no block of {per_block} bytes")
+    return make_host_pool(device_pool, host_bytes // per_block)
+
+
+def check_host_pool(host: KVBlockPool, device: KVBlockPool) -> None:
+    """Refuse a host pool that cannot hold the device pool's blocks.
+
+    Raises:
+        InvalidArgumentError: not a KVBlockPool, not on the CPU, or another block size, KV shape
+            (``num_layers``, ``num_kv_heads``, ``head_dim``) or dtype than the device pool.
+    """
+    if not isinstance(host, KVBlockPool):
+        raise InvalidArgumentError(f"host_pool must be a KVBlockPool, got {type(host).__name__}")
+    if host is device:
+        raise InvalidArgumentError("host_pool must be a second pool, not the device pool itself")
+    if host.device.type != "cpu":
+        raise InvalidArgumentError(f"host_pool must live in host memory (device 'cpu'), got {host.device}")
+    for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "dtype"):
+        if getattr(host, name) != getattr(device, name):
+            raise InvalidArgumentError(
+                f"host_pool {name} {getattr(host, name)} differs from the device pool's {getattr(device, name)}: "
+                "host blocks must have the device blocks' block size, KV shape and dtype"
+            )
+
+
+class HostTier:
+    """The host pool, the host-resident runs in LRU order, and the moves between the tiers.
+
+    ``runs`` maps a run's key (see :class:`HostRun`) to the run, least recently used first.  Counters:
+    ``demoted_blocks``, ``promoted_blocks``, ``dropped_blocks`` (host LRU victims).  Callers hold the cache's mutex.
+    Costs: demoting blocks of a leaf, or promoting them for a prompt of ``n`` tokens, is one C-speed hash pass over
+    the sequence, a C-speed token comparison, O(runs touched) dict operations and one batched copy: nothing is done
+    per block in Python, so the cache-only replay stays fast.
+    """
+
+    def __init__(self, pool: KVBlockPool, device_pool: KVBlockPool, events: EventPublisher) -> None:
+        check_host_pool(pool, device_pool)
+        self.pool = pool
+        self.device_pool = device_pool
+        self.block_size = pool.block_size
+        self.events = events
+        self.runs: OrderedDict[int, HostRun] = OrderedDict()
+        self.pinned: dict[int, HostRun] = {}  # runs taken out of the LRU while a promotion reads them
+        self.demoted_blocks = 0
+        self.promoted_blocks = 0
+        self.dropped_blocks = 0
+
+    # ---- keys ---------------------------------------------------------------------------------------------
+
+    def _hasher(self, tokens: array, namespace: str | None, num_blocks: int) -> xxhash.xxh3_128:
+        """A digest state over the namespace and the first ``num_blocks`` blocks of ``tokens``."""
+        h = xxhash.xxh3_128()
+        name = b"\xff" if namespace is None else namespace.encode("utf-8", errors="surrogatepass")
+        h.update(len(name).to_bytes(8, "little") + name)
+        h.update(memoryview(tokens)[: num_blocks * self.block_size].cast("B"))
+        return h
+
+    def _key(self, tokens: array, namespace: str | None, block: int) -> int:
+        """The key of block ``block`` of ``tokens``: a digest of everything up to its end.  O(position) in C."""
+        return self._hasher(tokens, namespace, block + 1).intdigest()
+
+    # ---- demotion (the tree's hook) -------------------------------------------------------------------------
+
+    def demote(self, leaf: Node, first: int, block_ids: np.ndarray) -> None:
+        """Called by :meth:`RadixTree.evict` before it frees ``block_ids`` (``leaf.blocks[first:]``) of ``leaf``: copy
+        the ones full on the leaf's path to host blocks, as one run.  A removed leaf's shared first block is passed
+        too: the parent keeps it, but its rows past the parent's end are the leaf's, and the parent, ending inside it,
+        never will demote it as a full block.  Best effort: a failure is logged and the blocks are simply evicted (the
+        tree's eviction must not be interrupted halfway)."""
+        try:
+            self._demote(leaf, first, block_ids)
+        except Exception:
+            logger.exception("demotion to host memory failed; the blocks are evicted instead")
+
+    def _demote(self, leaf: Node, first: int, block_ids: np.ndarray) -> None:
+        bs = self.block_size
+        first_block = leaf.start // bs + first
+        # Past the host's size, keep the blocks nearest the device prefix: they are the ones a promotion reaches.
+        pinned = sum(len(run.block_ids) for run in self.pinned.values())
+        num = min(len(block_ids), leaf.end // bs - first_block, self.pool.num_blocks - pinned)
+        if num <= 0:
+            return
+        path = _path_tokens(leaf)
+        key = self._key(path, leaf.namespace, first_block)
+        if key in self.pinned:
+            return
+        old = self.runs.pop(key, None)
+        if old is not None:
+            # A run from the same block on: the device recomputed it, or another continuation; keep the newer.
+            self._free(old.block_ids, old.stored)
+        self._make_room(num)
+        host_ids = self.pool.allocate(num).astype(np.intp)
+        try:
+            if self.pool.kv is not None:
+                src = torch.from_numpy(np.asarray(block_ids[:num], dtype=np.int64)).to(self.device_pool.device)
+                self.pool.kv[:, :, torch.from_numpy(host_ids)] = self.device_pool.kv[:, :, src].to("cpu")
+        except BaseException:
+            self.pool.decref(host_ids)
+            raise
+        stored = self._stored_events(leaf, path, first_block, num) if self.events.listeners else None
+        tokens = path[first_block * bs : (first_block + num) * bs]
+        self.runs[key] = HostRun(key, leaf.namespace, first_block, tokens, host_ids, stored)
+        self.demoted_blocks += num
+        if stored:
+            self.events.deferred.extend(stored)
+
+    def _stored_events(self, leaf: Node, path: array, first_block: int, num: int) -> list[BlockStored] | None:
+        # The chained event hashes of the leaf's full blocks are on the leaf while anyone listens.
+        bs = self.block_size
+        hashes = leaf.block_hashes or []
+        offset = first_block - leaf.start // bs
+        if offset + num > len(hashes):
+            return None
+        out = []
+        for i in range(offset, offset + num):
+            k = leaf.start // bs + i
+            parent = hashes[i - 1] if i else self.events.hash_before(leaf.parent, k)
+            tokens = tuple(path[k * bs : (k + 1) * bs])
+            out.append(BlockStored(leaf.namespace, (hashes[i],), parent, k, tokens, bs, HOST_MEDIUM))
+        return out
+
+    def _make_room(self, num_blocks: int) -> None:
+        """Drop least recently used host blocks until ``num_blocks`` are free: whole runs, then the tail of one."""
+        short = num_blocks - self.pool.num_free_blocks
+        runs = self.runs
+        while short > 0 and runs:
+            run = next(iter(runs.values()))
+            size = len(run.block_ids)
+            if size <= short:
+                runs.popitem(last=False)
+                self._free(run.block_ids, run.stored)
+                cut = size
+            else:
+                cut = short
+                keep = size - cut
+                self._free(run.block_ids[keep:], run.stored[keep:] if run.stored else None)
+                run.block_ids = run.block_ids[:keep]
+                del run.tokens[keep * self.block_size :]
+                if run.stored:
+                    del run.stored[keep:]
+            short -= cut
+            self.dropped_blocks += cut
+
+    def _free(self, block_ids: np.ndarray, stored: list[BlockStored] | None) -> None:
+        self.pool.decref(block_ids)
+        if stored and self.events.listeners:
+            hashes = tuple(h for event in stored for h in event.block_hashes)
+            self.events.emit([BlockRemoved(stored[0].namespace, hashes, HOST_MEDIUM)])
+
+    # ---- promotion ------------------------------------------------------------------------------------------
+
+    def promote(
+        self,
+        tree: RadixTree,
+        ledger: BlockLedger,
+        locks: LockRegistry,
+        q: array,
+        namespace: str | None,
+        num_tokens: int | None,
+        owner: object,
+    ) -> Promotion | None:
+        """Bring the host blocks that continue ``q``'s device match back into fresh device blocks and insert them
+        into the tree, so that the admission right after finds them.  Returns None when the host holds nothing after
+        the device match; a :class:`Promotion` (possibly of no block, when the device cannot take them) otherwise.
+
+        Feasibility first: with ``num_tokens`` the request's whole need beyond its device prefix must fit free plus
+        evictable blocks, else nothing is promoted (the admission then refuses it without evicting); without, only
+        as many blocks as can be had are promoted.  Exception-safe: whatever raises, no block is leaked, the
+        temporary lock is released and the host blocks stay host-resident.
+        """
+        if not self.runs:
+            return None
+        bs = self.block_size
+        match = tree.match(q, namespace, len(q), owner)
+        m = match.num_tokens
+        b0 = m // bs
+        hits = self._find(q, namespace, b0)
+        if not hits:
+            return None
+        pool = ledger.pool
+        handle = locks.lock(tree.lock_point(match.node, b0 * bs))
+        try:
+            # A device match ending inside block b0 leaves a seam: the promoted leaf starts with its own copy of that
+            # block, and the parent's copy stays pinned beside it when a sibling shares it (see tree.heal_seam).
+            available = pool.num_free_blocks + tree.evictable_blocks - (m % bs != 0)
+            num = sum(k for _, k in hits)
+            if num_tokens is not None:
+                # The request's need beyond its device prefix, plus a copy-on-write block when the promoted blocks
+                # reach the prompt's last token (admission matches one token less and copies that block).
+                cow = (b0 + num) * bs >= len(q)
+                if max(-(-num_tokens // bs), b0 + num) - b0 + cow > available:
+                    num = 0
+            else:
+                num = max(0, min(num, available))
+            if num == 0:
+                return Promotion(m, m)
+            hits = _take(hits, num)
+            for run, _ in hits:
+                self.pinned[run.key] = self.runs.pop(run.key)
+            try:
+                self._promote(tree, ledger, q, namespace, match.block_table[:b0], b0, hits)
+            except BaseException as error:
+                for run, _ in hits:
+                    self.runs[run.key] = self.pinned.pop(run.key)
+                if isinstance(error, OutOfBlocksError):
+                    # Only a block held for a moment by copy-on-write can cause it; the request recomputes instead.
+                    return Promotion(m, m)
+                raise
+            for run, k in hits:
+                del self.pinned[run.key]
+                self._consume(run, k, q)
+            self.promoted_blocks += num
+            return Promotion(m, (b0 + num) * bs)
+        finally:
+            locks.unlock(handle)
+
+    def _find(self, q: array, namespace: str | None, b0: int) -> list[tuple[HostRun, int]]:
+        """The runs continuing ``q`` from block ``b0``, each with how many of its blocks ``q`` shares in full."""
+        bs = self.block_size
+        num_full = len(q) // bs
+        data = memoryview(q).cast("B")
+        step = 4 * bs
+        h = self._hasher(q, namespace, b0)
+        hits: list[tuple[HostRun, int]] = []
+        j = b0
+        while j < num_full:
+            h.update(data[j * step : (j + 1) * step])
+            run = self.runs.get(h.intdigest())
+            if run is None:
+                break
+            size = min(len(run.block_ids), num_full - j)
+            k = common_prefix_length(run.tokens, q, j * bs, size * bs) // bs
+            if k == 0:
+                break
+            hits.append((run, k))
+            h.update(data[(j + 1) * step : (j + k) * step])
+            j += k
+            if k < len(run.block_ids):
+                break
+        return hits
+
+    def _promote(
+        self,
+        tree: RadixTree,
+        ledger: BlockLedger,
+        q: array,
+        namespace: str | None,
+        prefix: np.ndarray,
+        b0: int,
+        hits: list[tuple[HostRun, int]],
+    ) -> None:
+        num = sum(k for _, k in hits)
+        fresh = ledger.allocate(num, "promotion from host memory")
+        try:
+            self.copy_in(fresh, np.concatenate([run.block_ids[:k] for run, k in hits]))
+            table = np.concatenate((prefix.astype(np.intp), fresh.astype(np.intp)))
+            ledger.insert(q[: (b0 + num) * self.block_size], table, b0, namespace, None)
+        except BaseException:
+            owned = fresh[ledger.owned[fresh.astype(np.intp)]]
+            if owned.size:
+                ledger.free(owned)
+            raise
+
+    def _consume(self, run: HostRun, k: int, q: array) -> None:
+        """Free the first ``k`` blocks of a promoted run; the rest stays on host as a run of its own."""
+        bs = self.block_size
+        self._free(run.block_ids[:k], run.stored[:k] if run.stored else None)
+        if k == len(run.block_ids):
+            return
+        rest_first = run.first + k
+        path = q[: rest_first * bs] + run.tokens[k * bs : (k + 1) * bs]
+        key = self._key(path, run.namespace, rest_first)
+        rest = HostRun(
+            key,
+            run.namespace,
+            rest_first,
+            run.tokens[k * bs :],
+            run.block_ids[k:],
+            run.stored[k:] if run.stored else None,
+        )
+        old = self.runs.pop(key, None)
+        if old is not None:
+            self._free(old.block_ids, old.stored)
+        self.runs[key] = rest
+
+    def copy_in(self, device_ids: np.ndarray, host_ids: np.ndarray) -> None:
+        """Copy host blocks ``host_ids`` into device blocks ``device_ids`` (all layers, K and V): one batched,
+        non-blocking host-to-device copy (asynchronous from pinned memory).  No-op for metadata-only pools."""
+        device = self.device_pool
+        if device.kv is None:
+            return
+        rows = self.pool.kv[:, :, torch.from_numpy(np.asarray(host_ids, dtype=np.int64))]
+        dst = torch.from_numpy(np.asarray(device_ids, dtype=np.int64)).to(device.device)
+        device.kv[:, :, dst] = rows.to(device.device, non_blocking=True)
+
+    # ---- observation ----------------------------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Host-resident blocks now.  O(runs)."""
+        return sum(len(run.block_ids) for run in (*self.runs.values(), *self.pinned.values()))
+
+    def stored_events(self) -> list[BlockStored]:
+        """The events of every announced host block (for a new subscriber), least recently used run first."""
+        return [event for run in self.runs.values() if run.stored for event in run.stored]
+
+    def check_invariants(self) -> None:
+        """The host pool's free list is consistent; every host-resident block has exactly one holder (its run); no
+        block is both free and used or in two runs; each run is filed under its key, with its tokens and events
+        matching its blocks; no promotion is in flight.  O(host blocks).
+
+        Raises:
+            AssertionError: naming what is wrong.
+        """
+        pool = self.pool
+        bs = self.block_size
+        pool.check_invariants()
+        if self.pinned:
+            raise AssertionError(f"{len(self.pinned)} host runs still pinned by a promotion")
+        for key, run in self.runs.items():
+            if run.key != key or not len(run.block_ids):
+                raise AssertionError(f"host run {key:#x} is filed under another key or empty")
+            if len(run.tokens) != len(run.block_ids) * bs:
+                raise AssertionError(f"host run {key:#x} has {len(run.tokens)} tokens for {len(run.block_ids)} blocks")
+            if run.stored is not None and len(run.stored) != len(run.block_ids):
+                raise AssertionError(f"host run {key:#x} keeps {len(run.stored)} events for {len(run.block_ids)}")
+        runs = list(self.runs.values())
+        ids = np.concatenate([run.block_ids for run in runs]) if runs else np.zeros(0, dtype=np.intp)
+        if np.unique(ids).size != ids.size:
+            raise AssertionError("a host block is in two runs")
+        expected = np.zeros(pool.num_blocks, dtype=np.int32)
+        expected[ids] = 1
+        if not np.array_equal(expected, pool.ref_counts()):
+            bad = np.flatnonzero(expected != pool.ref_counts())[:5].tolist()
+            raise AssertionError(f"host reference counts differ from the host runs for blocks {bad}")
+
+
+def _take(hits: list[tuple[HostRun, int]], num: int) -> list[tuple[HostRun, int]]:
+    """The first ``num`` blocks of ``hits``."""
+    out = []
+    for run, k in hits:
+        if num <= 0:
+            break
+        out.append((run, min(k, num)))
+        num -= k
+    return out
+
+
+def _path_tokens(node: Node) -> array:
+    """The token ids from position 0 to the end of ``node``'s edge.  O(depth + tokens)."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.tokens)
+        node = node.parent
+    out = array(TOKEN_TYPECODE)
+    for part in reversed(parts):
+        out.extend(part)
+    return out
