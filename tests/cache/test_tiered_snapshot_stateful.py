@@ -1,0 +1,119 @@
+"""The host-tier machine (tests/cache/test_host_tier_stateful.py) with save and load in its operation mix.
+
+Demotion (requests and ``evict`` under pressure on an 8-block device pool), promotion (requests matching demoted
+runs), ``save`` and ``load`` run in one mix.  The reference is the list of committed sequences: nothing found may go
+beyond it, and while the host tier never drops a block every shared full block must be found.  ``save`` records what
+the cache holds (device sequences, host runs in LRU order with their K/V); ``load`` continues on a fresh cache with a
+host pool, of the same sizes (then it holds exactly what was saved) or smaller (the most recently used part that fits:
+whole device prefixes, the newest host runs, the oldest one cut).  Every cached K/V row is checked against the
+function of token and position the machine wrote, after promotion and after load; ``check_invariants()`` runs after
+every step, and the cache is quiescent at teardown.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, precondition, rule
+from test_host_tier_stateful import DEVICE_BLOCKS, SHAPE, HostTierMachine, rows
+
+from prefixcache import KVBlockPool, RadixCache
+from prefixcache.cache.host_tier import make_host_pool
+
+pytest.importorskip("safetensors", reason="needs: pip install 'prefixcache[snapshot]'")
+
+
+def host_runs(cache: RadixCache) -> list[tuple[int, str | None, int, list[int], torch.Tensor]]:
+    """The host tier's runs, least recently used first: key, namespace, first block, tokens and K/V."""
+    host = cache._host
+    return [
+        (run.key, run.namespace, run.first, run.tokens.tolist(), host.pool.kv[:, :, torch.from_numpy(run.block_ids)])
+        for run in host.runs.values()
+    ]
+
+
+class TieredSnapshotMachine(HostTierMachine):
+    @initialize(block_size=st.sampled_from([1, 2, 4]), host_blocks=st.sampled_from([3, 512]))
+    def make(self, block_size: int, host_blocks: int) -> None:
+        super().make(block_size, host_blocks)
+        self.host_blocks = host_blocks
+        self.folder = Path(tempfile.mkdtemp(prefix="prefixcache-tiered-snapshot-test-"))
+        self.saved: dict | None = None
+
+    @rule()
+    def save(self) -> None:
+        cache = self.cache
+        before = cache.stats()
+        device = sorted(cache.cached_sequences())
+        runs = host_runs(cache)
+
+        summary = cache.save(self.folder)
+
+        assert cache.stats() == before, "saving changed the cache"
+        after = host_runs(cache)
+        assert [run[:4] for run in after] == [run[:4] for run in runs], "saving moved host runs"
+        assert (summary.num_tokens, summary.host_runs) == (before.cached_tokens, len(runs))
+        assert summary.host_tokens == sum(len(run[3]) for run in runs) == before.host_used_blocks * self.bs
+        self.saved = {"device": device, "host": runs, "committed": list(self.committed), "lossless": self.lossless}
+
+    @precondition(lambda self: self.saved is not None)
+    @rule(smaller=st.booleans())
+    def load(self, smaller: bool) -> None:
+        saved, bs = self.saved, self.bs
+        device_blocks = DEVICE_BLOCKS // 2 if smaller else DEVICE_BLOCKS
+        host_blocks = max(1, self.host_blocks // 2) if smaller else self.host_blocks
+        pool = KVBlockPool(device_blocks, bs, device="cpu", **SHAPE)
+
+        self.cache = cache = RadixCache.load(self.folder, pool, host_pool=make_host_pool(pool, host_blocks))
+
+        device = sorted(cache.cached_sequences())
+        if smaller:
+            for seq in device:
+                assert any(s[: len(seq)] == seq for s in saved["device"]), f"{seq} was never saved"
+        else:
+            assert device == saved["device"]
+        # The host tier: the newest saved runs that fit, the oldest of them cut to what is left.
+        expected, budget = [], host_blocks
+        for key, namespace, first, tokens, kv in reversed(saved["host"]):
+            take = min(len(tokens) // bs, budget)
+            if take:
+                expected.append((key, namespace, first, tokens[: take * bs], kv[:, :, :take]))
+            budget -= take
+        expected.reverse()
+        now = host_runs(cache)
+        assert [run[:4] for run in now] == [run[:4] for run in expected]
+        for (_, _, first, tokens, kv), (*_, saved_kv) in zip(now, expected, strict=True):
+            assert torch.equal(kv, saved_kv), "a restored host run has other K/V than was saved"
+            written = rows([0] * (first * bs) + tokens)[:, :, first * bs :]
+            assert torch.equal(kv.flatten(2, 3), written), "a restored host run has K/V the machine never wrote"
+        for seq in device:
+            match = cache.match(seq)
+            assert match.num_tokens == len(seq)
+            expect = rows(seq)
+            for p in range(len(seq)):
+                row = cache.pool.kv[:, :, int(match.block_table[p // bs]), p % bs]
+                assert torch.equal(row, expect[:, :, p]), f"restored row {p} of {seq} has the wrong K/V"
+        self.committed = list(saved["committed"])
+        self.lossless = saved["lossless"] and not smaller
+
+    def teardown(self) -> None:
+        try:
+            if hasattr(self, "cache"):
+                cache = self.cache
+                assert cache.stats().locked_tokens == 0, "a lock outlived its request"
+                assert cache._blocks.num_owned == 0, "a block is still owned by a request"
+                assert not cache._host.pinned, "a promotion left host runs pinned"
+                cache.check_invariants()
+        finally:
+            if hasattr(self, "folder"):
+                shutil.rmtree(self.folder, ignore_errors=True)
+
+
+TestTieredSnapshotMachine = TieredSnapshotMachine.TestCase
+TestTieredSnapshotMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
