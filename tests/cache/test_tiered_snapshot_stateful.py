@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, precondition, rule
-from test_host_tier_stateful import DEVICE_BLOCKS, SHAPE, HostTierMachine, rows
+from test_host_tier_stateful import DEVICE_BLOCKS, SHAPE, VOCAB, HostTierMachine, rows
 
 from prefixcache import KVBlockPool, RadixCache
 from prefixcache.cache.host_tier import make_host_pool
@@ -45,6 +45,26 @@ class TieredSnapshotMachine(HostTierMachine):
         self.host_blocks = host_blocks
         self.folder = Path(tempfile.mkdtemp(prefix="prefixcache-tiered-snapshot-test-"))
         self.saved: dict | None = None
+        self.loads = 0
+
+    @precondition(lambda self: self.committed)
+    @rule(pick=st.integers(0, 1 << 16), keep=st.integers(1, 16), tail=st.lists(st.integers(0, VOCAB - 1), max_size=3))
+    def revisit(self, pick: int, keep: int, tail: list[int]) -> None:
+        """A request for (a prefix of) a committed sequence, then new tokens: what promotes demoted runs."""
+        before = self.cache.stats().promoted_blocks
+        keep = min(keep, self.cache.pool.num_blocks * self.bs - 2 - len(tail))  # admitted with its copy-on-write block
+        self.request(self.committed[pick % len(self.committed)][:keep] + tail, 0)
+        if self.cache.stats().promoted_blocks > before:
+            event("promotion" + (" after a load" if self.loads else ""))
+
+    @rule()
+    def demote_all(self) -> None:
+        """Eviction pressure: every unlocked device block goes to host (or is dropped when the host is full)."""
+        before = self.cache.stats()
+        self.cache.evict_all()
+        after = self.cache.stats()
+        assert after.cached_tokens == 0 and after.free_blocks == self.cache.pool.num_blocks
+        assert after.demoted_blocks >= before.demoted_blocks
 
     @rule()
     def save(self) -> None:
@@ -54,6 +74,7 @@ class TieredSnapshotMachine(HostTierMachine):
         runs = host_runs(cache)
 
         summary = cache.save(self.folder)
+        event(f"save with host runs: {bool(runs)}")
 
         assert cache.stats() == before, "saving changed the cache"
         after = host_runs(cache)
@@ -100,7 +121,15 @@ class TieredSnapshotMachine(HostTierMachine):
                 row = cache.pool.kv[:, :, int(match.block_table[p // bs]), p % bs]
                 assert torch.equal(row, expect[:, :, p]), f"restored row {p} of {seq} has the wrong K/V"
         self.committed = list(saved["committed"])
+        self.loads += 1
+        event(f"load (smaller: {smaller}) with host runs: {bool(now)}")
         self.lossless = saved["lossless"] and not smaller
+
+    @rule(smaller=st.booleans())
+    def restart(self, smaller: bool) -> None:
+        """Save and load at once, so that what is on host at the save is what the load must bring back."""
+        self.save()
+        self.load(smaller)
 
     def teardown(self) -> None:
         try:
@@ -116,4 +145,4 @@ class TieredSnapshotMachine(HostTierMachine):
 
 
 TestTieredSnapshotMachine = TieredSnapshotMachine.TestCase
-TestTieredSnapshotMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestTieredSnapshotMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
