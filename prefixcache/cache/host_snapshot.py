@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from prefixcache.cache.host_tier import HostRun, HostTier
-from prefixcache.cache.snapshot import COPY_CHUNK_BLOCKS, Snapshot, SnapshotSummary
+from prefixcache.cache.snapshot import COPY_CHUNK_BLOCKS, Snapshot
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.errors import SnapshotCorruptError, SnapshotError
 
@@ -117,12 +117,14 @@ def plan(snapshot: Snapshot, host: HostTier | None, block_size: int) -> HostPlan
     return HostPlan(chosen, skipped_runs, skipped_tokens)
 
 
-def apply(snapshot: Snapshot, host: HostTier | None, chosen: HostPlan, summary: SnapshotSummary) -> SnapshotSummary:
+def apply(snapshot: Snapshot, host: HostTier | None, chosen: HostPlan) -> dict[str, int]:
     """Put the planned runs into ``host`` (least recently used first, so the LRU order is the saved one) on fresh host
-    blocks holding the saved K/V; returns ``summary`` with the host counts.  Nothing changes when it raises."""
+    blocks holding the saved K/V; returns the host counts of a
+    :class:`~prefixcache.cache.snapshot.SnapshotSummary` (its field names).  Nothing changes when it raises; a caller
+    whose next step fails takes the runs out again with :func:`discard`."""
     counts = {"skipped_host_runs": chosen.skipped_runs, "skipped_host_tokens": chosen.skipped_tokens}
     if host is None or not chosen.runs:
-        return replace(summary, **counts)
+        return counts
     bs = host.block_size
     num = sum(take for _, take in chosen.runs)
     allocated = host.pool.allocate(num).astype(np.intp)
@@ -140,7 +142,16 @@ def apply(snapshot: Snapshot, host: HostTier | None, chosen: HostPlan, summary: 
     for record, take in chosen.runs:
         key = int(record["key"], 16)
         tokens = array(TOKEN_TYPECODE, record["tokens"][: take * bs])
-        run = HostRun(key, record["namespace"], record["first"], tokens, allocated[offset : offset + take], None)
-        host.runs[key] = run
+        blocks = allocated[offset : offset + take]
+        host.runs[key] = HostRun(key, record["namespace"], record["first"], tokens, blocks, None)
         offset += take
-    return replace(summary, host_runs=len(chosen.runs), host_tokens=num * bs, host_blocks=num, **counts)
+    return {"host_runs": len(chosen.runs), "host_tokens": num * bs, "host_blocks": num, **counts}
+
+
+def discard(host: HostTier | None) -> None:
+    """Take out what :func:`apply` put into a host tier that was empty before it (not counted as dropped)."""
+    if host is None:
+        return
+    while host.runs:
+        _, run = host.runs.popitem()
+        host.pool.decref(run.block_ids)

@@ -20,6 +20,7 @@ serialized; model compute happens outside, on blocks the request owns privately.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -456,8 +457,15 @@ class RadixCache:
                 if self._host is not None:
                     self._host.clear()
             host_plan = host_snapshot.plan(loaded, self._host, self.pool.block_size)
-            summary = snapshot.restore(loaded, self._tree)
-            return host_snapshot.apply(loaded, self._host, host_plan, summary)
+            # The host runs first: the device restore is the step that may refuse (a cache not empty), and undoing it
+            # would demote; the host runs are taken out again without a trace.
+            host_counts = host_snapshot.apply(loaded, self._host, host_plan)
+            try:
+                summary = snapshot.restore(loaded, self._tree)
+            except BaseException:
+                host_snapshot.discard(self._host)
+                raise
+            return dataclasses.replace(summary, **host_counts)
 
     @classmethod
     def load(

@@ -164,3 +164,34 @@ def test_saved_host_rows_are_the_rows_written(tmp_path: Path) -> None:
     host_run = next(iter(cache._host.runs.values()))
     kv = cache.host_pool.kv[:, :, torch.from_numpy(host_run.block_ids)].flatten(2, 3)
     assert torch.equal(kv, kv_rows(DOC))
+
+
+def test_a_refused_device_restore_leaves_the_host_tier_empty(tmp_path: Path) -> None:
+    saved_with_document_on_host(tmp_path)
+    cache = make_cache(device_blocks=4, host_blocks=8)
+    run(cache, list(range(50, 58)))  # on the device: the cache is not empty
+    before = cache.stats()
+
+    with pytest.raises(SnapshotError, match="empty cache"):
+        cache.restore(tmp_path)
+
+    assert cache.stats() == before and before.host_used_blocks == 0
+    cache.check_invariants()
+
+
+def test_a_metadata_only_cache_saves_and_restores_its_host_runs(tmp_path: Path) -> None:
+    pool = KVBlockPool(4, BS)
+    cache = RadixCache(pool, host_pool=make_host_pool(pool, 8))
+    for tokens in (DOC, OTHER):
+        lease = cache.acquire(tokens, num_tokens=len(tokens))
+        cache.commit(lease, tokens)
+    saved = cache.save(tmp_path)
+    assert (saved.host_tokens, saved.kv_bytes) == (12, 0)
+
+    new_pool = KVBlockPool(4, BS)
+    loaded = RadixCache.load(tmp_path, new_pool, host_pool=make_host_pool(new_pool, 8))
+
+    lease = loaded.acquire(DOC + [1], num_tokens=13)
+    assert (lease.num_cached_tokens, lease.num_host_tokens) == (12, 12)
+    loaded.release(lease)
+    loaded.check_invariants()
