@@ -276,6 +276,14 @@ class HostTier:
             short -= cut
             self.dropped_blocks += cut
 
+    def clear(self) -> None:
+        """Drop every host run (counted in ``dropped_blocks``), as a restore that replaces the cache's content does.
+        O(runs)."""
+        while self.runs:
+            _, run = self.runs.popitem(last=False)
+            self._free(run.block_ids, run.stored)
+            self.dropped_blocks += len(run.block_ids)
+
     def _free(self, block_ids: np.ndarray, stored: list[BlockStored] | None) -> None:
         self.pool.decref(block_ids)
         if stored and self.events.listeners:

@@ -20,6 +20,7 @@ serialized; model compute happens outside, on blocks the request owns privately.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.cache import snapshot
+from prefixcache.cache import host_snapshot, snapshot
 from prefixcache.cache.admission import Admission, Lease
 from prefixcache.cache.blocks import BlockLedger
 from prefixcache.cache.events import EventListener, EventPublisher
@@ -413,7 +414,8 @@ class RadixCache:
         (:mod:`prefixcache.cache.snapshot`): the previous snapshot stays current until the new one is complete.
 
         ``identity`` (e.g. model and tokenizer fingerprints) is stored for :meth:`restore` to check;
-        ``keep_namespace`` picks the namespaces saved (all when None).  Changes nothing in the cache (no access time,
+        ``keep_namespace`` picks the namespaces saved (all when None).  With a host tier its runs are saved too
+        (:mod:`prefixcache.cache.host_snapshot`).  Changes nothing in the cache (no access time,
         counter or block moves); the mutex is held while the tree and its K/V are copied, not while files are written.
         O(cached tokens) plus the copy and the write of the saved blocks.
 
@@ -423,6 +425,7 @@ class RadixCache:
         """
         with self._mutex:
             captured = snapshot.capture(self._tree, identity, keep_namespace)
+            captured = host_snapshot.capture(captured, self._host, keep_namespace)
         return snapshot.write(captured, directory)
 
     def restore(
@@ -434,13 +437,15 @@ class RadixCache:
     ) -> snapshot.SnapshotSummary:
         """Load the snapshot in ``directory`` into this cache, which must be empty (``replace=True`` evicts
         everything first, once the snapshot has been read and checked).  When the snapshot holds more than the pool,
-        the most recently used whole prefixes that fit are loaded.  Every checksum is verified before the cache is
-        touched; on any error the cache is left as it was.
+        the most recently used whole prefixes that fit are loaded; saved host runs go back into this cache's host tier
+        (the most recently used that fit; dropped and counted when it has none).  Every checksum is verified before
+        the cache is touched; on any error the cache is left as it was.
 
         Raises:
             SnapshotNotFoundError: no snapshot there.  SnapshotCorruptError: truncated, edited or damaged files.
             SnapshotMismatchError: another block size, KV dtype or shape, format version, or ``identity`` value.
-            SnapshotError: the cache is not empty (or locked/owned blocks remain after ``replace``).
+            SnapshotError: the cache (device or host tier) is not empty (or locked/owned blocks remain after
+                ``replace``, which also drops the host runs).
         """
         loaded = snapshot.read(directory)
         snapshot.check_compatible(loaded, self.pool, identity)
@@ -449,7 +454,18 @@ class RadixCache:
                 if self._tree.locked_tokens or self._blocks.num_owned:
                     raise SnapshotError("cannot replace the cache's content while requests hold locks or blocks")
                 self._tree.evict(self.pool.num_blocks + 1)
-            return snapshot.restore(loaded, self._tree)
+                if self._host is not None:
+                    self._host.clear()
+            host_plan = host_snapshot.plan(loaded, self._host, self.pool.block_size)
+            # The host runs first: the device restore is the step that may refuse (a cache not empty), and undoing it
+            # would demote; the host runs are taken out again without a trace.
+            host_counts = host_snapshot.apply(loaded, self._host, host_plan)
+            try:
+                summary = snapshot.restore(loaded, self._tree)
+            except BaseException:
+                host_snapshot.discard(self._host)
+                raise
+            return dataclasses.replace(summary, **host_counts)
 
     @classmethod
     def load(

@@ -8,7 +8,7 @@ Layout of a snapshot folder ``DIR`` (made by the first save)::
     DIR/CURRENT                 the name of the complete version below (one line)
     DIR/snapshot-<time>-<id>/snapshot.json   format version, pool shape, identity, namespaces, nodes, checksums
     DIR/snapshot-<time>-<id>/kv.safetensors  "kv": [num_layers, 2, num_saved_blocks, block_size, num_kv_heads,
-                                             head_dim]
+                                             head_dim]; "host_kv" likewise for the host tier's blocks
 
 Atomic writes.  A save writes a new version into a temporary folder inside ``DIR``, fsyncs its files and the folder,
 renames it to its version name, then replaces ``CURRENT`` (``os.replace`` of a fsynced file: atomic on POSIX and
@@ -30,6 +30,11 @@ Restoring fills an empty cache.  When the snapshot holds more blocks than the po
 recently used part that fits, whole prefixes only (a node is loaded only with its parent): nodes are taken in order
 of retention priority, then last access, from the roots down, and a node that does not fit is skipped with its
 subtree.
+
+The host-memory tier (:mod:`prefixcache.cache.host_snapshot`): a cache with one saves its host-resident runs too
+(tokens, namespace, key and LRU order in ``host_runs``, their K/V in ``host_kv``), under the same checksums.  A cache
+loading it with a host tier puts back the most recently used runs that fit its host pool; one without a host tier
+drops them, and :class:`SnapshotSummary` counts what was left out either way.
 """
 
 from __future__ import annotations
@@ -81,7 +86,9 @@ _write_lock = threading.Lock()
 class SnapshotSummary:
     """What a save wrote or a restore loaded: ``num_nodes`` tree nodes holding ``num_tokens`` tokens in
     ``num_blocks`` blocks (``kv_bytes`` bytes of K/V), in the version folder ``path``.  A restore into a pool too small
-    for the whole snapshot counts what it left out in ``skipped_nodes`` and ``skipped_tokens``."""
+    for the whole snapshot counts what it left out in ``skipped_nodes`` and ``skipped_tokens``.  The host tier's part:
+    ``host_runs`` runs of ``host_tokens`` tokens in ``host_blocks`` blocks saved or put back into the host tier, and
+    ``skipped_host_runs`` / ``skipped_host_tokens`` left out (the new host pool is smaller, or there is none)."""
 
     path: str
     num_nodes: int
@@ -90,17 +97,24 @@ class SnapshotSummary:
     kv_bytes: int
     skipped_nodes: int = 0
     skipped_tokens: int = 0
+    host_runs: int = 0
+    host_tokens: int = 0
+    host_blocks: int = 0
+    skipped_host_runs: int = 0
+    skipped_host_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Snapshot:
     """A snapshot in memory: the manifest (the JSON of ``snapshot.json`` less its checksum) and the saved K/V
     (``[num_layers, 2, num_saved_blocks, block_size, num_kv_heads, head_dim]`` on the CPU, None for a metadata-only
-    pool).  ``path`` is the version folder it was read from ("" before it is written)."""
+    pool).  ``path`` is the version folder it was read from ("" before it is written).  ``host_kv``: the host tier's
+    saved blocks, shaped as ``kv`` (None without host runs or for a metadata-only pool)."""
 
     manifest: dict[str, Any]
     kv: torch.Tensor | None
     path: str = ""
+    host_kv: torch.Tensor | None = None
 
 
 def pool_shape(pool: KVBlockPool) -> dict[str, Any]:
@@ -201,8 +215,9 @@ def write(snapshot: Snapshot, directory: str | os.PathLike[str]) -> SnapshotSumm
     manifest = dict(snapshot.manifest)
     files: dict[str, dict[str, Any]] = {}
     blobs: dict[str, bytes] = {}
-    if snapshot.kv is not None:
-        blobs[KV_FILE] = _safetensors().save({"kv": snapshot.kv}, metadata={"format": FORMAT})
+    tensors = {name: t for name, t in (("kv", snapshot.kv), ("host_kv", snapshot.host_kv)) if t is not None}
+    if tensors:
+        blobs[KV_FILE] = _safetensors().save(tensors, metadata={"format": FORMAT})
         files[KV_FILE] = {"bytes": len(blobs[KV_FILE]), "xxh3_128": _digest(blobs[KV_FILE])}
     manifest["files"] = files
     body = _canonical(manifest)
@@ -238,8 +253,18 @@ def write(snapshot: Snapshot, directory: str | os.PathLike[str]) -> SnapshotSumm
             stale = entry.startswith(TEMP_PREFIX) or (entry.startswith(VERSION_PREFIX) and (folder / entry).is_dir())
             if entry != name and stale:
                 _remove(folder / entry)
-    kv_bytes = 0 if snapshot.kv is None else snapshot.kv.numel() * snapshot.kv.element_size()
-    return SnapshotSummary(str(final), len(manifest["nodes"]), manifest["num_tokens"], manifest["num_blocks"], kv_bytes)
+    kv_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    host_runs = manifest.get("host_runs", [])
+    return SnapshotSummary(
+        str(final),
+        len(manifest["nodes"]),
+        manifest["num_tokens"],
+        manifest["num_blocks"],
+        kv_bytes,
+        host_runs=len(host_runs),
+        host_tokens=sum(len(run["tokens"]) for run in host_runs),
+        host_blocks=manifest.get("host_num_blocks", 0),
+    )
 
 
 # ---- read and check ---------------------------------------------------------------------------------------------
@@ -270,7 +295,7 @@ def read(directory: str | os.PathLike[str]) -> Snapshot:
     else:
         raise SnapshotNotFoundError(f"no snapshot in {folder} (no {CURRENT} file)")
     manifest = _read_manifest(version / MANIFEST)
-    kv = None
+    kv = host_kv = None
     if KV_FILE in manifest["files"]:
         blob = _read_bytes(version / KV_FILE)
         expected = manifest["files"][KV_FILE]
@@ -280,12 +305,13 @@ def read(directory: str | os.PathLike[str]) -> Snapshot:
                 "bytes written (truncated or damaged)"
             )
         try:
-            kv = _safetensors().load(blob)["kv"]
+            tensors = _safetensors().load(blob)
+            kv, host_kv = tensors.get("kv"), tensors.get("host_kv")
         except SnapshotError:
             raise
         except Exception as error:  # a checksummed file that safetensors still refuses: written wrong
             raise SnapshotCorruptError(f"{version / KV_FILE} does not parse: {error}") from None
-    return Snapshot(manifest, kv, str(version))
+    return Snapshot(manifest, kv, str(version), host_kv)
 
 
 def check_compatible(snapshot: Snapshot, pool: KVBlockPool, identity: Mapping[str, str] | None = None) -> None:
@@ -313,14 +339,18 @@ def check_compatible(snapshot: Snapshot, pool: KVBlockPool, identity: Mapping[st
                 if saved is not None
                 else f"the snapshot {snapshot.path} was saved without a {key}; refusing it for {value!r}"
             )
-    if snapshot.kv is not None:
-        shape = (pool.num_layers, 2, manifest["num_blocks"], pool.block_size, pool.num_kv_heads, pool.head_dim)
-        if tuple(snapshot.kv.shape) != shape or snapshot.kv.dtype != pool.dtype:
-            raise SnapshotCorruptError(
-                f"the snapshot's K/V are {tuple(snapshot.kv.shape)} {snapshot.kv.dtype}, its manifest says {shape}"
-            )
-    elif pool.kv is not None and manifest["num_blocks"]:
-        raise SnapshotCorruptError(f"the snapshot {snapshot.path} has no K/V file for its blocks")
+    for name, kv, num_blocks in (
+        ("K/V", snapshot.kv, manifest["num_blocks"]),
+        ("host K/V", snapshot.host_kv, manifest.get("host_num_blocks", 0)),
+    ):
+        if kv is not None:
+            shape = (pool.num_layers, 2, num_blocks, pool.block_size, pool.num_kv_heads, pool.head_dim)
+            if tuple(kv.shape) != shape or kv.dtype != pool.dtype:
+                raise SnapshotCorruptError(
+                    f"the snapshot's {name} are {tuple(kv.shape)} {kv.dtype}, its manifest says {shape}"
+                )
+        elif pool.kv is not None and num_blocks:
+            raise SnapshotCorruptError(f"the snapshot {snapshot.path} has no {name} for its blocks")
 
 
 # ---- restore ----------------------------------------------------------------------------------------------------

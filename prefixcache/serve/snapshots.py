@@ -90,6 +90,8 @@ class SnapshotKeeper:
         else:
             loaded = self.restored
             skipped = f"; {loaded.skipped_tokens:,} tokens did not fit the pool" if loaded.skipped_tokens else ""
+            if loaded.host_tokens or loaded.skipped_host_tokens:
+                skipped += f"; host tier: {loaded.host_tokens:,} tokens back, {loaded.skipped_host_tokens:,} left out"
             logger.info(
                 "restored %s tokens (%s nodes, %s blocks) from %s%s",
                 f"{loaded.num_tokens:,}",
