@@ -397,6 +397,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("--snapshot-every needs --snapshot and a positive number of minutes")
     if args.snapshot is not None and importlib.util.find_spec("safetensors") is None:
         raise InvalidArgumentError("--snapshot needs safetensors: pip install 'prefixcache[snapshot]'")
+    if args.snapshot is not None and Path(args.snapshot).exists() and not Path(args.snapshot).is_dir():
+        raise InvalidArgumentError(f"--snapshot {args.snapshot}: is a file; give a folder (made if missing)")
     keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
     try:
         tokenizer = None

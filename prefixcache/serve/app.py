@@ -101,7 +101,11 @@ def create_app(
     keys = api_keys if api_keys is not None else ApiKeys.open()
     worker = ModelWorker()
     metrics = ServerMetrics(runner.cache)
-    snapshots = None if snapshot_dir is None else SnapshotKeeper(runner, worker, snapshot_dir, snapshot_every_s)
+    try:
+        snapshots = None if snapshot_dir is None else SnapshotKeeper(runner, worker, snapshot_dir, snapshot_every_s)
+    except BaseException:
+        worker.close()
+        raise
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -56,7 +56,7 @@ class SnapshotKeeper:
     ``last_saved`` the latest save and ``save_errors`` the number of failed ones.
 
     Raises:
-        InvalidArgumentError: ``every_s`` is not a positive number.
+        InvalidArgumentError: ``every_s`` is not a positive number, or ``directory`` is a file.
     """
 
     def __init__(
@@ -68,6 +68,8 @@ class SnapshotKeeper:
     ) -> None:
         if every_s is not None and (isinstance(every_s, bool) or not isinstance(every_s, (int, float)) or every_s <= 0):
             raise InvalidArgumentError(f"the snapshot interval must be a positive number of seconds, got {every_s!r}")
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise InvalidArgumentError(f"the snapshot folder {os.fspath(directory)} is a file, not a folder")
         self.runner = runner
         self.worker = worker
         self.directory = os.fspath(directory)

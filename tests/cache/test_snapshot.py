@@ -439,6 +439,58 @@ def test_a_snapshot_of_another_format_version_is_refused(tmp_path: Path) -> None
         RadixCache.load(tmp_path / "snap", make_pool())
 
 
+def _resign(folder: Path, edit) -> None:
+    """Edit the manifest and write its checksum again: a snapshot written wrong, not one damaged on disk."""
+    path = _version(folder) / snapshot.MANIFEST
+    document = json.loads(path.read_text())
+    edit(document["manifest"])
+    document["checksum"]["xxh3_128"] = snapshot._digest(snapshot._canonical(document["manifest"]))
+    path.write_text(json.dumps(document))
+
+
+def _hold_twice(manifest: dict) -> None:
+    """Give a node's own last block to another node as well."""
+    other = next(n for n in manifest["nodes"][1:] if len(n["blocks"]) > 1 or not n["shares_first"])
+    other["blocks"][-1] = manifest["nodes"][0]["blocks"][-1]
+
+
+WRITTEN_WRONG = {
+    "no_pool": lambda m: m.pop("pool"),
+    "identity_null": lambda m: m.update(identity=None),
+    "files_null": lambda m: m.update(files=None),
+    "clock_a_string": lambda m: m.update(clock="x"),
+    "no_namespaces": lambda m: m.update(namespaces=[]),
+    "block_out_of_range": lambda m: m["nodes"][0].update(blocks=[999] * len(m["nodes"][0]["blocks"])),
+    "negative_token": lambda m: m["nodes"][0]["tokens"].__setitem__(0, -1),
+    "string_token": lambda m: m["nodes"][0]["tokens"].__setitem__(0, "a"),
+    "duplicate_sibling": lambda m: m["nodes"].append(dict(m["nodes"][0])),
+    "block_held_twice": lambda m: _hold_twice(m),
+    "hit_count_a_string": lambda m: m["nodes"][0].update(hit_count="many"),
+}
+
+
+@pytest.mark.parametrize("edit", WRITTEN_WRONG.values(), ids=WRITTEN_WRONG.keys())
+def test_a_manifest_written_wrong_is_refused_before_any_block_is_taken(tmp_path: Path, edit) -> None:
+    busy_cache().save(tmp_path / "snap")
+    _resign(tmp_path / "snap", edit)
+    cache = RadixCache(make_pool())
+
+    with pytest.raises(SnapshotCorruptError):
+        cache.restore(tmp_path / "snap")
+    assert (cache.stats().num_nodes, cache.pool.num_used_blocks) == (0, 0)
+    cache.check_invariants()
+
+
+@pytest.mark.parametrize("where", ["folder", "parent"])
+def test_saving_into_a_file_is_refused_naming_it(tmp_path: Path, where: str) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    target = tmp_path / "file" if where == "folder" else tmp_path / "file" / "snap"
+
+    with pytest.raises(SnapshotError, match="is a file, not a folder"):
+        busy_cache().save(target)
+    assert (tmp_path / "file").read_text() == "not a folder"
+
+
 # ---- atomic saves -------------------------------------------------------------------------------------------
 
 

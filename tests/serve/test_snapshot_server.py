@@ -16,6 +16,7 @@ import pytest
 
 from prefixcache import PrefixCachingRunner
 from prefixcache.cli import main
+from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.llama import LlamaModel
 from prefixcache.serve import create_app, start_background
 
@@ -118,3 +119,17 @@ def test_snapshot_every_saves_while_the_server_runs(tiny: LlamaModel, tmp_path: 
 def test_snapshot_every_needs_a_snapshot_folder(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--snapshot-every", "5"]) == 2
     assert "--snapshot-every needs --snapshot" in capsys.readouterr().err
+
+
+def test_a_snapshot_folder_that_is_a_file_is_refused_before_the_model_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "snap").write_text("a file")
+    assert main(["serve", "--snapshot", str(tmp_path / "snap")]) == 2
+    assert "is a file; give a folder" in capsys.readouterr().err
+
+
+def test_create_app_refuses_a_snapshot_folder_that_is_a_file(tiny: LlamaModel, tmp_path: Path) -> None:
+    (tmp_path / "snap").write_text("a file")
+    with pytest.raises(InvalidArgumentError, match="is a file, not a folder"):
+        create_app(PrefixCachingRunner(tiny, cache_tokens=4096), model_name="tiny", snapshot_dir=tmp_path / "snap")
