@@ -58,7 +58,8 @@ import xxhash
 
 from prefixcache.cache.node import Node, new_root
 from prefixcache.cache.pool import BLOCK_ID_DTYPE, KVBlockPool
-from prefixcache.cache.tokens import MAX_TOKEN_ID, TOKEN_TYPECODE
+from prefixcache.cache.snapshot_manifest import check_structure
+from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.errors import SnapshotCorruptError, SnapshotError, SnapshotMismatchError, SnapshotNotFoundError
 
 if TYPE_CHECKING:
@@ -379,7 +380,7 @@ def restore(snapshot: Snapshot, tree: RadixTree) -> SnapshotSummary:
     manifest = snapshot.manifest
     records = manifest["nodes"]
     try:
-        _check_structure(manifest)
+        check_structure(manifest)
         chosen, skipped_nodes, skipped_tokens = _choose(records, pool.num_free_blocks, pool.block_size)
     except (KeyError, TypeError, IndexError, ValueError, AttributeError) as error:
         raise SnapshotCorruptError(f"the snapshot {snapshot.path} holds a malformed node: {error!r}") from None
@@ -404,36 +405,6 @@ def restore(snapshot: Snapshot, tree: RadixTree) -> SnapshotSummary:
         tree.events.emit(tree.events.hash_tree(tree.roots))
     kv_bytes = 0 if pool.kv is None else len(new_id) * pool.block_size * pool.bytes_per_token
     return SnapshotSummary(snapshot.path, len(chosen), num_tokens, len(new_id), kv_bytes, skipped_nodes, skipped_tokens)
-
-
-def _check_structure(manifest: dict[str, Any]) -> None:
-    """Check what :func:`_link` relies on, so that a manifest written wrong (checksum and all) fails before a block is
-    taken: the field types, namespace and block indices in range, each saved block held by one node (plus the child
-    that shares it), and distinct first tokens among siblings.  O(saved tokens)."""
-    namespaces, num_blocks = manifest["namespaces"], manifest["num_blocks"]
-    if not isinstance(manifest["clock"], int) or not all(n is None or isinstance(n, str) for n in namespaces):
-        raise TypeError("the clock must be an int and every namespace a str or null")
-    owner: dict[int, int] = {}
-    first_tokens: set[tuple[int, int, int]] = set()
-    for index, record in enumerate(manifest["nodes"]):
-        tokens, blocks, parent, ns = record["tokens"], record["blocks"], record["parent"], record["namespace"]
-        if not 0 <= ns < len(namespaces) or (parent >= 0 and manifest["nodes"][parent]["namespace"] != ns):
-            raise ValueError(f"node {index} names namespace {ns!r}")
-        if not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in tokens) or not tokens:
-            raise ValueError(f"node {index} holds a token that is not an id")
-        if (parent, ns, tokens[0]) in first_tokens:
-            raise ValueError(f"node {index} starts with the same token as a sibling")
-        first_tokens.add((parent, ns, tokens[0]))
-        for position, block in enumerate(blocks):
-            if type(block) is not int or not 0 <= block < num_blocks:
-                raise ValueError(f"node {index} names block {block!r} of {num_blocks}")
-            if (position or not record["shares_first"]) and owner.setdefault(block, index) != index:
-                raise ValueError(f"node {index} holds block {block}, which node {owner[block]} holds too")
-        for key in ("last_access", "hit_count", "priority"):
-            if type(record[key]) is not int:
-                raise TypeError(f"node {index} has {key} {record[key]!r}")
-        if not (record["retain_s"] is None or isinstance(record["retain_s"], (int, float))):
-            raise TypeError(f"node {index} has retain_s {record['retain_s']!r}")
 
 
 def _choose(records: list[dict[str, Any]], budget_blocks: int, block_size: int) -> tuple[list[int], int, int]:
