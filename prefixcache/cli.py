@@ -138,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--plot", metavar="OUT.png", help="draw hit rate vs ideal and pool occupancy (matplotlib)")
     replay.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
 
-    names = ", ".join(BENCHMARKS)
+    # serve joins the list where the server extra is installed (_run_bench adds it); find_spec imports nothing.
+    with_serve = all(
+        importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn", "httpx", "prometheus_client")
+    )
+    names = ", ".join([*BENCHMARKS, *(["serve"] if with_serve else [])])
     bench = commands.add_parser("bench", help="run benchmarks and print figures")
     bench.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {names} (default all)")
     bench.add_argument("--quick", action="store_true", help="small sizes (seconds); figures are not judged")

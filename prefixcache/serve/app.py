@@ -15,6 +15,7 @@ the router's own 404 and 405 included, has OpenAI's shape ``{"error": {"message"
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import uuid
@@ -23,7 +24,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from prefixcache.engine.chat import ChatCompletion, chat_stream, completion_stream
@@ -57,15 +58,24 @@ def _status_of(error: BaseException) -> int:
     return 400 if isinstance(error, PrefixCacheError) else 500
 
 
-def _error_response(error: BaseException) -> JSONResponse:
+# The bytes Starlette's JSONResponse renders, from encoders built once rather than per response or SSE chunk.
+_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+_SSE_JSON = json.JSONEncoder(ensure_ascii=False)
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(_JSON.encode(body).encode(), status, headers, media_type="application/json")
+
+
+def _error_response(error: BaseException) -> Response:
     if isinstance(error, BadRequest):
         kind = "not_found_error" if error.status == 404 else "invalid_request_error"
         body = error_body(str(error), kind=kind, param=error.param, code=error.code)
-        return JSONResponse(body, status_code=error.status)
+        return _json(body, error.status)
     status = _status_of(error)
     kind = "invalid_request_error" if status == 400 else "server_error"
     message = str(error) if status != 500 else f"internal error: {type(error).__name__}"
-    return JSONResponse(error_body(message, kind=kind), status_code=status)
+    return _json(error_body(message, kind=kind), status)
 
 
 async def _closing(lines: AsyncIterator[str], events: Any) -> AsyncIterator[str]:
@@ -79,7 +89,16 @@ async def _closing(lines: AsyncIterator[str], events: Any) -> AsyncIterator[str]
 
 
 def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    return f"data: {_SSE_JSON.encode(obj)}\n\n"
+
+
+# FastAPI's native OpenTelemetry (FastAPI >= 0.165) checks the global providers on every request and wraps each in
+# its middleware; the server's own /metrics covers what it would record, so it is switched off where it exists.
+_NO_TELEMETRY = (
+    {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+    if "telemetry" in inspect.signature(FastAPI.__init__).parameters
+    else {}
+)
 
 
 def create_app(
@@ -122,28 +141,50 @@ def create_app(
             await snapshots.save()
             worker.close()
 
-    app = FastAPI(title="prefixcache", lifespan=lifespan)
+    # Every handler reads its own body (to answer a bad one with OpenAI's error shape) and builds its own response,
+    # so the routes are plain Starlette routes (app.add_route): FastAPI's per-request dependency solving and
+    # response serialization would cost ~0.1 ms a request for nothing.  Without typed routes there is no OpenAPI
+    # schema to show, hence no /docs.
+    app = FastAPI(title="prefixcache", lifespan=lifespan, openapi_url=None, **_NO_TELEMETRY)
     app.state.runner = runner
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.snapshots = snapshots
 
-    async def run_job(
-        start: Callable[[], Generator[Any, None, Any]], deltas: bool = True
-    ) -> AsyncIterator[tuple[str, Any]]:
+    async def run_job(start: Callable[[], Generator[Any, None, Any]]) -> AsyncIterator[tuple[str, Any]]:
+        """A streamed job's events, its deltas and then its end; closing this cancels the job."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
         def sink(kind: str, value: Any) -> None:
             loop.call_soon_threadsafe(events.put_nowait, (kind, value))
 
-        job = worker.submit(start, sink, deltas=deltas)
+        job = worker.submit(start, sink, deltas=True)
         try:
             while True:
                 kind, value = await events.get()
                 yield kind, value
                 if kind != "delta":
                     return
+        finally:
+            job.cancel()
+
+    async def finish_job(start: Callable[[], Generator[Any, None, Any]]) -> tuple[str, Any]:
+        """A job's end only (``"done"``, ``"error"`` or ``"cancelled"``, and its value): one future and one wake-up
+        of the event loop, where a stream needs a queue.  A request cancelled while waiting cancels its job."""
+        loop = asyncio.get_running_loop()
+        ended: asyncio.Future[tuple[str, Any]] = loop.create_future()
+
+        def settle(outcome: tuple[str, Any]) -> None:
+            if not ended.done():  # the request may have been cancelled (client gone) before its job ended
+                ended.set_result(outcome)
+
+        def sink(kind: str, value: Any) -> None:
+            loop.call_soon_threadsafe(settle, (kind, value))
+
+        job = worker.submit(start, sink, deltas=False)
+        try:
+            return await ended
         finally:
             job.cancel()
 
@@ -162,45 +203,47 @@ def create_app(
                 f"the model {name!r} does not exist; this server serves {model_name!r}", "model", 404, "model_not_found"
             )
 
+    def route(path: str, method: str) -> Callable[[Callable[[Request], Any]], Callable[[Request], Any]]:
+        def add(endpoint: Callable[[Request], Any]) -> Callable[[Request], Any]:
+            app.add_route(path, endpoint, methods=[method])
+            return endpoint
+
+        return add
+
     @app.exception_handler(Unauthorized)
-    async def unauthorized(request: Request, error: Unauthorized) -> JSONResponse:
+    async def unauthorized(request: Request, error: Unauthorized) -> Response:
         body = error_body(str(error), param=None, code="invalid_api_key")
-        return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return _json(body, 401, {"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+    async def http_error(request: Request, error: HTTPException) -> Response:
         # The router's own 404 (no such path) and 405 (wrong method), in the error shape every OpenAI client parses.
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         message = f"{error.detail}: {request.method} {request.url.path}"
         body = error_body(message, kind=kind, code=str(error.detail).lower().replace(" ", "_"))
-        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
+        return _json(body, error.status_code, error.headers)
 
     @app.exception_handler(BadRequest)
-    async def bad_request(request: Request, error: BadRequest) -> JSONResponse:
+    async def bad_request(request: Request, error: BadRequest) -> Response:
         metrics.failed(request.url.path, error.status)
         return _error_response(error)
 
-    @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "pending_requests": worker.num_active}
+    @route("/health", "GET")
+    async def health(request: Request) -> Response:
+        return _json({"status": "ok", "model": model_name, "pending_requests": worker.num_active})
 
-    @app.get("/metrics")
-    async def scrape() -> Response:
+    @route("/metrics", "GET")
+    async def scrape(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
+    @route("/v1/models", "GET")
+    async def models(request: Request) -> Response:
         authenticate(request)
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "prefixcache"}
-        return {"object": "list", "data": [card]}
+        return _json({"object": "list", "data": [card]})
 
-    async def _collect(events: Any, kind: str, value: Any, endpoint: str) -> ChatCompletion | Response:
-        """Drain a job's events to its end: the finished completion, or the error response (counted in metrics)."""
-        try:
-            while kind == "delta":
-                kind, value = await anext(events)
-        finally:
-            await events.aclose()
+    def outcome(kind: str, value: Any, endpoint: str) -> ChatCompletion | Response:
+        """A job's end: the finished completion, or the error response (either counted in metrics)."""
         if kind != "done":
             error = value if kind == "error" else RuntimeError("the server is shutting down")
             metrics.failed(endpoint, _status_of(error))
@@ -208,7 +251,7 @@ def create_app(
         metrics.observe(endpoint, value.usage)
         return value
 
-    @app.post("/v1/chat/completions")
+    @route("/v1/chat/completions", "POST")
     async def chat_completions(request: Request) -> Response:
         namespace = authenticate(request)
         chat = parse_chat_request(await read_json(request))
@@ -227,13 +270,14 @@ def create_app(
                 **chat.sampling,
             )
 
-        events = run_job(start, deltas=chat.stream)
+        if not chat.stream:
+            done = outcome(*await finish_job(start), "/v1/chat/completions")
+            return done if isinstance(done, Response) else _json(chat_response(request_id, model_name, done))
+        events = run_job(start)
         kind, first = await anext(events)
-        if not chat.stream or kind == "error":
-            done = await _collect(events, kind, first, "/v1/chat/completions")
-            if isinstance(done, Response):
-                return done
-            return JSONResponse(chat_response(request_id, model_name, done))
+        if kind == "error":
+            await events.aclose()
+            return outcome(kind, first, "/v1/chat/completions")
 
         async def chat_sse() -> AsyncIterator[str]:
             kind_, value = kind, first
@@ -257,7 +301,7 @@ def create_app(
 
         return StreamingResponse(_closing(chat_sse(), events), media_type="text/event-stream")
 
-    @app.post("/v1/completions")
+    @route("/v1/completions", "POST")
     async def completions(request: Request) -> Response:
         namespace = authenticate(request)
         body = parse_completion_request(await read_json(request), runner.tokenizer.vocab_size)
@@ -270,15 +314,17 @@ def create_app(
                 runner, ids, stop=body.stop, namespace=namespace, request_id=request_id, **body.sampling
             )
 
-        events = run_job(start, deltas=body.stream)
-        kind, first = await anext(events)
-        if not body.stream or kind == "error":
-            done = await _collect(events, kind, first, "/v1/completions")
+        if not body.stream:
+            done = outcome(*await finish_job(start), "/v1/completions")
             if isinstance(done, Response):
                 return done
-            return JSONResponse(
-                completion_response(request_id, model_name, done.content or "", done.finish_reason, done.usage)
-            )
+            text = done.content or ""
+            return _json(completion_response(request_id, model_name, text, done.finish_reason, done.usage))
+        events = run_job(start)
+        kind, first = await anext(events)
+        if kind == "error":
+            await events.aclose()
+            return outcome(kind, first, "/v1/completions")
 
         async def completion_sse() -> AsyncIterator[str]:
             kind_, value = kind, first
@@ -299,7 +345,7 @@ def create_app(
 
         return StreamingResponse(_closing(completion_sse(), events), media_type="text/event-stream")
 
-    @app.post("/v1/cache/prefill")
+    @route("/v1/cache/prefill", "POST")
     async def prefill(request: Request) -> Response:
         namespace = authenticate(request)
         body = parse_prefill_request(await read_json(request), runner.tokenizer.vocab_size)
@@ -316,13 +362,9 @@ def create_app(
             params = SamplingParams(max_new_tokens=0)
             return runner.stream(ids, params, namespace=namespace, priority=body.priority, retain_s=body.retain_s)
 
-        async for kind, value in run_job(start, deltas=False):
-            if kind == "error":
-                metrics.failed("/v1/cache/prefill", _status_of(value))
-                return _error_response(value)
-            if kind == "done":
-                metrics.observe("/v1/cache/prefill", value.usage)
-                return JSONResponse({"object": "cache.prefill", "usage": usage_json(value.usage)})
-        return _error_response(RuntimeError("the server is shutting down"))
+        done = outcome(*await finish_job(start), "/v1/cache/prefill")
+        if isinstance(done, Response):
+            return done
+        return _json({"object": "cache.prefill", "usage": usage_json(done.usage)})
 
     return app

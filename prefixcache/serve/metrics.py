@@ -7,6 +7,8 @@ several apps in one process (tests) do not collide.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -57,9 +59,13 @@ class ServerMetrics:
             "prefixcache_ttft_seconds", "Time to first token (prefill)", buckets=_TTFT_BUCKETS, registry=self.registry
         )
         self.registry.register(_CacheCollector(cache))
+        self._served: dict[str, Any] = {}  # endpoint -> its "ok" child, since labels() takes a lock and a lookup
 
     def observe(self, endpoint: str, usage: Usage) -> None:
-        self.requests.labels(endpoint, "ok").inc()
+        served = self._served.get(endpoint)
+        if served is None:
+            served = self._served[endpoint] = self.requests.labels(endpoint, "ok")
+        served.inc()
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.prompt_cached_tokens.inc(usage.cached_tokens)
         self.prefilled_tokens.inc(usage.prefilled_tokens)

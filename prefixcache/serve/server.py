@@ -34,6 +34,21 @@ def bind(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
+def _config(app: FastAPI, log_level: str, **options: object) -> uvicorn.Config:
+    """uvicorn's settings for ``app``.  The access log is kept only where it is printed (``log_level`` info or
+    more verbose): uvicorn formats each line's arguments (client address, path) before the logger drops it, and
+    the client address is its only use of the proxy headers, so both go when nothing is logged."""
+    logged = log_level.lower() in ("info", "debug", "trace")
+    return uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=logged,
+        proxy_headers=logged,
+        timeout_graceful_shutdown=5,
+        **options,  # type: ignore[arg-type]
+    )
+
+
 def serve_forever(
     app: FastAPI,
     host: str = "127.0.0.1",
@@ -51,7 +66,7 @@ def serve_forever(
     if announce is not None:
         bound = sock.getsockname()[1]
         announce(f"http://{f'[{host}]' if ':' in host else host}:{bound}")
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+    config = _config(app, log_level)
     try:
         uvicorn.Server(config).run(sockets=[sock])
     except KeyboardInterrupt:
@@ -92,7 +107,7 @@ def start_background(
     """
     sock = bind(host, port)
     actual_port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, lifespan="on")
+    config = _config(app, "warning", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()

@@ -29,20 +29,18 @@ or ``("cancelled", None)``; called on the worker thread."""
 class Job:
     """One submitted request: :meth:`cancel` from any thread stops it at its next step."""
 
-    __slots__ = ("_cancelled", "deltas", "on_event", "start")
+    __slots__ = ("cancelled", "deltas", "on_event", "start")
 
     def __init__(self, start: JobStart, on_event: EventSink, deltas: bool = True) -> None:
         self.start = start
         self.on_event = on_event
         self.deltas = deltas
-        self._cancelled = threading.Event()
+        # A plain flag, not a threading.Event: nobody waits on it, the worker only polls it between steps, and a
+        # bool store is atomic under the GIL (an Event costs a Condition and a lock per request).
+        self.cancelled = False
 
     def cancel(self) -> None:
-        self._cancelled.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
+        self.cancelled = True
 
 
 class ModelWorker:
