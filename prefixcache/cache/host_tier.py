@@ -377,9 +377,8 @@ class HostTier:
                 break
             hits.append((run, k))
             h.update(data[(j + 1) * step : (j + k) * step])
+            # A run that leaves q partway is a branch point, not an end: a sibling's run may go on from block j + k.
             j += k
-            if k < len(run.block_ids):
-                break
         return hits
 
     def _promote(
