@@ -154,22 +154,7 @@ def measure_granularity(
         for i, size in enumerate(sizes)
         for g in ("block", "leaf")
     }
-    hit = dict.fromkeys(caches, 0)
-    input_tokens = 0
-    for request in iter_mooncake(path, limit=limit):
-        tokens = array(TOKEN_TYPECODE)
-        tokens.frombytes(request.token_ids.tobytes())
-        n = len(tokens)
-        input_tokens += n
-        for key, cache in caches.items():
-            if -(-n // block_size) > sizes[key[0]]:
-                continue
-            try:
-                lease = cache.acquire(tokens, num_tokens=n)
-            except OutOfBlocksError:
-                continue
-            cache.commit(lease, tokens)
-            hit[key] += lease.num_cached_tokens
+    hit, _, input_tokens = _stream_lockstep(path, limit, caches, sizes, block_size)
     return [
         {
             "fraction": fraction,
@@ -193,26 +178,7 @@ def measure_host_tier(
         caches[i, False] = RadixCache(KVBlockPool(size, block_size))
         pool = KVBlockPool(size, block_size)
         caches[i, True] = RadixCache(pool, host_pool=make_host_pool(pool, size * HOST_TIER_FACTOR))
-    hit = dict.fromkeys(caches, 0)
-    seconds = dict.fromkeys(caches, 0.0)
-    input_tokens = 0
-    clock = time.perf_counter
-    for request in iter_mooncake(path, limit=limit):
-        tokens = array(TOKEN_TYPECODE)
-        tokens.frombytes(request.token_ids.tobytes())
-        n = len(tokens)
-        input_tokens += n
-        for key, cache in caches.items():
-            if -(-n // block_size) > sizes[key[0]]:
-                continue
-            start = clock()
-            try:
-                lease = cache.acquire(tokens, num_tokens=n)
-            except OutOfBlocksError:
-                continue
-            cache.commit(lease, tokens)
-            seconds[key] += clock() - start
-            hit[key] += lease.num_cached_tokens
+    hit, seconds, input_tokens = _stream_lockstep(path, limit, caches, sizes, block_size)
     rows = []
     for i, fraction in enumerate(HOST_TIER_FRACTIONS):
         tiered = caches[i, True].stats()
@@ -352,3 +318,32 @@ def run(quick: bool = False) -> BenchResult:
         "traces": results,
     }
     return BenchResult("trace", (table, granularity, host_tier), data)
+
+
+def _stream_lockstep(
+    path: Path, limit: int | None, caches: dict[tuple, RadixCache], sizes: list[int], block_size: int
+) -> tuple[dict[tuple, int], dict[tuple, float], int]:
+    """Stream the trace once through every cache in lockstep (each request admitted and committed whole; one that
+    cannot fit a cache of ``sizes[key[0]]`` blocks is skipped there).  Returns per cache its hit tokens and the
+    seconds (``time.perf_counter``) spent in it, and the trace's input tokens."""
+    hit = dict.fromkeys(caches, 0)
+    seconds = dict.fromkeys(caches, 0.0)
+    input_tokens = 0
+    clock = time.perf_counter
+    for request in iter_mooncake(path, limit=limit):
+        tokens = array(TOKEN_TYPECODE)
+        tokens.frombytes(request.token_ids.tobytes())
+        n = len(tokens)
+        input_tokens += n
+        for key, cache in caches.items():
+            if -(-n // block_size) > sizes[key[0]]:
+                continue
+            start = clock()
+            try:
+                lease = cache.acquire(tokens, num_tokens=n)
+            except OutOfBlocksError:
+                continue
+            cache.commit(lease, tokens)
+            seconds[key] += clock() - start
+            hit[key] += lease.num_cached_tokens
+    return hit, seconds, input_tokens
