@@ -110,5 +110,14 @@ class SnapshotMismatchError(SnapshotError):
     format version.  Loading it would serve K/V computed by another model, so it is refused."""
 
 
+class SnapshotWriteError(SnapshotError, OSError):
+    """Saving a snapshot failed on the file system (a write, fsync, folder or rename); the previous version stays
+    current.  Also an ``OSError``: ``errno`` is the operating system's."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno
+
+
 class VerificationError(PrefixCacheError, AssertionError):
     """Cached output differed from the uncached reference beyond tolerance (``--verify``)."""

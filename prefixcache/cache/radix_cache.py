@@ -420,7 +420,7 @@ class RadixCache:
         O(cached tokens) plus the copy and the write of the saved blocks.
 
         Raises:
-            OSError: a write failed (the previous snapshot stays current).
+            SnapshotWriteError: a write failed (also an OSError; the previous snapshot stays current).
             SnapshotError: safetensors is missing.
         """
         with self._mutex:

@@ -16,6 +16,11 @@ Windows).  That replace is the commit point: an exception or a crash before it l
 and intact, and after it the new one is complete.  Older versions and stale temporary folders are removed last
 (a failure there is only logged); the next save removes what a crash left behind.
 
+Several processes.  A save holds an exclusive ``flock`` on the snapshot folder itself and a read a shared one (POSIX;
+no lock file is made), so two processes saving into one folder take turns instead of removing each other's new
+version, and a reader never sees the version it is reading removed under it.  Within a process a mutex serializes
+saves as well (and is all there is on Windows, which has no ``flock``).
+
 Integrity.  ``snapshot.json`` holds its own checksum (xxh3-128 of the canonical JSON of the rest) and the size and
 checksum of ``kv.safetensors``, so a truncated, edited or damaged file is refused before anything is loaded
 (:class:`~prefixcache.errors.SnapshotCorruptError`).  A sound snapshot of another block size, KV dtype, KV shape or
@@ -48,6 +53,8 @@ import threading
 import time
 import uuid
 from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,7 +67,13 @@ from prefixcache.cache.node import Node, new_root
 from prefixcache.cache.pool import BLOCK_ID_DTYPE, KVBlockPool
 from prefixcache.cache.snapshot_manifest import check_structure
 from prefixcache.cache.tokens import TOKEN_TYPECODE
-from prefixcache.errors import SnapshotCorruptError, SnapshotError, SnapshotMismatchError, SnapshotNotFoundError
+from prefixcache.errors import (
+    SnapshotCorruptError,
+    SnapshotError,
+    SnapshotMismatchError,
+    SnapshotNotFoundError,
+    SnapshotWriteError,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -211,7 +224,8 @@ def write(snapshot: Snapshot, directory: str | os.PathLike[str]) -> SnapshotSumm
     Raises:
         SnapshotError: safetensors is not installed (``pip install 'prefixcache[snapshot]'``), or ``directory`` (or
             a folder above it) is a file.
-        OSError: a write, fsync or rename failed before the commit point; the previous version stays current.
+        SnapshotWriteError: a write, fsync or rename failed before the commit point (also an ``OSError``, with the
+            operating system's ``errno``); the previous version stays current.
     """
     folder = Path(directory)
     _check_folder(folder)
@@ -226,36 +240,48 @@ def write(snapshot: Snapshot, directory: str | os.PathLike[str]) -> SnapshotSumm
     body = _canonical(manifest)
     document = json.dumps({"checksum": {"xxh3_128": _digest(body)}, "manifest": manifest}, separators=(",", ":"))
     with _write_lock:
-        os.makedirs(folder, exist_ok=True)
-        name = f"{VERSION_PREFIX}{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
-        temp = folder / f"{TEMP_PREFIX}{name}"
-        final = folder / name
-        committed = False
         try:
-            os.mkdir(temp)
-            for file_name, blob in blobs.items():
-                _write_file(temp / file_name, blob)
-            _write_file(temp / MANIFEST, document.encode())
-            _fsync_dir(temp)
-            os.rename(temp, final)
-            _fsync_dir(folder)
-            pointer = folder / f"{TEMP_PREFIX}{CURRENT}"
-            _write_file(pointer, (name + "\n").encode())
-            os.replace(pointer, folder / CURRENT)
-            committed = True
-        finally:
-            if not committed:
-                for leftover in (temp, final, folder / f"{TEMP_PREFIX}{CURRENT}"):
-                    _remove(leftover)
-        try:
-            _fsync_dir(folder)
-        except Exception as error:  # the new version is current: a failure here must not report the save failed
-            logger.warning("snapshot %s is current, but syncing its folder failed: %s", final, error)
-        for entry in _entries(folder):
-            # Only what saves make: other files a user keeps in the folder stay.
-            stale = entry.startswith(TEMP_PREFIX) or (entry.startswith(VERSION_PREFIX) and (folder / entry).is_dir())
-            if entry != name and stale:
-                _remove(folder / entry)
+            os.makedirs(folder, exist_ok=True)
+        except OSError as error:
+            raise _write_error(folder, error) from error
+        with _folder_lock(folder, exclusive=True):
+            return _write_locked(folder, document, blobs, tensors, manifest)
+
+
+def _write_locked(
+    folder: Path, document: str, blobs: dict[str, bytes], tensors: dict[str, torch.Tensor], manifest: dict[str, Any]
+) -> SnapshotSummary:
+    name = f"{VERSION_PREFIX}{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
+    temp = folder / f"{TEMP_PREFIX}{name}"
+    final = folder / name
+    committed = False
+    try:
+        os.mkdir(temp)
+        for file_name, blob in blobs.items():
+            _write_file(temp / file_name, blob)
+        _write_file(temp / MANIFEST, document.encode())
+        _fsync_dir(temp)
+        os.rename(temp, final)
+        _fsync_dir(folder)
+        pointer = folder / f"{TEMP_PREFIX}{CURRENT}"
+        _write_file(pointer, (name + "\n").encode())
+        os.replace(pointer, folder / CURRENT)
+        committed = True
+    except OSError as error:
+        raise _write_error(folder, error) from error
+    finally:
+        if not committed:
+            for leftover in (temp, final, folder / f"{TEMP_PREFIX}{CURRENT}"):
+                _remove(leftover)
+    try:
+        _fsync_dir(folder)
+    except Exception as error:  # the new version is current: a failure here must not report the save failed
+        logger.warning("snapshot %s is current, but syncing its folder failed: %s", final, error)
+    for entry in _entries(folder):
+        # Only what saves make: other files a user keeps in the folder stay.
+        stale = entry.startswith(TEMP_PREFIX) or (entry.startswith(VERSION_PREFIX) and (folder / entry).is_dir())
+        if entry != name and stale:
+            _remove(folder / entry)
     kv_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     host_runs = manifest.get("host_runs", [])
     return SnapshotSummary(
@@ -285,6 +311,11 @@ def read(directory: str | os.PathLike[str]) -> Snapshot:
         SnapshotError: safetensors is not installed.
     """
     folder = Path(directory)
+    with _folder_lock(folder, exclusive=False):
+        return _read_locked(folder)
+
+
+def _read_locked(folder: Path) -> Snapshot:
     pointer = folder / CURRENT
     if pointer.is_file():
         name = _read_bytes(pointer).decode(errors="replace").strip()
@@ -533,6 +564,31 @@ def _check_folder(folder: Path) -> None:
                 where = "is" if path == folder else f"lies under {path}, which is"
                 raise SnapshotError(f"the snapshot folder {folder} {where} a file, not a folder")
             return
+
+
+def _write_error(folder: Path, error: OSError) -> SnapshotWriteError:
+    return SnapshotWriteError(f"saving a snapshot into {folder} failed: {error}", error.errno)
+
+
+@contextmanager
+def _folder_lock(folder: Path, *, exclusive: bool) -> Iterator[None]:
+    """Hold a ``flock`` on the folder itself (exclusive to save, shared to read) where the platform has one; a folder
+    that cannot be opened (missing: nothing to read yet) is not locked."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: the in-process mutex only
+        yield
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _read_bytes(path: Path) -> bytes:

@@ -190,7 +190,7 @@ class PrefixCachingRunner:
         changes nothing in the cache).  Call it between requests' model steps (the server saves on its model thread).
 
         Raises:
-            OSError: a write failed; the previous snapshot stays current.
+            SnapshotWriteError: a write failed (also an OSError); the previous snapshot stays current.
             SnapshotError: safetensors is missing.
         """
         self._check_weights()
