@@ -510,7 +510,9 @@ def _check_retention(priority: int | None, retain_s: float | None) -> tuple[int,
         return None
     if isinstance(priority, bool) or not isinstance(priority, int) or priority < 1:
         raise InvalidArgumentError(f"priority must be a positive int, got {priority!r}")
-    if retain_s is not None and (isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or retain_s <= 0):
+    if retain_s is not None and (
+        isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not retain_s > 0  # NaN too
+    ):
         raise InvalidArgumentError(f"retain_s must be a positive number of seconds, got {retain_s!r}")
     return priority, retain_s
 

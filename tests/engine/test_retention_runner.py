@@ -43,3 +43,13 @@ def test_retain_s_without_priority_is_refused(tiny) -> None:
     with pytest.raises(InvalidArgumentError):
         runner.prefill(ids(1, 10), retain_s=5.0)
     assert runner.cache.stats().query_tokens == 0
+
+
+@pytest.mark.parametrize("retain_s", [float("nan"), -1.0, 0, "5", True])
+def test_a_bad_retain_s_is_refused_before_any_work(tiny, retain_s) -> None:
+    runner = PrefixCachingRunner(tiny, num_blocks=16, block_size=16)
+    with pytest.raises(InvalidArgumentError, match="retain_s"):
+        runner.prefill(ids(1, 10), priority=1, retain_s=retain_s)
+    stats = runner.cache.stats()
+    assert (stats.query_tokens, stats.cached_tokens, stats.retained_tokens) == (0, 0, 0)
+    runner.cache.check_invariants()
