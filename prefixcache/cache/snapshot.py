@@ -48,23 +48,30 @@ import heapq
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 import uuid
 from array import array
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import xxhash
 
 from prefixcache.cache.node import Node, new_root
 from prefixcache.cache.pool import BLOCK_ID_DTYPE, KVBlockPool
+from prefixcache.cache.snapshot_folder import (
+    canonical,
+    check_folder,
+    digest,
+    entries,
+    folder_lock,
+    read_bytes,
+    remove,
+    safetensors_module,
+    write_error,
+)
 from prefixcache.cache.snapshot_manifest import check_structure
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.errors import (
@@ -72,7 +79,6 @@ from prefixcache.errors import (
     SnapshotError,
     SnapshotMismatchError,
     SnapshotNotFoundError,
-    SnapshotWriteError,
 )
 
 if TYPE_CHECKING:
@@ -228,23 +234,23 @@ def write(snapshot: Snapshot, directory: str | os.PathLike[str]) -> SnapshotSumm
             operating system's ``errno``); the previous version stays current.
     """
     folder = Path(directory)
-    _check_folder(folder)
+    check_folder(folder)
     manifest = dict(snapshot.manifest)
     files: dict[str, dict[str, Any]] = {}
     blobs: dict[str, bytes] = {}
     tensors = {name: t for name, t in (("kv", snapshot.kv), ("host_kv", snapshot.host_kv)) if t is not None}
     if tensors:
-        blobs[KV_FILE] = _safetensors().save(tensors, metadata={"format": FORMAT})
-        files[KV_FILE] = {"bytes": len(blobs[KV_FILE]), "xxh3_128": _digest(blobs[KV_FILE])}
+        blobs[KV_FILE] = safetensors_module().save(tensors, metadata={"format": FORMAT})
+        files[KV_FILE] = {"bytes": len(blobs[KV_FILE]), "xxh3_128": digest(blobs[KV_FILE])}
     manifest["files"] = files
-    body = _canonical(manifest)
-    document = json.dumps({"checksum": {"xxh3_128": _digest(body)}, "manifest": manifest}, separators=(",", ":"))
+    body = canonical(manifest)
+    document = json.dumps({"checksum": {"xxh3_128": digest(body)}, "manifest": manifest}, separators=(",", ":"))
     with _write_lock:
         try:
             os.makedirs(folder, exist_ok=True)
         except OSError as error:
-            raise _write_error(folder, error) from error
-        with _folder_lock(folder, exclusive=True):
+            raise write_error(folder, error) from error
+        with folder_lock(folder, exclusive=True):
             return _write_locked(folder, document, blobs, tensors, manifest)
 
 
@@ -268,20 +274,20 @@ def _write_locked(
         os.replace(pointer, folder / CURRENT)
         committed = True
     except OSError as error:
-        raise _write_error(folder, error) from error
+        raise write_error(folder, error) from error
     finally:
         if not committed:
             for leftover in (temp, final, folder / f"{TEMP_PREFIX}{CURRENT}"):
-                _remove(leftover)
+                remove(leftover)
     try:
         _fsync_dir(folder)
     except Exception as error:  # the new version is current: a failure here must not report the save failed
         logger.warning("snapshot %s is current, but syncing its folder failed: %s", final, error)
-    for entry in _entries(folder):
+    for entry in entries(folder):
         # Only what saves make: other files a user keeps in the folder stay.
         stale = entry.startswith(TEMP_PREFIX) or (entry.startswith(VERSION_PREFIX) and (folder / entry).is_dir())
         if entry != name and stale:
-            _remove(folder / entry)
+            remove(folder / entry)
     kv_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     host_runs = manifest.get("host_runs", [])
     return SnapshotSummary(
@@ -311,14 +317,14 @@ def read(directory: str | os.PathLike[str]) -> Snapshot:
         SnapshotError: safetensors is not installed.
     """
     folder = Path(directory)
-    with _folder_lock(folder, exclusive=False):
+    with folder_lock(folder, exclusive=False):
         return _read_locked(folder)
 
 
 def _read_locked(folder: Path) -> Snapshot:
     pointer = folder / CURRENT
     if pointer.is_file():
-        name = _read_bytes(pointer).decode(errors="replace").strip()
+        name = read_bytes(pointer).decode(errors="replace").strip()
         if not name.startswith(VERSION_PREFIX) or "/" in name or "\\" in name or name in (".", ".."):
             raise SnapshotCorruptError(f"{pointer} names no snapshot version ({name[:80]!r})")
         version = folder / name
@@ -331,15 +337,15 @@ def _read_locked(folder: Path) -> Snapshot:
     manifest = _read_manifest(version / MANIFEST)
     kv = host_kv = None
     if KV_FILE in manifest["files"]:
-        blob = _read_bytes(version / KV_FILE)
+        blob = read_bytes(version / KV_FILE)
         expected = manifest["files"][KV_FILE]
-        if len(blob) != expected.get("bytes") or _digest(blob) != expected.get("xxh3_128"):
+        if len(blob) != expected.get("bytes") or digest(blob) != expected.get("xxh3_128"):
             raise SnapshotCorruptError(
                 f"{version / KV_FILE}: {len(blob)} bytes whose checksum does not match the {expected.get('bytes')} "
                 "bytes written (truncated or damaged)"
             )
         try:
-            tensors = _safetensors().load(blob)
+            tensors = safetensors_module().load(blob)
             kv, host_kv = tensors.get("kv"), tensors.get("host_kv")
         except SnapshotError:
             raise
@@ -536,12 +542,12 @@ def _link(
 
 def _read_manifest(path: Path) -> dict[str, Any]:
     try:
-        document = json.loads(_read_bytes(path))
+        document = json.loads(read_bytes(path))
         manifest = document["manifest"]
         checksum = document["checksum"]["xxh3_128"]
     except (ValueError, KeyError, TypeError) as error:
         raise SnapshotCorruptError(f"{path} is not a snapshot manifest: {error}") from None
-    if not isinstance(manifest, dict) or _digest(_canonical(manifest)) != checksum:
+    if not isinstance(manifest, dict) or digest(canonical(manifest)) != checksum:
         raise SnapshotCorruptError(f"{path} does not match its checksum (edited or damaged)")
     if manifest.get("format") != FORMAT:
         raise SnapshotCorruptError(f"{path} is not a {FORMAT} manifest")
@@ -554,48 +560,6 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     if wrong:
         raise SnapshotCorruptError(f"{path} lacks or mistypes {', '.join(wrong)} (written wrong)")
     return manifest
-
-
-def _check_folder(folder: Path) -> None:
-    """Refuse a snapshot folder that is a file, or lies under one, before any work (a wrong path, not a disk fault)."""
-    for path in (folder, *folder.parents):
-        if path.exists():
-            if not path.is_dir():
-                where = "is" if path == folder else f"lies under {path}, which is"
-                raise SnapshotError(f"the snapshot folder {folder} {where} a file, not a folder")
-            return
-
-
-def _write_error(folder: Path, error: OSError) -> SnapshotWriteError:
-    return SnapshotWriteError(f"saving a snapshot into {folder} failed: {error}", error.errno)
-
-
-@contextmanager
-def _folder_lock(folder: Path, *, exclusive: bool) -> Iterator[None]:
-    """Hold a ``flock`` on the folder itself (exclusive to save, shared to read) where the platform has one; a folder
-    that cannot be opened (missing: nothing to read yet) is not locked."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: the in-process mutex only
-        yield
-        return
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        yield
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
-
-
-def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as error:
-        raise SnapshotCorruptError(f"cannot read {path}: {error}") from None
 
 
 def _write_file(path: Path, data: bytes) -> None:
@@ -615,38 +579,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _entries(folder: Path) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except OSError as error:
-        logger.warning("cannot list snapshot folder %s to remove old versions: %s", folder, error)
-        return []
-
-
-def _remove(path: Path) -> None:
-    """Remove a file or folder if it is there; a failure is only logged (the next save tries again)."""
-    try:
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-    except Exception as error:  # cleaning up must not turn a finished save (or the original error) into another
-        logger.warning("cannot remove %s: %s", path, error)
-
-
-def _canonical(manifest: dict[str, Any]) -> bytes:
-    return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _digest(data: bytes) -> str:
-    return xxhash.xxh3_128_hexdigest(data)
-
-
-def _safetensors():
-    try:
-        import safetensors.torch
-    except ImportError:
-        raise SnapshotError("snapshots of K/V need safetensors: pip install 'prefixcache[snapshot]'") from None
-    return safetensors.torch

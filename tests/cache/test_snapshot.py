@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prefixcache import KVBlockPool, RadixCache
-from prefixcache.cache import snapshot
+from prefixcache.cache import snapshot, snapshot_folder
 from prefixcache.cache.events import BlockStored
 from prefixcache.errors import SnapshotCorruptError, SnapshotError, SnapshotMismatchError, SnapshotNotFoundError
 
@@ -432,7 +432,7 @@ def test_a_snapshot_of_another_format_version_is_refused(tmp_path: Path) -> None
     path = _version(tmp_path / "snap") / snapshot.MANIFEST
     document = json.loads(path.read_text())
     document["manifest"]["version"] = 99
-    document["checksum"]["xxh3_128"] = snapshot._digest(snapshot._canonical(document["manifest"]))
+    document["checksum"]["xxh3_128"] = snapshot_folder.digest(snapshot_folder.canonical(document["manifest"]))
     path.write_text(json.dumps(document))
 
     with pytest.raises(SnapshotMismatchError, match="version 99"):
@@ -444,7 +444,7 @@ def _resign(folder: Path, edit) -> None:
     path = _version(folder) / snapshot.MANIFEST
     document = json.loads(path.read_text())
     edit(document["manifest"])
-    document["checksum"]["xxh3_128"] = snapshot._digest(snapshot._canonical(document["manifest"]))
+    document["checksum"]["xxh3_128"] = snapshot_folder.digest(snapshot_folder.canonical(document["manifest"]))
     path.write_text(json.dumps(document))
 
 
