@@ -216,7 +216,7 @@ class BatchEngine:
     def call_soon(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run ``fn()`` on the engine thread before the next step's forward (never during one): for work that reads
         or fills the pool, such as snapshot save and restore.  Thread-safe; the future holds ``fn``'s result or
-        exception, or ``concurrent.futures.CancelledError`` when the engine closes first.  Raises
+        exception, or a ``RuntimeError`` when the engine closes first.  Raises
         InvalidArgumentError once the engine is closed."""
         future: Future[Any] = Future()
         with self._lock:
@@ -266,7 +266,8 @@ class BatchEngine:
                 calls, self._calls = list(self._calls), deque()
                 self._lock.notify_all()
             for _, future in calls:
-                future.set_exception(CancelledError())
+                # Not CancelledError: asyncio.wrap_future turns that into the awaiting task's own cancellation.
+                future.set_exception(RuntimeError("the engine closed before the call ran"))
 
     def _loop(self) -> None:
         while True:

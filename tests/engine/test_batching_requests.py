@@ -159,7 +159,7 @@ def test_close_cancels_queued_calls_and_requests(tiny: LlamaModel) -> None:
     call = engine.call_soon(lambda: "never")
     handle = engine.submit(_ids(8, 9), SamplingParams(max_new_tokens=3))
     engine.close()
-    with pytest.raises(CancelledError):
+    with pytest.raises(RuntimeError, match="closed"):
         call.result(1)
     with pytest.raises(CancelledError):
         handle.result(1)
