@@ -53,7 +53,12 @@ def serial(runner: PrefixCachingRunner, options: dict) -> dict:
     options["max_new_tokens"] = options.pop("max_tokens")
     result = runner.chat(messages, tools, **options)
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in result.tool_calls]
-    return {"text": result.text, "calls": calls, "finish": result.finish_reason, "prompt_tokens": result.usage.prompt_tokens}
+    return {
+        "text": result.text,
+        "calls": calls,
+        "finish": result.finish_reason,
+        "prompt_tokens": result.usage.prompt_tokens,
+    }
 
 
 def check_concurrent_equals_serial(make_app, asgi_client, make_runner, requests: list[dict]) -> None:
