@@ -433,7 +433,9 @@ class BatchEngine:
         if sampling.max_new_tokens == 0:
             self._finish(request, "prefill")
             return
-        if self.policy == "lpm" and not request.prompt_inserted:
+        # A request that ends with this token commits its prompt in this same step, before anyone else is admitted:
+        # inserting it first would only copy its partial block for nothing.
+        if self.policy == "lpm" and not request.prompt_inserted and sampling.max_new_tokens > 1:
             try:
                 self.runner.cache.insert_prefix(request.lease, request.prompt_array)
             except Exception as error:  # noqa: BLE001
