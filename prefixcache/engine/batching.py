@@ -305,17 +305,21 @@ class BatchEngine:
                 return busy
 
     def _run_calls(self) -> None:
+        # Each call stays queued while it runs, so wait_idle() and num_pending count it; calls queued meanwhile
+        # wait for the next step.
         with self._lock:
-            calls, self._calls = list(self._calls), deque()
-        for fn, future in calls:
-            if not future.set_running_or_notify_cancel():
-                continue
+            count = len(self._calls)
+        for _ in range(count):
+            with self._lock:
+                fn, future = self._calls[0]
             try:
-                value = fn()
+                if future.set_running_or_notify_cancel():
+                    future.set_result(fn())
             except BaseException as error:  # noqa: BLE001 - the caller's error, handed back through its future
                 future.set_exception(error)
-            else:
-                future.set_result(value)
+            finally:
+                with self._lock:
+                    self._calls.popleft()
 
     def _drop_cancelled(self) -> None:
         with self._lock:

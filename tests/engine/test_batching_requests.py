@@ -153,6 +153,21 @@ def test_call_soon_runs_between_steps_on_the_engine_thread(tiny: LlamaModel) -> 
     assert_quiescent(runner.cache)
 
 
+def test_a_running_call_counts_as_pending_work(tiny: LlamaModel) -> None:
+    engine = BatchEngine(PrefixCachingRunner(tiny, cache_tokens=1024, block_size=4))
+    engine.start()
+    started, release = threading.Event(), threading.Event()
+    try:
+        done = engine.call_soon(lambda: (started.set(), release.wait(30))[1])
+        assert started.wait(30)
+        assert engine.num_pending == 1 and not engine.wait_idle(0.05)
+        release.set()
+        assert done.result(30) is True and engine.wait_idle(30) and engine.num_pending == 0
+    finally:
+        release.set()
+        engine.close()
+
+
 def test_close_cancels_queued_calls_and_requests(tiny: LlamaModel) -> None:
     runner = PrefixCachingRunner(tiny, cache_tokens=1024, block_size=4)
     engine = BatchEngine(runner)
