@@ -106,6 +106,26 @@ def test_request_id_priority_and_host_tier_reach_the_cache(tiny: LlamaModel) -> 
     assert_quiescent(runner.cache)
 
 
+def test_usage_counts_tokens_promoted_from_the_host_tier_as_the_runner_does(tiny: LlamaModel) -> None:
+    document = list(range(1, 300))
+
+    def pressed() -> PrefixCachingRunner:
+        runner = PrefixCachingRunner(tiny, cache_tokens=512, host_cache_tokens=8192)
+        runner.prefill(document)
+        runner.prefill(list(range(300, 512)) * 2)  # pushes most of the document into the host tier
+        return runner
+
+    expected = pressed().generate(document + [7], SamplingParams(max_new_tokens=2)).usage
+    runner = pressed()
+    engine = BatchEngine(runner)
+    handle = engine.submit(document + [7], SamplingParams(max_new_tokens=2))
+    engine.run_until_idle()
+    usage = handle.result().usage
+    assert usage.host_cached_tokens == expected.host_cached_tokens > 0
+    assert usage.cached_tokens == expected.cached_tokens
+    assert_quiescent(runner.cache)
+
+
 def test_bad_retention_is_refused_at_submit_and_queues_nothing(tiny: LlamaModel) -> None:
     runner = PrefixCachingRunner(tiny, cache_tokens=1024, block_size=4)
     engine = BatchEngine(runner)
