@@ -22,8 +22,10 @@ Prefix-aware scheduling (``policy="lpm"``, the default), after SGLang's longest-
 
 ``policy="fcfs"`` is the engine without these: arrival order, no holding back, prompts cached when requests finish.
 
-Thread safety: :meth:`BatchEngine.submit` may be called from any thread; one thread steps the engine (the background
-thread after :meth:`BatchEngine.start`, else whoever calls :meth:`BatchEngine.run_until_idle`).
+Thread safety: :meth:`BatchEngine.submit`, :meth:`BatchEngine.call_soon` and ``cancel()`` may be called from any
+thread; one thread steps the engine (the background thread after :meth:`BatchEngine.start`, else whoever calls
+:meth:`BatchEngine.run_until_idle`).  A request's ``on_token`` callback and :meth:`BatchEngine.call_soon`'s
+functions run on that thread, between forwards.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +47,7 @@ import torch
 
 from prefixcache.cache.radix_cache import Lease
 from prefixcache.cache.tokens import TokenIds, as_token_array
-from prefixcache.engine.runner import GenerationResult, PrefixCachingRunner, Usage
+from prefixcache.engine.runner import GenerationResult, PrefixCachingRunner, Usage, _check_retention
 from prefixcache.engine.sampling import SamplingParams, sample_token, sampling_generator
 from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
 from prefixcache.models.base import BatchRow, LiveKV, forward_batch
@@ -110,6 +112,9 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     first_token_at: float | None = None
+    request_id: str | None = None
+    retention: tuple[int, float | None] | None = None
+    on_token: Callable[[int], bool] | None = None
 
     def sequence_length(self) -> int:
         return len(self.prompt) + len(self.generated)
@@ -155,19 +160,39 @@ class BatchEngine:
         self._step_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self.steps = 0
+        self.cancelled_requests = 0
+        """Requests dropped by ``cancel()`` or :meth:`close` before they finished (their blocks were freed)."""
 
     def submit(
-        self, prompt_ids: TokenIds, sampling: SamplingParams | None = None, *, namespace: str | None = None
+        self,
+        prompt_ids: TokenIds,
+        sampling: SamplingParams | None = None,
+        *,
+        namespace: str | None = None,
+        request_id: str | None = None,
+        priority: int | None = None,
+        retain_s: float | None = None,
+        on_token: Callable[[int], bool] | None = None,
     ) -> RequestHandle:
         """Queue a request; thread-safe.  Checks it as :meth:`PrefixCachingRunner.generate` does and raises the same
-        errors at once (InvalidTokensError, CapacityError, NamespaceError, InvalidArgumentError)."""
+        errors at once (InvalidTokensError, CapacityError, NamespaceError, InvalidArgumentError); a weight change
+        seen here moves the runner to a new fingerprint first, as at the runner's admission.
+
+        ``request_id``, ``priority`` and ``retain_s`` mean what they mean for :meth:`PrefixCachingRunner.stream`
+        (self-hit accounting; the prompt retained once cached).  ``on_token(token_id)`` is called on the engine
+        thread with each generated token; returning True ends the request there as ``steps.send("stop")`` ends a
+        runner stream: finish reason ``"stop"``, that token's K/V not computed, the prompt and the tokens before it
+        cached.  An exception from it fails the request (its blocks freed, nothing cached)."""
         sampling = sampling if sampling is not None else SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         runner = self.runner
         prompt = [int(t) for t in runner._check_tokens(prompt_ids, "prompt")]
+        retention = _check_retention(priority, retain_s)
         runner._check_capacity(len(prompt) + sampling.max_new_tokens)
+        runner._check_weights()
         request = _Request(
             prompt,
             sampling,
@@ -176,6 +201,9 @@ class BatchEngine:
             time.perf_counter(),
             as_token_array(prompt),
             0,
+            request_id=request_id,
+            retention=retention,
+            on_token=on_token,
         )
         with self._lock:
             if self._closed:
@@ -184,6 +212,30 @@ class BatchEngine:
             self._waiting.append(request)
             self._lock.notify_all()
         return request.handle
+
+    def call_soon(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn()`` on the engine thread before the next step's forward (never during one): for work that reads
+        or fills the pool, such as snapshot save and restore.  Thread-safe; the future holds ``fn``'s result or
+        exception, or a ``RuntimeError`` when the engine closes first.  Raises
+        InvalidArgumentError once the engine is closed."""
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._closed:
+                raise InvalidArgumentError("the engine is closed")
+            self._calls.append((fn, future))
+            self._lock.notify_all()
+        return future
+
+    @property
+    def num_pending(self) -> int:
+        """Requests waiting or running, plus functions queued by :meth:`call_soon`."""
+        with self._lock:
+            return len(self._waiting) + len(self._running) + len(self._calls)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until nothing is waiting or running (another thread steps the engine); False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not (self._waiting or self._running or self._calls), timeout)
 
     def run_until_idle(self) -> None:
         """Step in the calling thread until no request is waiting or running."""
@@ -207,14 +259,20 @@ class BatchEngine:
             thread.join()
         with self._step_lock:
             for request in [*self._waiting, *self._running]:
-                self._fail(request, CancelledError())
-            self._waiting.clear()
-            self._running.clear()
+                self._cancel(request)
+            with self._lock:
+                self._waiting.clear()
+                self._running.clear()
+                calls, self._calls = list(self._calls), deque()
+                self._lock.notify_all()
+            for _, future in calls:
+                # Not CancelledError: asyncio.wrap_future turns that into the awaiting task's own cancellation.
+                future.set_exception(RuntimeError("the engine closed before the call ran"))
 
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._closed and not self._waiting and not self._running:
+                while not self._closed and not self._waiting and not self._running and not self._calls:
                     self._lock.wait()
                 if self._closed:
                     return
@@ -224,6 +282,7 @@ class BatchEngine:
         """One scheduling step: drop cancelled requests, admit waiting ones, run one batched forward, sample, retire
         finished requests.  Returns whether any request is still waiting or running."""
         with self._step_lock:
+            self._run_calls()
             self._drop_cancelled()
             self._admit()
             rows, members = self._plan()
@@ -240,7 +299,27 @@ class BatchEngine:
                     if request.position == request.sequence_length():
                         self._advance(request, row_logits[-1])
             with self._lock:
-                return bool(self._waiting or self._running)
+                busy = bool(self._waiting or self._running or self._calls)
+                if not busy:
+                    self._lock.notify_all()  # wake wait_idle()
+                return busy
+
+    def _run_calls(self) -> None:
+        # Each call stays queued while it runs, so wait_idle() and num_pending count it; calls queued meanwhile
+        # wait for the next step.
+        with self._lock:
+            count = len(self._calls)
+        for _ in range(count):
+            with self._lock:
+                fn, future = self._calls[0]
+            try:
+                if future.set_running_or_notify_cancel():
+                    future.set_result(fn())
+            except BaseException as error:  # noqa: BLE001 - the caller's error, handed back through its future
+                future.set_exception(error)
+            finally:
+                with self._lock:
+                    self._calls.popleft()
 
     def _drop_cancelled(self) -> None:
         with self._lock:
@@ -248,7 +327,11 @@ class BatchEngine:
             for request in waiting:
                 self._waiting.remove(request)
         for request in waiting + [r for r in self._running if r.handle.cancelled]:
-            self._fail(request, CancelledError())
+            self._cancel(request)
+
+    def _cancel(self, request: _Request) -> None:
+        self.cancelled_requests += 1
+        self._fail(request, CancelledError())
 
     def _admit(self) -> None:
         with self._lock:
@@ -305,7 +388,9 @@ class BatchEngine:
         the pool is held by running requests (None)."""
         cache, pool = self.runner.cache, self.runner.pool
         try:
-            request.lease = cache.acquire(request.prompt_array, request.namespace)
+            request.lease = cache.acquire(
+                request.prompt_array, request.namespace, request_id=request.request_id, num_tokens=len(request.prompt)
+            )
             cache.reserve(request.lease, len(request.prompt))
         except OutOfBlocksError as error:
             if request.lease is not None:
@@ -352,7 +437,9 @@ class BatchEngine:
         if sampling.max_new_tokens == 0:
             self._finish(request, "prefill")
             return
-        if self.policy == "lpm" and not request.prompt_inserted:
+        # A request that ends with this token commits its prompt in this same step, before anyone else is admitted:
+        # inserting it first would only copy its partial block for nothing.
+        if self.policy == "lpm" and not request.prompt_inserted and sampling.max_new_tokens > 1:
             try:
                 self.runner.cache.insert_prefix(request.lease, request.prompt_array)
             except Exception as error:  # noqa: BLE001
@@ -364,6 +451,15 @@ class BatchEngine:
             request.first_token_at = time.perf_counter()
         request.generated.append(token)
         request.handle._emit(token)
+        if request.on_token is not None:
+            try:
+                stop = request.on_token(token)
+            except Exception as error:  # noqa: BLE001 - the callback's error belongs to its request
+                self._fail(request, error)
+                return
+            if stop:
+                self._finish(request, "stop")
+                return
         if token in sampling.stop_token_ids:
             self._finish(request, "stop")
         elif len(request.generated) >= sampling.max_new_tokens:
@@ -373,6 +469,9 @@ class BatchEngine:
         committed = [request.token_at(i) for i in range(request.position)]
         try:
             insert = self.runner.cache.commit(request.lease, committed)
+            if request.retention is not None:
+                priority, retain_s = request.retention
+                self.runner.cache.retain(request.prompt_array, request.namespace, priority=priority, retain_s=retain_s)
         except Exception as error:  # noqa: BLE001
             self._fail(request, error)
             return
@@ -387,6 +486,7 @@ class BatchEngine:
             generated_tokens=len(request.generated),
             ttft_s=first - request.submitted_at,
             decode_s=now - first,
+            host_cached_tokens=request.lease.num_host_tokens,
         )
         request.handle._finish(GenerationResult(tuple(request.generated), reason, usage, None, insert))
 

@@ -6,12 +6,18 @@ becomes final (never text a stop string or a tool call later takes back), and re
 the content, the OpenAI ``tool_calls`` parsed from ``<tool_call>`` blocks, the finish reason and the usage (cached
 tokens included).  A string stop sequence ends the request the way a stop token does, so its prompt and answer are
 cached for the next turn.
+
+The work is split so that both ways of running a request share it: :func:`prepare_chat` renders the prompt and
+builds a :class:`ChatDecoder` (push-based: tokens in, text deltas and "stop here" out, then the completion);
+:func:`chat_stream` drives it pull-based through ``runner.stream``, :func:`submit_chat` from the batching engine's
+per-token callback, as the server does.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,9 +27,21 @@ from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
-    from prefixcache.engine.runner import PrefixCachingRunner, Usage
+    from prefixcache.engine.batching import BatchEngine, RequestHandle
+    from prefixcache.engine.runner import GenerationResult, PrefixCachingRunner, Usage
 
-__all__ = ["ChatCompletion", "chat_stream", "check_tool_choice", "complete_chat", "completion_stream"]
+__all__ = [
+    "ChatCompletion",
+    "ChatDecoder",
+    "PreparedChat",
+    "chat_stream",
+    "check_tool_choice",
+    "complete_chat",
+    "completion_stream",
+    "prepare_chat",
+    "prepare_completion",
+    "submit_chat",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +126,134 @@ class _ToolCallGate:
         return held
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A chat or completion request ready to run: the prompt ids (a forced tool call included), the sampling and the
+    :class:`ChatDecoder` that turns its tokens into text.  Built by :func:`prepare_chat` / :func:`prepare_completion`;
+    run it pull-based (:func:`chat_stream`) or on a :class:`~prefixcache.engine.batching.BatchEngine`
+    (:func:`submit_chat`)."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    decoder: ChatDecoder
+
+
+class ChatDecoder:
+    """Push-based decoding of one request's tokens: :meth:`feed` each generated token, get the text that became final
+    (never text a stop string or a tool call later takes back) and whether a stop string ended the answer there;
+    :meth:`finish` with the :class:`GenerationResult` gives the held-back tail and the :class:`ChatCompletion`.
+
+    When :attr:`stopped` turns true the caller must end generation before computing that token's K/V (as
+    ``runner.stream``'s ``send("stop")`` or the engine's ``on_token`` returning True do), so the turn is cached
+    as with a stop token.  Not thread-safe: one request, one thread.  Cost per token: O(ids since the last UTF-8
+    boundary + held-back text)."""
+
+    __slots__ = ("_gate", "_parse_calls", "_pieces", "_request_id", "_stopper", "_text_stream", "forced_ids")
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        stops: tuple[str, ...],
+        params: SamplingParams,
+        *,
+        parse_calls: bool = False,
+        forced_text: str = "",
+        forced_ids: Sequence[int] = (),
+        request_id: str | None = None,
+    ) -> None:
+        self._text_stream = TextStream(tokenizer, skip=params.stop_token_ids)
+        self._stopper = StopMatcher(stops)
+        self._gate = _ToolCallGate() if parse_calls else None
+        if self._gate is not None and forced_text:
+            self._gate.feed(forced_text)
+        self._parse_calls = parse_calls
+        self._pieces: list[str] = [forced_text]
+        self._request_id = request_id
+        self.forced_ids = tuple(forced_ids)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was seen: generation must end before the last fed token's K/V are computed."""
+        return self._stopper.stopped
+
+    def feed(self, token_id: int) -> str:
+        """The text delta that ``token_id`` makes final (may be ``""``)."""
+        text = self._stopper.feed(self._text_stream.push(token_id))
+        self._pieces.append(text)
+        return self._gate.feed(text) if self._gate is not None else text
+
+    def finish(self, result: GenerationResult) -> tuple[str, ChatCompletion]:
+        """``(the last text delta, the ChatCompletion)`` once generation ended with ``result``; the tail is ``""``
+        when tool calls were parsed (their text is in ``tool_calls``, not in the stream)."""
+        stopper = self._stopper
+        tail = stopper.feed(self._text_stream.flush())
+        tail += stopper.flush()
+        self._pieces.append(tail)
+        text = "".join(self._pieces)
+        finish = "stop" if stopper.stopped else result.finish_reason
+        salt = self._request_id or uuid.uuid4().hex
+        parsed = parse_tool_calls(text, id_salt=salt) if self._parse_calls else None
+        if parsed is not None and parsed.tool_calls:
+            content, calls, finish, rest = parsed.content, parsed.tool_calls, "tool_calls", ""
+        else:
+            gate = self._gate
+            content, calls = text, ()
+            rest = (gate.feed(tail) + gate.rest()) if gate is not None else tail
+        return rest, ChatCompletion(content, calls, finish, result.usage, self.forced_ids + result.token_ids)
+
+
+def prepare_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    tool_choice: Any = None,
+    stop: str | Sequence[str] | None = None,
+    request_id: str | None = None,
+    **sampling: Any,
+) -> PreparedChat:
+    """Render ``messages`` and ``tools`` with ``tokenizer``'s chat template into a :class:`PreparedChat` (arguments as
+    :func:`chat_stream`).  Raises TemplateError and InvalidArgumentError as :func:`chat_stream`."""
+    if isinstance(messages, Sequence) and not isinstance(messages, str) and len(messages) == 0:
+        # The template would render a bare generation prompt: an answer to nothing, which the server refuses too.
+        raise InvalidArgumentError("messages must be a non-empty list of chat messages")
+    stops = check_stop(stop)
+    forced_text = check_tool_choice(tool_choice, tools)
+    parse_calls = bool(tools) and tool_choice != "none"
+    sampling.setdefault("stop_token_ids", tokenizer.eos_token_ids)
+    sampling.setdefault("vocab_limit", tokenizer.vocab_size)
+    params = SamplingParams(**sampling)
+    prompt = tokenizer.render_chat(messages, tools, add_generation_prompt=True)
+    forced_ids = _encode_forced(tokenizer, forced_text)
+    decoder = ChatDecoder(
+        tokenizer,
+        stops,
+        params,
+        parse_calls=parse_calls,
+        forced_text=forced_text,
+        forced_ids=forced_ids,
+        request_id=request_id,
+    )
+    return PreparedChat(list(prompt) + forced_ids, params, decoder)
+
+
+def prepare_completion(
+    tokenizer: Any,
+    prompt_ids: Sequence[int],
+    *,
+    stop: str | Sequence[str] | None = None,
+    request_id: str | None = None,
+    **sampling: Any,
+) -> PreparedChat:
+    """A plain text completion of ``prompt_ids`` (no template, no tool calls) as a :class:`PreparedChat`.  Raises
+    InvalidArgumentError for bad ``stop`` or sampling."""
+    stops = check_stop(stop)
+    sampling.setdefault("stop_token_ids", tokenizer.eos_token_ids)
+    sampling.setdefault("vocab_limit", tokenizer.vocab_size)
+    params = SamplingParams(**sampling)
+    return PreparedChat(list(prompt_ids), params, ChatDecoder(tokenizer, stops, params, request_id=request_id))
+
+
 def chat_stream(
     runner: PrefixCachingRunner,
     messages: Sequence[Mapping[str, Any]],
@@ -132,20 +278,11 @@ def chat_stream(
     Raises :class:`TemplateError` (bad messages or tools), :class:`InvalidArgumentError` (no messages, bad ``stop``,
     ``tool_choice`` or sampling), and the errors of :meth:`PrefixCachingRunner.stream`, before yielding anything.
     """
-    if isinstance(messages, Sequence) and not isinstance(messages, str) and len(messages) == 0:
-        # The template would render a bare generation prompt: an answer to nothing, which the server refuses too.
-        raise InvalidArgumentError("messages must be a non-empty list of chat messages")
-    stops = check_stop(stop)
-    forced_text = check_tool_choice(tool_choice, tools)
-    parse_calls = bool(tools) and tool_choice != "none"
-    tokenizer = runner.tokenizer
-    sampling.setdefault("stop_token_ids", tokenizer.eos_token_ids)
-    sampling.setdefault("vocab_limit", tokenizer.vocab_size)
-    params = SamplingParams(**sampling)
-    prompt = tokenizer.render_chat(messages, tools, add_generation_prompt=True)
-    forced_ids = _encode_forced(tokenizer, forced_text)
-    steps = runner.stream(prompt + forced_ids, params, namespace=namespace, request_id=request_id)
-    return _drive(runner, steps, stops, parse_calls, forced_text, forced_ids, params, request_id)
+    prepared = prepare_chat(
+        runner.tokenizer, messages, tools, tool_choice=tool_choice, stop=stop, request_id=request_id, **sampling
+    )
+    steps = runner.stream(prepared.prompt_ids, prepared.sampling, namespace=namespace, request_id=request_id)
+    return _drive(steps, prepared.decoder)
 
 
 def _encode_forced(tokenizer: Any, text: str) -> list[int]:
@@ -159,45 +296,66 @@ def _encode_forced(tokenizer: Any, text: str) -> list[int]:
     return opener + tokenizer.encode(text[len(TOOL_CALL_OPEN) :])
 
 
-def _drive(runner, steps, stops, parse_calls, forced_text, forced_ids, params, request_id):
-    text_stream = TextStream(runner.tokenizer, skip=params.stop_token_ids)
-    stopper = StopMatcher(stops)
-    gate = _ToolCallGate() if parse_calls else None
-    if gate is not None and forced_text:
-        gate.feed(forced_text)
-    pieces: list[str] = [forced_text]
-
-    def emit(delta: str) -> str:
-        text = stopper.feed(delta)
-        pieces.append(text)
-        return gate.feed(text) if gate is not None else text
-
+def _drive(steps: Generator[int, Any, GenerationResult], decoder: ChatDecoder) -> Generator[str, None, ChatCompletion]:
     try:
         try:
             token = next(steps)
             while True:
-                out = emit(text_stream.push(token))
+                out = decoder.feed(token)
                 if out:
                     yield out
-                token = steps.send("stop" if stopper.stopped else None)
+                token = steps.send("stop" if decoder.stopped else None)
         except StopIteration as done:
             result = done.value
     finally:
         steps.close()
-    tail = stopper.feed(text_stream.flush())
-    tail += stopper.flush()
-    pieces.append(tail)
-    text = "".join(pieces)
-    finish = "stop" if stopper.stopped else result.finish_reason
-    parsed = parse_tool_calls(text, id_salt=request_id or uuid.uuid4().hex) if parse_calls else None
-    if parsed is not None and parsed.tool_calls:
-        content, calls, finish = parsed.content, parsed.tool_calls, "tool_calls"
-    else:
-        content, calls = text, ()
-        rest = (gate.feed(tail) + gate.rest()) if gate is not None else tail
-        if rest:
-            yield rest
-    return ChatCompletion(content, calls, finish, result.usage, tuple(forced_ids) + result.token_ids)
+    rest, completion = decoder.finish(result)
+    if rest:
+        yield rest
+    return completion
+
+
+def submit_chat(
+    engine: BatchEngine,
+    prepared: PreparedChat,
+    *,
+    namespace: str | None = None,
+    request_id: str | None = None,
+    on_delta: Callable[[str], None] | None = None,
+) -> tuple[RequestHandle, Future[ChatCompletion]]:
+    """Run ``prepared`` on ``engine`` (continuous batching): a stop string ends the request inside the engine as a
+    stop token would.  ``on_delta(text)`` gets each text delta on the engine thread (it must not block: the engine
+    steps every request); the future holds the :class:`ChatCompletion`, or the request's error
+    (``concurrent.futures.CancelledError`` once ``handle.cancel()`` took effect).  Raises as
+    :meth:`BatchEngine.submit`, at once."""
+    decoder = prepared.decoder
+    completed: Future[ChatCompletion] = Future()
+
+    def on_token(token: int) -> bool:
+        delta = decoder.feed(token)
+        if delta and on_delta is not None:
+            on_delta(delta)
+        return decoder.stopped
+
+    def settle(done: Future[GenerationResult]) -> None:
+        error = done.exception()
+        if error is None:
+            try:
+                rest, completion = decoder.finish(done.result())
+                if rest and on_delta is not None:
+                    on_delta(rest)
+            except Exception as failure:  # noqa: BLE001 - the request's error, reported through its future
+                completed.set_exception(failure)
+                return
+            completed.set_result(completion)
+        else:
+            completed.set_exception(error)
+
+    handle = engine.submit(
+        prepared.prompt_ids, prepared.sampling, namespace=namespace, request_id=request_id, on_token=on_token
+    )
+    handle.future.add_done_callback(settle)
+    return handle, completed
 
 
 def completion_stream(
@@ -211,12 +369,9 @@ def completion_stream(
 ) -> Generator[str, None, ChatCompletion]:
     """Plain text completion of ``prompt_ids`` (no template, no tool calls), with ``stop`` strings; yields text
     deltas and returns a :class:`ChatCompletion` whose ``content`` is the whole text.  Raises as :func:`chat_stream`."""
-    stops = check_stop(stop)
-    sampling.setdefault("stop_token_ids", runner.tokenizer.eos_token_ids)
-    sampling.setdefault("vocab_limit", runner.tokenizer.vocab_size)
-    params = SamplingParams(**sampling)
-    steps = runner.stream(list(prompt_ids), params, namespace=namespace, request_id=request_id)
-    return _drive(runner, steps, stops, False, "", [], params, request_id)
+    prepared = prepare_completion(runner.tokenizer, prompt_ids, stop=stop, request_id=request_id, **sampling)
+    steps = runner.stream(prepared.prompt_ids, prepared.sampling, namespace=namespace, request_id=request_id)
+    return _drive(steps, prepared.decoder)
 
 
 def complete_chat(

@@ -187,7 +187,7 @@ class PrefixCachingRunner:
     def save_snapshot(self, directory: str | os.PathLike[str]) -> SnapshotSummary:
         """Save what is cached for this model and tokenizer (every namespace under the current fingerprint) into the
         snapshot folder ``directory``, with the model and tokenizer fingerprints (see :meth:`RadixCache.save`: atomic,
-        changes nothing in the cache).  Call it between requests' model steps (the server saves on its model thread).
+        changes nothing in the cache).  Call it between requests' model steps (the server saves on its engine thread).
 
         Raises:
             SnapshotWriteError: a write failed (also an OSError); the previous snapshot stays current.

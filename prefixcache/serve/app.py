@@ -2,10 +2,14 @@
 prefix warming.
 
 Every ``/v1`` request is authenticated first (a 401 touches nothing: no body is parsed, no cache state read or
-changed), its namespace taken from its API key, and its model work handed to the one :class:`ModelWorker` thread.
+changed), its namespace taken from its API key, and its model work submitted to one
+:class:`~prefixcache.engine.batching.BatchEngine`: concurrent requests run together, one batched forward per step
+(continuous batching, chunked prefill, prefix-aware admission), on the engine's one thread, so no two forwards ever
+race on the pool.  Text is decoded and stop strings matched on that thread as tokens come out
+(:func:`~prefixcache.engine.chat.submit_chat`); the event loop only renders the prompt and writes the responses.
 Responses always carry ``usage.prompt_tokens_details.cached_tokens``; a streamed response without
 ``stream_options.include_usage`` carries the usage on its finishing chunk.  A client that disconnects mid-stream
-cancels its job, which closes its generator and frees its blocks.
+cancels its request, which frees its blocks at the engine's next step.
 
 ``GET /health`` and ``GET /metrics`` stay open with ``--api-keys``, as in vLLM: load balancers and Prometheus probe
 them without credentials, and they show only pool-wide aggregates (no prompt, namespace or key).  Every error,
@@ -19,7 +23,8 @@ import inspect
 import json
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import CancelledError, Future
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -27,7 +32,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from prefixcache.engine.chat import ChatCompletion, chat_stream, completion_stream
+from prefixcache.engine.batching import BatchEngine, RequestHandle
+from prefixcache.engine.chat import ChatCompletion, prepare_chat, prepare_completion, submit_chat
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import CapacityError, OutOfBlocksError, PrefixCacheError
@@ -45,7 +51,6 @@ from prefixcache.serve.protocol import (
     usage_json,
 )
 from prefixcache.serve.snapshots import SnapshotKeeper
-from prefixcache.serve.worker import ModelWorker
 
 __all__ = ["create_app"]
 
@@ -88,6 +93,18 @@ async def _closing(lines: AsyncIterator[str], events: Any) -> AsyncIterator[str]
         await events.aclose()
 
 
+Submit = Callable[[Callable[[str], None] | None], tuple[RequestHandle, Future[Any]]]
+"""``submit(on_delta)``: start a request on the engine; its handle (to cancel it) and the future of its outcome."""
+
+
+def _ending(future: Future[Any]) -> tuple[str, Any]:
+    """A finished request's event: ``("done", value)``, ``("error", exception)`` or ``("cancelled", None)``."""
+    error = future.exception()
+    if isinstance(error, CancelledError):
+        return "cancelled", None
+    return ("error", error) if error is not None else ("done", future.result())
+
+
 def _sse(obj: Any) -> str:
     return f"data: {_SSE_JSON.encode(obj)}\n\n"
 
@@ -108,29 +125,29 @@ def create_app(
     api_keys: ApiKeys | None = None,
     snapshot_dir: str | os.PathLike[str] | None = None,
     snapshot_every_s: float | None = None,
+    max_batch_tokens: int = 512,
+    max_running: int = 32,
 ) -> FastAPI:
     """The FastAPI app serving ``runner`` as model ``model_name``; ``api_keys`` (default: open) map keys to
-    namespaces.  ``app.state.worker`` is the model thread (closed when the app shuts down; call
-    ``app.state.worker.close()`` yourself when the app is used without its lifespan, as with httpx's ASGI
+    namespaces.  ``app.state.engine`` is the :class:`BatchEngine` stepping every request on its own thread
+    (``max_batch_tokens`` and ``max_running`` are its bounds; closed when the app shuts down: call
+    ``app.state.engine.close()`` yourself when the app is used without its lifespan, as with httpx's ASGI
     transport) and ``app.state.runner`` the runner.
 
     With ``snapshot_dir`` the app's lifespan restores the cache from that snapshot folder at start (cold, saying
     why, when there is none or it is refused), saves it every ``snapshot_every_s`` seconds and on a clean shutdown
     (:class:`~prefixcache.serve.snapshots.SnapshotKeeper`, ``app.state.snapshots``)."""
     keys = api_keys if api_keys is not None else ApiKeys.open()
-    worker = ModelWorker()
+    engine = BatchEngine(runner, max_batch_tokens=max_batch_tokens, max_running=max_running)
     metrics = ServerMetrics(runner.cache)
-    try:
-        snapshots = None if snapshot_dir is None else SnapshotKeeper(runner, worker, snapshot_dir, snapshot_every_s)
-    except BaseException:
-        worker.close()
-        raise
+    snapshots = None if snapshot_dir is None else SnapshotKeeper(runner, engine, snapshot_dir, snapshot_every_s)
+    engine.start()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if snapshots is None:
             yield
-            worker.close()
+            engine.close()
             return
         await snapshots.restore()
         periodic = asyncio.create_task(snapshots.run_periodic())
@@ -139,7 +156,7 @@ def create_app(
         finally:
             periodic.cancel()
             await snapshots.save()
-            worker.close()
+            engine.close()
 
     # Every handler reads its own body (to answer a bad one with OpenAI's error shape) and builds its own response,
     # so the routes are plain Starlette routes (app.add_route): FastAPI's per-request dependency solving and
@@ -147,19 +164,31 @@ def create_app(
     # schema to show, hence no /docs.
     app = FastAPI(title="prefixcache", lifespan=lifespan, openapi_url=None, **_NO_TELEMETRY)
     app.state.runner = runner
-    app.state.worker = worker
+    app.state.engine = engine
     app.state.metrics = metrics
     app.state.snapshots = snapshots
 
-    async def run_job(start: Callable[[], Generator[Any, None, Any]]) -> AsyncIterator[tuple[str, Any]]:
-        """A streamed job's events, its deltas and then its end; closing this cancels the job."""
+    async def run_job(submit: Submit) -> AsyncIterator[tuple[str, Any]]:
+        """A streamed request's events: its text deltas, then its end (see :func:`_ending`; a request refused at
+        submit ends with ``"error"`` at once).  Closing this cancels the request."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
-        def sink(kind: str, value: Any) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+        def on_delta(text: str) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, ("delta", text))
 
-        job = worker.submit(start, sink, deltas=True)
+        def ended(future: Future[Any]) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, _ending(future))
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
+
+        try:
+            handle, future = submit(on_delta)
+        except Exception as error:  # noqa: BLE001 - refused at submit: answered as the request's error
+            yield "error", error
+            return
+        future.add_done_callback(ended)
         try:
             while True:
                 kind, value = await events.get()
@@ -167,26 +196,33 @@ def create_app(
                 if kind != "delta":
                     return
         finally:
-            job.cancel()
+            handle.cancel()
 
-    async def finish_job(start: Callable[[], Generator[Any, None, Any]]) -> tuple[str, Any]:
-        """A job's end only (``"done"``, ``"error"`` or ``"cancelled"``, and its value): one future and one wake-up
-        of the event loop, where a stream needs a queue.  A request cancelled while waiting cancels its job."""
+    async def finish_job(submit: Submit) -> tuple[str, Any]:
+        """A request's end only: one future and one wake-up of the event loop, where a stream needs a queue.  A
+        request cancelled while waiting (client gone) cancels its engine request."""
+        try:
+            handle, future = submit(None)
+        except Exception as error:  # noqa: BLE001
+            return "error", error
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[tuple[str, Any]] = loop.create_future()
 
         def settle(outcome: tuple[str, Any]) -> None:
-            if not ended.done():  # the request may have been cancelled (client gone) before its job ended
+            if not ended.done():  # the request may have been cancelled (client gone) before it ended
                 ended.set_result(outcome)
 
-        def sink(kind: str, value: Any) -> None:
-            loop.call_soon_threadsafe(settle, (kind, value))
+        def on_done(done: Future[Any]) -> None:
+            try:
+                loop.call_soon_threadsafe(settle, _ending(done))
+            except RuntimeError:
+                pass
 
-        job = worker.submit(start, sink, deltas=False)
+        future.add_done_callback(on_done)
         try:
             return await ended
         finally:
-            job.cancel()
+            handle.cancel()
 
     def authenticate(request: Request) -> str | None:
         return keys.namespace_for(request.headers.get("authorization"))
@@ -230,7 +266,7 @@ def create_app(
 
     @route("/health", "GET")
     async def health(request: Request) -> Response:
-        return _json({"status": "ok", "model": model_name, "pending_requests": worker.num_active})
+        return _json({"status": "ok", "model": model_name, "pending_requests": engine.num_pending})
 
     @route("/metrics", "GET")
     async def scrape(request: Request) -> Response:
@@ -258,17 +294,17 @@ def create_app(
         check_model(chat.model)
         request_id = "chatcmpl-" + uuid.uuid4().hex
 
-        def start() -> Generator[str, None, ChatCompletion]:
-            return chat_stream(
-                runner,
+        def start(on_delta: Callable[[str], None] | None) -> tuple[RequestHandle, Future[ChatCompletion]]:
+            prepared = prepare_chat(
+                runner.tokenizer,
                 chat.messages,
                 chat.tools,
                 tool_choice=chat.tool_choice,
                 stop=chat.stop,
-                namespace=namespace,
                 request_id=request_id,
                 **chat.sampling,
             )
+            return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, on_delta=on_delta)
 
         if not chat.stream:
             done = outcome(*await finish_job(start), "/v1/chat/completions")
@@ -308,11 +344,10 @@ def create_app(
         check_model(body.model)
         request_id = "cmpl-" + uuid.uuid4().hex
 
-        def start() -> Generator[str, None, ChatCompletion]:
+        def start(on_delta: Callable[[str], None] | None) -> tuple[RequestHandle, Future[ChatCompletion]]:
             ids = runner.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
-            return completion_stream(
-                runner, ids, stop=body.stop, namespace=namespace, request_id=request_id, **body.sampling
-            )
+            prepared = prepare_completion(runner.tokenizer, ids, stop=body.stop, request_id=request_id, **body.sampling)
+            return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, on_delta=on_delta)
 
         if not body.stream:
             done = outcome(*await finish_job(start), "/v1/completions")
@@ -352,7 +387,7 @@ def create_app(
         if body.model is not None:
             check_model(body.model)
 
-        def start() -> Generator[int, None, Any]:
+        def start(on_delta: Callable[[str], None] | None) -> tuple[RequestHandle, Future[Any]]:
             if body.messages is not None:
                 ids = runner.tokenizer.render_chat(body.messages, body.tools, add_generation_prompt=False)
             elif isinstance(body.prompt, str):
@@ -360,7 +395,8 @@ def create_app(
             else:
                 ids = body.prompt
             params = SamplingParams(max_new_tokens=0)
-            return runner.stream(ids, params, namespace=namespace, priority=body.priority, retain_s=body.retain_s)
+            handle = engine.submit(ids, params, namespace=namespace, priority=body.priority, retain_s=body.retain_s)
+            return handle, handle.future
 
         done = outcome(*await finish_job(start), "/v1/cache/prefill")
         if isinstance(done, Response):

@@ -1,18 +1,19 @@
 """The ``serve`` benchmark (``prefixcache bench serve``): what the HTTP layer costs, and that it loses no cache hits.
 
-1. Overhead per request: the same one-token chat request on the ``tiny`` model, in-process (``runner.chat``) and
-   through a uvicorn server on 127.0.0.1 (a keep-alive ``http.client`` connection with TCP_NODELAY, so the figure is
-   the server's cost, not a client library's), interleaved in one process (in-process, HTTP, HTTP, in-process, ...)
-   so that load on the machine hits both alike.  The overhead is the median of the per-pair differences, in wall
-   time and in CPU time of the whole process (every thread: client, event loop, model worker); the CPU figure is the
-   one to trust on a loaded machine, where wall time adds every wait for a core.  The 1-minute load average is
-   printed with it.  Goal: < 2 ms p50.
+1. Overhead per request: the same one-token chat request on the ``tiny`` model, in-process (rendered and submitted
+   to the server's own :class:`~prefixcache.engine.batching.BatchEngine` with :func:`submit_chat`, waiting on its
+   future: the server's path minus HTTP) and through a uvicorn server on 127.0.0.1 (a keep-alive ``http.client``
+   connection with TCP_NODELAY, so the figure is the server's cost, not a client library's), interleaved in one
+   process (in-process, HTTP, HTTP, in-process, ...) so that load on the machine hits both alike.  The overhead is
+   the median of the per-pair differences, in wall time and in CPU time of the whole process (every thread: client,
+   event loop, engine); the CPU figure is the one to trust on a loaded machine, where wall time adds every wait for
+   a core.  The 1-minute load average is printed with it.  Goal: < 2 ms p50.
 2. tau-bench through HTTP: 16 concurrent streaming clients, each replaying its own conversations turn by turn (the
    prompt is the transcript so far, with the tools; one token generated), against the same 16 clients in-process
-   (threads submitting the same chat requests to the same kind of one-thread model worker, no HTTP), and against
-   one client in-process (serial).  With a cache large enough that nothing is evicted, the hit tokens differ only
-   through requests overlapping in time (see the table's note); HTTP and in-process at the same concurrency must
-   agree up to timing, and no request may fail.
+   (threads submitting the same chat requests with :func:`submit_chat` to a batching engine with the server's
+   settings, no HTTP), and against one client in-process (serial ``runner.chat``).  With a cache large enough that
+   nothing is evicted, the hit tokens differ only through requests overlapping in time (see the table's note); HTTP
+   and in-process at the same concurrency must agree up to timing, and no request may fail.
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ import httpx
 
 from prefixcache.bench.common import BenchResult, Table
 from prefixcache.bench.policy import DATA_DIR
-from prefixcache.engine.chat import ChatCompletion, chat_stream
+from prefixcache.engine.batching import BatchEngine
+from prefixcache.engine.chat import ChatCompletion, prepare_chat, submit_chat
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.models.llama import build_model
 from prefixcache.replay.scenarios import default_tools_for, load_scenario
 from prefixcache.serve.app import create_app
 from prefixcache.serve.server import start_background
-from prefixcache.serve.worker import ModelWorker
 
 __all__ = ["run"]
 
@@ -58,8 +59,8 @@ def _timed(call) -> tuple[float, float]:
 
 def _overhead(num_requests: int) -> dict[str, float]:
     model = build_model("tiny", device="cpu")
-    runner = PrefixCachingRunner(model, cache_tokens=1 << 14)
     app = create_app(PrefixCachingRunner(model, cache_tokens=1 << 14), model_name="tiny")
+    engine, tokenizer = app.state.engine, app.state.runner.tokenizer
     body = json.dumps({"model": "tiny", "messages": MESSAGES, "max_tokens": 1}).encode()
     headers = {"Content-Type": "application/json"}
     load_before = os.getloadavg()[0]
@@ -76,7 +77,7 @@ def _overhead(num_requests: int) -> dict[str, float]:
                 raise RuntimeError(f"HTTP {response.status}: {answer}")
 
         def in_process() -> None:
-            runner.chat(MESSAGES, max_new_tokens=1)
+            submit_chat(engine, prepare_chat(tokenizer, MESSAGES, max_new_tokens=1))[1].result()
 
         local, remote = [], []
         for i in range(num_requests + WARM_UP):
@@ -87,7 +88,7 @@ def _overhead(num_requests: int) -> dict[str, float]:
                 local.append(times[in_process])
                 remote.append(times[over_http])
         connection.close()
-    app.state.worker.close()
+    engine.close()
 
     def p50_ms(values) -> float:
         return statistics.median(values) * 1e3
@@ -135,24 +136,16 @@ def _hit_rate(usages: Sequence[Any]) -> tuple[int, int]:
 
 def _in_process_concurrent(runner: PrefixCachingRunner, per_conversation: list) -> tuple[list[dict], float]:
     """The HTTP replay without HTTP: ``CLIENTS`` threads, each submitting its conversations' turns one after another
-    to one :class:`ModelWorker` (what the server does with each request), one token each."""
-    worker = ModelWorker(name="prefixcache-bench-model")
+    to one :class:`BatchEngine` with the server's settings (what the server does with each request, streamed text
+    included), one token each."""
+    engine = BatchEngine(runner)
+    engine.start()
     usages: list[dict] = []
     errors: list[BaseException] = []
 
     def ask(messages: list[dict], tools: list | None) -> ChatCompletion:
-        finished = threading.Event()
-        outcome: dict[str, Any] = {}
-
-        def sink(kind: str, value: Any) -> None:
-            outcome[kind] = value
-            finished.set()
-
-        worker.submit(lambda: chat_stream(runner, messages, tools, max_new_tokens=1), sink, deltas=False)
-        finished.wait()
-        if "done" not in outcome:
-            raise outcome.get("error") or RuntimeError("the request was cancelled")
-        return outcome["done"]
+        prepared = prepare_chat(runner.tokenizer, messages, tools, max_new_tokens=1)
+        return submit_chat(engine, prepared, on_delta=lambda text: None)[1].result()
 
     def client(share: list) -> None:
         try:
@@ -169,7 +162,7 @@ def _in_process_concurrent(runner: PrefixCachingRunner, per_conversation: list) 
     for thread in threads:
         thread.join()
     elapsed = time.perf_counter() - start
-    worker.close()
+    engine.close()
     if errors:
         raise errors[0]
     return usages, elapsed
@@ -215,7 +208,7 @@ def _replay_three_ways(per_conversation: list[list[tuple[list[dict], list | None
         asyncio.run(replay(server.url))
         http_s = time.perf_counter() - start
     evictions = app.state.runner.cache.stats().evictions
-    app.state.worker.close()
+    app.state.engine.close()
     prompt_tokens = _hit_rate(local)[1]
     return {
         "conversations": len(per_conversation),
@@ -277,9 +270,9 @@ def run(quick: bool = False) -> BenchResult:
     ]
     if tau is not None:
         notes = (
-            "a prompt enters the tree when its request finishes, so a request that arrives while another sharing its "
-            "prefix is still in flight recomputes that prefix (SGLang and vLLM insert right after prefill): at the "
-            "same concurrency HTTP and in-process lose alike, and only arrival timing separates them",
+            "HTTP and in-process x16 run on batching engines with the server's settings (prefix-aware admission: a "
+            "prompt is cached once prefilled, and a request sharing a prefix still being prefilled waits for it); "
+            "what concurrency still loses (a partial block, a prefill that overlaps) only arrival timing separates",
         )
         tables.append(
             Table(

@@ -1,9 +1,10 @@
 """Snapshots for the server: restore the cache at start, save it every few minutes and on a clean shutdown.
 
-Every save and restore runs as a job on the :class:`~prefixcache.serve.worker.ModelWorker` thread, between two steps
-of the running requests, so it never races a forward pass (a restore fills the pool; a save reads it).  A snapshot
-that is missing, refused (another model, block size, dtype) or damaged leaves the server to start cold, and the log
-says why; a failed save is logged and the previous snapshot stays current.
+Every save and restore runs on the :class:`~prefixcache.engine.batching.BatchEngine` thread
+(:meth:`~prefixcache.engine.batching.BatchEngine.call_soon`), between two steps, so it never races a forward pass (a
+restore fills the pool; a save reads it).  A snapshot that is missing, refused (another model, block size, dtype) or
+damaged leaves the server to start cold, and the log says why; a failed save is logged and the previous snapshot
+stays current.
 """
 
 from __future__ import annotations
@@ -11,46 +12,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Generator
-from concurrent.futures import Future
-from typing import Any, TypeVar
 
 from prefixcache.cache.snapshot import SnapshotSummary
+from prefixcache.engine.batching import BatchEngine
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.errors import InvalidArgumentError, SnapshotError, SnapshotNotFoundError
-from prefixcache.serve.worker import ModelWorker
 
-__all__ = ["SnapshotKeeper", "run_on_worker"]
+__all__ = ["SnapshotKeeper"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-def run_on_worker(worker: ModelWorker, fn: Callable[[], T]) -> Future[T]:
-    """Run ``fn()`` on the worker thread as a one-step job; the future holds its result or exception (a
-    ``RuntimeError`` if the worker closes first).  Raises ``RuntimeError`` if the worker is closed already."""
-    future: Future[T] = Future()
-
-    def steps() -> Generator[Any, None, T]:
-        yield from ()
-        return fn()
-
-    def on_event(kind: str, value: Any) -> None:
-        if kind == "done":
-            future.set_result(value)
-        elif kind == "error":
-            future.set_exception(value)
-        elif kind == "cancelled":
-            future.set_exception(RuntimeError("the model worker closed before the job ran"))
-
-    worker.submit(steps, on_event)
-    return future
 
 
 class SnapshotKeeper:
     """The snapshot folder ``directory`` of a server over ``runner``: :meth:`restore` at start, :meth:`save` every
-    ``every_s`` seconds (:meth:`run_periodic`; never when None) and at shutdown, each on ``worker``'s thread.
+    ``every_s`` seconds (:meth:`run_periodic`; never when None) and at shutdown, each on ``engine``'s thread.
 
     ``restored`` is what the start loaded (None when it started cold, ``restore_error`` then says why);
     ``last_saved`` the latest save and ``save_errors`` the number of failed ones.
@@ -62,7 +37,7 @@ class SnapshotKeeper:
     def __init__(
         self,
         runner: PrefixCachingRunner,
-        worker: ModelWorker,
+        engine: BatchEngine,
         directory: str | os.PathLike[str],
         every_s: float | None = None,
     ) -> None:
@@ -71,7 +46,7 @@ class SnapshotKeeper:
         if os.path.exists(directory) and not os.path.isdir(directory):
             raise InvalidArgumentError(f"the snapshot folder {os.fspath(directory)} is a file, not a folder")
         self.runner = runner
-        self.worker = worker
+        self.engine = engine
         self.directory = os.fspath(directory)
         self.every_s = every_s
         self.restored: SnapshotSummary | None = None
@@ -82,7 +57,7 @@ class SnapshotKeeper:
     async def restore(self) -> SnapshotSummary | None:
         """Load the snapshot into the runner's cache; on any failure start cold and log why.  Returns what loaded."""
         try:
-            self.restored = await asyncio.wrap_future(run_on_worker(self.worker, self._load))
+            self.restored = await asyncio.wrap_future(self.engine.call_soon(self._load))
         except SnapshotNotFoundError:
             self.restore_error = f"no snapshot in {self.directory} yet"
             logger.info("starting with an empty cache: %s", self.restore_error)
@@ -107,8 +82,8 @@ class SnapshotKeeper:
     async def save(self) -> SnapshotSummary | None:
         """Save the cache now; a failure is logged (the previous snapshot stays current).  Returns what was saved."""
         try:
-            saved = await asyncio.wrap_future(run_on_worker(self.worker, self._save))
-        except (SnapshotError, OSError, RuntimeError) as error:
+            saved = await asyncio.wrap_future(self.engine.call_soon(self._save))
+        except (SnapshotError, OSError, InvalidArgumentError, RuntimeError) as error:  # the last two: engine closed
             self.save_errors += 1
             logger.error("saving the cache snapshot to %s failed: %s", self.directory, error)
             return None

@@ -26,7 +26,7 @@ from prefixcache.serve import ApiKeys, create_app  # noqa: E402
 
 @pytest.fixture
 def make_app() -> Iterator[Callable[..., object]]:
-    """``make_app(runner, model_name="scripted", api_keys=None)``; every app's worker is closed afterwards."""
+    """``make_app(runner, model_name="scripted", api_keys=None)``; every app's engine is closed afterwards."""
     apps = []
 
     def make(runner: PrefixCachingRunner, model_name: str = "scripted", api_keys: ApiKeys | None = None):
@@ -36,7 +36,7 @@ def make_app() -> Iterator[Callable[..., object]]:
 
     yield make
     for app in apps:
-        app.state.worker.close()
+        app.state.engine.close()
 
 
 @pytest.fixture

@@ -248,7 +248,7 @@ def test_missing_or_wrong_key_is_401_and_touches_nothing(make_app, asgi_client, 
         assert response.status_code == 401
         assert response.json()["error"]["message"].startswith("missing API key")
     assert snapshot(runner.cache, spaces) == before
-    assert app.state.worker.num_active == 0
+    assert app.state.engine.num_pending == 0
     assert run(main("key-a")).choices[0].message.content == "Hello."
 
 

@@ -1,14 +1,16 @@
-"""What each request pays between the socket and the model thread: TCP_NODELAY on accepted sockets, and no per-token
+"""What each request pays between the socket and the engine thread: TCP_NODELAY on accepted sockets, and no per-token
 event for a response that is not streamed."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 
+import httpx
+
+from prefixcache import PrefixCachingRunner
 from prefixcache.serve.server import bind
-from prefixcache.serve.worker import ModelWorker
+from prefixcache.testing import ScriptedModel
 
 
 def test_connections_accepted_by_asyncio_on_the_bound_socket_have_nodelay() -> None:
@@ -35,27 +37,36 @@ def test_connections_accepted_by_asyncio_on_the_bound_socket_have_nodelay() -> N
     assert asyncio.run(main()) != 0
 
 
-def steps(n: int):
-    yield from range(n)
-    return "finished"
+def wake_ups(app, body: dict) -> tuple[int, list[str]]:
+    """Cross-thread wake-ups of the event loop during one request through ``app``, and the SSE lines it got."""
+
+    async def main() -> tuple[int, list[str]]:
+        loop = asyncio.get_running_loop()
+        count = 0
+        original = loop.call_soon_threadsafe
+
+        def counting(*args, **kwargs):
+            nonlocal count
+            count += 1
+            return original(*args, **kwargs)
+
+        loop.call_soon_threadsafe = counting
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+                response = await http.post("/v1/chat/completions", json=body)
+                assert response.status_code == 200
+                return count, [line for line in response.text.splitlines() if line.startswith("data: {")]
+        finally:
+            del loop.call_soon_threadsafe
+
+    return asyncio.run(main())
 
 
-def run_job(deltas: bool) -> list[tuple[str, object]]:
-    worker = ModelWorker(name="test-model")
-    events: list[tuple[str, object]] = []
-    done = threading.Event()
-
-    def sink(kind: str, value: object) -> None:
-        events.append((kind, value))
-        if kind != "delta":
-            done.set()
-
-    worker.submit(lambda: steps(4), sink, deltas=deltas)
-    assert done.wait(10)
-    worker.close()
-    return events
-
-
-def test_a_job_reports_each_step_only_when_it_streams() -> None:
-    assert run_job(deltas=True) == [("delta", 0), ("delta", 1), ("delta", 2), ("delta", 3), ("done", "finished")]
-    assert run_job(deltas=False) == [("done", "finished")]
+def test_a_request_wakes_the_event_loop_per_token_only_when_it_streams(make_app) -> None:
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["abcdefghijklmnopqrst"]), cache_tokens=4096)
+    app = make_app(runner)
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20}
+    plain, _ = wake_ups(app, body)
+    assert plain == 1  # the request's end
+    streamed, lines = wake_ups(app, {**body, "stream": True})
+    assert streamed >= 20 and len(lines) >= 20
