@@ -24,7 +24,9 @@ replica's load exceeds the lightest by that much.  The exact router also gives u
 per request of extra load while replicas have served up to 16 requests on average, and relatively less after
 (``128 * 16 / mean``: 8 tokens at a mean of 256), so early on a short shared prefix (one MT-Bench question
 asked of 31 models) does not pile its conversations onto one replica, while later a conversation or a group
-sharing a first turn stays together.
+sharing a first turn stays together.  Each replica also reports its free blocks (as a live replica publishes them
+beside its KV events): the exact router prices the prompt tokens a replica would have to store by how much fuller
+than the emptiest replica it is (weight 4), so new conversations fill memory evenly rather than request counts.
 
 Every replica holds ``1 / 8`` of the workload's working set (blocks an unbounded cache holds at the end; at least
 twice the longest request), and the baseline is one replica with ``N`` times that memory.
@@ -72,6 +74,9 @@ LOAD_PENALTY_TOKENS = 128.0
 """Tokens of cached prefix the exact router gives up per request of extra load ..."""
 LOAD_RELATIVE_ABOVE = 16.0
 """... while the mean load is at most this; beyond it, relatively less (see ExactPrefixRouter)."""
+MEMORY_WEIGHT = 4.0
+"""The exact router's price of the prompt tokens a replica must store, per unit of how much fuller (fraction of its
+pool) that replica is than the emptiest one."""
 
 
 class Replica:
@@ -182,7 +187,9 @@ def simulate(
         relative_above=LOAD_RELATIVE_ABOVE,
         imbalance_abs=IMBALANCE_ABS,
         imbalance_rel=IMBALANCE_REL,
+        memory_weight=MEMORY_WEIGHT,
     )
+    pools = [num_blocks] * num_replicas
     indexes = [r.index for r in replicas]
     hits: list[int] = []
     steered = absent = prompt = 0
@@ -196,7 +203,8 @@ def simulate(
             choice = text.choose(request.prompt, loads)
         else:
             if router == "exact":
-                decision = exact.choose(request.prompt, indexes, loads)
+                free = [r.cache.pool.num_free_blocks for r in replicas]
+                decision = exact.choose(request.prompt, indexes, loads, free_blocks=free, num_blocks=pools)
                 choice, cached = decision.replica, decision.cached_tokens
             else:
                 cached = tuple(exact.cached_tokens(request.prompt, indexes))

@@ -8,13 +8,24 @@ O(log(prompt blocks)) set lookups per replica, after hashing the prompt once.
 
 The decision, as NVIDIA Dynamo's KV router and SGLang's cache-aware router make it, but on exact block hashes:
 
-1. The best replica by score ``cached_tokens - penalty * (load - min_load)``; ties go to the less loaded
-   replica, then the lower index.  ``penalty`` is ``load_penalty_tokens`` per unit of load, or, with
-   ``relative_above`` set, ``load_penalty_tokens * min(1, relative_above / mean_load)``: relative to the mean
+1. The best replica by score ``cached_tokens - penalty * (load - min_load) - memory_cost``; ties go to the
+   replica with more free blocks (when replicas report them), then the less loaded one, then the lower index.
+   ``penalty`` is ``load_penalty_tokens`` per unit of load, or, with ``relative_above`` set,
+   ``load_penalty_tokens * min(1, relative_above / mean_load)``: relative to the mean
    load once it passes ``relative_above``, since one request ahead matters when replicas have served ten each and
    hardly at all when they have served two hundred.  So early on a short shared prefix is spread for balance, and
    later a conversation (or a group sharing a first turn) stays with its cached prefix while the load guard below
    keeps the balance.
+
+   ``memory_cost`` prices the memory a request takes, so that replicas fill evenly when together they barely hold
+   the working set (one LRU cache overflowing evicts exactly the prefixes that come back next, whatever the
+   router does).  With each replica's free blocks and pool size (which a replica publishes beside its KV events),
+   ``memory_cost = memory_weight * uncached_tokens * (max_free - free) / num_blocks``: the prompt tokens the
+   replica would have to store, times how much fuller it is than the emptiest replica.  A conversation coming back
+   to its replica stores little there and stays; a prompt with little cached anywhere goes where memory is
+   plentiful instead of where requests were fewest, so the fleet evicts more like one LRU cache of all its
+   memory.  (NVIDIA Dynamo's KV router prices the blocks a request must *prefill*; this prices the blocks it must
+   *keep*, by how full the replica already is.)
 2. If that replica's load is too far above the lightest one (``load - min_load > max(imbalance_abs,
    imbalance_rel * mean_load)``), power of two choices instead: two random replicas, the less loaded one
    (Mitzenmacher), ignoring the cache, so one hot prefix cannot pile work onto one replica.  Judging the
@@ -96,6 +107,7 @@ class ExactPrefixRouter:
         imbalance_abs: the preferred replica's load may exceed the lightest by this much before power of two
             choices takes over ...
         imbalance_rel: ... or by this fraction of the mean load, whichever is larger.
+        memory_weight: weight of ``memory_cost`` (0: memory ignored; free blocks then only settle ties).
         seed: seed of the power-of-two draws.
         index_namespace: ``None`` for indexes fed over the wire (which keep every block under ``None``); the default
             ``...`` looks blocks up under the request's own namespace (indexes fed in process).
@@ -113,10 +125,11 @@ class ExactPrefixRouter:
         relative_above: float | None = None,
         imbalance_abs: float = 8,
         imbalance_rel: float = 0.1,
+        memory_weight: float = 0.0,
         seed: int = 0,
         index_namespace: object = ...,
     ) -> None:
-        if block_size < 1 or min(load_penalty_tokens, imbalance_abs, imbalance_rel) < 0:
+        if block_size < 1 or min(load_penalty_tokens, imbalance_abs, imbalance_rel, memory_weight) < 0:
             raise InvalidArgumentError("block_size must be >= 1 and penalties/thresholds >= 0")
         if relative_above is not None and not relative_above > 0:
             raise InvalidArgumentError(f"relative_above must be > 0 or None, got {relative_above}")
@@ -126,6 +139,7 @@ class ExactPrefixRouter:
         self.relative_above = relative_above
         self.imbalance_abs = imbalance_abs
         self.imbalance_rel = imbalance_rel
+        self.memory_weight = memory_weight
         self.index_namespace = index_namespace
         self._rng = random.Random(seed)
 
@@ -144,25 +158,41 @@ class ExactPrefixRouter:
         loads: Sequence[int],
         namespace: str | None = None,
         tiebreak: Sequence[int] | None = None,
+        free_blocks: Sequence[int] | None = None,
+        num_blocks: Sequence[int] | None = None,
     ) -> RouteDecision:
         """Pick a replica for a prompt (see the module docstring for the rule).  ``tiebreak`` (say, requests routed
         so far) settles ties of score and load before the index does, so equal replicas share new prompts.
+        ``free_blocks`` and ``num_blocks`` (blocks, per replica) enable the memory cost; ``free_blocks`` alone only
+        settles ties.
 
         Raises:
-            InvalidArgumentError: no replica, or ``indexes``, ``loads`` (and ``tiebreak``) of different lengths.
+            InvalidArgumentError: no replica; ``indexes``, ``loads`` (and ``tiebreak``, ``free_blocks``,
+                ``num_blocks``) of different lengths; ``num_blocks`` without ``free_blocks``, or one below 1.
         """
-        if not indexes or len(indexes) != len(loads) or (tiebreak is not None and len(tiebreak) != len(loads)):
-            raise InvalidArgumentError(f"need one load per index, got {len(indexes)} indexes and {len(loads)} loads")
+        n = len(loads)
+        if not indexes or len(indexes) != n or any(x is not None and len(x) != n for x in (tiebreak, free_blocks)):
+            raise InvalidArgumentError(f"need one load per index, got {len(indexes)} indexes and {n} loads")
+        if num_blocks is not None and (free_blocks is None or len(num_blocks) != n or min(num_blocks) < 1):
+            raise InvalidArgumentError("num_blocks needs free_blocks, one pool size >= 1 per replica")
         cached = self.cached_tokens(token_ids, indexes, namespace)
         low = min(loads)
-        mean = sum(loads) / len(loads)
+        mean = sum(loads) / n
         per_unit = self.load_penalty_tokens
         if self.relative_above is not None and mean > self.relative_above:
             per_unit *= self.relative_above / mean
+        memory = [0.0] * n
+        if free_blocks is not None and num_blocks is not None and self.memory_weight > 0:
+            most_free = max(free_blocks)
+            memory = [
+                self.memory_weight * (len(token_ids) - cached[i]) * (most_free - free_blocks[i]) / num_blocks[i]
+                for i in range(n)
+            ]
         best = max(
-            range(len(loads)),
+            range(n),
             key=lambda i: (
-                cached[i] - per_unit * (loads[i] - low),
+                cached[i] - per_unit * (loads[i] - low) - memory[i],
+                free_blocks[i] if free_blocks is not None else 0,
                 -loads[i],
                 -tiebreak[i] if tiebreak is not None else 0,
                 -i,

@@ -91,6 +91,7 @@ class PrefixCacheServer:
             "block_size": self.runner.pool.block_size,
             "hash_seed": self.runner.cache.hash_seed,
             "free_blocks": self.runner.cache.stats().free_blocks,
+            "num_blocks": self.runner.pool.num_blocks,
         }
 
     def __del__(self) -> None:

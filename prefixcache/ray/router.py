@@ -6,9 +6,9 @@ Ray Serve's routing stats (``record_routing_stats``).  The router, which runs wh
 used (the driver, or Serve's HTTP proxy), keeps one :class:`~prefixcache.distributed.subscriber.ZmqEventSubscriber`
 per replica feeding a :class:`~prefixcache.cache.events.BlockIndex`, and ranks replicas with
 :class:`~prefixcache.distributed.router.ExactPrefixRouter`: cached prompt tokens minus a load penalty on the queue
-lengths Ray Serve probes, power of two choices when the preferred replica is too busy.  It returns two ranks, the
-chosen replica then the rest by cached tokens, so Ray Serve falls through to another replica if the first rejects
-the request or has died.
+lengths Ray Serve probes and a memory cost from the free blocks each replica reports, power of two choices when
+the preferred replica is too busy.  It returns two ranks, the chosen replica then the rest by cached tokens, so Ray
+Serve falls through to another replica if the first rejects the request or has died.
 
 Ray Serve's ``RequestRouter`` API is alpha (Ray >= 2.46); this module is written against Ray 2.60.
 """
@@ -25,7 +25,7 @@ from prefixcache.cache.events import BlockIndex
 from prefixcache.distributed.router import ExactPrefixRouter
 from prefixcache.distributed.subscriber import ZmqEventSubscriber
 
-__all__ = ["ExactPrefixRequestRouter", "routed_namespace"]
+__all__ = ["ExactPrefixRequestRouter", "memory_of", "routed_namespace"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,17 @@ def request_of(pending: PendingRequest | None) -> dict[str, Any] | None:
     return None
 
 
+def memory_of(replicas: list[RunningReplica]) -> tuple[list[int] | None, list[int] | None]:
+    """Free blocks and pool sizes the replicas report in their routing stats, or ``(None, None)`` unless every
+    replica reports both (a replica that has not reported yet would otherwise look full or empty)."""
+    stats = [r.routing_stats or {} for r in replicas]
+    if not all(isinstance(s.get("free_blocks"), int) and isinstance(s.get("num_blocks"), int) for s in stats):
+        return None, None
+    if any(s["num_blocks"] < 1 for s in stats):
+        return None, None
+    return [s["free_blocks"] for s in stats], [s["num_blocks"] for s in stats]
+
+
 class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
     """Route ``generate`` calls to the replica holding the longest exact prefix of the prompt.
 
@@ -64,15 +75,18 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         relative_above: float | None = None,
         imbalance_abs: float = 4,
         imbalance_rel: float = 0.5,
+        memory_weight: float = 4.0,
         seed: int = 0,
     ) -> None:
         """Router settings; see :class:`~prefixcache.distributed.router.ExactPrefixRouter` (loads are queue lengths,
-        so the penalty is absolute unless ``relative_above`` is given)."""
+        so the penalty is absolute unless ``relative_above`` is given; the memory cost uses the ``free_blocks`` and
+        ``num_blocks`` each replica reports in its routing stats, refreshed every routing-stats period)."""
         self._settings = {
             "load_penalty_tokens": load_penalty_tokens,
             "relative_above": relative_above,
             "imbalance_abs": imbalance_abs,
             "imbalance_rel": imbalance_rel,
+            "memory_weight": memory_weight,
             "seed": seed,
         }
         self._routers: dict[tuple[int, int], ExactPrefixRouter] = {}
@@ -131,7 +145,8 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         loads = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas]
         namespace = routed_namespace(stats["fingerprint"], request.get("namespace"))
         routed = [self._routed.get(r.replica_id, 0) for r in candidate_replicas]
-        decision = router.choose(request["prompt_ids"], indexes, loads, namespace, routed)
+        free, pools = memory_of(candidate_replicas)
+        decision = router.choose(request["prompt_ids"], indexes, loads, namespace, routed, free, pools)
         chosen = candidate_replicas[decision.replica]
         # Counted at decision time: requests routed together would otherwise all see the same tallies and tie.
         self._routed[chosen.replica_id] = self._routed.get(chosen.replica_id, 0) + 1

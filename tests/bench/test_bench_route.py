@@ -109,3 +109,37 @@ def test_misses_of_prefixes_no_replica_still_holds_count_as_absent() -> None:
     assert oracle["missed"]["steered"] == 0
     assert oracle["missed"]["absent"] > 0.3
     assert oracle["hit_rate"] < big["hit_rate"] - 0.3
+
+
+def _uneven_answers(num: int) -> list[ReplayRequest]:
+    """``num`` two-turn conversations opening with an 800-token document; answers run long, short, short, long ..."""
+    out = []
+    history = {c: array(TOKEN_TYPECODE) for c in range(num)}
+    for t in range(2):
+        for c in range(num):
+            start = 100_000 * c + 10_000 * t
+            prompt = history[c] + array(TOKEN_TYPECODE, range(start, start + (800 if t == 0 else 32)))
+            answer_tokens = 1600 if c % 4 in (0, 3) else 16
+            answer = array(TOKEN_TYPECODE, range(start + 5000, start + 5000 + answer_tokens))
+            out.append(ReplayRequest("synthetic", f"conv{c}", t, prompt, answer))
+            history[c] = prompt + answer
+    return out
+
+
+def test_the_exact_router_fills_replicas_memory_evenly_when_together_they_barely_hold_the_working_set(
+    monkeypatch,
+) -> None:
+    requests = _uneven_answers(8)
+    per_replica = route.working_set_blocks(requests) // 2 + 4
+    big = route.simulate(requests, 1, 2 * per_replica, "round-robin")
+    exact = route.simulate(requests, 2, per_replica, "exact", big["hits"])
+    # New conversations go where memory is free, so both replicas end up holding their conversations whole.
+    assert exact["hit_rate"] == pytest.approx(big["hit_rate"])
+    assert exact["missed"]["absent"] == 0
+    assert exact["imbalance"] <= 1.25
+    # Balancing request counts alone puts both long conversations of each four on one replica, which overflows and
+    # evicts the first turns that come back next.
+    monkeypatch.setattr(route, "MEMORY_WEIGHT", 0.0)
+    counts_only = route.simulate(requests, 2, per_replica, "exact", big["hits"])
+    assert counts_only["missed"]["absent"] > 0.05
+    assert counts_only["hit_rate"] < big["hit_rate"] - 0.05

@@ -91,6 +91,35 @@ def test_too_uneven_loads_fall_back_to_power_of_two_choices(make_cache, put) -> 
     assert decision.balanced_by_load and decision.replica == 1
 
 
+def test_free_blocks_settle_ties_before_the_load_does() -> None:
+    empty = [BlockIndex(), BlockIndex(), BlockIndex()]
+    router = ExactPrefixRouter(2)
+    # Memory ignored (weight 0): equal scores and loads, so the replica with the most free blocks wins.
+    assert router.choose([1, 2, 3, 4], empty, [0, 0, 0], free_blocks=[10, 30, 20]).replica == 1
+    # The load penalty still comes first.
+    penalized = ExactPrefixRouter(2, load_penalty_tokens=1.0)
+    assert penalized.choose([1, 2, 3, 4], empty, [0, 1, 0], free_blocks=[10, 30, 20]).replica == 2
+
+
+def test_the_memory_cost_prices_the_tokens_a_replica_must_store_by_how_full_it_is(make_cache, put) -> None:
+    _, warm = _indexed_cache(make_cache, put, [[1, 2, 3, 4]])
+    indexes = [warm, BlockIndex()]
+    prompt = list(range(1, 21))  # 20 tokens; replica 0 holds the first 4
+    router = ExactPrefixRouter(2, memory_weight=1.0)
+    # Replica 0 is full (0 of 10 blocks free), replica 1 empty: storing 16 tokens on a pool 100% fuller than the
+    # emptiest costs 16, more than the 4 cached tokens save; replica 1 stores 20 at no cost.
+    assert router.choose(prompt, indexes, [0, 0], free_blocks=[0, 10], num_blocks=[10, 10]).replica == 1
+    # Only 20% fuller: 16 * 0.2 = 3.2 tokens of cost against 4 cached, so the prefix wins.
+    assert router.choose(prompt, indexes, [0, 0], free_blocks=[8, 10], num_blocks=[10, 10]).replica == 0
+    # A request that is nearly all cached on the fuller replica stores little there and stays.
+    long_prefix = [1, 2, 3, 4, 5]
+    assert router.choose(long_prefix, indexes, [0, 0], free_blocks=[0, 10], num_blocks=[10, 10]).replica == 0
+    # Without pool sizes, or with weight 0, free blocks only settle ties.
+    assert router.choose(prompt, indexes, [0, 0], free_blocks=[0, 10]).replica == 0
+    plain = ExactPrefixRouter(2)
+    assert plain.choose(prompt, indexes, [0, 0], free_blocks=[0, 10], num_blocks=[10, 10]).replica == 0
+
+
 def test_power_of_two_picks_the_less_loaded_of_two_distinct_replicas() -> None:
     rng = random.Random(0)
     picks = [power_of_two([5, 0, 5, 5], rng) for _ in range(200)]
@@ -106,5 +135,14 @@ def test_bad_arguments_raise_the_package_error() -> None:
         ExactPrefixRouter(2, relative_above=0)
     with pytest.raises(InvalidArgumentError):
         ExactPrefixRouter(2).choose([1, 2], [BlockIndex()], [0, 0])
+    with pytest.raises(InvalidArgumentError):
+        ExactPrefixRouter(2, memory_weight=-1.0)
+    two = [BlockIndex(), BlockIndex()]
+    with pytest.raises(InvalidArgumentError):
+        ExactPrefixRouter(2).choose([1, 2], two, [0, 0], free_blocks=[1])
+    with pytest.raises(InvalidArgumentError):
+        ExactPrefixRouter(2).choose([1, 2], two, [0, 0], num_blocks=[4, 4])
+    with pytest.raises(InvalidArgumentError):
+        ExactPrefixRouter(2).choose([1, 2], two, [0, 0], free_blocks=[1, 1], num_blocks=[4, 0])
     with pytest.raises(InvalidArgumentError):
         power_of_two([], random.Random(0))

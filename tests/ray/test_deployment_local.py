@@ -3,6 +3,8 @@ stats, and a subscriber mirroring its cache from those stats.  Fast; needs the [
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 pytest.importorskip("ray.serve", reason="needs the [ray] extra")
@@ -12,7 +14,7 @@ from prefixcache.cache.events import BlockIndex, block_hashes  # noqa: E402
 from prefixcache.distributed.router import ExactPrefixRouter  # noqa: E402
 from prefixcache.distributed.subscriber import ZmqEventSubscriber  # noqa: E402
 from prefixcache.ray.deployment import PrefixCacheServer  # noqa: E402
-from prefixcache.ray.router import request_of, routed_namespace  # noqa: E402
+from prefixcache.ray.router import memory_of, request_of, routed_namespace  # noqa: E402
 
 
 @pytest.fixture
@@ -31,6 +33,8 @@ def test_a_replica_serves_generate_and_its_stats_let_a_router_mirror_it(server) 
 
     stats = server.record_routing_stats()
     assert stats["block_size"] == 4 and stats["hash_seed"] == 0
+    # What the router's memory cost reads: the replica's free blocks and pool size.
+    assert stats["num_blocks"] == 64 and stats["free_blocks"] == server.runner.pool.num_free_blocks < 64
     index = BlockIndex(strict=False)
     with ZmqEventSubscriber(stats["kv_events_endpoint"], stats["kv_events_replay_endpoint"], index) as subscriber:
         assert server.publisher.flush()
@@ -56,3 +60,12 @@ def test_request_of_reads_only_generate_requests() -> None:
     assert request_of(Pending([], {"request": {"prompt_ids": (3,)}})) == {"prompt_ids": (3,)}
     assert request_of(Pending(["text"], {})) is None
     assert request_of(None) is None
+
+
+def test_memory_of_reads_free_blocks_only_when_every_replica_reports_them() -> None:
+    full = SimpleNamespace(routing_stats={"free_blocks": 3, "num_blocks": 64})
+    empty = SimpleNamespace(routing_stats={"free_blocks": 64, "num_blocks": 64})
+    assert memory_of([full, empty]) == ([3, 64], [64, 64])
+    # A replica that has not reported yet would look full (or empty): no memory cost for this decision.
+    assert memory_of([full, SimpleNamespace(routing_stats=None)]) == (None, None)
+    assert memory_of([full, SimpleNamespace(routing_stats={"free_blocks": 1, "num_blocks": 0})]) == (None, None)
