@@ -160,6 +160,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve_size.add_argument("--cache-tokens", type=parse_count, help="pool capacity in tokens (default 65,536)")
     serve_size.add_argument("--cache-memory", type=parse_size, help="pool capacity in bytes of KV, e.g. 512MiB")
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    serve.add_argument(
+        "--max-batch-tokens",
+        type=parse_count,
+        default=512,
+        help="tokens one batched forward takes: decode rows first, then prefill chunks (vLLM's "
+        "--max-num-batched-tokens; default 512)",
+    )
+    serve.add_argument(
+        "--max-running",
+        type=parse_count,
+        default=32,
+        help="requests running at once; more wait in the queue (vLLM's --max-num-seqs; default 32)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     serve.add_argument(
@@ -429,7 +442,15 @@ def _run_serve(args: argparse.Namespace) -> int:
     logging.getLogger("prefixcache.serve.snapshots").setLevel(logging.INFO)
     name = args.served_model_name or args.model
     every_s = None if args.snapshot_every is None else 60.0 * args.snapshot_every
-    app = create_app(runner, model_name=name, api_keys=keys, snapshot_dir=args.snapshot, snapshot_every_s=every_s)
+    app = create_app(
+        runner,
+        model_name=name,
+        api_keys=keys,
+        snapshot_dir=args.snapshot,
+        snapshot_every_s=every_s,
+        max_batch_tokens=args.max_batch_tokens,
+        max_running=args.max_running,
+    )
 
     def announce(url: str) -> None:
         print(f"serving {name!r} at {url}/v1 ({runner.pool.capacity_tokens:,} tokens of KV)", flush=True)

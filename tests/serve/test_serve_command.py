@@ -13,7 +13,19 @@ import httpx
 def test_serve_command_answers_and_stops_on_ctrl_c(tmp_path) -> None:
     keys = tmp_path / "keys"
     keys.write_text("secret-1 team-1\n")
-    command = [sys.executable, "-m", "prefixcache", "serve", "--port", "0", "--cache-tokens", "4096"]
+    command = [
+        sys.executable,
+        "-m",
+        "prefixcache",
+        "serve",
+        "--port",
+        "0",
+        "--cache-tokens",
+        "4096",
+        "--max-batch-tokens",
+        "64",
+    ]
+    command += ["--max-running", "2"]
     process = subprocess.Popen([*command, "--api-keys", str(keys)], stdout=subprocess.PIPE, text=True)
     try:
         line = process.stdout.readline()
@@ -28,3 +40,15 @@ def test_serve_command_answers_and_stops_on_ctrl_c(tmp_path) -> None:
     finally:
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=30) == 0
+
+
+def test_batch_bounds_below_one_are_refused_before_anything_starts(capsys) -> None:
+    from prefixcache.cli import main
+
+    for option in ("--max-batch-tokens", "--max-running"):
+        try:
+            code = main(["serve", option, "0"])
+        except SystemExit as exit_:
+            code = exit_.code
+        assert code == 2
+        assert option in capsys.readouterr().err
