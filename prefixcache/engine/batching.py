@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -52,6 +53,7 @@ from prefixcache.engine.sampling import SamplingParams, sample_token, sampling_g
 from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
 from prefixcache.models.base import BatchRow, LiveKV, forward_batch
 
+logger = logging.getLogger(__name__)
 _END = object()
 POLICIES = ("lpm", "fcfs")
 """Admission policies: longest cached prefix first with shared prefills (``"lpm"``), or arrival order (``"fcfs"``)."""
@@ -276,7 +278,27 @@ class BatchEngine:
                     self._lock.wait()
                 if self._closed:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as error:  # noqa: BLE001 - a fault in the engine's own code must not strand every request
+                logger.exception("a batching step failed; failing the requests it held")
+                self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Fail every waiting and running request with ``error`` (their leases released): after a step raised, the
+        engine goes on serving new requests instead of leaving these to wait forever on a dead thread."""
+        with self._step_lock:
+            with self._lock:
+                requests = [*self._waiting, *self._running]
+                self._waiting.clear()
+            for request in requests:
+                try:
+                    self._fail(request, error)
+                except Exception:  # noqa: BLE001 - fail the rest even if one release fails
+                    logger.exception("releasing a failed request's lease failed")
+            with self._lock:
+                self._running.clear()
+                self._lock.notify_all()
 
     def step(self) -> bool:
         """One scheduling step: drop cancelled requests, admit waiting ones, run one batched forward, sample, retire

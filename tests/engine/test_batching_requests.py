@@ -254,3 +254,33 @@ def test_concurrent_chats_equal_serial_runner_chat(chosen, stop, max_new_tokens,
             assert "".join(pieces) == want.text
     assert_quiescent(runner.cache)
     runner.cache.check_invariants()
+
+
+def test_a_fault_inside_a_step_fails_its_requests_and_the_engine_keeps_serving(
+    tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096, block_size=4)
+    engine = BatchEngine(runner)
+    faults = iter([RuntimeError("a bug in planning")])
+    plan = engine._plan
+
+    def faulty_plan():
+        fault = next(faults, None)
+        if fault is not None:
+            raise fault
+        return plan()
+
+    monkeypatch.setattr(engine, "_plan", faulty_plan)
+    engine.start()
+    try:
+        first = engine.submit(_ids(30, 1), SamplingParams(max_new_tokens=4))
+        with pytest.raises(RuntimeError, match="a bug in planning"):
+            first.result(timeout=60)
+        assert engine.wait_idle(timeout=60)
+        assert_quiescent(runner.cache)
+        second = engine.submit(_ids(30, 1), SamplingParams(max_new_tokens=4))
+        expected, _ = greedy_reference(tiny, _ids(30, 1), 4)
+        assert list(second.result(timeout=60).token_ids) == expected
+    finally:
+        engine.close()
+    assert_quiescent(runner.cache)
