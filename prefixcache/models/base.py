@@ -146,9 +146,13 @@ class LiveKV:
     ``[capacity, H_kv, D]`` buffers for the embedded model); callers create an empty one per request, pass it to
     every call of that request, and drop it when the request ends.  ``capacity`` (positions; 0, the default: not
     known) is how far the request may grow, prompt plus tokens to generate: the first fill reserves room for that
-    many, so that the first decode step does not regrow (copy) a buffer sized to the prompt.  Not thread-safe: one
-    request, one thread.
+    many (at most twice what it fills, as growth by doubling would), so that the first decode step does not regrow
+    (copy) a buffer sized to the prompt.  Not thread-safe: one request, one thread.
     """
+
+    def room(self, end_pos: int) -> int:
+        """Positions to allocate when a fill must hold ``end_pos``: ``capacity``, within ``end_pos .. 2 * end_pos``."""
+        return max(end_pos, min(self.capacity, 2 * end_pos))
 
     __slots__ = ("capacity", "data", "num_tokens")
 

@@ -248,7 +248,7 @@ class HFCausalLM:
             for b, start in enumerate(starts):
                 mask[b, start:longest] = 0
             # Room for the longest any member may still grow, so that decode steps append without regrowing.
-            batch_cache = self._new_cache(longest + max(n, *(r.live.capacity - r.start_pos for r in rows)))
+            batch_cache = self._new_cache(max(r.live.room(r.start_pos + n) - r.start_pos + longest for r in rows))
             for index, layer in enumerate(batch_cache.layers):
                 keys = [
                     cache.layers[index].keys if start else None for cache, start in zip(caches, starts, strict=True)
@@ -305,9 +305,9 @@ class HFCausalLM:
     def _cache_from_pool(
         self, live: LiveKV | None, kv: torch.Tensor, table: torch.Tensor, start_pos: int, end_pos: int
     ) -> Any:
-        """A new cache (capacity ``end_pos``, or ``live.capacity`` when larger) holding positions
+        """A new cache (capacity ``end_pos``, or ``live.room(end_pos)``) holding positions
         ``0 .. start_pos - 1`` gathered from the pool (a copy); it becomes ``live``'s cache when ``live`` is given."""
-        cache = self._new_cache(max(end_pos, live.capacity) if live is not None else end_pos)
+        cache = self._new_cache(live.room(end_pos) if live is not None else end_pos)
         if start_pos:
             prefix = torch.arange(start_pos, device=self.device)
             block_size = kv.shape[3]

@@ -366,7 +366,7 @@ class LlamaModel:
         buffer = live.data if reuse else None
         if buffer is not None and buffer.shape[2] >= end_pos:
             return buffer
-        capacity = max(end_pos, live.capacity, 2 * (buffer.shape[2] if buffer is not None else 0), 64)
+        capacity = max(live.room(end_pos), 2 * (buffer.shape[2] if buffer is not None else 0), 64)
         grown = torch.empty(
             (self.num_layers, 2, capacity, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device
         )
