@@ -114,8 +114,9 @@ def timed_runner_call(runner: PrefixCachingRunner, prompt: list[int], params: Sa
 
 @dataclass(frozen=True, slots=True)
 class EngineSetup:
-    """Sizes of one run: model layers, prompt lengths (tokens) for TTFT and decode, decode steps, repeats, and the
-    batching case (embedded preset, sessions, system prompt and question tokens, tokens generated per session)."""
+    """Sizes of one run: model layers, prompt lengths (tokens) for TTFT and decode, decode steps, repeats, the
+    batching case (embedded preset, sessions, system prompt and question tokens, tokens generated per session), and
+    the interleaved repeats of the cold TTFT and batching cases, whose ratios scatter most on a shared machine."""
 
     layers: int
     ttft_lengths: tuple[int, ...]
@@ -128,10 +129,19 @@ class EngineSetup:
     batch_system_tokens: int = 2000
     batch_question_tokens: int = 32
     batch_new_tokens: int = 32
+    cold_repeats: int = 2
+    batch_repeats: int = 2
 
 
 FULL = EngineSetup(
-    layers=4, ttft_lengths=(1024, 4096), decode_contexts=(2048, 8192), decode_steps=16, repeats=2, quick=False
+    layers=4,
+    ttft_lengths=(1024, 4096),
+    decode_contexts=(2048, 8192),
+    decode_steps=16,
+    repeats=2,
+    quick=False,
+    cold_repeats=6,
+    batch_repeats=3,
 )
 QUICK = EngineSetup(
     layers=2,
@@ -203,7 +213,9 @@ def _runner(model, tokens: int) -> PrefixCachingRunner:
 
 
 def measure_cold(model, length: int, repeats: int) -> dict:
-    """Cold TTFT through the runner (fresh cache) vs the model's own full forward; medians in seconds."""
+    """Cold TTFT through the runner (fresh cache) vs the model's own full forward: medians in seconds, and the median,
+    lowest and highest of the per-repeat ratios (each repeat runs both sides on the same prompt, one after the other,
+    the side that runs first alternating)."""
     ours, theirs = [], []
     for rep in range(repeats):
         prompt = _ids(model, length, seed=rep)
@@ -218,7 +230,18 @@ def measure_cold(model, length: int, repeats: int) -> dict:
         theirs.append(seconds)
         if token != result.token_ids[0]:
             raise AssertionError(f"cold prefill of {length} tokens: runner token {result.token_ids[0]} != {token}")
-    return {"tokens": length, "ours_s": statistics.median(ours), "model_s": statistics.median(theirs)}
+    return {
+        "tokens": length,
+        "repeats": repeats,
+        "ours_s": statistics.median(ours),
+        "model_s": statistics.median(theirs),
+        **_ratio_spread([a / b for a, b in zip(ours, theirs, strict=True)]),
+    }
+
+
+def _ratio_spread(ratios: list[float]) -> dict:
+    """The median, lowest and highest of paired per-repeat ratios."""
+    return {"ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
 @torch.inference_mode()
@@ -321,8 +344,13 @@ def _gather_decode(runner: PrefixCachingRunner, prompt: list[int], tokens: list[
 
 def measure_batching(setup: EngineSetup, model=None, device: torch.device | str = "cpu") -> dict:
     """Aggregate generated tokens/s of ``batch_sessions`` sessions served together over the same sessions one at a
-    time, both behind a cached system prompt, on ``model`` (default: the embedded ``batch_preset`` on ``device``); the
-    batched tokens are checked equal to the serial ones."""
+    time, both behind a cached system prompt, on ``model`` (default: the embedded ``batch_preset`` on ``device``).
+
+    Both sides do the same work: each session's uncached question (``batch_question_tokens``) is prefilled and
+    ``batch_new_tokens`` tokens are decoded, on a fresh runner whose cache holds the system prompt alone; the batched
+    tokens are checked equal to the serial ones.  ``batch_repeats`` interleaved repeats (the side that runs first
+    alternates); tokens/s from the median seconds of each side, and the median, lowest and highest per-repeat ratio.
+    """
     from prefixcache.models.llama import build_model
 
     name = getattr(model, "name", setup.batch_preset)
@@ -333,26 +361,32 @@ def measure_batching(setup: EngineSetup, model=None, device: torch.device | str 
     params = SamplingParams(max_new_tokens=setup.batch_new_tokens)
     per_session = setup.batch_question_tokens + 2 * setup.batch_new_tokens
     tokens = setup.batch_system_tokens + setup.batch_sessions * per_session
-    serial_runner = PrefixCachingRunner(model, cache_tokens=tokens, block_size=BLOCK_SIZE)
-    batch_runner = PrefixCachingRunner(model, cache_tokens=tokens, block_size=BLOCK_SIZE)
-    serial_runner.prefill(system)
-    batch_runner.prefill(system)
-    start = clock()
-    serial = [serial_runner.generate(p, params) for p in prompts]
-    serial_s = clock() - start
-    start = clock()
-    batched = batch_runner.generate_many(prompts, params)
-    batched_s = clock() - start
-    if [r.token_ids for r in batched] != [r.token_ids for r in serial]:
-        raise AssertionError("batched tokens differ from serial tokens")
-    generated = sum(len(r.token_ids) for r in batched)
+
+    def timed(together: bool) -> tuple[float, list]:
+        runner = PrefixCachingRunner(model, cache_tokens=tokens, block_size=BLOCK_SIZE)
+        runner.prefill(system)  # outside the timed region
+        start = clock()
+        results = runner.generate_many(prompts, params) if together else [runner.generate(p, params) for p in prompts]
+        return clock() - start, results
+
+    serial_s, batched_s = [], []
+    for rep in range(setup.batch_repeats):
+        runs = {together: timed(together) for together in ((False, True) if rep % 2 == 0 else (True, False))}
+        (s_seconds, s_results), (b_seconds, b_results) = runs[False], runs[True]
+        if [r.token_ids for r in b_results] != [r.token_ids for r in s_results]:
+            raise AssertionError("batched tokens differ from serial tokens")
+        serial_s.append(s_seconds)
+        batched_s.append(b_seconds)
+    generated = sum(len(r.token_ids) for r in b_results)
     return {
         "model": name,
         "sessions": setup.batch_sessions,
         "system_tokens": setup.batch_system_tokens,
         "generated_tokens": generated,
-        "serial_tokens_per_s": generated / serial_s,
-        "batched_tokens_per_s": generated / batched_s,
+        "repeats": setup.batch_repeats,
+        "serial_tokens_per_s": generated / statistics.median(serial_s),
+        "batched_tokens_per_s": generated / statistics.median(batched_s),
+        **_ratio_spread([s / b for s, b in zip(serial_s, batched_s, strict=True)]),
     }
 
 
@@ -443,7 +477,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
     model = build_bench_model(quick, setup.layers, where)
     threads = TORCH_THREADS
     with one_torch_thread(), device_clock(where):
-        cold = [measure_cold(model, n, setup.repeats) for n in setup.ttft_lengths]
+        cold = [measure_cold(model, n, setup.cold_repeats) for n in setup.ttft_lengths]
         warm = [measure_warm(model, n, setup.repeats) for n in setup.ttft_lengths]
         decode = [measure_decode(model, c, setup.decode_steps, setup.repeats) for c in setup.decode_contexts]
         batching = [measure_batching(setup, device=where), measure_batching(setup, model)]
@@ -452,7 +486,13 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
     rows = []
     for c in cold:
         rows.append(
-            ("cold TTFT (ms)", f"{c['tokens']:,}", "model forward, keep 1 logit", *_cells(c["ours_s"], c["model_s"]))
+            (
+                f"cold TTFT (ms, {c['repeats']} repeats)",
+                f"{c['tokens']:,}",
+                "model forward, keep 1 logit",
+                *_cells(c["ours_s"], c["model_s"])[:2],
+                _spread(c),
+            )
         )
     for w in warm:
         rows.append(
@@ -483,12 +523,12 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
     for b in batching:
         rows.append(
             (
-                f"{b['sessions']} sessions (tok/s)",
+                f"{b['sessions']} sessions (tok/s, {b['repeats']} repeats)",
                 f"{b['system_tokens']:,} shared",
                 f"one session at a time ({b['model']})",
                 f"{b['batched_tokens_per_s']:.1f}",
                 f"{b['serial_tokens_per_s']:.1f}",
-                f"{b['batched_tokens_per_s'] / b['serial_tokens_per_s']:.2f}",
+                _spread(b),
             )
         )
     lpm, fcfs = shared["lpm"], shared["fcfs"]
@@ -518,9 +558,11 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
         rows=tuple(rows),
         notes=(
             f"{'GPU wall time' if where.type == 'cuda' else 'thread CPU time'}, medians of {setup.repeats} interleaved "
-            f"repeats, one process, {threads} torch thread(s), "
+            f"repeats (cold TTFT and sessions: as stated), one process, {threads} torch thread(s), "
             f"block_size {BLOCK_SIZE}; greedy tokens checked equal to the baseline's",
             "'old: gather' is forward_cached without live K/V: each step copies the prefix out of the pool",
+            "cold TTFT and sessions: ratio is the median of the per-repeat ratios (lowest-highest in brackets); "
+            "sessions: each side prefills every session's question and decodes its tokens behind the cached prompt",
             "new sessions: submitted together to one BatchEngine, prefix-aware (lpm: longest cached prefix first, a "
             "shared uncached prefix prefilled once) vs fcfs; wall time, not thread CPU time",
             "'paged attention': forward_cached reading the pool through the block table (flex_attention; eager, "
@@ -542,6 +584,11 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
 
 def _setup_dict(setup: EngineSetup) -> dict:
     return {name: getattr(setup, name) for name in EngineSetup.__slots__}
+
+
+def _spread(measure: dict) -> str:
+    """The median per-repeat ratio with its range: ``"1.02 (0.98-1.05)"``."""
+    return f"{measure['ratio']:.2f} ({measure['ratio_min']:.2f}-{measure['ratio_max']:.2f})"
 
 
 def _cells(ours: float, baseline: float) -> tuple[str, str, str]:

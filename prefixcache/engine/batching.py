@@ -426,6 +426,7 @@ class BatchEngine:
             self._fail(request, error)
             return False
         request.cached = request.position = request.lease.num_cached_tokens
+        request.live.capacity = len(request.prompt) + request.sampling.max_new_tokens
         request.generator = sampling_generator(request.sampling, pool.kv.device)
         self._running.append(request)
         return True

@@ -431,7 +431,7 @@ class PrefixCachingRunner:
             table = pool.block_table_tensor(lease.block_table)
             new_ids = torch.tensor(prompt[cached:], dtype=torch.long, device=device)
             # One live K/V for the request's lifetime: decode steps append to it instead of re-gathering the prefix.
-            live = LiveKV()
+            live = LiveKV(len(prompt) + (len(forced) if forced is not None else sampling.max_new_tokens))
             logits = model.forward_cached(new_ids, cached, pool.kv, table, return_logits=return_logits, live=live)
             last = logits[-1]
             generator = sampling_generator(sampling, device)

@@ -144,13 +144,21 @@ class LiveKV:
 
     The model owns ``data`` (a transformers ``Cache`` for :class:`~prefixcache.models.hf.HFCausalLM`, per-layer
     ``[capacity, H_kv, D]`` buffers for the embedded model); callers create an empty one per request, pass it to
-    every call of that request, and drop it when the request ends.  Not thread-safe: one request, one thread.
+    every call of that request, and drop it when the request ends.  ``capacity`` (positions; 0, the default: not
+    known) is how far the request may grow, prompt plus tokens to generate: the first fill reserves room for that
+    many (at most twice what it fills, as growth by doubling would), so that the first decode step does not regrow
+    (copy) a buffer sized to the prompt.  Not thread-safe: one request, one thread.
     """
 
-    __slots__ = ("data", "num_tokens")
+    def room(self, end_pos: int) -> int:
+        """Positions to allocate when a fill must hold ``end_pos``: ``capacity``, within ``end_pos .. 2 * end_pos``."""
+        return max(end_pos, min(self.capacity, 2 * end_pos))
 
-    def __init__(self) -> None:
+    __slots__ = ("capacity", "data", "num_tokens")
+
+    def __init__(self, capacity: int = 0) -> None:
         self.num_tokens = 0
+        self.capacity = capacity
         self.data: Any = None
 
     def reset(self) -> None:
@@ -159,7 +167,7 @@ class LiveKV:
         self.data = None
 
     def __repr__(self) -> str:
-        return f"LiveKV(num_tokens={self.num_tokens})"
+        return f"LiveKV(num_tokens={self.num_tokens}, capacity={self.capacity})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -255,9 +255,7 @@ class LlamaModel:
             attend = PagedAttention(table, end_pos, num_blocks, block_size)
             return self._forward(ids, start_pos, into_pool, return_logits, attend)
         if live is not None:
-            prefix = all_pos[:start_pos]
-            prefix_slots = table[prefix // block_size] * block_size + prefix % block_size
-            buffer = self._live_buffer(live, reuse, flat, prefix_slots, end_pos)
+            buffer = self._live_buffer(live, reuse, kv, table, start_pos, end_pos)
 
             def from_live(layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 new = torch.stack([k, v])
@@ -299,10 +297,8 @@ class LlamaModel:
         for row, (ids, table) in zip(rows, checked, strict=True):
             end_pos = row.start_pos + ids.numel()
             positions = torch.arange(row.start_pos, end_pos, device=self.device)
-            prefix = torch.arange(row.start_pos, device=self.device)
-            prefix_slots = table[prefix // block_size] * block_size + prefix % block_size
             reuse = check_live(row.live, row.start_pos)
-            buffers.append(self._live_buffer(row.live, reuse, flat, prefix_slots, end_pos))
+            buffers.append(self._live_buffer(row.live, reuse, kv, table, row.start_pos, end_pos))
             slots.append(table[positions // block_size] * block_size + positions % block_size)
             spans.append((offset, offset + ids.numel(), row.start_pos, end_pos))
             all_ids.append(ids)
@@ -341,9 +337,9 @@ class LlamaModel:
             for group, rows_q in zip(groups, group_queries, strict=True):
                 # Rows share the pool blocks of positions < shared_tokens: the first row's live copy serves them all.
                 shared = buffers[group.rows[0]][i, :, : group.shared_tokens]
-                suffix = flat[i].index_select(1, group.suffix_slots.flatten()).unflatten(1, group.suffix_slots.shape)
+                suffix = flat[i].index_select(1, group.suffix_slots)  # [2, T, H_kv, D], every member's own keys
                 o = shared_prefix_decode_attention(
-                    q[rows_q], shared[0], shared[1], suffix[0], suffix[1], group.suffix_mask
+                    q[rows_q], shared[0], shared[1], suffix[0], suffix[1], group.suffix_bias
                 )
                 for j, r in enumerate(group.rows):
                     outs[r] = o[j : j + 1]
@@ -359,24 +355,39 @@ class LlamaModel:
         return list(logits.split(1))
 
     def _live_buffer(
-        self, live: LiveKV, reuse: bool, flat: torch.Tensor, prefix_slots: torch.Tensor, end_pos: int
+        self, live: LiveKV, reuse: bool, kv: torch.Tensor, table: torch.Tensor, start_pos: int, end_pos: int
     ) -> torch.Tensor:
         """The live buffer ``[L, 2, capacity >= end_pos, H_kv, D]`` holding positions ``0 .. start_pos - 1``.
 
-        ``prefix_slots[start_pos]`` are the pool rows of the prefix, read only when ``live`` does not hold them.
+        The prefix is read from the pool (``kv``, through ``table``) only when ``live`` does not hold it: whole blocks
+        are copied block by block straight into the buffer (one copy, no per-token index), the partial last block
+        token by token.
         """
-        start_pos = prefix_slots.numel()
         buffer = live.data if reuse else None
         if buffer is not None and buffer.shape[2] >= end_pos:
             return buffer
-        capacity = max(end_pos, 2 * (buffer.shape[2] if buffer is not None else 0), 64)
+        capacity = max(live.room(end_pos), 2 * (buffer.shape[2] if buffer is not None else 0), 64)
         grown = torch.empty(
             (self.num_layers, 2, capacity, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device
         )
         if buffer is not None:
             grown[:, :, :start_pos] = buffer[:, :, :start_pos]
         elif start_pos:
-            grown[:, :, :start_pos] = flat.index_select(2, prefix_slots)
+            num_blocks, block_size = kv.shape[2], kv.shape[3]
+            full = start_pos // block_size
+            blocks = kv.view(self.num_layers, 2, num_blocks, -1)  # [L, 2, blocks, block_size * H_kv * D]
+            flat = kv.view(self.num_layers, 2, num_blocks * block_size, self.num_kv_heads, self.head_dim)
+            rest = start_pos - full * block_size
+            rest_slots = table[full] * block_size + torch.arange(rest, device=self.device) if rest else None
+            for layer in range(self.num_layers):
+                for kind in range(2):
+                    if full:
+                        out = grown[layer, kind, : full * block_size].view(full, -1)
+                        torch.index_select(blocks[layer, kind], 0, table[:full], out=out)
+                    if rest_slots is not None:
+                        torch.index_select(
+                            flat[layer, kind], 0, rest_slots, out=grown[layer, kind, full * block_size : start_pos]
+                        )
         live.data = grown
         live.num_tokens = start_pos
         return grown

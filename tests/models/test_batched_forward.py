@@ -138,15 +138,18 @@ def test_shared_prefix_attention_equals_one_softmax_over_all_keys(
     rows: int, kv_heads: int, group: int, shared: int, suffixes: list[int], seed: int
 ) -> None:
     gen = torch.Generator().manual_seed(seed)
-    dim, heads, width = 8, kv_heads * group, max(suffixes[:rows])
+    dim, heads, lengths = 8, kv_heads * group, suffixes[:rows]
     q = torch.randn(rows, heads, dim, generator=gen)
     prefix_k, prefix_v = torch.randn(2, shared, kv_heads, dim, generator=gen)
-    own_k, own_v = torch.randn(2, rows, width, kv_heads, dim, generator=gen) * 3
-    mask = torch.arange(width)[None, :] < torch.tensor(suffixes[:rows])[:, None]
-    out = shared_prefix_decode_attention(q, prefix_k, prefix_v, own_k, own_v, mask)
-    for b in range(rows):
-        keys = torch.cat([prefix_k, own_k[b, : suffixes[b]]]).transpose(0, 1)  # [H_kv, S, D]
-        values = torch.cat([prefix_v, own_v[b, : suffixes[b]]]).transpose(0, 1)
+    own_k, own_v = torch.randn(2, sum(lengths), kv_heads, dim, generator=gen) * 3  # packed, row after row
+    bounds = [(sum(lengths[:b]), sum(lengths[: b + 1])) for b in range(rows)]
+    bias = torch.full((rows, sum(lengths)), float("-inf"))
+    for b, (lo, hi) in enumerate(bounds):
+        bias[b, lo:hi] = 0.0
+    out = shared_prefix_decode_attention(q, prefix_k, prefix_v, own_k, own_v, bias)
+    for b, (lo, hi) in enumerate(bounds):
+        keys = torch.cat([prefix_k, own_k[lo:hi]]).transpose(0, 1)  # [H_kv, S, D]
+        values = torch.cat([prefix_v, own_v[lo:hi]]).transpose(0, 1)
         expected = F.scaled_dot_product_attention(q[b].view(kv_heads, group, dim), keys, values)  # [H_kv, group, D]
         assert float((out[b] - expected.reshape(-1)).abs().max()) < 1e-5
 
@@ -157,11 +160,15 @@ def test_rows_group_by_the_leading_blocks_they_share() -> None:
     groups = plan_shared_prefix_groups(tables, ends, [0, 1, 2, 3, 4], block_size=4, device=torch.device("cpu"))
     assert [(g.rows, g.shared_tokens) for g in groups] == [((0, 1, 2, 4), 4)]
     group = groups[0]
-    assert group.suffix_slots.shape == (4, 11)
-    # Row 0: positions 4..14 live in blocks 8, 9, 1; padding repeats its last slot and is masked out.
-    assert group.suffix_slots[0].tolist() == [32, 33, 34, 35, 36, 37, 38, 39, 4, 5, 6]
-    assert group.suffix_mask.sum(dim=1).tolist() == [11, 10, 9, 2]
-    assert group.suffix_slots[3].tolist() == [32, 33] + [33] * 9
+    # Row 0: positions 4..14 live in blocks 8, 9, 1; then row 1's 4..13, row 2's 4..12 (blocks 8, 3), row 4's 4, 5.
+    row0 = [32, 33, 34, 35, 36, 37, 38, 39, 4, 5, 6]
+    row1 = [32, 33, 34, 35, 36, 37, 38, 39, 8, 9]
+    row2 = [32, 33, 34, 35, 12, 13, 14, 15, 16]
+    assert group.suffix_slots.tolist() == row0 + row1 + row2 + [32, 33]
+    own = group.suffix_bias == 0
+    assert own.sum(dim=1).tolist() == [11, 10, 9, 2]
+    assert own[1].nonzero().flatten().tolist() == list(range(11, 21))
+    assert bool((group.suffix_bias[~own] == float("-inf")).all())
     # Prefill rows never join a group; a lone row forms none.
     assert plan_shared_prefix_groups(tables, ends, [0, 3], block_size=4, device=torch.device("cpu")) == []
 
