@@ -58,6 +58,15 @@ def busy_cache(num_blocks: int = 64) -> RadixCache:
     return cache
 
 
+def saved_and_changed(folder: Path) -> tuple[RadixCache, RadixCache]:
+    """``busy_cache()`` saved into ``folder``, and another one with one more prompt (a save that would change it)."""
+    old = busy_cache()
+    old.save(folder)
+    new = busy_cache()
+    serve(new, [9] * 30, seed=99)
+    return old, new
+
+
 def describe(cache: RadixCache) -> list[tuple]:
     """Every node as (namespace, path, start, shares_first, last_access, hit_count, priority, origin, leaf)."""
     tree = cache._tree
@@ -542,10 +551,7 @@ def test_an_exception_at_every_step_of_a_save_leaves_a_complete_snapshot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     folder = tmp_path / "snap"
-    old = busy_cache()
-    old.save(folder)
-    new = busy_cache()
-    serve(new, [9] * 30, seed=99)
+    old, new = saved_and_changed(folder)
     old.save(tmp_path / "count")
     with monkeypatch.context() as patch:
         counting = FaultInjector(patch)

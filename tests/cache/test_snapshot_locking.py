@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from test_snapshot import busy_cache, describe, make_pool, serve
+from test_snapshot import busy_cache, describe, make_pool, saved_and_changed, serve
 
 from prefixcache import RadixCache, SnapshotWriteError
 from prefixcache.cache import snapshot
@@ -30,10 +30,7 @@ def test_a_failed_write_is_a_snapshot_write_error_and_the_old_version_stays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: str
 ) -> None:
     folder = tmp_path / "snap"
-    old = busy_cache()
-    old.save(folder)
-    new = busy_cache()
-    serve(new, [9] * 30, seed=99)
+    old, new = saved_and_changed(folder)
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
