@@ -36,7 +36,7 @@ from prefixcache.engine.batching import BatchEngine, RequestHandle
 from prefixcache.engine.chat import ChatCompletion, prepare_chat, prepare_completion, submit_chat
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.errors import CapacityError, OutOfBlocksError, PrefixCacheError
+from prefixcache.errors import CapacityError, OutOfBlocksError, PoolBusyError, PrefixCacheError
 from prefixcache.serve.auth import ApiKeys, Unauthorized
 from prefixcache.serve.metrics import CONTENT_TYPE, ServerMetrics
 from prefixcache.serve.protocol import (
@@ -56,7 +56,8 @@ __all__ = ["create_app"]
 
 
 def _status_of(error: BaseException) -> int:
-    if isinstance(error, CapacityError):
+    # PoolBusyError derives from CapacityError but is transient: running requests hold the pool, a retry can pass.
+    if isinstance(error, CapacityError) and not isinstance(error, PoolBusyError):
         return 400
     if isinstance(error, OutOfBlocksError):
         return 503  # other requests hold the pool right now; a retry may succeed
