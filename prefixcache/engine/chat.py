@@ -190,7 +190,8 @@ class ChatDecoder:
         tail += stopper.flush()
         self._pieces.append(tail)
         text = "".join(self._pieces)
-        finish = "stop" if stopper.stopped else result.finish_reason
+        # "prefill" (max_new_tokens=0: nothing generated) is the runner's own reason; the budget ended it: "length".
+        finish = "stop" if stopper.stopped else "length" if result.finish_reason == "prefill" else result.finish_reason
         salt = self._request_id or uuid.uuid4().hex
         parsed = parse_tool_calls(text, id_salt=salt) if self._parse_calls else None
         if parsed is not None and parsed.tool_calls:

@@ -19,14 +19,15 @@ the router's own 404 and 405 included, has OpenAI's shape ``{"error": {"message"
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import CancelledError, Future
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -36,7 +37,7 @@ from prefixcache.engine.batching import BatchEngine, RequestHandle
 from prefixcache.engine.chat import ChatCompletion, prepare_chat, prepare_completion, submit_chat
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.errors import CapacityError, OutOfBlocksError, PrefixCacheError
+from prefixcache.errors import CapacityError, OutOfBlocksError, PoolBusyError, PrefixCacheError
 from prefixcache.serve.auth import ApiKeys, Unauthorized
 from prefixcache.serve.metrics import CONTENT_TYPE, ServerMetrics
 from prefixcache.serve.protocol import (
@@ -56,7 +57,8 @@ __all__ = ["create_app"]
 
 
 def _status_of(error: BaseException) -> int:
-    if isinstance(error, CapacityError):
+    # PoolBusyError derives from CapacityError but is transient: running requests hold the pool, a retry can pass.
+    if isinstance(error, CapacityError) and not isinstance(error, PoolBusyError):
         return 400
     if isinstance(error, OutOfBlocksError):
         return 503  # other requests hold the pool right now; a retry may succeed
@@ -103,6 +105,45 @@ def _ending(future: Future[Any]) -> tuple[str, Any]:
     if isinstance(error, CancelledError):
         return "cancelled", None
     return ("error", error) if error is not None else ("done", future.result())
+
+
+_T = TypeVar("_T")
+
+
+def _gone() -> Response:
+    """What a request whose client disconnected answers (nginx's 499); nobody reads it."""
+    return Response(status_code=499)
+
+
+async def _client_gone(request: Request) -> None:
+    """Return once the client has disconnected: the ASGI ``http.disconnect`` message, read after the body as
+    Starlette's ``StreamingResponse`` does (uvicorn never cancels a handler whose client went away)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+_WATCH_AFTER_S = 0.05
+"""A client is watched for a disconnect only once its answer has taken this long: a watcher costs ~0.4 ms."""
+
+
+async def _unless_gone(request: Request, waiter: Awaitable[_T]) -> tuple[bool, _T | None]:
+    """``(True, waiter's result)``, or ``(False, None)`` when the client disconnects first (``waiter`` is then
+    cancelled and awaited, so a job it drives is cancelled before this returns)."""
+    task = asyncio.ensure_future(waiter)
+    await asyncio.wait((task,), timeout=_WATCH_AFTER_S)
+    if task.done():
+        return True, task.result()
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if task.done():
+        return True, task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False, None
 
 
 def _sse(obj: Any) -> str:
@@ -198,9 +239,10 @@ def create_app(
         finally:
             handle.cancel()
 
-    async def finish_job(submit: Submit) -> tuple[str, Any]:
+    async def finish_job(submit: Submit, request: Request) -> tuple[str, Any]:
         """A request's end only: one future and one wake-up of the event loop, where a stream needs a queue.  A
-        request cancelled while waiting (client gone) cancels its engine request."""
+        client that disconnects first, or a handler cancelled while waiting, cancels the engine request (``("gone",
+        None)``)."""
         try:
             handle, future = submit(None)
         except Exception as error:  # noqa: BLE001
@@ -220,7 +262,8 @@ def create_app(
 
         future.add_done_callback(on_done)
         try:
-            return await ended
+            answered, result = await _unless_gone(request, ended)
+            return result if answered else ("gone", None)
         finally:
             handle.cancel()
 
@@ -279,7 +322,10 @@ def create_app(
         return _json({"object": "list", "data": [card]})
 
     def outcome(kind: str, value: Any, endpoint: str) -> ChatCompletion | Response:
-        """A job's end: the finished completion, or the error response (either counted in metrics)."""
+        """A job's end: the finished completion, or the error response (either counted in metrics; a client that
+        left is not)."""
+        if kind == "gone":
+            return _gone()
         if kind != "done":
             error = value if kind == "error" else RuntimeError("the server is shutting down")
             metrics.failed(endpoint, _status_of(error))
@@ -307,10 +353,13 @@ def create_app(
             return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, on_delta=on_delta)
 
         if not chat.stream:
-            done = outcome(*await finish_job(start), "/v1/chat/completions")
+            done = outcome(*await finish_job(start, request), "/v1/chat/completions")
             return done if isinstance(done, Response) else _json(chat_response(request_id, model_name, done))
         events = run_job(start)
-        kind, first = await anext(events)
+        answered, head = await _unless_gone(request, anext(events))  # a queued request waits here for its first token
+        if not answered:
+            return _gone()
+        kind, first = head
         if kind == "error":
             await events.aclose()
             return outcome(kind, first, "/v1/chat/completions")
@@ -350,13 +399,16 @@ def create_app(
             return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, on_delta=on_delta)
 
         if not body.stream:
-            done = outcome(*await finish_job(start), "/v1/completions")
+            done = outcome(*await finish_job(start, request), "/v1/completions")
             if isinstance(done, Response):
                 return done
             text = done.content or ""
             return _json(completion_response(request_id, model_name, text, done.finish_reason, done.usage))
         events = run_job(start)
-        kind, first = await anext(events)
+        answered, head = await _unless_gone(request, anext(events))  # a queued request waits here for its first token
+        if not answered:
+            return _gone()
+        kind, first = head
         if kind == "error":
             await events.aclose()
             return outcome(kind, first, "/v1/completions")
@@ -398,7 +450,7 @@ def create_app(
             handle = engine.submit(ids, params, namespace=namespace, priority=body.priority, retain_s=body.retain_s)
             return handle, handle.future
 
-        done = outcome(*await finish_job(start), "/v1/cache/prefill")
+        done = outcome(*await finish_job(start, request), "/v1/cache/prefill")
         if isinstance(done, Response):
             return done
         return _json({"object": "cache.prefill", "usage": usage_json(done.usage)})

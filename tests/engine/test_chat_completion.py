@@ -104,3 +104,19 @@ def test_bad_options_raise_before_touching_the_cache(options: dict, error: type)
     with pytest.raises(TemplateError):
         chat_stream(runner, [{"role": "assistant", "content": None}])
     assert snapshot(runner.cache, [runner.namespace_key(None)]) == before
+
+
+def test_no_new_tokens_finishes_with_length_on_the_runner_and_the_engine() -> None:
+    # max_new_tokens=0 generates nothing because of the token budget: OpenAI's "length", not the runner's internal
+    # "prefill", which no OpenAI client knows.
+    from prefixcache.engine.batching import BatchEngine
+    from prefixcache.engine.chat import prepare_chat, submit_chat
+
+    runner = runner_for("Hello.")
+    completion = complete_chat(runner, ASK, max_new_tokens=0)
+    assert (completion.content, completion.finish_reason, completion.token_ids) == ("", "length", ())
+    engine = BatchEngine(runner)
+    _, future = submit_chat(engine, prepare_chat(runner.tokenizer, ASK, max_new_tokens=0))
+    engine.run_until_idle()
+    assert future.result().finish_reason == "length"
+    assert_quiescent(runner.cache)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from prefixcache import InsertResult, KVBlockPool, PrefixCachingRunner, RadixCache, SamplingParams
+from prefixcache.errors import PoolBusyError
 from prefixcache.models.llama import LlamaModel
 from prefixcache.testing import assert_quiescent
 
@@ -103,4 +105,33 @@ def test_after_a_hundred_finished_requests_nothing_is_locked_and_evicting_all_fr
     assert freed.num_blocks == stats.used_blocks
     assert runner.pool.num_free_blocks == runner.pool.num_blocks
     assert runner.cache.stats().cached_tokens == 0 and runner.cache.stats().num_nodes == 0
+    assert_quiescent(runner.cache)
+
+
+@pytest.mark.parametrize("way", ["runner", "engine"])
+@pytest.mark.xfail(
+    strict=True,
+    raises=PoolBusyError,
+    reason="known bug: a match ending inside a block locks the tree's copy of that block while the request decodes "
+    "into its own copy, so a request of exactly the pool's size fails with PoolBusyError with nothing else running",
+)
+def test_a_request_of_exactly_the_pool_fits_when_nothing_else_runs(way: str) -> None:
+    # README, Limits: "A pool sized exactly to its longest request is always enough when nothing else runs."
+    # Found by a random history (newcomer stress test): a branch after 205 tokens, another after 513 + a tail, then
+    # the 1,000-token prompt that extends the second branch's shared part (its match ends 1 token into block 32).
+    from prefixcache.engine.batching import BatchEngine
+    from prefixcache.models import build_model
+
+    base = [1 + (i * 37) % 199 for i in range(1000)]
+    runner = PrefixCachingRunner(build_model("tiny"), cache_tokens=1024, block_size=16)
+    runner.generate(base[:205], SamplingParams(max_new_tokens=8))
+    runner.generate(base[:513] + [200 + i % 50 for i in range(25)], SamplingParams(max_new_tokens=7))
+    sampling = SamplingParams(max_new_tokens=24)  # 1,000 + 24 = the pool's 1,024 tokens
+    if way == "runner":
+        runner.generate(base, sampling)
+    else:
+        engine = BatchEngine(runner)
+        handle = engine.submit(base, sampling)
+        engine.run_until_idle()
+        handle.result()
     assert_quiescent(runner.cache)

@@ -65,3 +65,53 @@ def test_a_client_disconnecting_mid_stream_frees_its_blocks(make_app) -> None:
         done = httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 3})
         assert done.json()["choices"][0]["message"]["content"] == "wor"
         time.sleep(0)
+
+
+def test_a_client_leaving_before_a_non_streamed_answer_cancels_its_request(make_app) -> None:
+    # uvicorn does not cancel a handler whose client went away: the server has to notice, or the request runs on to
+    # max_tokens, holding a running slot and its blocks for an answer nobody reads.
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["word " * 3000]), cache_tokens=1 << 15)
+    app = make_app(runner)
+    with start_background(app, "127.0.0.1", 0) as server:
+        body = {"model": "scripted", "messages": MESSAGES, "max_tokens": 15000}
+        with httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=0.5)) as http:
+            try:
+                http.post("/v1/chat/completions", json=body)
+            except httpx.ReadTimeout:
+                pass
+            else:
+                raise AssertionError("the answer came before the client gave up")
+        assert app.state.engine.wait_idle(timeout=30)
+        assert app.state.engine.cancelled_requests == 1
+        assert_quiescent(runner.cache)
+
+
+def test_a_queued_stream_whose_client_leaves_before_its_first_token_is_cancelled(make_app) -> None:
+    from prefixcache.serve import create_app
+
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["word " * 3000]), cache_tokens=1 << 15)
+    app = create_app(runner, model_name="scripted", max_running=1)  # the first stream holds the only slot
+    engine = app.state.engine
+    timeout = httpx.Timeout(30, read=0.5)
+    try:
+        with start_background(app, "127.0.0.1", 0) as server:
+            body = {"model": "scripted", "messages": MESSAGES, "stream": True, "max_tokens": 15000}
+            with httpx.Client(base_url=server.url, timeout=timeout) as http, httpx.Client(timeout=timeout) as other:
+                with http.stream("POST", "/v1/chat/completions", json=body) as first:
+                    lines = first.iter_lines()  # kept: httpx closes the connection once the iterator is dropped
+                    next(lines)
+                    try:  # waits behind the first for its first token, then gives up
+                        with other.stream("POST", server.url + "/v1/chat/completions", json=body):
+                            raise AssertionError("the queued stream answered before its client gave up")
+                    except httpx.ReadTimeout:
+                        pass
+                    deadline = time.monotonic() + 30
+                    while engine.cancelled_requests < 1 and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    # Cancelled while the first still runs: it never took the slot.
+                    assert (engine.cancelled_requests, engine.num_pending) == (1, 1)
+            assert engine.wait_idle(timeout=30)
+            assert engine.cancelled_requests == 2
+            assert_quiescent(runner.cache)
+    finally:
+        engine.close()
