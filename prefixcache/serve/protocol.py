@@ -127,6 +127,9 @@ def _common(body: Any, allowed: frozenset[str], default_max_tokens: int, max_tok
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
         raise BadRequest("stream_options supports only include_usage", "stream_options")
+    if body.get("stream_options") is not None and not stream:
+        # As OpenAI and vLLM answer: the options describe a stream, and a plain response would silently drop them.
+        raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
     try:
         stop = check_stop(body.get("stop"))
     except InvalidArgumentError as error:
@@ -180,6 +183,12 @@ def parse_chat_request(body: Any) -> ChatRequest:
             raise BadRequest("tools must be a list of objects", "tools")
         if any(t.get("type", "function") != "function" for t in tools):
             raise BadRequest("only function tools are supported", "tools")
+        for index, tool in enumerate(tools):
+            function = tool.get("function")
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
+                raise BadRequest(f"tools[{index}] needs a function object with a non-empty name", f"tools[{index}]")
+            if not isinstance(function.get("parameters", {}), Mapping):
+                raise BadRequest(f"tools[{index}].function.parameters must be a JSON Schema object", f"tools[{index}]")
     format_ = body.get("response_format")
     if format_ is not None and format_ != {"type": "text"}:
         raise BadRequest("only response_format {'type': 'text'} is supported", "response_format")

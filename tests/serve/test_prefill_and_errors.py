@@ -189,3 +189,27 @@ def test_requests_that_run_out_of_pool_together_are_503_and_leave_the_cache_quie
     (busy,) = [r.json()["error"] for r in responses if r.status_code == 503]
     assert busy["type"] == "server_error" and "can be had now" in busy["message"]
     assert_quiescent(runner.cache)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"stream": False, "stream_options": {}}, "stream_options"),
+        ({"tools": [{"type": "function"}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0]"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}, {"function": {"name": 3}}]}, "tools[1]"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "tools[0]"),
+    ],
+)
+def test_stream_options_without_a_stream_and_malformed_tools_are_400(make_app, extra: dict, param: str) -> None:
+    runner = scripted(4096)
+    app = make_app(runner)
+    before = snapshot(runner.cache, [runner.namespace_key(None)])
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}], **extra}
+    (response,) = post_all(app, [("POST", "/v1/chat/completions", body)])
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param)
+    assert snapshot(runner.cache, [runner.namespace_key(None)]) == before
+    assert_quiescent(runner.cache)
