@@ -19,8 +19,14 @@ child used to pin both: a prompt of exactly the pool's size could need one block
 is to remove the duplicate rather than to lock around it: :meth:`~prefixcache.cache.tree.RadixTree.heal_seam` lets the
 parent share the child's copy (same tokens, same KV rows) and frees its own, at insert and for every seam on a matched
 path before it is locked.  Locking less (only up to the first seam) would have meant copying every block after a seam,
-which in a multi-turn chat is every turn.  A seam is left only while another running request locks the parent's copy;
-then that request is running, and the guarantee is for a pool with nothing else running.
+which in a multi-turn chat is every turn.  A heal may happen under the request's own lock (its table holds the
+child's copy, not the parent's).  Where two branches leave one block at the same point, the branch sharing the
+parent's copy blocks the other's heal until it is evicted; the request's lock would then pin both copies for its
+whole life, so a request of exactly the pool's size failed mid-decode.  Admission therefore heals again whenever it
+allocates, counts such blocked seams as blocks it can get back, and when only they make up the difference evicts
+every unlocked node first (allocation would have evicted them all anyway).  A seam is left only while another
+running request locks the parent's copy or the sibling sharing it; then that request is running, and the guarantee
+is for a pool with nothing else running.
 """
 
 from __future__ import annotations
@@ -134,12 +140,15 @@ class Admission:
             if num_tokens is not None:
                 need = max(-(-num_tokens // bs), len(table)) - first_owned
                 if need > pool.num_free_blocks:
-                    self.blocks.check_feasible(need, f"admitting {num_tokens} tokens", own_locked=first_owned)
+                    self.blocks.check_feasible(
+                        need, f"admitting {num_tokens} tokens", own_locked=first_owned, healable=self._waiting(end)
+                    )
             if copied:
                 source = int(table[-1])
                 pool.incref([source])
                 borrowed = source
                 try:
+                    self._make_room(end, 1)
                     private = self.blocks.allocate(1, "copy-on-write")
                 except OutOfBlocksError:
                     private = None
@@ -162,9 +171,13 @@ class Admission:
                     own = tree.own_tokens(end, aligned, request_id) if request_id is not None else 0
                     num_cached, copied = aligned, 0
             if num_tokens is not None and -(-num_tokens // bs) > len(table):
-                extra = self.blocks.allocate(-(-num_tokens // bs) - len(table), f"admitting {num_tokens} tokens")
+                count = -(-num_tokens // bs) - len(table)
+                self._make_room(end, count)
+                extra = self.blocks.allocate(count, f"admitting {num_tokens} tokens")
                 owned.append(extra)
                 table = np.concatenate((table, extra))
+                # Eviction may have taken the sibling that kept a seam on the path from healing.
+                self._heal_path(end)
             lease = Lease(q, namespace, num_cached, copied, table, first_owned, handle, bs)
             lease.request_id = request_id
             if promotion is not None:
@@ -187,6 +200,31 @@ class Admission:
             if node.start % bs and not node.shares_first and node.parent.parent is not None:
                 tree.heal_seam(node)
             node = node.parent
+
+    def _waiting(self, node) -> int:
+        # Seams on the locked path that would heal (each giving a block back) once every unlocked node is evicted.
+        count = 0
+        while node.parent is not None:
+            count += self.tree.seam_waits_for_eviction(node)
+            node = node.parent
+        return count
+
+    def _make_room(self, node, num_blocks: int) -> None:
+        """Before allocating ``num_blocks`` for a lease locked at ``node``: heal the seams on its path, and when the
+        pool is short of even free plus evictable blocks but the seams that eviction would unblock make up the
+        difference, evict every unlocked node (allocation would evict them all anyway) and heal those too.  Evicts
+        nothing when even that would not be enough, so the allocation's PoolBusyError leaves the cache as it was.
+        A seam blocked by an unlocked sibling pins a duplicate block under the lock; its sibling goes last in
+        policy order or not at all (a leaf sharing its first block frees nothing), so eviction alone cannot count
+        on it."""
+        pool, tree = self.blocks.pool, self.tree
+        if num_blocks <= pool.num_free_blocks:
+            return
+        self._heal_path(node)
+        short = num_blocks - pool.num_free_blocks - tree.evictable_blocks
+        if short > 0 and short <= self._waiting(node):
+            tree.evict(pool.num_blocks)
+            self._heal_path(node)
 
     def _undo(self, handle: LockHandle | None, borrowed: int | None, owned: list[np.ndarray]) -> None:
         pool = self.blocks.pool
@@ -219,6 +257,8 @@ class Admission:
                     f"{num_tokens} tokens need {-(-num_tokens // bs)} blocks; "
                     f"the pool holds {pool.num_blocks} blocks of {bs} tokens"
                 )
+            # A seam on the locked path that eviction has since unblocked gives its duplicate block back.
+            self._make_room(lease.lock.node, need)
             lease.block_table = np.concatenate((lease.block_table, self.blocks.allocate(need, "reserve")))
         return lease.block_table
 

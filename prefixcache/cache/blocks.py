@@ -72,12 +72,13 @@ class BlockLedger:
         self.owned[blocks.astype(np.intp)] = True
         return blocks
 
-    def check_feasible(self, num_blocks: int, what: str = "", own_locked: int = 0) -> None:
-        """Raises PoolBusyError unless free plus evictable blocks cover ``num_blocks``.  O(1) when they do.
+    def check_feasible(self, num_blocks: int, what: str = "", own_locked: int = 0, healable: int = 0) -> None:
+        """Raises PoolBusyError unless free plus evictable blocks (plus ``healable`` duplicate blocks that
+        eviction would let the asking request's path give back) cover ``num_blocks``.  O(1) when they do.
         ``own_locked`` blocks of the locked ones are the asking request's own prefix, left out of the blame."""
         pool, tree = self.pool, self.tree
         free = pool.num_free_blocks
-        if num_blocks > free + tree.evictable_blocks:
+        if num_blocks > free + tree.evictable_blocks + healable:
             owned = self.num_owned
             raise PoolBusyError(
                 num_blocks,

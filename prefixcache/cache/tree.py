@@ -25,10 +25,13 @@ access time and hits, not size), removing one costs one O(log c) pop.
 Seams.  When a request extends a cached sequence that ends inside a block, the new leaf's first block is the
 request's own copy of that block (copy-on-write), so the parent's last block and the leaf's first block hold the same
 rows twice.  A lock through the leaf would pin both, and a prompt that fits an empty pool could need one block more
-than the pool has (issue 11).  :meth:`RadixTree.heal_seam` removes the duplicate: when nothing locks the parent's
-copy, the parent switches to the leaf's copy, whose first rows are the same tokens' KV, and its own copy is freed.
-Insert heals the seam it creates, admission heals the seams on a matched path before locking it; a seam stays only
-while a running request locks the parent's copy.
+than the pool has (issue 11).  :meth:`RadixTree.heal_seam` removes the duplicate: when no lock other than those
+through the leaf is on the parent's copy (a match through the leaf reads the leaf's copy), the parent switches to the
+leaf's copy, whose first rows are the same tokens' KV, and its own copy is freed.  Insert heals the seam it creates,
+admission heals the seams on a matched path before locking it and again, under its own lock, when it allocates.  A
+sibling sharing the parent's copy (two branches inside one block) blocks the heal until eviction takes it, which is
+why admission heals after evicting, and counts such seams as blocks it can get back
+(:meth:`RadixTree.seam_waits_for_eviction`).  A seam stays only while another running request needs the parent's copy.
 
 This module is the tree alone: search, insert, split, lock counts on paths, evicting blocks and leaves.  Who owns
 which block (:mod:`prefixcache.cache.blocks`), request admission (:mod:`prefixcache.cache.admission`), hit accounting
@@ -423,7 +426,8 @@ class RadixTree:
                         events.append(BlockRemoved(leaf.namespace, tuple(leaf.block_hashes)))
                     if leaf.shares_first:
                         # The parent's copy may now duplicate a remaining child's; the next request through that
-                        # child heals the seam (scanning the siblings here would cost O(children) per leaf).
+                        # child, or the next allocation of one running through it, heals the seam (scanning the
+                        # siblings here would cost O(children) per leaf).
                         pool.decref(blocks[:1])
                         blocks = blocks[1:]
                         parent.sharing_child = None
@@ -476,7 +480,7 @@ class RadixTree:
         if (
             node.shares_first
             or not node.start % self.block_size
-            or not self.share_parent_block(node.parent, node.blocks.item(0))
+            or not self.share_parent_block(node.parent, node.blocks.item(0), node.lock_count)
         ):
             return False
         self.link_sharing(node.parent, node)
@@ -486,18 +490,35 @@ class RadixTree:
             self.retention.removed(node, 0, 1)
         return True
 
-    def share_parent_block(self, parent: Node, block: int) -> bool:
+    def seam_waits_for_eviction(self, node: Node) -> bool:
+        """Whether the seam at ``node`` would heal once every unlocked node is evicted: it is a seam, and the only
+        thing in the way is another child, unlocked, that shares the parent's copy.  O(length of the sharing
+        chain)."""
+        parent = node.parent
+        if node.shares_first or not node.start % self.block_size or parent is None or parent.parent is None:
+            return False
+        other = parent.sharing_child
+        if other is None or other is node or other.lock_count or parent.lock_count != node.lock_count:
+            return False
+        top = parent
+        while len(top.blocks) == 1 and top.shares_first:
+            top = top.parent
+        return top.lock_count == node.lock_count
+
+    def share_parent_block(self, parent: Node, block: int, child_locks: int = 0) -> bool:
         """Make ``parent`` hold ``block`` (a child's copy of its last block) instead of its own copy, and free that
         copy.  The ancestors sharing that copy with ``parent`` (splits inside one block) switch with it.  Only when
-        nothing else depends on the old copy: the parent is not the root, no lock is on the sharing chain (a running
-        request may read the copy), and no other child shares it.  Atomic: raises with nothing changed, or switches.
-        O(length of the sharing chain)."""
-        if parent.parent is None or parent.lock_count or parent.sharing_child is not None:
+        nothing else depends on the old copy: the parent is not the root, no other child shares it, and every lock
+        on the sharing chain is one of the ``child_locks`` locks through the child.  A lock through the child pins a
+        match that went on into the child, whose block table took the child's copy for that block (see
+        :meth:`match`), so no running request reads the old copy; any other lock might.  Atomic: raises with nothing
+        changed, or switches.  O(length of the sharing chain)."""
+        if parent.parent is None or parent.lock_count != child_locks or parent.sharing_child is not None:
             return False
         chain = [parent]  # the nodes holding the old copy: upward while it is also a node's first block
         while len(chain[-1].blocks) == 1 and chain[-1].shares_first:
             chain.append(chain[-1].parent)
-        if chain[-1].lock_count:
+        if chain[-1].lock_count != child_locks:
             return False
         old = parent.blocks.item(-1)
         pool = self.pool
