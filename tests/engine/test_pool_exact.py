@@ -28,7 +28,7 @@ def tiny_model():
 
 # One earlier request: a prefix of BASE, a tail of its own, tokens generated after it.
 earlier = st.tuples(
-    st.integers(1, POOL_TOKENS - 8),
+    st.integers(1, POOL_TOKENS - 12),  # with its tail and new tokens, at most the pool
     st.lists(st.integers(200, 249), max_size=6),
     st.integers(0, 6),
 )
