@@ -500,10 +500,7 @@ class RadixTree:
         other = parent.sharing_child
         if other is None or other is node or other.lock_count or parent.lock_count != node.lock_count:
             return False
-        top = parent
-        while len(top.blocks) == 1 and top.shares_first:
-            top = top.parent
-        return top.lock_count == node.lock_count
+        return _old_copy_holders(parent)[-1].lock_count == node.lock_count
 
     def share_parent_block(self, parent: Node, block: int, child_locks: int = 0) -> bool:
         """Make ``parent`` hold ``block`` (a child's copy of its last block) instead of its own copy, and free that
@@ -515,9 +512,7 @@ class RadixTree:
         changed, or switches.  O(length of the sharing chain)."""
         if parent.parent is None or parent.lock_count != child_locks or parent.sharing_child is not None:
             return False
-        chain = [parent]  # the nodes holding the old copy: upward while it is also a node's first block
-        while len(chain[-1].blocks) == 1 and chain[-1].shares_first:
-            chain.append(chain[-1].parent)
+        chain = _old_copy_holders(parent)
         if chain[-1].lock_count != child_locks:
             return False
         old = parent.blocks.item(-1)
@@ -560,3 +555,12 @@ class RadixTree:
                 out.append(path)
             stack.extend((child, path) for child in node.children.values())
         return out
+
+
+def _old_copy_holders(parent: Node) -> list[Node]:
+    """``parent`` and the ancestors holding its last block too (splits inside one block: upward while that block is
+    also a node's first and only one).  O(length of that chain)."""
+    chain = [parent]
+    while len(chain[-1].blocks) == 1 and chain[-1].shares_first:
+        chain.append(chain[-1].parent)
+    return chain

@@ -48,7 +48,7 @@ import torch
 
 from prefixcache.cache.radix_cache import Lease
 from prefixcache.cache.tokens import TokenIds, as_token_array
-from prefixcache.engine.runner import GenerationResult, PrefixCachingRunner, Usage, _check_retention
+from prefixcache.engine.runner import GenerationResult, PrefixCachingRunner, Usage, check_retention
 from prefixcache.engine.sampling import SamplingParams, sample_token, sampling_generator
 from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
 from prefixcache.models.base import BatchRow, LiveKV, forward_batch
@@ -192,7 +192,7 @@ class BatchEngine:
             raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         runner = self.runner
         prompt = [int(t) for t in runner._check_tokens(prompt_ids, "prompt")]
-        retention = _check_retention(priority, retain_s)
+        retention = check_retention(priority, retain_s)
         runner._check_capacity(len(prompt) + sampling.max_new_tokens)
         runner._check_weights()
         request = _Request(

@@ -221,9 +221,7 @@ def prepare_chat(
     stops = check_stop(stop)
     forced_text = check_tool_choice(tool_choice, tools)
     parse_calls = bool(tools) and tool_choice != "none"
-    sampling.setdefault("stop_token_ids", tokenizer.eos_token_ids)
-    sampling.setdefault("vocab_limit", tokenizer.vocab_size)
-    params = SamplingParams(**sampling)
+    params = _sampling_params(tokenizer, sampling)
     prompt = tokenizer.render_chat(messages, tools, add_generation_prompt=True)
     forced_ids = _encode_forced(tokenizer, forced_text)
     decoder = ChatDecoder(
@@ -238,6 +236,13 @@ def prepare_chat(
     return PreparedChat(list(prompt) + forced_ids, params, decoder)
 
 
+def _sampling_params(tokenizer: Any, sampling: dict[str, Any]) -> SamplingParams:
+    # The tokenizer's end-of-turn ids stop generation and its vocabulary bounds sampling unless the caller says else.
+    sampling.setdefault("stop_token_ids", tokenizer.eos_token_ids)
+    sampling.setdefault("vocab_limit", tokenizer.vocab_size)
+    return SamplingParams(**sampling)
+
+
 def prepare_completion(
     tokenizer: Any,
     prompt_ids: Sequence[int],
@@ -249,9 +254,7 @@ def prepare_completion(
     """A plain text completion of ``prompt_ids`` (no template, no tool calls) as a :class:`PreparedChat`.  Raises
     InvalidArgumentError for bad ``stop`` or sampling."""
     stops = check_stop(stop)
-    sampling.setdefault("stop_token_ids", tokenizer.eos_token_ids)
-    sampling.setdefault("vocab_limit", tokenizer.vocab_size)
-    params = SamplingParams(**sampling)
+    params = _sampling_params(tokenizer, sampling)
     return PreparedChat(list(prompt_ids), params, ChatDecoder(tokenizer, stops, params, request_id=request_id))
 
 

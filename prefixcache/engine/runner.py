@@ -298,7 +298,7 @@ class PrefixCachingRunner:
             self._check_tokens(forced_tokens, "forced_tokens", allow_empty=True) if forced_tokens is not None else None
         )
         num_new = len(forced) if forced is not None else sampling.max_new_tokens
-        retention = _check_retention(priority, retain_s)
+        retention = check_retention(priority, retain_s)
         self._check_capacity(len(prompt) + num_new)
         self._check_weights()
         namespace = self.namespace_key(namespace)
@@ -503,7 +503,10 @@ class PrefixCachingRunner:
         return GenerationResult(tuple(generated), finish, usage, prompt_logits, insert)
 
 
-def _check_retention(priority: int | None, retain_s: float | None) -> tuple[int, float | None] | None:
+def check_retention(priority: int | None, retain_s: float | None) -> tuple[int, float | None] | None:
+    """``(priority, retain_s)`` checked for :meth:`PrefixCachingRunner.stream` and the batching engine's submit, or
+    None without a priority.  Raises InvalidArgumentError: ``retain_s`` without a priority, a priority that is not a
+    positive int, a ``retain_s`` that is not a positive number of seconds (NaN included)."""
     if priority is None:
         if retain_s is not None:
             raise InvalidArgumentError("retain_s needs a priority")

@@ -150,16 +150,16 @@ class LiveKV:
     (copy) a buffer sized to the prompt.  Not thread-safe: one request, one thread.
     """
 
-    def room(self, end_pos: int) -> int:
-        """Positions to allocate when a fill must hold ``end_pos``: ``capacity``, within ``end_pos .. 2 * end_pos``."""
-        return max(end_pos, min(self.capacity, 2 * end_pos))
-
     __slots__ = ("capacity", "data", "num_tokens")
 
     def __init__(self, capacity: int = 0) -> None:
         self.num_tokens = 0
         self.capacity = capacity
         self.data: Any = None
+
+    def room(self, end_pos: int) -> int:
+        """Positions to allocate when a fill must hold ``end_pos``: ``capacity``, within ``end_pos .. 2 * end_pos``."""
+        return max(end_pos, min(self.capacity, 2 * end_pos))
 
     def reset(self) -> None:
         """Forget the live K/V (the next call refills from the pool)."""
