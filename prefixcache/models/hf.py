@@ -37,6 +37,7 @@ from prefixcache.models.base import (
     weights_version_of,
 )
 from prefixcache.models.hf_cache import PaddedBatch, growing_layer_class
+from prefixcache.models.hf_linear import cpu_linears, project, tall_skinny_linears
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class HFCausalLM:
         # Older or custom heads without logits_to_keep compute every position's logits; we still return the last.
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._head = _plain_head(model)
+        self._linears = cpu_linears(self._head[0]) if self._head is not None else []
         heads = config.num_attention_heads
         self.num_layers = int(config.num_hidden_layers)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -323,16 +325,17 @@ class HFCausalLM:
     def _logits(self, cache: Any, return_logits: bool, **inputs: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, n or 1, vocab]`` (model dtype) of one cached forward of ``inputs``: every position with
         ``return_logits``, else the last.  Where the model's logits are its LM head on the base model's last hidden
-        state (:func:`_plain_head`), runs the two itself and the head through :func:`_project`; else the model's
-        own forward with ``logits_to_keep``."""
+        state (:func:`_plain_head`), runs the two itself, a forward of few tokens with tall-skinny products
+        (:mod:`~prefixcache.models.hf_linear`); else the model's own forward with ``logits_to_keep``."""
         if self._head is None:
             out = self.model(
                 **inputs, use_cache=True, **self._logits_kwargs(return_logits), **{self._cache_kwarg: cache}
             )
             return out.logits if return_logits else out.logits[:, -1:]
         base, base_cache_kwarg, head = self._head
-        hidden = base(**inputs, use_cache=True, **{base_cache_kwarg: cache}).last_hidden_state
-        return _project(hidden if return_logits else hidden[:, -1:], head.weight, head.bias)
+        with tall_skinny_linears(self._linears, inputs["input_ids"].numel()):
+            hidden = base(**inputs, use_cache=True, **{base_cache_kwarg: cache}).last_hidden_state
+        return project(hidden if return_logits else hidden[:, -1:], head.weight, head.bias)
 
     def _logits_kwargs(self, return_logits: bool) -> dict[str, int]:
         # logits_to_keep=0 means every position in transformers.
@@ -377,12 +380,6 @@ def _flat(kv: torch.Tensor) -> torch.Tensor:
     return kv.view(kv.shape[0], 2, kv.shape[2] * kv.shape[3], kv.shape[4], kv.shape[5])
 
 
-# Rows up to which _project multiplies the weight by the rows (a tall-skinny product) instead of the rows by the
-# transposed weight.  On the CPU, MKL runs ``x @ W.T`` of a few rows against a 151,936-row LM head at half the speed
-# of ``W @ x.T`` (decode at batch 8: 270 ms against 150 ms a step); from some tens of rows on the two are alike.
-_TALL_SKINNY_ROWS = 64
-
-
 def _plain_head(model: Any) -> tuple[Any, str, Any] | None:
     """``(base model, its cache argument, LM head)`` when ``model``'s logits are exactly its ``nn.Linear`` LM head
     applied to the base model's last hidden state (the tested model types, no logit scaling or soft-capping); else
@@ -403,18 +400,6 @@ def _plain_head(model: Any) -> tuple[Any, str, Any] | None:
     if cache_kwarg is None or "position_ids" not in params:
         return None
     return base, cache_kwarg, head
-
-
-def _project(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``hidden[..., H] @ weight[V, H].T + bias``, as ``F.linear`` computes it (float rounding aside); up to
-    :data:`_TALL_SKINNY_ROWS` rows as ``weight @ hidden.T``, which runs a wide LM head faster on the CPU."""
-    rows = hidden.reshape(-1, hidden.shape[-1])
-    if rows.shape[0] > _TALL_SKINNY_ROWS or hidden.device.type != "cpu":
-        return torch.nn.functional.linear(hidden, weight, bias)
-    out = torch.matmul(weight, rows.t()).t()
-    if bias is not None:
-        out = out + bias
-    return out.reshape(*hidden.shape[:-1], weight.shape[0])
 
 
 def _check_supported(model: Any) -> str:

@@ -1,0 +1,93 @@
+"""Tall-skinny linear products for few rows: equal to F.linear up to rounding, scoped to our own forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from prefixcache.models.hf_linear import TALL_SKINNY_ROWS, cpu_linears, project, tall_skinny_linears
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, TALL_SKINNY_ROWS + 8),
+    shape=st.sampled_from([(1, 1), (7, 5), (64, 32), (300, 96)]),
+    bias=st.booleans(),
+    lead=st.sampled_from([(), (1,), (2,)]),
+)
+def test_project_equals_f_linear(rows: int, shape: tuple[int, int], bias: bool, lead: tuple[int, ...]) -> None:
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(rows * 31 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    if lead and rows % lead[0]:
+        rows += lead[0] - rows % lead[0]
+    hidden = torch.randn(*lead, rows // (lead[0] if lead else 1), in_features, generator=gen)
+
+    got = project(hidden, weight, b)
+
+    want = torch.nn.functional.linear(hidden, weight, b)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False))
+
+
+def test_linears_route_through_project_only_inside_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    layers = cpu_linears(model)
+    calls = []
+    real = project
+
+    def counting(hidden, weight, bias):
+        calls.append(hidden.shape)
+        return real(hidden, weight, bias)
+
+    monkeypatch.setattr("prefixcache.models.hf_linear.project", counting)
+    x = torch.randn(4, 16)
+    plain = model(x)
+
+    with tall_skinny_linears(layers, rows=4):
+        inside = model(x)
+    after = model(x)
+
+    assert len(layers) == 2
+    assert calls == [torch.Size([4, 16]), torch.Size([4, 32])]
+    torch.testing.assert_close(inside, plain, rtol=1e-5, atol=1e-6)
+    assert torch.equal(after, plain)
+    assert all("forward" not in layer.__dict__ for layer in layers)
+
+
+def test_many_rows_keep_the_layers_own_forward() -> None:
+    model = _model()
+    layers = cpu_linears(model)
+
+    with tall_skinny_linears(layers, rows=TALL_SKINNY_ROWS + 1):
+        assert all("forward" not in layer.__dict__ for layer in layers)
+
+
+def test_layers_are_restored_when_the_forward_raises() -> None:
+    model = _model()
+    layers = cpu_linears(model)
+
+    with pytest.raises(RuntimeError), tall_skinny_linears(layers, rows=1):
+        model(torch.randn(1, 3))  # wrong width: the first layer's product fails
+
+    assert all("forward" not in layer.__dict__ for layer in layers)
+    assert model(torch.randn(2, 16)).shape == (2, 8)
+
+
+def test_subclasses_of_linear_are_left_alone() -> None:
+    class Scaled(nn.Linear):
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(hidden)
+
+    model = nn.Sequential(nn.Linear(4, 4), Scaled(4, 4))
+
+    assert cpu_linears(model) == [model[0]]
