@@ -37,7 +37,7 @@ from prefixcache.models.base import (
     weights_version_of,
 )
 from prefixcache.models.hf_cache import PaddedBatch, growing_layer_class
-from prefixcache.models.hf_linear import cpu_linears, project, tall_skinny_linears
+from prefixcache.models.linear import project, tall_skinny_linears, wide_cpu_linears
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class HFCausalLM:
         # Older or custom heads without logits_to_keep compute every position's logits; we still return the last.
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._head = _plain_head(model)
-        self._linears = cpu_linears(self._head[0]) if self._head is not None else []
+        self._linears = wide_cpu_linears(self._head[0]) if self._head is not None else []
         heads = config.num_attention_heads
         self.num_layers = int(config.num_hidden_layers)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -326,7 +326,7 @@ class HFCausalLM:
         """Logits ``[B, n or 1, vocab]`` (model dtype) of one cached forward of ``inputs``: every position with
         ``return_logits``, else the last.  Where the model's logits are its LM head on the base model's last hidden
         state (:func:`_plain_head`), runs the two itself, a forward of few tokens with tall-skinny products
-        (:mod:`~prefixcache.models.hf_linear`); else the model's own forward with ``logits_to_keep``."""
+        (:mod:`~prefixcache.models.linear`); else the model's own forward with ``logits_to_keep``."""
         if self._head is None:
             out = self.model(
                 **inputs, use_cache=True, **self._logits_kwargs(return_logits), **{self._cache_kwarg: cache}

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from prefixcache.models.hf_linear import TALL_SKINNY_ROWS, cpu_linears, project, tall_skinny_linears
+from prefixcache.models.linear import TALL_SKINNY_ROWS, project, tall_skinny_linears, wide_cpu_linears
 
 
 @settings(max_examples=40, deadline=None)
@@ -36,12 +36,12 @@ def test_project_equals_f_linear(rows: int, shape: tuple[int, int], bias: bool, 
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8, bias=False))
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 8))
 
 
 def test_linears_route_through_project_only_inside_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model()
-    layers = cpu_linears(model)
+    layers = wide_cpu_linears(model)
     calls = []
     real = project
 
@@ -49,7 +49,7 @@ def test_linears_route_through_project_only_inside_the_block(monkeypatch: pytest
         calls.append(hidden.shape)
         return real(hidden, weight, bias)
 
-    monkeypatch.setattr("prefixcache.models.hf_linear.project", counting)
+    monkeypatch.setattr("prefixcache.models.linear.project", counting)
     x = torch.randn(4, 16)
     plain = model(x)
 
@@ -66,7 +66,7 @@ def test_linears_route_through_project_only_inside_the_block(monkeypatch: pytest
 
 def test_many_rows_keep_the_layers_own_forward() -> None:
     model = _model()
-    layers = cpu_linears(model)
+    layers = wide_cpu_linears(model)
 
     with tall_skinny_linears(layers, rows=TALL_SKINNY_ROWS + 1):
         assert all("forward" not in layer.__dict__ for layer in layers)
@@ -74,7 +74,7 @@ def test_many_rows_keep_the_layers_own_forward() -> None:
 
 def test_layers_are_restored_when_the_forward_raises() -> None:
     model = _model()
-    layers = cpu_linears(model)
+    layers = wide_cpu_linears(model)
 
     with pytest.raises(RuntimeError), tall_skinny_linears(layers, rows=1):
         model(torch.randn(1, 3))  # wrong width: the first layer's product fails
@@ -83,11 +83,11 @@ def test_layers_are_restored_when_the_forward_raises() -> None:
     assert model(torch.randn(2, 16)).shape == (2, 8)
 
 
-def test_subclasses_of_linear_are_left_alone() -> None:
+def test_only_plain_widening_linears_are_routed() -> None:
     class Scaled(nn.Linear):
         def forward(self, hidden: torch.Tensor) -> torch.Tensor:
             return 2 * super().forward(hidden)
 
-    model = nn.Sequential(nn.Linear(4, 4), Scaled(4, 4))
+    model = nn.Sequential(nn.Linear(4, 8), Scaled(8, 16), nn.Linear(16, 31), nn.Linear(31, 62))
 
-    assert cpu_linears(model) == [model[0]]
+    assert wide_cpu_linears(model) == [model[0], model[3]]  # a subclass and a layer under 2x wider excluded
