@@ -116,7 +116,8 @@ def timed_runner_call(runner: PrefixCachingRunner, prompt: list[int], params: Sa
 class EngineSetup:
     """Sizes of one run: model layers, prompt lengths (tokens) for TTFT and decode, decode steps, repeats, the
     batching case (embedded preset, sessions, system prompt and question tokens, tokens generated per session), and
-    the interleaved repeats of the cold TTFT and batching cases, whose ratios scatter most on a shared machine."""
+    the interleaved repeats of the cold TTFT (one count per TTFT length: the short prompt's ratio scatters most and
+    costs least) and batching cases, whose ratios scatter most on a shared machine."""
 
     layers: int
     ttft_lengths: tuple[int, ...]
@@ -129,7 +130,7 @@ class EngineSetup:
     batch_system_tokens: int = 2000
     batch_question_tokens: int = 32
     batch_new_tokens: int = 32
-    cold_repeats: int = 2
+    cold_repeats: tuple[int, ...] = (2, 2)
     batch_repeats: int = 2
 
 
@@ -140,7 +141,7 @@ FULL = EngineSetup(
     decode_steps=16,
     repeats=2,
     quick=False,
-    cold_repeats=6,
+    cold_repeats=(12, 6),
     batch_repeats=3,
 )
 QUICK = EngineSetup(
@@ -477,7 +478,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
     model = build_bench_model(quick, setup.layers, where)
     threads = TORCH_THREADS
     with one_torch_thread(), device_clock(where):
-        cold = [measure_cold(model, n, setup.cold_repeats) for n in setup.ttft_lengths]
+        cold = [measure_cold(model, n, r) for n, r in zip(setup.ttft_lengths, setup.cold_repeats, strict=True)]
         warm = [measure_warm(model, n, setup.repeats) for n in setup.ttft_lengths]
         decode = [measure_decode(model, c, setup.decode_steps, setup.repeats) for c in setup.decode_contexts]
         batching = [measure_batching(setup, device=where), measure_batching(setup, model)]
