@@ -113,6 +113,40 @@ def test_a_preempted_request_cancelled_or_closed_while_waiting_frees_everything(
     assert_quiescent(runner.cache)
 
 
+def test_on_token_stop_after_a_preemption_ends_the_request_as_it_ends_alone(tiny: LlamaModel) -> None:
+    runner, engine, prompts = crowded(tiny)
+    sampling = SamplingParams(max_new_tokens=10)
+    seen: list[int] = []
+
+    def stop_at_six(token: int) -> bool:
+        seen.append(token)
+        return len(seen) == 6
+
+    handles = [engine.submit(p, sampling) for p in prompts[:2]]
+    handles.append(engine.submit(prompts[2], sampling, on_token=stop_at_six))
+    while engine.preempted_requests == 0:
+        assert engine.step()
+    assert [r.handle for r in engine._waiting] == [handles[2]] and len(seen) < 6
+    engine.run_until_idle()
+    result = handles[2].result()
+    assert result.finish_reason == "stop" and list(result.token_ids) == seen
+    assert result.token_ids == serial(tiny, prompts[2], sampling)[:6]
+    assert_quiescent(runner.cache)
+
+
+def test_a_preempted_request_is_admitted_before_later_arrivals_with_longer_cached_prefixes(tiny: LlamaModel) -> None:
+    runner, engine, prompts = crowded(tiny)
+    handles = [engine.submit(p, SamplingParams(max_new_tokens=10)) for p in prompts]
+    while engine.preempted_requests == 0:
+        assert engine.step()
+    newcomer = engine.submit(prompts[0] + [1], SamplingParams(max_new_tokens=1))  # hits request 0's prompt
+    order = [request.handle for request, _ in engine._admission_order(list(engine._waiting))]
+    assert order == [handles[2], newcomer]
+    engine.run_until_idle()
+    assert all(h.result().finish_reason == "length" for h in [*handles, newcomer])
+    assert_quiescent(runner.cache)
+
+
 def test_a_request_the_pool_cannot_hold_alone_still_fails_with_a_capacity_error(tiny: LlamaModel) -> None:
     runner = PrefixCachingRunner(tiny, cache_tokens=2 * BLOCK, block_size=BLOCK)
     engine = BatchEngine(runner)
