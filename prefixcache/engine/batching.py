@@ -12,8 +12,9 @@ Prefix-aware scheduling (``policy="lpm"``, the default), after SGLang's longest-
 
 - Waiting requests are admitted longest cached prefix first (ties in arrival order), so the requests that reuse the
   most run while their prefix is still cached.  Fairness bound: a request that has waited ``max_wait_steps`` steps
-  is *due*; due requests are admitted before all others, in arrival order, and are never held back (below).  So a
-  later arrival overtakes a request only during the first ``max_wait_steps`` steps that request waits.
+  is *due*; due requests are admitted before all others, in arrival order (preempted ones, due at once, first), and
+  are never held back (below).  So a later arrival overtakes a request only during the first ``max_wait_steps``
+  steps that request waits.
 - A request's prompt is inserted into the cache as soon as its prefill ends (:meth:`RadixCache.insert_prefix`), not
   when it finishes: requests admitted while it decodes hit its prompt.
 - A waiting request whose prompt shares at least one block more with the prompt of a running request still in
@@ -21,6 +22,11 @@ Prefix-aware scheduling (``policy="lpm"``, the default), after SGLang's longest-
   that arrive together behind one uncached system prompt prefill it once, not N times.
 
 ``policy="fcfs"`` is the engine without these: arrival order, no holding back, prompts cached when requests finish.
+
+Admission reserves a request's prompt only; when a running request's next block cannot be had because the others
+hold the pool, the latest admitted ones are preempted (recompute preemption, :mod:`prefixcache.engine.preemption`):
+each caches what it has computed, frees its blocks and waits at the front of the queue, due, to resume where it
+stopped.  Its output is unchanged; ``preempted_requests`` counts them.
 
 Thread safety: :meth:`BatchEngine.submit`, :meth:`BatchEngine.call_soon` and ``cancel()`` may be called from any
 thread; one thread steps the engine (the background thread after :meth:`BatchEngine.start`, else whoever calls
@@ -48,6 +54,7 @@ import torch
 
 from prefixcache.cache.radix_cache import Lease
 from prefixcache.cache.tokens import TokenIds, as_token_array
+from prefixcache.engine.preemption import can_preempt_for, choose_victim
 from prefixcache.engine.runner import GenerationResult, PrefixCachingRunner, Usage, check_retention
 from prefixcache.engine.sampling import SamplingParams, sample_token, sampling_generator
 from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
@@ -109,7 +116,10 @@ class _Request:
     prompt_inserted: bool = False  # the prompt's K/V are in the tree while the request goes on
     live: LiveKV = field(default_factory=LiveKV)
     lease: Lease | None = None
-    cached: int = 0
+    cached: int = 0  # prompt tokens found cached at first admission (a resumption's hits are not the prompt's)
+    copied: int = 0
+    host_cached: int = 0
+    preemptions: int = 0
     position: int = 0  # tokens of prompt + generated whose K/V are written
     generated: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
@@ -123,6 +133,10 @@ class _Request:
 
     def token_at(self, index: int) -> int:
         return self.prompt[index] if index < len(self.prompt) else self.generated[index - len(self.prompt)]
+
+    def known_tokens(self) -> array:
+        """The prompt and the tokens generated so far, as the cache stores them."""
+        return self.prompt_array + as_token_array(self.generated) if self.generated else self.prompt_array
 
 
 class BatchEngine:
@@ -166,6 +180,8 @@ class BatchEngine:
         self.steps = 0
         self.cancelled_requests = 0
         """Requests dropped by ``cancel()`` or :meth:`close` before they finished (their blocks were freed)."""
+        self.preempted_requests = 0
+        """Preemptions: a running request gave its blocks back to wait and resume (once per preemption)."""
 
     def submit(
         self,
@@ -301,8 +317,9 @@ class BatchEngine:
                 self._lock.notify_all()
 
     def step(self) -> bool:
-        """One scheduling step: drop cancelled requests, admit waiting ones, run one batched forward, sample, retire
-        finished requests.  Returns whether any request is still waiting or running."""
+        """One scheduling step: drop cancelled requests, admit waiting ones, plan the batch (preempting where the pool
+        runs short), run one batched forward, sample, retire finished requests.  Returns whether any request is still
+        waiting or running."""
         with self._step_lock:
             self._run_calls()
             self._drop_cancelled()
@@ -409,11 +426,12 @@ class BatchEngine:
         """Acquire ``request``'s lease and move it to running (True), or fail it (False), or leave it waiting because
         the pool is held by running requests (None)."""
         cache, pool = self.runner.cache, self.runner.pool
+        tokens = request.known_tokens()  # a preempted request resumes: its prompt and what it generated
         try:
             request.lease = cache.acquire(
-                request.prompt_array, request.namespace, request_id=request.request_id, num_tokens=len(request.prompt)
+                tokens, request.namespace, request_id=request.request_id, num_tokens=len(tokens)
             )
-            cache.reserve(request.lease, len(request.prompt))
+            cache.reserve(request.lease, len(tokens))
         except OutOfBlocksError as error:
             if request.lease is not None:
                 cache.release(request.lease)
@@ -425,9 +443,12 @@ class BatchEngine:
         except Exception as error:  # noqa: BLE001 - this request fails, the others go on
             self._fail(request, error)
             return False
-        request.cached = request.position = request.lease.num_cached_tokens
-        request.live.capacity = len(request.prompt) + request.sampling.max_new_tokens
-        request.generator = sampling_generator(request.sampling, pool.kv.device)
+        request.position = request.lease.num_cached_tokens
+        if request.preemptions == 0:
+            request.cached, request.copied = request.position, request.lease.num_copied_tokens
+            request.host_cached = request.lease.num_host_tokens
+            request.live.capacity = len(request.prompt) + request.sampling.max_new_tokens
+            request.generator = sampling_generator(request.sampling, pool.kv.device)
         self._running.append(request)
         return True
 
@@ -439,12 +460,10 @@ class BatchEngine:
         for request in decoding + prefilling:
             if budget <= 0:
                 break
+            if request not in self._running:
+                continue  # preempted to make room for one before it
             end = min(request.sequence_length(), request.position + budget)
-            try:
-                if end > request.lease.capacity_tokens:
-                    self.runner.cache.reserve(request.lease, end)
-            except Exception as error:  # noqa: BLE001
-                self._fail(request, error)
+            if end > request.lease.capacity_tokens and not self._reserve(request, end, members):
                 continue
             ids = [request.token_at(i) for i in range(request.position, end)]
             table = self.runner.pool.block_table_tensor(request.lease.block_table)
@@ -453,6 +472,44 @@ class BatchEngine:
             members.append(request)
             budget -= end - request.position
         return rows, members
+
+    def _reserve(self, request: _Request, end: int, members: list[_Request]) -> bool:
+        """Grow ``request``'s lease to ``end`` tokens, preempting running requests not in ``members`` (latest
+        admitted first) while the pool is short; False if ``request`` was preempted itself or failed."""
+        while True:
+            try:
+                self.runner.cache.reserve(request.lease, end)
+                return True
+            except Exception as error:  # noqa: BLE001 - this request fails or waits, the others go on
+                victim = choose_victim(self._running, members, request) if can_preempt_for(error) else None
+                if victim is None:
+                    self._fail(request, error)
+                    return False
+                self._preempt(victim)
+                if victim is request:
+                    return False
+
+    def _preempt(self, request: _Request) -> None:
+        """Cache the tokens ``request`` has computed, free its blocks and queue it first, due, to resume."""
+        try:
+            if request.position:
+                self.runner.cache.commit(request.lease, request.known_tokens()[: request.position])
+            else:
+                self.runner.cache.release(request.lease)
+        except Exception:  # noqa: BLE001 - the tokens are only a cache hit to come: recompute them instead
+            logger.exception("caching a preempted request's tokens failed; it will recompute them")
+            if not request.lease.closed:
+                self.runner.cache.release(request.lease)
+        self._running.remove(request)
+        request.lease = None
+        request.live.reset()
+        request.preemptions += 1
+        request.prompt_inserted = request.position >= len(request.prompt)
+        request.waited_steps = self.max_wait_steps
+        self.preempted_requests += 1
+        logger.debug("preempted a request at %d of %d tokens", request.position, request.sequence_length())
+        with self._lock:
+            self._waiting.appendleft(request)
 
     def _advance(self, request: _Request, logits: torch.Tensor) -> None:
         """All known tokens of ``request`` are computed: sample the next one, or finish."""
@@ -505,11 +562,11 @@ class BatchEngine:
             prompt_tokens=len(request.prompt),
             cached_tokens=request.cached,
             prefilled_tokens=len(request.prompt) - request.cached,
-            copied_tokens=request.lease.num_copied_tokens,
+            copied_tokens=request.copied,
             generated_tokens=len(request.generated),
             ttft_s=first - request.submitted_at,
             decode_s=now - first,
-            host_cached_tokens=request.lease.num_host_tokens,
+            host_cached_tokens=request.host_cached,
         )
         request.handle._finish(GenerationResult(tuple(request.generated), reason, usage, None, insert))
 

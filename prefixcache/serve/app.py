@@ -180,7 +180,7 @@ def create_app(
     (:class:`~prefixcache.serve.snapshots.SnapshotKeeper`, ``app.state.snapshots``)."""
     keys = api_keys if api_keys is not None else ApiKeys.open()
     engine = BatchEngine(runner, max_batch_tokens=max_batch_tokens, max_running=max_running)
-    metrics = ServerMetrics(runner.cache)
+    metrics = ServerMetrics(runner.cache, engine)
     snapshots = None if snapshot_dir is None else SnapshotKeeper(runner, engine, snapshot_dir, snapshot_every_s)
     engine.start()
 

@@ -1,7 +1,8 @@
 """Prometheus metrics of a server: requests, prompt tokens cached and prefilled, TTFT, and the cache's own state.
 
 Counters and the TTFT histogram are updated per request; the cache gauges (hit rate, pool occupancy, evictions) are
-read from :meth:`RadixCache.stats` at scrape time, so they are never stale.  Each server has its own registry, so
+read from :meth:`RadixCache.stats` at scrape time, so they are never stale, and so are the engine's counters
+(preemptions, cancellations) when the server passes its engine.  Each server has its own registry, so
 several apps in one process (tests) do not collide.
 """
 
@@ -13,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.engine.batching import BatchEngine
 from prefixcache.engine.runner import Usage
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
@@ -39,10 +41,27 @@ class _CacheCollector:
         yield CounterMetricFamily("prefixcache_evicted_tokens", "Tokens evicted", stats.evicted_tokens)
 
 
-class ServerMetrics:
-    """The metrics of one server over ``cache``; :meth:`observe` after each request, :meth:`render` to scrape."""
+class _EngineCollector:
+    def __init__(self, engine: BatchEngine) -> None:
+        self.engine = engine
 
-    def __init__(self, cache: RadixCache) -> None:
+    def collect(self):
+        engine = self.engine
+        yield CounterMetricFamily(
+            "prefixcache_preempted_requests",
+            "Preemptions: a running request freed its blocks to resume later (recompute)",
+            engine.preempted_requests,
+        )
+        yield CounterMetricFamily(
+            "prefixcache_cancelled_requests", "Requests cancelled before they finished", engine.cancelled_requests
+        )
+
+
+class ServerMetrics:
+    """The metrics of one server over ``cache`` (and ``engine``'s counters, if given); :meth:`observe` after each
+    request, :meth:`render` to scrape."""
+
+    def __init__(self, cache: RadixCache, engine: BatchEngine | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "prefixcache_requests", "Requests served", ["endpoint", "status"], registry=self.registry
@@ -59,6 +78,8 @@ class ServerMetrics:
             "prefixcache_ttft_seconds", "Time to first token (prefill)", buckets=_TTFT_BUCKETS, registry=self.registry
         )
         self.registry.register(_CacheCollector(cache))
+        if engine is not None:
+            self.registry.register(_EngineCollector(engine))
         self._served: dict[str, Any] = {}  # endpoint -> its "ok" child, since labels() takes a lock and a lookup
 
     def observe(self, endpoint: str, usage: Usage) -> None:

@@ -158,25 +158,27 @@ def test_an_empty_conversation_is_refused_in_process_and_over_http(make_app) -> 
     assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
 
 
-def test_requests_that_run_out_of_pool_together_are_503_and_leave_the_cache_quiescent(make_app) -> None:
+def test_requests_that_run_out_of_pool_together_are_preempted_not_failed(make_app) -> None:
     # Each request fits the pool alone (capacity check passes), but two admitted together fill it with their
-    # prompts, so their first decode block cannot be had: PoolBusyError, which a retry can pass (503), not a bad
-    # request (400).  The first to fail frees its blocks, so the other goes on.
+    # prompts, so the first decode block cannot be had: the later one is preempted (its blocks freed, its computed
+    # tokens cached) and resumes once the other is done, so both answer 200 with what they answer alone.
     from prefixcache.models import build_model
 
-    runner = PrefixCachingRunner(build_model("tiny"), cache_tokens=4 * BLOCK, block_size=BLOCK)
+    model = build_model("tiny")
+    runner = PrefixCachingRunner(model, cache_tokens=4 * BLOCK, block_size=BLOCK)
     app = make_app(runner, model_name="tiny")
     engine = app.state.engine
     gate = threading.Event()
     engine.call_soon(gate.wait)  # holds the engine thread until both requests are queued
 
+    bodies = [
+        {"model": "tiny", "prompt": [first] + [65] * (2 * BLOCK - 1), "max_tokens": 8, "temperature": 0}
+        for first in (1, 2)
+    ]
+
     async def main():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
-            bodies = [
-                {"model": "tiny", "prompt": [first] + [65] * (2 * BLOCK - 1), "max_tokens": 8, "temperature": 0}
-                for first in (1, 2)
-            ]
             sends = [asyncio.create_task(http.post("/v1/completions", json=body)) for body in bodies]
             while engine.num_pending < 3:
                 await asyncio.sleep(0.01)
@@ -185,9 +187,13 @@ def test_requests_that_run_out_of_pool_together_are_503_and_leave_the_cache_quie
 
     responses = asyncio.run(main())
     assert engine.wait_idle(30)
-    assert sorted(r.status_code for r in responses) == [200, 503], [r.text for r in responses]
-    (busy,) = [r.json()["error"] for r in responses if r.status_code == 503]
-    assert busy["type"] == "server_error" and "can be had now" in busy["message"]
+    assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+    roomy = make_app(PrefixCachingRunner(model, cache_tokens=64 * BLOCK, block_size=BLOCK), model_name="tiny")
+    alone = post_all(roomy, [("POST", "/v1/completions", body) for body in bodies])  # one after another
+    assert [r.json()["choices"] for r in responses] == [r.json()["choices"] for r in alone]
+    assert engine.preempted_requests >= 1
+    (metrics,) = post_all(app, [("GET", "/metrics", None)])
+    assert f"prefixcache_preempted_requests_total {float(engine.preempted_requests)}" in metrics.text
     assert_quiescent(runner.cache)
 
 
