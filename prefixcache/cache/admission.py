@@ -94,7 +94,14 @@ class Admission:
         self.block_size = tree.block_size
         self.host: HostTier | None = None
 
-    def acquire(self, q: array, namespace: str | None, request_id: str | None, num_tokens: int | None = None) -> Lease:
+    def acquire(
+        self,
+        q: array,
+        namespace: str | None,
+        request_id: str | None,
+        num_tokens: int | None = None,
+        counted: bool = True,
+    ) -> Lease:
         """Match, lock and copy-on-write for the prompt ``q`` (see the module docstring).  If not even one block
         can be found for the copy, those rows are left to be recomputed (``num_cached_tokens`` drops to the block
         boundary) rather than failing the request.
@@ -102,7 +109,8 @@ class Admission:
         With ``num_tokens`` the lease's block table is also grown to address that many tokens, and admission checks
         feasibility first: the blocks the request needs beyond its shared prefix must be covered by free plus
         evictable blocks, else it raises before evicting or copying anything.  A refused request counts in
-        ``rejected_requests``; an admitted one counts its query and one request in the hit window.
+        ``rejected_requests``; an admitted one counts its query and one request in the hit window (neither when not
+        ``counted``: a preempted request resuming).
 
         Exception-safe: whatever raises inside (a fault anywhere below included), the lock, the copy-on-write
         block, the temporary reference on its source and every allocated block are given back.
@@ -115,7 +123,7 @@ class Admission:
         bs = self.block_size
         pool = self.blocks.pool
         if num_tokens is not None and -(-num_tokens // bs) > pool.num_blocks:
-            self.counters.rejected_requests += 1
+            self.counters.rejected_requests += counted
             raise CapacityError(
                 f"{num_tokens} tokens need {-(-num_tokens // bs)} blocks; "
                 f"the pool holds {pool.num_blocks} blocks of {bs} tokens"
@@ -182,13 +190,14 @@ class Admission:
             lease.request_id = request_id
             if promotion is not None:
                 lease.num_host_tokens = promotion.host_tokens(num_cached)
+            if counted:
                 self.counters.host_hit_tokens += lease.num_host_tokens
-            self.counters.record_query(len(q), num_cached, own)
-            self.counters.record_request(len(q), num_cached - own)
+                self.counters.record_query(len(q), num_cached, own)
+                self.counters.record_request(len(q), num_cached - own)
         except BaseException as error:
             self._undo(handle, borrowed, owned)
             if isinstance(error, OutOfBlocksError):
-                self.counters.rejected_requests += 1
+                self.counters.rejected_requests += counted
             raise
         return lease
 

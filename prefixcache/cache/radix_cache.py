@@ -267,6 +267,7 @@ class RadixCache:
         *,
         request_id: str | None = None,
         num_tokens: int | None = None,
+        resumed: bool = False,
     ) -> Lease:
         """Admit a request: match at most ``len - 1`` prompt tokens, lock their whole blocks, and copy the rows of a
         partially matched last block into a block the request owns (copy-on-write).  The copy is made at once, so
@@ -275,7 +276,9 @@ class RadixCache:
 
         ``request_id`` names the request in the stats: tokens it finds that it inserted itself (a retry) count as
         self-hits, and :meth:`commit` marks what it inserts with it.  Each admitted request counts as one request in
-        the recent hit rate window.
+        the recent hit rate window.  ``resumed=True`` is a request taking a lease again after preemption (its prompt
+        and what it generated so far): nothing of it counts in the hit statistics or rejections, which counted the
+        request when it was first admitted.
 
         With ``num_tokens`` (the prompt and what will be generated, or at least the prompt) admission also reserves
         the blocks for that many tokens, after checking that they can be had: a request that cannot be served raises
@@ -296,7 +299,9 @@ class RadixCache:
                 f"num_tokens must be an int of at least the prompt's {len(q)} tokens, got {num_tokens!r}"
             )
         with self._mutex:
-            return self._admission.acquire(q, namespace, request_id, None if num_tokens is None else int(num_tokens))
+            return self._admission.acquire(
+                q, namespace, request_id, None if num_tokens is None else int(num_tokens), counted=not resumed
+            )
 
     def reserve(self, lease: Lease, num_tokens: int) -> np.ndarray:
         """Grow the lease's block table to address ``num_tokens`` tokens (evicting if needed); returns the table.

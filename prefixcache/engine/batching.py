@@ -429,7 +429,11 @@ class BatchEngine:
         tokens = request.known_tokens()  # a preempted request resumes: its prompt and what it generated
         try:
             request.lease = cache.acquire(
-                tokens, request.namespace, request_id=request.request_id, num_tokens=len(tokens)
+                tokens,
+                request.namespace,
+                request_id=request.request_id,
+                num_tokens=len(tokens),
+                resumed=request.preemptions > 0,
             )
             cache.reserve(request.lease, len(tokens))
         except OutOfBlocksError as error:
