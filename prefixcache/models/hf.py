@@ -37,7 +37,7 @@ from prefixcache.models.base import (
     weights_version_of,
 )
 from prefixcache.models.hf_cache import PaddedBatch, growing_layer_class
-from prefixcache.models.linear import project, tall_skinny_linears, wide_cpu_linears
+from prefixcache.models.linear import large_cpu_linears, project, tall_skinny_linears
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class HFCausalLM:
         # Older or custom heads without logits_to_keep compute every position's logits; we still return the last.
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._head = _plain_head(model)
-        self._linears = wide_cpu_linears(self._head[0]) if self._head is not None else []
+        self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
         heads = config.num_attention_heads
         self.num_layers = int(config.num_hidden_layers)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)

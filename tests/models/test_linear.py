@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from prefixcache.models.linear import TALL_SKINNY_ROWS, project, tall_skinny_linears, wide_cpu_linears
+from prefixcache.models.linear import TALL_SKINNY_ROWS, large_cpu_linears, project, tall_skinny_linears
+
+
+@pytest.fixture(autouse=True)
+def _large_from_1000_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers of at least 1,000 weights count as large here, so that small test layers exercise the selection."""
+    monkeypatch.setattr("prefixcache.models.linear.LARGE_WEIGHT", 1000)
 
 
 @settings(max_examples=40, deadline=None)
@@ -36,12 +42,12 @@ def test_project_equals_f_linear(rows: int, shape: tuple[int, int], bias: bool, 
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 8))
+    return nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 32, bias=False), nn.ReLU(), nn.Linear(32, 8))
 
 
 def test_linears_route_through_project_only_inside_the_block(monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model()
-    layers = wide_cpu_linears(model)
+    layers = large_cpu_linears(model)
     calls = []
     real = project
 
@@ -58,7 +64,7 @@ def test_linears_route_through_project_only_inside_the_block(monkeypatch: pytest
     after = model(x)
 
     assert len(layers) == 2
-    assert calls == [torch.Size([4, 16]), torch.Size([4, 32])]
+    assert calls == [torch.Size([4, 16]), torch.Size([4, 64])]
     torch.testing.assert_close(inside, plain, rtol=1e-5, atol=1e-6)
     assert torch.equal(after, plain)
     assert all("forward" not in layer.__dict__ for layer in layers)
@@ -66,7 +72,7 @@ def test_linears_route_through_project_only_inside_the_block(monkeypatch: pytest
 
 def test_many_rows_keep_the_layers_own_forward() -> None:
     model = _model()
-    layers = wide_cpu_linears(model)
+    layers = large_cpu_linears(model)
 
     with tall_skinny_linears(layers, rows=TALL_SKINNY_ROWS + 1):
         assert all("forward" not in layer.__dict__ for layer in layers)
@@ -74,7 +80,7 @@ def test_many_rows_keep_the_layers_own_forward() -> None:
 
 def test_layers_are_restored_when_the_forward_raises() -> None:
     model = _model()
-    layers = wide_cpu_linears(model)
+    layers = large_cpu_linears(model)
 
     with pytest.raises(RuntimeError), tall_skinny_linears(layers, rows=1):
         model(torch.randn(1, 3))  # wrong width: the first layer's product fails
@@ -83,11 +89,11 @@ def test_layers_are_restored_when_the_forward_raises() -> None:
     assert model(torch.randn(2, 16)).shape == (2, 8)
 
 
-def test_only_plain_widening_linears_are_routed() -> None:
+def test_only_plain_large_linears_are_routed() -> None:
     class Scaled(nn.Linear):
         def forward(self, hidden: torch.Tensor) -> torch.Tensor:
             return 2 * super().forward(hidden)
 
-    model = nn.Sequential(nn.Linear(4, 8), Scaled(8, 16), nn.Linear(16, 31), nn.Linear(31, 62))
+    model = nn.Sequential(nn.Linear(40, 40), Scaled(40, 40), nn.Linear(10, 10), nn.Linear(50, 20))
 
-    assert wide_cpu_linears(model) == [model[0], model[3]]  # a subclass and a layer under 2x wider excluded
+    assert large_cpu_linears(model) == [model[0], model[3]]  # a subclass and a layer of under 1,000 weights excluded
