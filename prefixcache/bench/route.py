@@ -26,7 +26,12 @@ per request of extra load while replicas have served up to 16 requests on averag
 asked of 31 models) does not pile its conversations onto one replica, while later a conversation or a group
 sharing a first turn stays together.  Each replica also reports its free blocks (as a live replica publishes them
 beside its KV events): the exact router prices the prompt tokens a replica would have to store by how much fuller
-than the emptiest replica it is (weight 4), so new conversations fill memory evenly rather than request counts.
+than the emptiest replica it is (weight 4), so new conversations fill memory evenly rather than request counts,
+and half a token per token a request would make a full replica evict (its uncached prompt plus the mean answer
+seen so far, beyond that replica's free blocks).  A conversation coming back (its replica holds at least half the
+prompt) is moved by the load guard only when its replica is more than ``max(4, 20%)`` above the *mean* load:
+moving it would lose its cached prefix and store it twice, and those copies overflow replicas that together just
+hold the working set.
 
 Every replica holds ``1 / 8`` of the workload's working set (blocks an unbounded cache holds at the end; at least
 twice the longest request), and the baseline is one replica with ``N`` times that memory.
@@ -77,6 +82,11 @@ LOAD_RELATIVE_ABOVE = 16.0
 MEMORY_WEIGHT = 4.0
 """The exact router's price of the prompt tokens a replica must store, per unit of how much fuller (fraction of its
 pool) that replica is than the emptiest one."""
+EVICT_WEIGHT = 0.5
+"""The exact router's price per token a request would make a full replica evict."""
+CONTINUATION_ABS = 4
+CONTINUATION_REL = 0.2
+"""A conversation coming back is moved by the load guard only past ``max(4, 20% of the mean)`` above the mean."""
 
 
 class Replica:
@@ -188,11 +198,14 @@ def simulate(
         imbalance_abs=IMBALANCE_ABS,
         imbalance_rel=IMBALANCE_REL,
         memory_weight=MEMORY_WEIGHT,
+        evict_weight=EVICT_WEIGHT,
+        continuation_abs=CONTINUATION_ABS,
+        continuation_rel=CONTINUATION_REL,
     )
     pools = [num_blocks] * num_replicas
     indexes = [r.index for r in replicas]
     hits: list[int] = []
-    steered = absent = prompt = 0
+    steered = absent = prompt = answered = 0
     for i, request in enumerate(requests):
         loads = [r.served for r in replicas]
         if router == "round-robin":
@@ -204,7 +217,11 @@ def simulate(
         else:
             if router == "exact":
                 free = [r.cache.pool.num_free_blocks for r in replicas]
-                decision = exact.choose(request.prompt, indexes, loads, free_blocks=free, num_blocks=pools)
+                # The mean answer so far: what a live router sees in the blocks each replica stores after a prompt.
+                expected = answered / i if i else 0.0
+                decision = exact.choose(
+                    request.prompt, indexes, loads, free_blocks=free, num_blocks=pools, expected_new_tokens=expected
+                )
                 choice, cached = decision.replica, decision.cached_tokens
             else:
                 cached = tuple(exact.cached_tokens(request.prompt, indexes))
@@ -214,6 +231,7 @@ def simulate(
                 absent += max(0, reference_hits[i] // BLOCK_SIZE * BLOCK_SIZE - max(cached))
         hits.append(replicas[choice].serve(request.prompt, request.answer))
         prompt += len(request.prompt)
+        answered += len(request.answer)
     served = [r.served for r in replicas]
     result = {
         "hit_rate": sum(hits) / prompt if prompt else 0.0,

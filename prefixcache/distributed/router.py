@@ -26,11 +26,24 @@ The decision, as NVIDIA Dynamo's KV router and SGLang's cache-aware router make 
    plentiful instead of where requests were fewest, so the fleet evicts more like one LRU cache of all its
    memory.  (NVIDIA Dynamo's KV router prices the blocks a request must *prefill*; this prices the blocks it must
    *keep*, by how full the replica already is.)
+   ``evict_cost = evict_weight * max(0, uncached_tokens + expected_new_tokens - free_tokens)`` prices what the
+   request would make a *full* replica evict: the tokens it stores there (its uncached prompt and the answer the
+   caller expects, say the mean answer seen so far) beyond that replica's free blocks.  Once a replica is full,
+   the least recently used prefixes it drops are those of the conversations due back soonest, so a short
+   conversation coming back to a full replica goes where memory is free (losing its few cached tokens) rather
+   than push out a longer one; a long one still stays.
 2. If that replica's load is too far above the lightest one (``load - min_load > max(imbalance_abs,
    imbalance_rel * mean_load)``), power of two choices instead: two random replicas, the less loaded one
    (Mitzenmacher), ignoring the cache, so one hot prefix cannot pile work onto one replica.  Judging the
    preferred replica rather than the whole fleet (as Ray's router does) keeps every other conversation where its
    prefix is while one replica is busy.
+
+   With ``continuation_rel`` set, a *continuation* (the chosen replica holds at least ``continuation_share`` of
+   the prompt) is judged against the mean instead: power of two choices only when ``load - mean_load >
+   max(continuation_abs, continuation_rel * mean_load)``.  Moving a conversation that came back loses its whole
+   cached prefix and stores it twice, and those duplicates are what overflows replicas that together barely hold
+   the working set; new conversations, whose move costs little, keep the tight guard, so the balance is kept by
+   where new work goes.
 
 ``load`` is whatever the caller balances: requests in flight for a live router, requests served so far in the
 ``bench route`` simulation.
@@ -108,12 +121,20 @@ class ExactPrefixRouter:
             choices takes over ...
         imbalance_rel: ... or by this fraction of the mean load, whichever is larger.
         memory_weight: weight of ``memory_cost`` (0: memory ignored; free blocks then only settle ties).
+        evict_weight: weight of ``evict_cost``, per token a full replica would have to evict (0: off; needs
+            ``free_blocks``).
+        continuation_share: a request is a continuation when the chosen replica holds at least this share of its
+            prompt ...
+        continuation_abs: ... and then the load guard allows its replica this many requests above the mean ...
+        continuation_rel: ... or this fraction of the mean, whichever is larger (``None``: continuations get the
+            same guard as new work).
         seed: seed of the power-of-two draws.
         index_namespace: ``None`` for indexes fed over the wire (which keep every block under ``None``); the default
             ``...`` looks blocks up under the request's own namespace (indexes fed in process).
 
     Raises:
-        InvalidArgumentError: ``block_size < 1`` or a negative penalty or threshold.
+        InvalidArgumentError: ``block_size < 1``, a negative penalty, weight or threshold, or
+            ``continuation_share`` outside ``(0, 1]``.
     """
 
     def __init__(
@@ -126,13 +147,20 @@ class ExactPrefixRouter:
         imbalance_abs: float = 8,
         imbalance_rel: float = 0.1,
         memory_weight: float = 0.0,
+        evict_weight: float = 0.0,
+        continuation_share: float = 0.5,
+        continuation_abs: float = 4,
+        continuation_rel: float | None = None,
         seed: int = 0,
         index_namespace: object = ...,
     ) -> None:
-        if block_size < 1 or min(load_penalty_tokens, imbalance_abs, imbalance_rel, memory_weight) < 0:
+        thresholds = (load_penalty_tokens, imbalance_abs, imbalance_rel, memory_weight, evict_weight, continuation_abs)
+        if block_size < 1 or min(thresholds) < 0 or (continuation_rel is not None and continuation_rel < 0):
             raise InvalidArgumentError("block_size must be >= 1 and penalties/thresholds >= 0")
         if relative_above is not None and not relative_above > 0:
             raise InvalidArgumentError(f"relative_above must be > 0 or None, got {relative_above}")
+        if not 0 < continuation_share <= 1:
+            raise InvalidArgumentError(f"continuation_share must be in (0, 1], got {continuation_share}")
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.load_penalty_tokens = load_penalty_tokens
@@ -140,6 +168,10 @@ class ExactPrefixRouter:
         self.imbalance_abs = imbalance_abs
         self.imbalance_rel = imbalance_rel
         self.memory_weight = memory_weight
+        self.evict_weight = evict_weight
+        self.continuation_share = continuation_share
+        self.continuation_abs = continuation_abs
+        self.continuation_rel = continuation_rel
         self.index_namespace = index_namespace
         self._rng = random.Random(seed)
 
@@ -160,21 +192,26 @@ class ExactPrefixRouter:
         tiebreak: Sequence[int] | None = None,
         free_blocks: Sequence[int] | None = None,
         num_blocks: Sequence[int] | None = None,
+        expected_new_tokens: float = 0.0,
     ) -> RouteDecision:
         """Pick a replica for a prompt (see the module docstring for the rule).  ``tiebreak`` (say, requests routed
         so far) settles ties of score and load before the index does, so equal replicas share new prompts.
         ``free_blocks`` and ``num_blocks`` (blocks, per replica) enable the memory cost; ``free_blocks`` alone only
-        settles ties.
+        settles ties (and enables the eviction cost).  ``expected_new_tokens``: tokens the request is expected to
+        add after its prompt (its answer), for the eviction cost.
 
         Raises:
             InvalidArgumentError: no replica; ``indexes``, ``loads`` (and ``tiebreak``, ``free_blocks``,
-                ``num_blocks``) of different lengths; ``num_blocks`` without ``free_blocks``, or one below 1.
+                ``num_blocks``) of different lengths; ``num_blocks`` without ``free_blocks``, or one below 1; a
+                negative ``expected_new_tokens``.
         """
         n = len(loads)
         if not indexes or len(indexes) != n or any(x is not None and len(x) != n for x in (tiebreak, free_blocks)):
             raise InvalidArgumentError(f"need one load per index, got {len(indexes)} indexes and {n} loads")
         if num_blocks is not None and (free_blocks is None or len(num_blocks) != n or min(num_blocks) < 1):
             raise InvalidArgumentError("num_blocks needs free_blocks, one pool size >= 1 per replica")
+        if not expected_new_tokens >= 0:
+            raise InvalidArgumentError(f"expected_new_tokens must be >= 0, got {expected_new_tokens}")
         cached = self.cached_tokens(token_ids, indexes, namespace)
         low = min(loads)
         mean = sum(loads) / n
@@ -188,6 +225,10 @@ class ExactPrefixRouter:
                 self.memory_weight * (len(token_ids) - cached[i]) * (most_free - free_blocks[i]) / num_blocks[i]
                 for i in range(n)
             ]
+        if free_blocks is not None and self.evict_weight > 0:
+            for i in range(n):
+                stored = len(token_ids) - cached[i] + expected_new_tokens
+                memory[i] += self.evict_weight * max(0.0, stored - free_blocks[i] * self.block_size)
         best = max(
             range(n),
             key=lambda i: (
@@ -198,6 +239,12 @@ class ExactPrefixRouter:
                 -i,
             ),
         )
-        if loads[best] - low > max(self.imbalance_abs, self.imbalance_rel * mean):
+        share = cached[best] / len(token_ids) if len(token_ids) else 0.0
+        continuation = self.continuation_rel is not None and share >= self.continuation_share
+        if continuation:
+            uneven = loads[best] - mean > max(self.continuation_abs, self.continuation_rel * mean)
+        else:
+            uneven = loads[best] - low > max(self.imbalance_abs, self.imbalance_rel * mean)
+        if uneven:
             return RouteDecision(power_of_two(loads, self._rng), tuple(cached), True)
         return RouteDecision(best, tuple(cached), False)

@@ -76,17 +76,24 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         imbalance_abs: float = 4,
         imbalance_rel: float = 0.5,
         memory_weight: float = 4.0,
+        evict_weight: float = 0.0,
+        continuation_abs: float = 4,
+        continuation_rel: float | None = None,
         seed: int = 0,
     ) -> None:
         """Router settings; see :class:`~prefixcache.distributed.router.ExactPrefixRouter` (loads are queue lengths,
-        so the penalty is absolute unless ``relative_above`` is given; the memory cost uses the ``free_blocks`` and
-        ``num_blocks`` each replica reports in its routing stats, refreshed every routing-stats period)."""
+        so the penalty is absolute unless ``relative_above`` is given; the memory and eviction costs use the
+        ``free_blocks`` and ``num_blocks`` each replica reports in its routing stats, refreshed every routing-stats
+        period, and the eviction cost takes a request's ``max_new_tokens`` as its expected answer)."""
         self._settings = {
             "load_penalty_tokens": load_penalty_tokens,
             "relative_above": relative_above,
             "imbalance_abs": imbalance_abs,
             "imbalance_rel": imbalance_rel,
             "memory_weight": memory_weight,
+            "evict_weight": evict_weight,
+            "continuation_abs": continuation_abs,
+            "continuation_rel": continuation_rel,
             "seed": seed,
         }
         self._routers: dict[tuple[int, int], ExactPrefixRouter] = {}
@@ -146,7 +153,9 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         namespace = routed_namespace(stats["fingerprint"], request.get("namespace"))
         routed = [self._routed.get(r.replica_id, 0) for r in candidate_replicas]
         free, pools = memory_of(candidate_replicas)
-        decision = router.choose(request["prompt_ids"], indexes, loads, namespace, routed, free, pools)
+        answer = request.get("max_new_tokens")
+        expected = float(answer) if isinstance(answer, int) and answer > 0 else 0.0
+        decision = router.choose(request["prompt_ids"], indexes, loads, namespace, routed, free, pools, expected)
         chosen = candidate_replicas[decision.replica]
         # Counted at decision time: requests routed together would otherwise all see the same tallies and tie.
         self._routed[chosen.replica_id] = self._routed.get(chosen.replica_id, 0) + 1

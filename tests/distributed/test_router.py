@@ -120,6 +120,45 @@ def test_the_memory_cost_prices_the_tokens_a_replica_must_store_by_how_full_it_i
     assert plain.choose(prompt, indexes, [0, 0], free_blocks=[0, 10], num_blocks=[10, 10]).replica == 0
 
 
+def test_the_eviction_cost_sends_a_short_prefix_away_from_a_full_replica(make_cache, put) -> None:
+    _, warm = _indexed_cache(make_cache, put, [[1, 2, 3, 4]])
+    indexes = [warm, BlockIndex()]
+    prompt = list(range(1, 21))  # 20 tokens; replica 0 holds the first 4
+    router = ExactPrefixRouter(2, evict_weight=1.0)
+    # Replica 0 has no free block: storing the 16 uncached tokens evicts 16 tokens there, against 4 cached; replica 1
+    # has 10 free blocks (20 tokens) and evicts nothing.
+    assert router.choose(prompt, indexes, [0, 0], free_blocks=[0, 10]).replica == 1
+    # With 8 free blocks (16 tokens) replica 0 evicts nothing either, and its prefix wins.
+    assert router.choose(prompt, indexes, [0, 0], free_blocks=[8, 10]).replica == 0
+    # Expecting a 10-token answer, both must evict: 10 tokens on replica 0 (26 stored, 16 free), 10 on replica 1
+    # (30 stored, 20 free), so the 4 cached tokens decide.
+    assert router.choose(prompt, indexes, [0, 0], free_blocks=[8, 10], expected_new_tokens=10).replica == 0
+    # A prompt nearly all cached on the full replica evicts 1 token there and stays.
+    assert router.choose([1, 2, 3, 4, 5], indexes, [0, 0], free_blocks=[0, 10]).replica == 0
+    # Without free blocks, or with weight 0, there is no eviction cost.
+    assert router.choose(prompt, indexes, [0, 0]).replica == 0
+    assert ExactPrefixRouter(2).choose(prompt, indexes, [0, 0], free_blocks=[0, 10]).replica == 0
+
+
+def test_a_continuation_is_guarded_against_the_mean_load_and_new_work_against_the_lightest(make_cache, put) -> None:
+    _, warm = _indexed_cache(make_cache, put, [[1, 2, 3, 4]])
+    indexes = [warm, BlockIndex(), BlockIndex()]
+    coming_back = [1, 2, 3, 4, 5, 6]  # replica 0 holds 4 of 6 tokens: a continuation at share 0.5
+    new_work = list(range(1, 11))  # 4 of 10 cached: new work
+    kwargs = {"imbalance_abs": 2, "imbalance_rel": 0.0, "continuation_abs": 7, "continuation_rel": 0.5, "seed": 1}
+    router = ExactPrefixRouter(2, **kwargs)
+    # Loads [10, 0, 2]: 10 above the lightest (> 2), but 6 above the mean of 4 (<= max(7, 2)): the continuation stays.
+    decision = router.choose(coming_back, indexes, [10, 0, 2])
+    assert decision.replica == 0 and not decision.balanced_by_load
+    # New work at the same loads falls back to power of two choices.
+    assert router.choose(new_work, indexes, [10, 0, 2]).balanced_by_load
+    # 14 is 8.7 above the mean of 5.3: too far even for a continuation.
+    assert router.choose(coming_back, indexes, [14, 0, 2]).balanced_by_load
+    # Without continuation_rel every request gets the guard against the lightest replica.
+    plain = ExactPrefixRouter(2, imbalance_abs=2, imbalance_rel=0.0, seed=1)
+    assert plain.choose(coming_back, indexes, [10, 0, 2]).balanced_by_load
+
+
 def test_power_of_two_picks_the_less_loaded_of_two_distinct_replicas() -> None:
     rng = random.Random(0)
     picks = [power_of_two([5, 0, 5, 5], rng) for _ in range(200)]
@@ -144,5 +183,12 @@ def test_bad_arguments_raise_the_package_error() -> None:
         ExactPrefixRouter(2).choose([1, 2], two, [0, 0], num_blocks=[4, 4])
     with pytest.raises(InvalidArgumentError):
         ExactPrefixRouter(2).choose([1, 2], two, [0, 0], free_blocks=[1, 1], num_blocks=[4, 0])
+    for bad in ({"evict_weight": -1.0}, {"continuation_share": 0.0}, {"continuation_share": 1.5}):
+        with pytest.raises(InvalidArgumentError):
+            ExactPrefixRouter(2, **bad)
+    with pytest.raises(InvalidArgumentError):
+        ExactPrefixRouter(2, continuation_rel=-0.1)
+    with pytest.raises(InvalidArgumentError):
+        ExactPrefixRouter(2).choose([1, 2], two, [0, 0], free_blocks=[1, 1], expected_new_tokens=-1)
     with pytest.raises(InvalidArgumentError):
         power_of_two([], random.Random(0))
