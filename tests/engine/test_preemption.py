@@ -39,6 +39,12 @@ def crowded(tiny: LlamaModel, policy: str = "lpm") -> tuple[PrefixCachingRunner,
     return runner, BatchEngine(runner, policy=policy), prompts
 
 
+def step_until_preempted(engine: BatchEngine) -> None:
+    """Step ``engine`` until its first preemption (failing if it runs out of work first)."""
+    while engine.preempted_requests == 0:
+        assert engine.step()
+
+
 @pytest.mark.parametrize("policy", ["lpm", "fcfs"])
 def test_requests_too_many_for_the_pool_together_all_finish_with_their_serial_output(
     tiny: LlamaModel, policy: str
@@ -64,8 +70,7 @@ def test_requests_too_many_for_the_pool_together_all_finish_with_their_serial_ou
 def test_the_latest_admitted_request_gives_way_and_its_resumption_is_not_counted_again(tiny: LlamaModel) -> None:
     runner, engine, prompts = crowded(tiny)
     handles = [engine.submit(p, SamplingParams(max_new_tokens=10)) for p in prompts]
-    while engine.preempted_requests == 0:
-        assert engine.step()
+    step_until_preempted(engine)
     (victim,) = [r for r in engine._waiting]
     assert victim.handle is handles[2]  # the latest admitted gives way
     assert victim.lease is None and victim.waited_steps >= engine.max_wait_steps
@@ -100,8 +105,7 @@ def test_a_preempted_request_cancelled_or_closed_while_waiting_frees_everything(
     runner, engine, prompts = crowded(tiny)
     sampling = SamplingParams(max_new_tokens=10)
     handles = [engine.submit(p, sampling) for p in prompts]
-    while engine.preempted_requests == 0:
-        assert engine.step()
+    step_until_preempted(engine)
     (victim,) = [r.handle for r in engine._waiting]
     if end == "cancel":
         victim.cancel()
@@ -129,8 +133,7 @@ def test_on_token_stop_after_a_preemption_ends_the_request_as_it_ends_alone(tiny
 
     handles = [engine.submit(p, sampling) for p in prompts[:2]]
     handles.append(engine.submit(prompts[2], sampling, on_token=stop_at_six))
-    while engine.preempted_requests == 0:
-        assert engine.step()
+    step_until_preempted(engine)
     assert [r.handle for r in engine._waiting] == [handles[2]] and len(seen) < 6
     engine.run_until_idle()
     result = handles[2].result()
@@ -142,8 +145,7 @@ def test_on_token_stop_after_a_preemption_ends_the_request_as_it_ends_alone(tiny
 def test_a_preempted_request_is_admitted_before_later_arrivals_with_longer_cached_prefixes(tiny: LlamaModel) -> None:
     runner, engine, prompts = crowded(tiny)
     handles = [engine.submit(p, SamplingParams(max_new_tokens=10)) for p in prompts]
-    while engine.preempted_requests == 0:
-        assert engine.step()
+    step_until_preempted(engine)
     newcomer = engine.submit(prompts[0] + [1], SamplingParams(max_new_tokens=1))  # hits request 0's prompt
     order = [request.handle for request, _ in engine._admission_order(list(engine._waiting))]
     assert order == [handles[2], newcomer]
