@@ -37,7 +37,7 @@ from prefixcache.models.base import (
     weights_version_of,
 )
 from prefixcache.models.hf_cache import PaddedBatch, growing_layer_class
-from prefixcache.models.linear import large_cpu_linears, project, tall_skinny_linears
+from prefixcache.models.linear import WeightPacks, large_cpu_linears, project, tall_skinny_linears
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ class HFCausalLM:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._head = _plain_head(model)
         self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
+        self._head_packs = WeightPacks()  # the LM head's oneDNN copy for batched decode on the CPU
         heads = config.num_attention_heads
         self.num_layers = int(config.num_hidden_layers)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
@@ -335,7 +336,7 @@ class HFCausalLM:
         base, base_cache_kwarg, head = self._head
         with tall_skinny_linears(self._linears, inputs["input_ids"].numel()):
             hidden = base(**inputs, use_cache=True, **{base_cache_kwarg: cache}).last_hidden_state
-        return project(hidden if return_logits else hidden[:, -1:], head.weight, head.bias)
+        return project(hidden if return_logits else hidden[:, -1:], head.weight, head.bias, self._head_packs)
 
     def _logits_kwargs(self, return_logits: bool) -> dict[str, int]:
         # logits_to_keep=0 means every position in transformers.

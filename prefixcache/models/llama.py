@@ -32,6 +32,7 @@ from prefixcache.models.base import (
     config_fingerprint,
     weights_version_of,
 )
+from prefixcache.models.linear import WeightPacks, linear
 from prefixcache.models.paged_attention import PagedAttention, paged_attention_default, paged_attention_supported
 from prefixcache.models.shared_prefix import plan_shared_prefix_groups, shared_prefix_decode_attention
 
@@ -124,6 +125,7 @@ class LlamaModel:
         self.paged_attention = paged_attention_default(self.device)
         self._config_fingerprint = config_fingerprint(config, architecture=ARCHITECTURE, dtype=dtype)
         self._fingerprint: str | None = None
+        self._packs = WeightPacks()  # oneDNN copies of the weights for batched decode on the CPU (forward_batch)
         self._fingerprint_version: int | None = None
         self._init_weights()
         half = config.head_dim // 2
@@ -317,10 +319,11 @@ class LlamaModel:
         group_queries = [lasts[list(group.rows)] for group in groups]
         n, heads, kv_heads, d = ids.numel(), self.num_heads, self.num_kv_heads, self.head_dim
         cos, sin = self._rope(positions)
+        packs = self._packs
         x = self.embed[ids]
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
-            q, k, v = F.linear(h, layer.qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+            q, k, v = linear(h, layer.qkv, packs=packs).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
             q = self._apply_rope(q.view(n, heads, d), cos, sin)
             new = torch.stack([self._apply_rope(k.view(n, kv_heads, d), cos, sin), v.view(n, kv_heads, d)])
             final = i == len(self.layers) - 1
@@ -345,11 +348,11 @@ class LlamaModel:
                     outs[r] = o[j : j + 1]
             if final:
                 x = x[lasts]
-            x = x + F.linear(torch.cat(outs), layer.o)
+            x = x + linear(torch.cat(outs), layer.o, packs=packs)
             h = self._rms_norm(x, layer.mlp_norm)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
-        logits = F.linear(self._rms_norm(x, self.final_norm), self.lm_head).float()
+            gate, up = linear(h, layer.gate_up, packs=packs).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down, packs=packs)
+        logits = linear(self._rms_norm(x, self.final_norm), self.lm_head, packs=packs).float()
         for row, (_, _, _, end) in zip(rows, spans, strict=True):
             row.live.num_tokens = end
         return list(logits.split(1))

@@ -125,6 +125,33 @@ def test_failed_padded_hf_batch_resets_every_rows_live_kv() -> None:
         assert _close(row_logits, model, seq + [3]) < TOL
 
 
+@pytest.mark.parametrize("kind", ["embedded", "qwen2"])
+def test_batched_decode_follows_an_in_place_weight_update(kind: str) -> None:
+    """Batched decode on the CPU runs the LM head through a packed copy of its weight (models.linear.WeightPacks):
+    a write to the weight between two batches must reach the second, as it reaches a one-row forward."""
+    model = build_model("tiny", device="cpu") if kind == "embedded" else _hf(kind)
+    head = model.lm_head if kind == "embedded" else model.model.lm_head.weight
+
+    def decode_together(seed: int) -> list[float]:
+        kv = torch.zeros(kv_pool_shape(model, 16, BLOCK), dtype=model.dtype)
+        tables = [torch.arange(0, 8), torch.arange(8, 16)]
+        sequences = [_ids(6, seed), _ids(9, seed + 1)]
+        lives = [LiveKV(), LiveKV()]
+        for seq, table, live in zip(sequences, tables, lives, strict=True):
+            model.forward_cached(torch.tensor(seq[:-1]), 0, kv, table, live=live)
+        rows = [
+            BatchRow(torch.tensor(seq[-1:]), len(seq) - 1, table, live)
+            for seq, table, live in zip(sequences, tables, lives, strict=True)
+        ]
+        logits = model.forward_batch(rows, kv)
+        return [_close(row_logits, model, seq) for row_logits, seq in zip(logits, sequences, strict=True)]
+
+    assert max(decode_together(seed=1)) < TOL
+    with torch.no_grad():
+        head.mul_(-0.5)
+    assert max(decode_together(seed=3)) < TOL
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.integers(1, 5),

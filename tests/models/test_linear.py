@@ -8,7 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from prefixcache.models.linear import TALL_SKINNY_ROWS, large_cpu_linears, project, tall_skinny_linears
+from prefixcache.models.linear import (
+    TALL_SKINNY_ROWS,
+    WeightPacks,
+    large_cpu_linears,
+    linear,
+    project,
+    tall_skinny_linears,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -97,3 +104,72 @@ def test_only_plain_large_linears_are_routed() -> None:
     model = nn.Sequential(nn.Linear(40, 40), Scaled(40, 40), nn.Linear(10, 10), nn.Linear(50, 20))
 
     assert large_cpu_linears(model) == [model[0], model[3]]  # a subclass and a layer of under 1,000 weights excluded
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, TALL_SKINNY_ROWS + 8),
+    shape=st.sampled_from([(1, 1), (7, 5), (64, 32), (300, 96)]),
+    bias=st.booleans(),
+    lead=st.sampled_from([(), (2,)]),
+    through=st.sampled_from([linear, project]),
+)
+def test_packed_products_equal_f_linear(
+    rows: int, shape: tuple[int, int], bias: bool, lead: tuple[int, ...], through
+) -> None:
+    out_features, in_features = shape
+    gen = torch.Generator().manual_seed(rows * 17 + in_features)
+    weight = torch.randn(out_features, in_features, generator=gen)
+    b = torch.randn(out_features, generator=gen) if bias else None
+    rows += (-rows) % lead[0] if lead else 0
+    hidden = torch.randn(*lead, rows // (lead[0] if lead else 1), in_features, generator=gen)
+    packs = WeightPacks()
+
+    got = through(hidden, weight, b, packs=packs)
+
+    torch.testing.assert_close(got, torch.nn.functional.linear(hidden, weight, b), rtol=1e-5, atol=1e-5)
+    assert len(packs) == (1 if 1 < rows <= TALL_SKINNY_ROWS and not packs._broken else 0)
+
+
+def test_a_pack_is_made_once_and_again_after_a_write_or_a_rebinding() -> None:
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(40, 24, generator=gen)
+    hidden = torch.randn(4, 24, generator=gen)
+    packs = WeightPacks()
+    if packs.get(weight) is None:
+        pytest.skip("this torch has no oneDNN linear packing")
+    first = packs.get(weight)
+    assert packs.get(weight) is first
+
+    weight.mul_(-2.0)  # in place: the version counter moves
+    after_write = linear(hidden, weight, packs=packs)
+    assert packs.get(weight) is not first
+    torch.testing.assert_close(after_write, torch.nn.functional.linear(hidden, weight), rtol=1e-5, atol=1e-5)
+
+    rebound = torch.randn(40, 24, generator=gen)
+    torch.testing.assert_close(
+        linear(hidden, rebound, packs=packs), torch.nn.functional.linear(hidden, rebound), rtol=1e-5, atol=1e-5
+    )
+    assert len(packs) == 2  # one copy per weight tensor; the packs hold no reference to either weight
+
+
+def test_one_row_another_dtype_or_a_failed_packing_take_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(30, 16, generator=gen)
+    packs = WeightPacks()
+
+    one_row = torch.randn(1, 16, generator=gen)
+    assert torch.equal(linear(one_row, weight, packs=packs), torch.nn.functional.linear(one_row, weight))
+    double = weight.double()
+    rows = torch.randn(5, 16, generator=gen, dtype=torch.float64)
+    assert packs.get(double) is None
+    assert torch.equal(linear(rows, double, packs=packs), torch.nn.functional.linear(rows, double))
+    assert len(packs) == 0
+
+    def unsupported(weight: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no oneDNN here")
+
+    monkeypatch.setattr("prefixcache.models.linear._reorder", unsupported)
+    hidden = torch.randn(6, 16, generator=gen)
+    assert torch.equal(linear(hidden, weight, packs=packs), torch.nn.functional.linear(hidden, weight))
+    assert packs.get(weight) is None and len(packs) == 0  # not tried again
