@@ -64,13 +64,18 @@ class HFCausalLM:
     ``max_position`` (``max_position_embeddings``).  The pool must be in the model's dtype and on its device.
     Puts the model in eval mode (dropout would break exactness).
 
+    ``pack_head`` (default True): on the CPU in float32, batched decode (2 .. 64 rows a forward) multiplies by a
+    oneDNN-packed copy of the LM head weight (:class:`~prefixcache.models.linear.WeightPacks`; Qwen2.5-0.5B's head,
+    8 rows: 95 -> 51 ms), made on the first such forward and again after the weight changes.  It costs the head's
+    size in memory once more (544 MB for a 151,936 x 896 float32 head); ``pack_head=False`` keeps to ``W @ h.T``.
+
     Raises:
         UnsupportedModelError: the architecture has layers a per-token K/V pool cannot serve exactly (sliding or
             chunked attention, recurrent/linear state), is an encoder-decoder, or its forward takes no cache or
             ``position_ids``.
     """
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, pack_head: bool = True) -> None:
         config = getattr(model, "config", None)
         if config is None or not callable(model):
             raise InvalidArgumentError(f"expected a transformers *ForCausalLM model, got {type(model).__name__}")
@@ -81,7 +86,7 @@ class HFCausalLM:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._head = _plain_head(model)
         self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
-        self._head_packs = WeightPacks()  # the LM head's oneDNN copy for batched decode on the CPU
+        self._head_packs = WeightPacks() if pack_head else None  # the LM head's oneDNN copy, batched CPU decode
         heads = config.num_attention_heads
         self.num_layers = int(config.num_hidden_layers)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)

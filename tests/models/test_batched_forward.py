@@ -152,6 +152,33 @@ def test_batched_decode_follows_an_in_place_weight_update(kind: str) -> None:
     assert max(decode_together(seed=3)) < TOL
 
 
+def test_hf_pack_head_off_keeps_no_copy_and_the_same_logits() -> None:
+    pytest.importorskip("transformers")
+    from prefixcache.models.hf import HFCausalLM
+
+    packed = _hf("qwen2")
+    plain = HFCausalLM(packed.model, pack_head=False)
+    sequences = [_ids(7, 11), _ids(5, 12), _ids(9, 13)]
+
+    def decode_together(model) -> list[torch.Tensor]:
+        kv = torch.zeros(kv_pool_shape(model, 24, BLOCK), dtype=model.dtype)
+        tables = [torch.arange(8 * i, 8 * i + 8) for i in range(3)]
+        lives = [LiveKV() for _ in sequences]
+        for seq, table, live in zip(sequences, tables, lives, strict=True):
+            model.forward_cached(torch.tensor(seq[:-1]), 0, kv, table, live=live)
+        rows = [
+            BatchRow(torch.tensor(seq[-1:]), len(seq) - 1, table, live)
+            for seq, table, live in zip(sequences, tables, lives, strict=True)
+        ]
+        return model.forward_batch(rows, kv)
+
+    with_copy, without = decode_together(packed), decode_together(plain)
+    assert len(packed._head_packs) == 1 and plain._head_packs is None
+    for a, b, seq in zip(with_copy, without, sequences, strict=True):
+        assert float((a - b).abs().max()) < 1e-5
+        assert _close(b, plain, seq) < TOL
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.integers(1, 5),
