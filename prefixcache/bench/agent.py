@@ -228,7 +228,7 @@ class _Ways:
             torch.tensor([ids]),
             attention_mask=torch.ones(1, len(ids), dtype=torch.long),
             generation_config=self.generation,
-            past_key_values=cache() if cache is not None else None,
+            **{self.hf.cache_kwarg: cache() if cache is not None else None},
             streamer=first_token,
         )
         seconds = clock() - start
@@ -248,7 +248,9 @@ class _Ways:
             # The documented recipe: one forward of the shared prefix into a cache, kept for every later prompt.
             start = clock()
             self.system_cache = DynamicCache(config=self.hf.config)
-            self.hf.model(input_ids=torch.tensor([self.system_ids]), past_key_values=self.system_cache, use_cache=True)
+            self.hf.model(
+                input_ids=torch.tensor([self.system_ids]), **{self.hf.cache_kwarg: self.system_cache}, use_cache=True
+            )
             setup_s = clock() - start
         seconds, prefill, tokens = self._generate(ids, lambda: copy.deepcopy(self.system_cache))
         cached = len(self.system_ids)

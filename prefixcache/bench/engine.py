@@ -200,7 +200,7 @@ def _own_forward(hf, ids: list[int], cache=None) -> tuple[float, int]:
         out = hf.model(
             input_ids=torch.tensor([ids], device=hf.device),
             position_ids=positions,
-            past_key_values=cache,
+            **{hf.cache_kwarg: cache},
             use_cache=True,
             logits_to_keep=1,
         )
@@ -301,7 +301,7 @@ def measure_decode(model, context: int, steps: int, repeats: int) -> dict:
             lambda cache=cache: model.model.generate(
                 torch.tensor([prompt], device=model.device),
                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=model.device),
-                past_key_values=cache,
+                **{model.cache_kwarg: cache},
                 max_new_tokens=steps,
                 min_new_tokens=steps,
                 do_sample=False,

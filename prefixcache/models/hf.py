@@ -106,6 +106,12 @@ class HFCausalLM:
             )
 
     @property
+    def cache_kwarg(self) -> str:
+        """The wrapped model's forward argument that takes a cache: ``"cache"`` (transformers >= 5.x releases that
+        renamed it) or ``"past_key_values"``; pass a cache to the model's own calls under this name."""
+        return self._cache_kwarg
+
+    @property
     def name(self) -> str:
         """Class name and size, for reports: ``"Qwen2ForCausalLM(4 layers)"``."""
         return f"{type(self.model).__name__}({self.num_layers} layers)"
