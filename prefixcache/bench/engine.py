@@ -351,9 +351,8 @@ def measure_batching(setup: EngineSetup, model=None, device: torch.device | str 
     ``batch_new_tokens`` tokens are decoded, on a fresh runner whose cache holds the system prompt alone; the batched
     tokens are checked equal to the serial ones.  ``batch_repeats`` interleaved repeats (the side that runs first
     alternates); tokens/s from the median seconds of each side, and the median, lowest and highest per-repeat ratio.
-    One untimed batched call of two sessions comes first: a model's one-time costs of batched decode (on the CPU,
-    the oneDNN copy of its weights, :class:`~prefixcache.models.linear.WeightPacks`: about 1 s for Qwen2.5-0.5B's
-    LM head) are paid before timing, as loading the model is.
+    One untimed batched call of two sessions comes first: one-time costs of batched decode (on the CPU the oneDNN
+    copy of the weights, :class:`~prefixcache.models.linear.WeightPacks`) are paid before timing, as loading is.
     """
     from prefixcache.models.llama import build_model
 
@@ -373,8 +372,7 @@ def measure_batching(setup: EngineSetup, model=None, device: torch.device | str 
         results = runner.generate_many(prompts, params) if together else [runner.generate(p, params) for p in prompts]
         return clock() - start, results
 
-    warm = PrefixCachingRunner(model, cache_tokens=tokens, block_size=BLOCK_SIZE)
-    warm.generate_many(prompts[:2], SamplingParams(max_new_tokens=2))
+    PrefixCachingRunner(model, cache_tokens=tokens, block_size=BLOCK_SIZE).generate_many(prompts[:2], params)
     serial_s, batched_s = [], []
     for rep in range(setup.batch_repeats):
         runs = {together: timed(together) for together in ((False, True) if rep % 2 == 0 else (True, False))}
