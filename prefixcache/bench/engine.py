@@ -351,10 +351,8 @@ def measure_batching(setup: EngineSetup, model=None, device: torch.device | str 
     ``batch_new_tokens`` tokens are decoded, on a fresh runner whose cache holds the system prompt alone; the batched
     tokens are checked equal to the serial ones.  ``batch_repeats`` interleaved repeats (the side that runs first
     alternates); tokens/s from the median seconds of each side, and the median, lowest and highest per-repeat ratio.
-    One untimed batched call of two sessions comes first: a model's one-time costs of batched decode (on the CPU,
-    the oneDNN copy of its weights, :class:`~prefixcache.models.linear.WeightPacks`: about 1 s for Qwen2.5-0.5B's
-    LM head) are paid before timing, as loading the model is.
-    """
+    One untimed batched call of two sessions first pays a model's one-time costs of batched decode (on the CPU, the
+    oneDNN copy of its weights, :class:`~prefixcache.models.linear.WeightPacks`: ~1 s for Qwen2.5-0.5B's LM head)."""
     from prefixcache.models.llama import build_model
 
     name = getattr(model, "name", setup.batch_preset)
