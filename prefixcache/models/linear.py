@@ -72,8 +72,9 @@ class WeightPacks:
     not float32, an inference-mode tensor, which keeps no version counter, a torch without oneDNN's linear ops, or a
     packing that failed once: then never tried again).  Holds no reference to a weight, only the copy, which is
     dropped when its weight is freed.  :meth:`clear` drops every copy (after a write no version counter sees: through
-    ``tensor.data`` or outside torch).  Not thread-safe for one weight packed from two threads at once (both pack;
-    one copy wins).
+    ``tensor.data`` or outside torch).  ``copy``, ``deepcopy`` and pickling give an empty one (oneDNN's tensors
+    have no storage to copy).  Not thread-safe for one weight packed from two threads at once (both pack; one copy
+    wins).
     """
 
     def __init__(self) -> None:
@@ -121,6 +122,9 @@ class WeightPacks:
     def __len__(self) -> int:
         """Copies held."""
         return len(self._packs)
+
+    def __reduce__(self) -> tuple[type[WeightPacks], tuple[()]]:
+        return (WeightPacks, ())
 
 
 def _forget(owner: weakref.ref, key: int, dead: weakref.ref) -> None:

@@ -243,3 +243,18 @@ def test_a_strided_bias_is_added_as_f_linear_adds_it(through) -> None:
     got = through(hidden, weight, bias, packs=WeightPacks())
 
     torch.testing.assert_close(got, torch.nn.functional.linear(hidden, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_copies_and_pickles_start_empty() -> None:
+    """oneDNN's packed tensors cannot be copied or pickled; a copied model (``copy.deepcopy``) must still copy."""
+    import copy
+    import pickle
+
+    packs = _packs_or_skip()
+    weight = torch.randn(40, 24)
+    linear(torch.randn(4, 24), weight, packs=packs)
+
+    for twin in (copy.deepcopy(packs), copy.copy(packs), pickle.loads(pickle.dumps(packs))):
+        assert isinstance(twin, WeightPacks) and len(twin) == 0
+        assert twin.get(weight) is not None
+    assert len(packs) == 1
