@@ -175,7 +175,15 @@ class PrefixCachingRunner:
 
     def invalidate(self) -> None:
         """Never serve anything cached so far: the next request starts a new namespace fingerprint.  For weight
-        changes that ``weights_version`` cannot see; the old entries age out of the pool through eviction."""
+        changes that ``weights_version`` cannot see; the old entries age out of the pool through eviction.  Also
+        drops the model's packed weight copies (``model.drop_weight_copies()`` where it has one: batched decode on
+        the CPU), which follow the same version counters."""
+        drop = getattr(self.model, "drop_weight_copies", None)
+        if drop is not None:
+            drop()
+        self._new_epoch()
+
+    def _new_epoch(self) -> None:
         self._epoch += 1
         self.fingerprint = self._make_fingerprint()
 
@@ -390,7 +398,7 @@ class PrefixCachingRunner:
         version = self._read_weights_version()
         if version != self._weights_version:
             self._weights_version = version
-            self.invalidate()
+            self._new_epoch()  # the packed copies see what weights_version sees
 
     def _make_fingerprint(self) -> str:
         key = f"{self.model.fingerprint()}|{self.tokenizer.name}"

@@ -122,6 +122,12 @@ class HFCausalLM:
         O(parameters) integer reads."""
         return weights_version_of(itertools.chain(self.model.parameters(), self.model.buffers()))
 
+    def drop_weight_copies(self) -> None:
+        """Drop the packed copy of the LM head (made again on the next batched forward), for a weight write that
+        :meth:`weights_version` does not see; :meth:`PrefixCachingRunner.invalidate` calls it."""
+        if self._head_packs is not None:
+            self._head_packs.clear()
+
     def fingerprint(self) -> str:
         """xxh64 hex of the config JSON (less its load path), the model class, the dtype and a strided weight sample.
 

@@ -69,13 +69,17 @@ class WeightPacks:
     changes (another tensor, another storage, or an in-place write: its version counter moved).
 
     :meth:`get` returns the packed ``weight`` for :func:`project`, or None where packing does not apply (not the CPU,
-    not float32, a torch without oneDNN's linear ops, or a packing that failed once: then never tried again).  Holds
-    no reference to a weight, only the copy.  Not thread-safe for one weight packed from two threads at once (both
-    pack; one copy wins).
+    not float32, an inference-mode tensor, which keeps no version counter, a torch without oneDNN's linear ops, or a
+    packing that failed once: then never tried again).  Holds no reference to a weight, only the copy, which is
+    dropped when its weight is freed.  :meth:`clear` drops every copy (after a write no version counter sees: through
+    ``tensor.data`` or outside torch).  ``copy``, ``deepcopy`` and pickling give an empty one (oneDNN's tensors
+    have no storage to copy).  Not thread-safe for one weight packed from two threads at once (both pack; one copy
+    wins).
     """
 
     def __init__(self) -> None:
         self._packs: dict[int, _Pack] = {}
+        self._self_ref = weakref.ref(self)
         self._broken = not (
             torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
@@ -84,7 +88,13 @@ class WeightPacks:
 
     def get(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of ``weight[V, H]`` (an opaque oneDNN tensor), or None (see the class)."""
-        if self._broken or weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        if (
+            self._broken
+            or weight.device.type != "cpu"
+            or weight.dtype != torch.float32
+            or weight.dim() != 2
+            or weight.is_inference()
+        ):
             return None
         entry = self._packs.get(id(weight))
         if (
@@ -100,12 +110,29 @@ class WeightPacks:
             self._broken = True
             self._packs.clear()
             return None
-        self._packs[id(weight)] = _Pack(weakref.ref(weight), weight.data_ptr(), weight._version, packed)
+        key, owner = id(weight), self._self_ref
+        ref = weakref.ref(weight, lambda dead: _forget(owner, key, dead))
+        self._packs[key] = _Pack(ref, weight.data_ptr(), weight._version, packed)
         return packed
+
+    def clear(self) -> None:
+        """Drop every copy; each is made again on its weight's next packed product."""
+        self._packs.clear()
 
     def __len__(self) -> int:
         """Copies held."""
         return len(self._packs)
+
+    def __reduce__(self) -> tuple[type[WeightPacks], tuple[()]]:
+        return (WeightPacks, ())
+
+
+def _forget(owner: weakref.ref, key: int, dead: weakref.ref) -> None:
+    """Weak-reference callback: drop the copy of a freed weight (unless ``key`` already holds another weight's)."""
+    packs = owner()
+    entry = packs._packs.get(key) if packs is not None else None
+    if entry is not None and entry.weight is dead:
+        packs._packs.pop(key, None)
 
 
 def _packed_product(
@@ -121,6 +148,8 @@ def _packed_product(
     packed = packs.get(weight)
     if packed is None:
         return None
+    # oneDNN reads the bias as dense: a strided one (a view) would be added wrongly.
+    bias = bias.contiguous() if bias is not None else None
     out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
     return out.reshape(*hidden.shape[:-1], weight.shape[0])
 

@@ -191,6 +191,11 @@ class LlamaModel:
         on every rebinding of one.  O(tensors)."""
         return weights_version_of(self._weights())
 
+    def drop_weight_copies(self) -> None:
+        """Drop the packed weight copies of :meth:`forward_batch` (made again on its next forward), for a weight
+        write that :meth:`weights_version` does not see; :meth:`PrefixCachingRunner.invalidate` calls it."""
+        self._packs.clear()
+
     def _weights(self) -> list[torch.Tensor]:
         tensors = [self.embed, self.final_norm, self.lm_head]
         for layer in self.layers:

@@ -98,3 +98,24 @@ def test_unchanged_weights_keep_the_fingerprint() -> None:
     runner.generate(ids, SamplingParams(max_new_tokens=2))
     assert runner.generate(ids, SamplingParams(max_new_tokens=2)).usage.cached_tokens == 49
     assert runner.fingerprint == before
+
+
+@pytest.mark.parametrize("kind", ["embedded", "qwen2"])
+def test_invalidate_after_a_write_through_data_reaches_batched_decode(kind: str) -> None:
+    """README: a write through ``tensor.data`` is not seen, so call ``runner.invalidate()``.  Batched decode on the
+    CPU multiplies by packed copies of the weights (models.linear.WeightPacks), which follow the same version
+    counters: invalidate must drop them too, or ``generate_many`` keeps decoding with the old weights."""
+    model = build_model("tiny", device="cpu") if kind == "embedded" else tiny_random_model(kind, vocab_size=VOCAB)
+    head = model.lm_head if kind == "embedded" else model.model.lm_head.weight
+    runner = PrefixCachingRunner(model, cache_tokens=4096, block_size=16)
+    prompts = [prompt(20 + i, seed=i) for i in range(3)]
+    sampling = SamplingParams(max_new_tokens=NEW)
+    runner.generate_many(prompts, sampling)
+
+    head.data.mul_(-1.0)
+    runner.invalidate()
+    results = runner.generate_many(prompts, sampling)
+
+    for ids, result in zip(prompts, results, strict=True):
+        assert result.usage.cached_tokens == 0
+        assert list(result.token_ids) == greedy_reference(model, ids, NEW)[0]

@@ -246,3 +246,55 @@ def test_hf_rows_decoding_on_together_keep_one_batch_cache() -> None:
         batches.append(lives[0].data.prefixcache_batch)
     assert batches[0] is batches[1] is batches[2] and batches[3] is not batches[2]
     assert batches[2].cache.get_seq_length() == 14 + 3  # the longest prefix, then one position a step
+
+
+@pytest.mark.parametrize("kind", ["embedded", "qwen2"])
+def test_batched_decode_of_a_model_built_in_inference_mode(kind: str) -> None:
+    """A model built (or loaded) under ``torch.inference_mode()`` has inference tensors as weights, which keep no
+    version counter: batched decode must still run and equal the references."""
+    with torch.inference_mode():
+        model = build_model("tiny", device="cpu") if kind == "embedded" else _hf(kind)
+    kv = torch.zeros(kv_pool_shape(model, 24, BLOCK), dtype=model.dtype)
+    tables = [torch.arange(8 * i, 8 * i + 8) for i in range(3)]
+    sequences = [_ids(6, 21), _ids(9, 22), _ids(4, 23)]
+    lives = [LiveKV() for _ in sequences]
+    for seq, table, live in zip(sequences, tables, lives, strict=True):
+        model.forward_cached(torch.tensor(seq[:-1]), 0, kv, table, live=live)
+    rows = [
+        BatchRow(torch.tensor(seq[-1:]), len(seq) - 1, table, live)
+        for seq, table, live in zip(sequences, tables, lives, strict=True)
+    ]
+
+    logits = model.forward_batch(rows, kv)
+
+    for row_logits, seq in zip(logits, sequences, strict=True):
+        assert _close(row_logits, model, seq) < TOL
+
+
+@pytest.mark.parametrize("kind", ["embedded", "qwen2"])
+def test_a_model_deep_copied_after_batched_decode_decodes_with_its_own_weights(kind: str) -> None:
+    """``copy.deepcopy`` of a model whose batched decode made packed weight copies worked before them: it must still,
+    and the copy's batched decode must follow a write to the copy's weights."""
+    import copy
+
+    model = build_model("tiny", device="cpu") if kind == "embedded" else _hf(kind)
+    sequences = [_ids(6, 31), _ids(9, 32), _ids(4, 33)]
+
+    def decode_together(model) -> list[float]:
+        kv = torch.zeros(kv_pool_shape(model, 24, BLOCK), dtype=model.dtype)
+        tables = [torch.arange(8 * i, 8 * i + 8) for i in range(3)]
+        lives = [LiveKV() for _ in sequences]
+        for seq, table, live in zip(sequences, tables, lives, strict=True):
+            model.forward_cached(torch.tensor(seq[:-1]), 0, kv, table, live=live)
+        rows = [
+            BatchRow(torch.tensor(seq[-1:]), len(seq) - 1, table, live)
+            for seq, table, live in zip(sequences, tables, lives, strict=True)
+        ]
+        return [_close(out, model, seq) for out, seq in zip(model.forward_batch(rows, kv), sequences, strict=True)]
+
+    assert max(decode_together(model)) < TOL
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        (twin.lm_head if kind == "embedded" else twin.model.lm_head.weight).mul_(-0.5)
+    assert max(decode_together(twin)) < TOL
+    assert max(decode_together(model)) < TOL

@@ -173,3 +173,88 @@ def test_one_row_another_dtype_or_a_failed_packing_take_f_linear(monkeypatch: py
     hidden = torch.randn(6, 16, generator=gen)
     assert torch.equal(linear(hidden, weight, packs=packs), torch.nn.functional.linear(hidden, weight))
     assert packs.get(weight) is None and len(packs) == 0  # not tried again
+
+
+def _packs_or_skip() -> WeightPacks:
+    packs = WeightPacks()
+    if packs.get(torch.ones(2, 2)) is None:
+        pytest.skip("this torch has no oneDNN linear packing")
+    return WeightPacks()
+
+
+def test_the_copy_of_a_weight_is_dropped_with_the_weight() -> None:
+    """Rebinding a weight again and again (a new ``nn.Parameter`` each time) must not keep every old copy: each is
+    the weight's size (544 MB for Qwen2.5-0.5B's LM head)."""
+    import gc
+
+    packs = _packs_or_skip()
+    hidden = torch.randn(4, 24)
+    kept = torch.randn(40, 24)
+    linear(hidden, kept, packs=packs)
+    for seed in range(5):
+        rebound = torch.randn(40, 24, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(
+            linear(hidden, rebound, packs=packs), torch.nn.functional.linear(hidden, rebound), rtol=1e-5, atol=1e-5
+        )
+        del rebound
+    gc.collect()
+    assert len(packs) == 1  # only the live weight's copy
+    del kept
+    gc.collect()
+    assert len(packs) == 0
+
+
+def test_clear_drops_every_copy_and_the_next_product_sees_an_unversioned_write() -> None:
+    packs = _packs_or_skip()
+    weight = torch.randn(40, 24)
+    hidden = torch.randn(4, 24)
+    linear(hidden, weight, packs=packs)
+    weight.data.mul_(-1.0)  # a write through .data moves no version counter
+
+    packs.clear()
+
+    assert len(packs) == 0
+    torch.testing.assert_close(
+        linear(hidden, weight, packs=packs), torch.nn.functional.linear(hidden, weight), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_an_inference_mode_weight_takes_f_linear() -> None:
+    """Tensors made under ``torch.inference_mode()`` (a model built or loaded there) keep no version counter, so a
+    copy could not follow their writes: they are not packed, and the product still works."""
+    packs = WeightPacks()
+    with torch.inference_mode():
+        weight = torch.randn(40, 24)
+    hidden = torch.randn(4, 24)
+
+    got = linear(hidden, weight, packs=packs)
+
+    torch.testing.assert_close(got, torch.nn.functional.linear(hidden, weight), rtol=1e-5, atol=1e-5)
+    assert len(packs) == 0
+
+
+@pytest.mark.parametrize("through", [linear, project])
+def test_a_strided_bias_is_added_as_f_linear_adds_it(through) -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(40, 24, generator=gen)
+    bias = torch.randn(40, 3, generator=gen)[:, 1]  # a column: stride 3
+    hidden = torch.randn(6, 24, generator=gen)
+
+    got = through(hidden, weight, bias, packs=WeightPacks())
+
+    torch.testing.assert_close(got, torch.nn.functional.linear(hidden, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_copies_and_pickles_start_empty() -> None:
+    """oneDNN's packed tensors cannot be copied or pickled; a copied model (``copy.deepcopy``) must still copy."""
+    import copy
+    import pickle
+
+    packs = _packs_or_skip()
+    weight = torch.randn(40, 24)
+    linear(torch.randn(4, 24), weight, packs=packs)
+
+    for twin in (copy.deepcopy(packs), copy.copy(packs), pickle.loads(pickle.dumps(packs))):
+        assert isinstance(twin, WeightPacks) and len(twin) == 0
+        assert twin.get(weight) is not None
+    assert len(packs) == 1
