@@ -84,14 +84,12 @@ class HFCausalLM:
         self._cache_kwarg = _check_supported(model)
         # Older or custom heads without logits_to_keep compute every position's logits; we still return the last.
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._head = _plain_head(model)
-        self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
+        self._resolve_head()
         self._head_packs = WeightPacks() if pack_head else None  # the LM head's oneDNN copy, batched CPU decode
         heads = config.num_attention_heads
         self.num_layers = int(config.num_hidden_layers)
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-        self.vocab_size = int(config.vocab_size)
         self.max_position = int(config.max_position_embeddings)
         self.dtype: torch.dtype = model.dtype
         self.device: torch.device = model.device
@@ -104,6 +102,19 @@ class HFCausalLM:
                 type(model).__name__,
                 config.model_type,
             )
+
+    @property
+    def vocab_size(self) -> int:
+        """``config.vocab_size``, read at each use: ``resize_token_embeddings`` changes it."""
+        return int(self.config.vocab_size)
+
+    def _resolve_head(self) -> None:
+        """Find the LM head and base model this adapter runs itself (:func:`_plain_head`) and the large linear
+        layers of the base; noted against the model's current output-embedding module, so that replacing it
+        (``resize_token_embeddings``, a new ``lm_head``) is seen at the next forward."""
+        self._head_module = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        self._head = _plain_head(self.model)
+        self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
 
     @property
     def cache_kwarg(self) -> str:
@@ -345,6 +356,8 @@ class HFCausalLM:
         ``return_logits``, else the last.  Where the model's logits are its LM head on the base model's last hidden
         state (:func:`_plain_head`), runs the two itself, a forward of few tokens with tall-skinny products
         (:mod:`~prefixcache.models.linear`); else the model's own forward with ``logits_to_keep``."""
+        if hasattr(self.model, "get_output_embeddings") and self.model.get_output_embeddings() is not self._head_module:
+            self._resolve_head()  # the model's head module was replaced since we looked
         if self._head is None:
             out = self.model(
                 **inputs, use_cache=True, **self._logits_kwargs(return_logits), **{self._cache_kwarg: cache}

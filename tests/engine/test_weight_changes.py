@@ -119,3 +119,26 @@ def test_invalidate_after_a_write_through_data_reaches_batched_decode(kind: str)
     for ids, result in zip(prompts, results, strict=True):
         assert result.usage.cached_tokens == 0
         assert list(result.token_ids) == greedy_reference(model, ids, NEW)[0]
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_resized_token_embeddings_reach_serial_and_batched_decode(together: bool) -> None:
+    """``resize_token_embeddings`` replaces the LM head module and grows the vocabulary: the adapter must run the new
+    head (logits over the new vocabulary, new token ids accepted), not the one it found at construction."""
+    module = hf_model(3)
+    model = HFCausalLM(module)
+    runner = PrefixCachingRunner(model, cache_tokens=4096, block_size=16)
+    prompts = [prompt(40, seed) for seed in (1, 2)]
+    runner.generate_many(prompts, SamplingParams(max_new_tokens=NEW)) if together else runner.generate(prompts[0])
+
+    module.resize_token_embeddings(VOCAB + 24)
+    with torch.no_grad():
+        module.get_output_embeddings().weight[VOCAB:].normal_(0, 5.0, generator=torch.Generator().manual_seed(9))
+    assert model.vocab_size == VOCAB + 24
+    grown = [p + [VOCAB + 3] for p in prompts]  # a token id only the resized model has
+    params = SamplingParams(max_new_tokens=NEW)
+    results = runner.generate_many(grown, params) if together else [runner.generate(p, params) for p in grown]
+    for ids, result in zip(grown, results, strict=True):
+        expected, _ = greedy_reference(model, ids, NEW)
+        assert list(result.token_ids) == expected
+    assert any(t >= VOCAB for r in results for t in r.token_ids)  # the new rows of the head are in use
