@@ -37,6 +37,7 @@ from prefixcache.models.base import (
     weights_version_of,
 )
 from prefixcache.models.hf_cache import PaddedBatch, growing_layer_class
+from prefixcache.models.hf_support import check_supported
 from prefixcache.models.linear import WeightPacks, large_cpu_linears, project, tall_skinny_linears
 
 logger = logging.getLogger(__name__)
@@ -45,12 +46,6 @@ __all__ = ["TESTED_MODEL_TYPES", "HFCausalLM", "load_hf_model", "random_model_fr
 
 TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "gpt2"})
 """``config.model_type`` values whose exactness ``tests/test_hf.py`` checks; others log a warning."""
-
-# Model types whose state is not (only) per-token K/V, for a clear message even where DynamicCache cannot say so.
-_RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma"})
-
-# Rotary scalings that pick frequencies from the longest position of each forward call (not prefix-stable).
-_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 # Elements sampled per parameter for the weight checksum of the fingerprint.
 _WEIGHT_SAMPLES = 64
@@ -81,7 +76,7 @@ class HFCausalLM:
             raise InvalidArgumentError(f"expected a transformers *ForCausalLM model, got {type(model).__name__}")
         self.model = model.eval()
         self.config = config
-        self._cache_kwarg = _check_supported(model)
+        self._cache_kwarg = check_supported(model)
         # Older or custom heads without logits_to_keep compute every position's logits; we still return the last.
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._resolve_head()
@@ -109,10 +104,8 @@ class HFCausalLM:
         return int(self.config.vocab_size)
 
     def _resolve_head(self) -> None:
-        """Find the LM head and base model this adapter runs itself (:func:`_plain_head`) and the large linear
-        layers of the base; noted against the model's current output-embedding module, so that replacing it
-        (``resize_token_embeddings``, a new ``lm_head``) is seen at the next forward."""
-        self._head_module = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        """Find the head and base this adapter runs itself (:func:`_plain_head`), noted against the head module."""
+        self._head_module = _output_embeddings(self.model)
         self._head = _plain_head(self.model)
         self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
 
@@ -356,8 +349,8 @@ class HFCausalLM:
         ``return_logits``, else the last.  Where the model's logits are its LM head on the base model's last hidden
         state (:func:`_plain_head`), runs the two itself, a forward of few tokens with tall-skinny products
         (:mod:`~prefixcache.models.linear`); else the model's own forward with ``logits_to_keep``."""
-        if hasattr(self.model, "get_output_embeddings") and self.model.get_output_embeddings() is not self._head_module:
-            self._resolve_head()  # the model's head module was replaced since we looked
+        if _output_embeddings(self.model) is not self._head_module:
+            self._resolve_head()  # replaced since we looked (resize_token_embeddings, a new lm_head)
         if self._head is None:
             out = self.model(
                 **inputs, use_cache=True, **self._logits_kwargs(return_logits), **{self._cache_kwarg: cache}
@@ -411,6 +404,10 @@ def _flat(kv: torch.Tensor) -> torch.Tensor:
     return kv.view(kv.shape[0], 2, kv.shape[2] * kv.shape[3], kv.shape[4], kv.shape[5])
 
 
+def _output_embeddings(model: Any) -> Any:
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
 def _plain_head(model: Any) -> tuple[Any, str, Any] | None:
     """``(base model, its cache argument, LM head)`` when ``model``'s logits are exactly its ``nn.Linear`` LM head
     applied to the base model's last hidden state (the tested model types, no logit scaling or soft-capping); else
@@ -422,7 +419,7 @@ def _plain_head(model: Any) -> tuple[Any, str, Any] | None:
         return None
     if any(getattr(config, name, None) not in (None, 1.0) for name in ("final_logit_softcapping", "logit_scale")):
         return None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_embeddings(model)
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     if not isinstance(head, nn.Linear) or not isinstance(base, nn.Module) or base is model:
         return None
@@ -431,68 +428,6 @@ def _plain_head(model: Any) -> tuple[Any, str, Any] | None:
     if cache_kwarg is None or "position_ids" not in params:
         return None
     return base, cache_kwarg, head
-
-
-def _check_supported(model: Any) -> str:
-    """Raise UnsupportedModelError unless every layer is full attention with a plain K/V cache.
-
-    Returns the name of the forward's cache argument (``cache`` in transformers >= 5.x, else ``past_key_values``).
-    """
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
-    config = model.config
-    arch = type(model).__name__
-    if getattr(config, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"{arch} is an encoder-decoder; prefix caching needs a decoder-only model")
-    if config.model_type in _RECURRENT_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"{arch} ({config.model_type}) carries recurrent state, not per-token K/V; a prefix cannot be resumed "
-            "from a KV pool"
-        )
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    # One dict, or (for models with several layer types) one dict per layer type.
-    ropes = (
-        list(rope.values()) if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) else [rope]
-    )
-    rope_types = {r.get("rope_type", r.get("type")) for r in ropes if isinstance(r, dict)}
-    if rope_types & _LENGTH_DEPENDENT_ROPE:
-        raise UnsupportedModelError(
-            f"{arch} uses {sorted(rope_types & _LENGTH_DEPENDENT_ROPE)} rotary scaling, whose frequencies depend on "
-            "the length of the forward call: K/V cached by a shorter call would not match a full recompute"
-        )
-    try:
-        probe = DynamicCache(config=config)
-    except Exception as error:  # noqa: BLE001 - any failure here means the cache layout is not one we understand
-        raise UnsupportedModelError(f"cannot build a KV cache for {arch}: {error}") from None
-    layer_types = list(getattr(config, "layer_types", None) or [type(layer).__name__ for layer in probe.layers])
-    sliding = [i for i, layer in enumerate(probe.layers) if isinstance(layer, DynamicSlidingWindowLayer)]
-    if sliding:
-        window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
-        raise UnsupportedModelError(
-            f"{arch} uses sliding-window or chunked attention (window {window}) in layers {sliding[:8]}"
-            f"{'...' if len(sliding) > 8 else ''} (layer types {sorted(set(layer_types))}); a prefix cache of "
-            "full per-token K/V would attend beyond the window, so cached logits would not be exact"
-        )
-    other = [i for i, layer in enumerate(probe.layers) if type(layer) is not DynamicLayer]
-    if other:
-        kinds = sorted({type(probe.layers[i]).__name__ for i in other})
-        raise UnsupportedModelError(
-            f"{arch} has layers without plain per-token K/V ({kinds} in layers {other[:8]}"
-            f"{'...' if len(other) > 8 else ''}; layer types {sorted(set(layer_types))}): recurrent, linear or "
-            "shared state cannot be restored from a KV pool"
-        )
-    if probe.layers and len(probe.layers) != config.num_hidden_layers:
-        raise UnsupportedModelError(
-            f"{arch} has {config.num_hidden_layers} layers but {len(probe.layers)} cache layers; cannot map them"
-        )
-    params = inspect.signature(model.forward).parameters
-    cache_kwarg = next((name for name in ("cache", "past_key_values") if name in params), None)
-    if cache_kwarg is None or "position_ids" not in params:
-        raise UnsupportedModelError(f"{arch}.forward takes no cache or no position_ids; cannot prefill a suffix")
-    if getattr(config, "max_position_embeddings", None) is None:
-        raise UnsupportedModelError(f"{arch} config has no max_position_embeddings")
-    return cache_kwarg
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

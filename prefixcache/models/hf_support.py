@@ -1,0 +1,83 @@
+"""Which Hugging Face causal LMs a pool of per-token K/V can serve exactly (extra ``prefixcache[hf]``).
+
+:func:`check_supported` refuses, with a reason, what a prefix cache of full per-token K/V cannot reproduce: encoder-
+decoders, recurrent or linear-attention state, sliding-window or chunked attention, rotary scalings whose frequencies
+depend on the call's length, forwards without a cache or ``position_ids`` argument.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from prefixcache.errors import UnsupportedModelError
+
+__all__ = ["check_supported"]
+
+# Model types whose state is not (only) per-token K/V, for a clear message even where DynamicCache cannot say so.
+_RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma"})
+
+# Rotary scalings that pick frequencies from the longest position of each forward call (not prefix-stable).
+_LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+def check_supported(model: Any) -> str:
+    """Raise UnsupportedModelError unless every layer is full attention with a plain K/V cache.
+
+    Returns the name of the forward's cache argument (``cache`` in transformers >= 5.x, else ``past_key_values``).
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    config = model.config
+    arch = type(model).__name__
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"{arch} is an encoder-decoder; prefix caching needs a decoder-only model")
+    if config.model_type in _RECURRENT_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{arch} ({config.model_type}) carries recurrent state, not per-token K/V; a prefix cannot be resumed "
+            "from a KV pool"
+        )
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    # One dict, or (for models with several layer types) one dict per layer type.
+    ropes = (
+        list(rope.values()) if isinstance(rope, dict) and all(isinstance(v, dict) for v in rope.values()) else [rope]
+    )
+    rope_types = {r.get("rope_type", r.get("type")) for r in ropes if isinstance(r, dict)}
+    if rope_types & _LENGTH_DEPENDENT_ROPE:
+        raise UnsupportedModelError(
+            f"{arch} uses {sorted(rope_types & _LENGTH_DEPENDENT_ROPE)} rotary scaling, whose frequencies depend on "
+            "the length of the forward call: K/V cached by a shorter call would not match a full recompute"
+        )
+    try:
+        probe = DynamicCache(config=config)
+    except Exception as error:  # noqa: BLE001 - any failure here means the cache layout is not one we understand
+        raise UnsupportedModelError(f"cannot build a KV cache for {arch}: {error}") from None
+    layer_types = list(getattr(config, "layer_types", None) or [type(layer).__name__ for layer in probe.layers])
+    sliding = [i for i, layer in enumerate(probe.layers) if isinstance(layer, DynamicSlidingWindowLayer)]
+    if sliding:
+        window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
+        raise UnsupportedModelError(
+            f"{arch} uses sliding-window or chunked attention (window {window}) in layers {sliding[:8]}"
+            f"{'...' if len(sliding) > 8 else ''} (layer types {sorted(set(layer_types))}); a prefix cache of "
+            "full per-token K/V would attend beyond the window, so cached logits would not be exact"
+        )
+    other = [i for i, layer in enumerate(probe.layers) if type(layer) is not DynamicLayer]
+    if other:
+        kinds = sorted({type(probe.layers[i]).__name__ for i in other})
+        raise UnsupportedModelError(
+            f"{arch} has layers without plain per-token K/V ({kinds} in layers {other[:8]}"
+            f"{'...' if len(other) > 8 else ''}; layer types {sorted(set(layer_types))}): recurrent, linear or "
+            "shared state cannot be restored from a KV pool"
+        )
+    if probe.layers and len(probe.layers) != config.num_hidden_layers:
+        raise UnsupportedModelError(
+            f"{arch} has {config.num_hidden_layers} layers but {len(probe.layers)} cache layers; cannot map them"
+        )
+    params = inspect.signature(model.forward).parameters
+    cache_kwarg = next((name for name in ("cache", "past_key_values") if name in params), None)
+    if cache_kwarg is None or "position_ids" not in params:
+        raise UnsupportedModelError(f"{arch}.forward takes no cache or no position_ids; cannot prefill a suffix")
+    if getattr(config, "max_position_embeddings", None) is None:
+        raise UnsupportedModelError(f"{arch} config has no max_position_embeddings")
+    return cache_kwarg
