@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["TESTED_MODEL_TYPES", "HFCausalLM", "load_hf_model", "random_model_from_config"]
 
 TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "gpt2"})
-"""``config.model_type`` values whose exactness ``tests/test_hf.py`` checks; others log a warning."""
+"""``config.model_type`` values whose exactness ``tests/models/test_hf.py`` checks; others log a warning."""
 
 # Elements sampled per parameter for the weight checksum of the fingerprint.
 _WEIGHT_SAMPLES = 64
