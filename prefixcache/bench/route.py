@@ -68,6 +68,10 @@ WORKLOADS: dict[str, tuple[str, int, int]] = {
     "mooncake-conv": ("mooncake/conversation_trace.jsonl", 500, 100),
 }
 """Label -> (file under the shared data, conversations or trace lines in a full run, in a ``--quick`` run)."""
+MEMORY_SHARES = (6, 8, 10, 12, 16)
+"""At ``N = REPLICA_SHARE`` replicas the exact router is also run with ``1 / share`` of the working set per replica
+for each of these: at 1/8 the fleet holds the working set with no block to spare, a knife edge where one more copy
+of a prefix overflows a replica, so one memory size alone can mislead."""
 REPLICAS = (2, 8, 64)
 QUICK_REPLICAS = (2, 8)
 ROUTERS = ("round-robin", "affinity", "text prefix", "exact", "oracle")
@@ -255,10 +259,13 @@ def working_set_blocks(requests: Sequence[ReplayRequest]) -> int:
 
 
 def measure(requests: Sequence[ReplayRequest], replica_counts: Sequence[int], show_progress: bool = True) -> dict:
-    """Per replica count: the one-big-replica baseline and every router's hit rate and imbalance."""
+    """Per replica count: the one-big-replica baseline and every router's hit rate and imbalance; with
+    ``REPLICA_SHARE`` among the counts, ``exact_by_memory``: share -> the exact router's hit rate over the big
+    replica's there, at each of :data:`MEMORY_SHARES` (None where the big replica hits nothing)."""
     # A replica must at least fit the two longest requests, or small workloads would be all misses.
     longest = max(-(-(len(r.prompt) + len(r.answer)) // BLOCK_SIZE) + 2 for r in requests)
-    per_replica = max(2 * longest, working_set_blocks(requests) // REPLICA_SHARE)
+    working_set = working_set_blocks(requests)
+    per_replica = max(2 * longest, working_set // REPLICA_SHARE)
     rows = []
     for n in progress(replica_counts, "route: replicas", len(replica_counts), show_progress):
         big = simulate(requests, 1, per_replica * n, "round-robin")
@@ -266,7 +273,14 @@ def measure(requests: Sequence[ReplayRequest], replica_counts: Sequence[int], sh
         for result in routed.values():
             del result["hits"]
         rows.append({"replicas": n, "baseline": big["hit_rate"], **routed})
-    return {"requests": len(requests), "replica_blocks": per_replica, "rows": rows}
+    memory = {}
+    if REPLICA_SHARE in replica_counts:
+        for share in MEMORY_SHARES:
+            blocks = max(2 * longest, working_set // share)
+            big = simulate(requests, 1, blocks * REPLICA_SHARE, "round-robin")["hit_rate"]
+            exact = simulate(requests, REPLICA_SHARE, blocks, "exact")["hit_rate"]
+            memory[share] = exact / big if big else None
+    return {"requests": len(requests), "replica_blocks": per_replica, "rows": rows, "exact_by_memory": memory}
 
 
 def run(quick: bool = False, replicas: Sequence[int] | None = None) -> BenchResult:
@@ -314,6 +328,13 @@ def run(quick: bool = False, replicas: Sequence[int] | None = None) -> BenchResu
             f"{100 * missed['steered']:.1f}, prefix evicted everywhere {100 * missed['absent']:.1f}, "
             f"other {100 * missed['other']:.1f}"
         )
+        ratios = {share: ratio for share, ratio in r["exact_by_memory"].items() if ratio is not None}
+        if ratios:
+            cells = ", ".join(f"1/{share} {100 * ratio:.1f}" for share, ratio in ratios.items())
+            notes.append(
+                f"  exact/big % at N={REPLICA_SHARE} by memory per replica (of the working set): {cells}; "
+                f"mean {100 * sum(ratios.values()) / len(ratios):.1f}"
+            )
     notes += [f"skipped {name}: not found in {DATA_DIR}" for name in skipped]
     table = Table(
         title="route: N replicas behind a router (cache-only simulation)",

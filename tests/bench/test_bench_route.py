@@ -143,3 +143,17 @@ def test_the_exact_router_fills_replicas_memory_evenly_when_together_they_barely
     counts_only = route.simulate(requests, 2, per_replica, "exact", big["hits"])
     assert counts_only["missed"]["absent"] > 0.05
     assert counts_only["hit_rate"] < big["hit_rate"] - 0.05
+
+
+def test_at_eight_replicas_the_exact_router_is_also_measured_at_other_memory_sizes() -> None:
+    requests = _conversations(num=16, turns=3)
+
+    result = route.measure(requests, (route.REPLICA_SHARE,), show_progress=False)
+
+    by_memory = result["exact_by_memory"]
+    assert tuple(by_memory) == route.MEMORY_SHARES
+    # 16 conversations, no shared prefix: with room to spare (1/6 of the working set each) the exact router keeps
+    # every conversation where it is cached, as one big replica does.
+    assert by_memory[6] == pytest.approx(1.0)
+    assert all(0 < ratio <= 1.0 + 1e-9 for ratio in by_memory.values())
+    assert route.measure(requests, (2,), show_progress=False)["exact_by_memory"] == {}
