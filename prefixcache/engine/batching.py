@@ -107,7 +107,8 @@ class RequestHandle:
 class _Request:
     prompt: list[int]
     sampling: SamplingParams
-    namespace: str
+    namespace: str  # the tree namespace: the runner's fingerprint at admission and the user's namespace
+    user_namespace: str | None
     handle: RequestHandle
     submitted_at: float
     prompt_array: array  # the prompt as the cache stores it, converted once
@@ -195,8 +196,9 @@ class BatchEngine:
         on_token: Callable[[int], bool] | None = None,
     ) -> RequestHandle:
         """Queue a request; thread-safe.  Checks it as :meth:`PrefixCachingRunner.generate` does and raises the same
-        errors at once (InvalidTokensError, CapacityError, NamespaceError, InvalidArgumentError); a weight change
-        seen here moves the runner to a new fingerprint first, as at the runner's admission.
+        errors at once (InvalidTokensError, CapacityError, NamespaceError, InvalidArgumentError).  The weights are
+        checked again when the request is admitted: one changed while it waited moves the runner to a new
+        fingerprint, and the request matches only what the new weights computed, as at the runner's admission.
 
         ``request_id``, ``priority`` and ``retain_s`` mean what they mean for :meth:`PrefixCachingRunner.stream`
         (self-hit accounting; the prompt retained once cached).  ``on_token(token_id)`` is called on the engine
@@ -215,6 +217,7 @@ class BatchEngine:
             prompt,
             sampling,
             runner.namespace_key(namespace),
+            namespace,
             RequestHandle(),
             time.perf_counter(),
             as_token_array(prompt),
@@ -377,6 +380,7 @@ class BatchEngine:
             waiting = list(self._waiting)
         if not waiting:
             return
+        self._refresh_namespaces(waiting)
         admitted: set[int] = set()
         if len(self._running) < self.max_running:
             for request, cached in self._admission_order(waiting):
@@ -393,6 +397,21 @@ class BatchEngine:
         for request in waiting:
             if id(request) not in admitted:
                 request.waited_steps += 1
+
+    def _refresh_namespaces(self, waiting: list[_Request]) -> None:
+        """Check the weights before admitting: requests that have not started yet move to the current fingerprint's
+        namespace, so nothing cached with weights changed (or ``runner.invalidate()``) since their submit is served
+        to them.  A preempted request keeps its namespace: it resumes its own tokens.  O(parameters) integer reads
+        when a waiting request has not started."""
+        fresh = [request for request in waiting if request.preemptions == 0]
+        if not fresh:
+            return
+        runner = self.runner
+        runner._check_weights()
+        prefix = f"{runner.fingerprint}:"
+        for request in fresh:
+            if not request.namespace.startswith(prefix):
+                request.namespace = runner.namespace_key(request.user_namespace)
 
     def _admission_order(self, waiting: list[_Request]) -> list[tuple[_Request, int | None]]:
         """``(request, cached tokens)`` in the order to try, the count None where the request may not be held back:
