@@ -177,6 +177,7 @@ class BatchEngine:
         self._step_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._stepping: int | None = None  # the id of the thread inside step(), if any
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self.steps = 0
         self.cancelled_requests = 0
@@ -271,24 +272,33 @@ class BatchEngine:
                 self._thread.start()
 
     def close(self) -> None:
-        """Stop the background thread after its current step; requests still queued are cancelled."""
+        """Stop the background thread after its current step; requests still queued are cancelled.  Called on the
+        thread that steps (from an ``on_token`` callback or a :meth:`call_soon` function), it returns at once and
+        the current step cancels them as it ends."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
             thread = self._thread
+        if self._stepping == threading.get_ident():
+            return  # joining this thread, or taking the step lock it holds, would wait forever
         if thread is not None:
             thread.join()
         with self._step_lock:
-            for request in [*self._waiting, *self._running]:
-                self._cancel(request)
-            with self._lock:
-                self._waiting.clear()
-                self._running.clear()
-                calls, self._calls = list(self._calls), deque()
-                self._lock.notify_all()
-            for _, future in calls:
-                # Not CancelledError: asyncio.wrap_future turns that into the awaiting task's own cancellation.
-                future.set_exception(RuntimeError("the engine closed before the call ran"))
+            self._drain()
+
+    def _drain(self) -> None:
+        """Cancel every waiting and running request and fail the queued calls (the engine is closed); under the step
+        lock."""
+        for request in [*self._waiting, *self._running]:
+            self._cancel(request)
+        with self._lock:
+            self._waiting.clear()
+            self._running.clear()
+            calls, self._calls = list(self._calls), deque()
+            self._lock.notify_all()
+        for _, future in calls:
+            # Not CancelledError: asyncio.wrap_future turns that into the awaiting task's own cancellation.
+            future.set_exception(RuntimeError("the engine closed before the call ran"))
 
     def _loop(self) -> None:
         while True:
@@ -324,27 +334,37 @@ class BatchEngine:
         runs short), run one batched forward, sample, retire finished requests.  Returns whether any request is still
         waiting or running."""
         with self._step_lock:
-            self._run_calls()
-            self._drop_cancelled()
-            self._admit()
-            rows, members = self._plan()
-            if rows:
-                self.steps += 1
-                try:
-                    logits = forward_batch(self.runner.model, rows, self.runner.pool.kv)
-                except Exception as error:  # noqa: BLE001 - the error belongs to the requests, not the engine
-                    for request in members:
-                        self._fail(request, error)
-                    logits = []
-                for request, row, row_logits in zip(members, rows, logits, strict=False):
-                    request.position += row.token_ids.numel()
-                    if request.position == request.sequence_length():
-                        self._advance(request, row_logits[-1])
-            with self._lock:
-                busy = bool(self._waiting or self._running or self._calls)
-                if not busy:
-                    self._lock.notify_all()  # wake wait_idle()
-                return busy
+            self._stepping = threading.get_ident()
+            try:
+                busy = self._step()
+            finally:
+                self._stepping = None
+                if self._closed:  # close() was called during the step, on this thread or waiting for the lock
+                    self._drain()
+            return busy and not self._closed
+
+    def _step(self) -> bool:
+        self._run_calls()
+        self._drop_cancelled()
+        self._admit()
+        rows, members = self._plan()
+        if rows:
+            self.steps += 1
+            try:
+                logits = forward_batch(self.runner.model, rows, self.runner.pool.kv)
+            except Exception as error:  # noqa: BLE001 - the error belongs to the requests, not the engine
+                for request in members:
+                    self._fail(request, error)
+                logits = []
+            for request, row, row_logits in zip(members, rows, logits, strict=False):
+                request.position += row.token_ids.numel()
+                if request.position == request.sequence_length():
+                    self._advance(request, row_logits[-1])
+        with self._lock:
+            busy = bool(self._waiting or self._running or self._calls)
+            if not busy:
+                self._lock.notify_all()  # wake wait_idle()
+            return busy
 
     def _run_calls(self) -> None:
         # Each call stays queued while it runs, so wait_idle() and num_pending count it; calls queued meanwhile
