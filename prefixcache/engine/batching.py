@@ -36,107 +36,30 @@ functions run on that thread, between forwards.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
-import queue
 import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from prefixcache.cache.radix_cache import Lease
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.engine.preemption import can_preempt_for, choose_victim
+from prefixcache.engine.request import EngineRequest, RequestHandle
 from prefixcache.engine.runner import GenerationResult, PrefixCachingRunner, Usage, check_retention
 from prefixcache.engine.sampling import SamplingParams, sample_token, sampling_generator
 from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
-from prefixcache.models.base import BatchRow, LiveKV, forward_batch
+from prefixcache.models.base import BatchRow, forward_batch
 
 logger = logging.getLogger(__name__)
-_END = object()
 POLICIES = ("lpm", "fcfs")
 """Admission policies: longest cached prefix first with shared prefills (``"lpm"``), or arrival order (``"fcfs"``)."""
-
-
-class RequestHandle:
-    """A submitted request: iterate it for its token ids as they are produced, ``result()`` (or ``await`` it) for
-    the :class:`GenerationResult`, ``cancel()`` to drop it (its blocks and locks are released at the next step)."""
-
-    def __init__(self) -> None:
-        self.future: Future[GenerationResult] = Future()
-        self._tokens: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.cancelled = False
-
-    def result(self, timeout: float | None = None) -> GenerationResult:
-        """Block until done; raises what the request raised, ``concurrent.futures.CancelledError`` if cancelled,
-        ``TimeoutError`` after ``timeout`` seconds."""
-        return self.future.result(timeout)
-
-    def __await__(self):
-        return asyncio.wrap_future(self.future).__await__()
-
-    def __iter__(self) -> Iterator[int]:
-        while (item := self._tokens.get()) is not _END:
-            yield item
-        self.future.result()  # re-raise the request's error, if any, after the tokens it produced
-
-    def cancel(self) -> None:
-        """Ask the engine to drop the request; harmless once it has finished."""
-        self.cancelled = True
-
-    def _emit(self, token: int) -> None:
-        self._tokens.put(token)
-
-    def _finish(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
-        self._tokens.put(_END)
-        if error is not None:
-            self.future.set_exception(error)
-        else:
-            self.future.set_result(result)
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    prompt: list[int]
-    sampling: SamplingParams
-    namespace: str
-    handle: RequestHandle
-    submitted_at: float
-    prompt_array: array  # the prompt as the cache stores it, converted once
-    arrival: int
-    waited_steps: int = 0  # steps spent waiting without being admitted (the fairness bound counts these)
-    prompt_inserted: bool = False  # the prompt's K/V are in the tree while the request goes on
-    live: LiveKV = field(default_factory=LiveKV)
-    lease: Lease | None = None
-    cached: int = 0  # prompt tokens found cached at first admission (a resumption's hits are not the prompt's)
-    copied: int = 0
-    host_cached: int = 0
-    preemptions: int = 0
-    position: int = 0  # tokens of prompt + generated whose K/V are written
-    generated: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-    first_token_at: float | None = None
-    request_id: str | None = None
-    retention: tuple[int, float | None] | None = None
-    on_token: Callable[[int], bool] | None = None
-
-    def sequence_length(self) -> int:
-        return len(self.prompt) + len(self.generated)
-
-    def token_at(self, index: int) -> int:
-        return self.prompt[index] if index < len(self.prompt) else self.generated[index - len(self.prompt)]
-
-    def known_tokens(self) -> array:
-        """The prompt and the tokens generated so far, as the cache stores them."""
-        return self.prompt_array + as_token_array(self.generated) if self.generated else self.prompt_array
 
 
 class BatchEngine:
@@ -170,12 +93,13 @@ class BatchEngine:
         self.policy = policy
         self.max_wait_steps = max_wait_steps
         self._arrivals = itertools.count()
-        self._waiting: deque[_Request] = deque()
-        self._running: list[_Request] = []
+        self._waiting: deque[EngineRequest] = deque()
+        self._running: list[EngineRequest] = []
         self._lock = threading.Condition()
         self._step_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._stepping: int | None = None  # the id of the thread inside step(), if any
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self.steps = 0
         self.cancelled_requests = 0
@@ -195,8 +119,9 @@ class BatchEngine:
         on_token: Callable[[int], bool] | None = None,
     ) -> RequestHandle:
         """Queue a request; thread-safe.  Checks it as :meth:`PrefixCachingRunner.generate` does and raises the same
-        errors at once (InvalidTokensError, CapacityError, NamespaceError, InvalidArgumentError); a weight change
-        seen here moves the runner to a new fingerprint first, as at the runner's admission.
+        errors at once (InvalidTokensError, CapacityError, NamespaceError, InvalidArgumentError).  The weights are
+        checked again when the request is admitted: one changed while it waited moves the runner to a new
+        fingerprint, and the request matches only what the new weights computed, as at the runner's admission.
 
         ``request_id``, ``priority`` and ``retain_s`` mean what they mean for :meth:`PrefixCachingRunner.stream`
         (self-hit accounting; the prompt retained once cached).  ``on_token(token_id)`` is called on the engine
@@ -211,10 +136,11 @@ class BatchEngine:
         retention = check_retention(priority, retain_s)
         runner._check_capacity(len(prompt) + sampling.max_new_tokens)
         runner._check_weights()
-        request = _Request(
+        request = EngineRequest(
             prompt,
             sampling,
             runner.namespace_key(namespace),
+            namespace,
             RequestHandle(),
             time.perf_counter(),
             as_token_array(prompt),
@@ -268,24 +194,33 @@ class BatchEngine:
                 self._thread.start()
 
     def close(self) -> None:
-        """Stop the background thread after its current step; requests still queued are cancelled."""
+        """Stop the background thread after its current step; requests still queued are cancelled.  Called on the
+        thread that steps (from an ``on_token`` callback or a :meth:`call_soon` function), it returns at once and
+        the current step cancels them as it ends."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
             thread = self._thread
+        if self._stepping == threading.get_ident():
+            return  # joining this thread, or taking the step lock it holds, would wait forever
         if thread is not None:
             thread.join()
         with self._step_lock:
-            for request in [*self._waiting, *self._running]:
-                self._cancel(request)
-            with self._lock:
-                self._waiting.clear()
-                self._running.clear()
-                calls, self._calls = list(self._calls), deque()
-                self._lock.notify_all()
-            for _, future in calls:
-                # Not CancelledError: asyncio.wrap_future turns that into the awaiting task's own cancellation.
-                future.set_exception(RuntimeError("the engine closed before the call ran"))
+            self._drain()
+
+    def _drain(self) -> None:
+        """Cancel every waiting and running request and fail the queued calls (the engine is closed); under the step
+        lock."""
+        for request in [*self._waiting, *self._running]:
+            self._cancel(request)
+        with self._lock:
+            self._waiting.clear()
+            self._running.clear()
+            calls, self._calls = list(self._calls), deque()
+            self._lock.notify_all()
+        for _, future in calls:
+            # Not CancelledError: asyncio.wrap_future turns that into the awaiting task's own cancellation.
+            future.set_exception(RuntimeError("the engine closed before the call ran"))
 
     def _loop(self) -> None:
         while True:
@@ -321,27 +256,37 @@ class BatchEngine:
         runs short), run one batched forward, sample, retire finished requests.  Returns whether any request is still
         waiting or running."""
         with self._step_lock:
-            self._run_calls()
-            self._drop_cancelled()
-            self._admit()
-            rows, members = self._plan()
-            if rows:
-                self.steps += 1
-                try:
-                    logits = forward_batch(self.runner.model, rows, self.runner.pool.kv)
-                except Exception as error:  # noqa: BLE001 - the error belongs to the requests, not the engine
-                    for request in members:
-                        self._fail(request, error)
-                    logits = []
-                for request, row, row_logits in zip(members, rows, logits, strict=False):
-                    request.position += row.token_ids.numel()
-                    if request.position == request.sequence_length():
-                        self._advance(request, row_logits[-1])
-            with self._lock:
-                busy = bool(self._waiting or self._running or self._calls)
-                if not busy:
-                    self._lock.notify_all()  # wake wait_idle()
-                return busy
+            self._stepping = threading.get_ident()
+            try:
+                busy = self._step()
+            finally:
+                self._stepping = None
+                if self._closed:  # close() was called during the step, on this thread or waiting for the lock
+                    self._drain()
+            return busy and not self._closed
+
+    def _step(self) -> bool:
+        self._run_calls()
+        self._drop_cancelled()
+        self._admit()
+        rows, members = self._plan()
+        if rows:
+            self.steps += 1
+            try:
+                logits = forward_batch(self.runner.model, rows, self.runner.pool.kv)
+            except Exception as error:  # noqa: BLE001 - the error belongs to the requests, not the engine
+                for request in members:
+                    self._fail(request, error)
+                logits = []
+            for request, row, row_logits in zip(members, rows, logits, strict=False):
+                request.position += row.token_ids.numel()
+                if request.position == request.sequence_length():
+                    self._advance(request, row_logits[-1])
+        with self._lock:
+            busy = bool(self._waiting or self._running or self._calls)
+            if not busy:
+                self._lock.notify_all()  # wake wait_idle()
+            return busy
 
     def _run_calls(self) -> None:
         # Each call stays queued while it runs, so wait_idle() and num_pending count it; calls queued meanwhile
@@ -368,7 +313,7 @@ class BatchEngine:
         for request in waiting + [r for r in self._running if r.handle.cancelled]:
             self._cancel(request)
 
-    def _cancel(self, request: _Request) -> None:
+    def _cancel(self, request: EngineRequest) -> None:
         self.cancelled_requests += 1
         self._fail(request, CancelledError())
 
@@ -377,6 +322,7 @@ class BatchEngine:
             waiting = list(self._waiting)
         if not waiting:
             return
+        self._refresh_namespaces(waiting)
         admitted: set[int] = set()
         if len(self._running) < self.max_running:
             for request, cached in self._admission_order(waiting):
@@ -394,7 +340,22 @@ class BatchEngine:
             if id(request) not in admitted:
                 request.waited_steps += 1
 
-    def _admission_order(self, waiting: list[_Request]) -> list[tuple[_Request, int | None]]:
+    def _refresh_namespaces(self, waiting: list[EngineRequest]) -> None:
+        """Check the weights before admitting: requests that have not started yet move to the current fingerprint's
+        namespace, so nothing cached with weights changed (or ``runner.invalidate()``) since their submit is served
+        to them.  A preempted request keeps its namespace: it resumes its own tokens.  O(parameters) integer reads
+        when a waiting request has not started."""
+        fresh = [request for request in waiting if request.preemptions == 0]
+        if not fresh:
+            return
+        runner = self.runner
+        runner._check_weights()
+        prefix = f"{runner.fingerprint}:"
+        for request in fresh:
+            if not request.namespace.startswith(prefix):
+                request.namespace = runner.namespace_key(request.user_namespace)
+
+    def _admission_order(self, waiting: list[EngineRequest]) -> list[tuple[EngineRequest, int | None]]:
         """``(request, cached tokens)`` in the order to try, the count None where the request may not be held back:
         arrival order under ``"fcfs"``; under ``"lpm"`` the due requests in arrival order, then the others by cached
         prefix, longest first (ties in arrival order).  O(waiting x prompt) C-speed token comparison."""
@@ -410,7 +371,7 @@ class BatchEngine:
         others.sort(key=lambda pair: (-pair[1], pair[0].arrival))
         return due + others
 
-    def _held_back(self, request: _Request, cached: int) -> bool:
+    def _held_back(self, request: EngineRequest, cached: int) -> bool:
         """Whether a running request still in prefill will insert a prompt that gives ``request`` (``cached`` tokens
         cached now) at least one block more cached prefix."""
         limit = len(request.prompt) - 1
@@ -422,7 +383,7 @@ class BatchEngine:
                 return True
         return False
 
-    def _try_admit(self, request: _Request) -> bool | None:
+    def _try_admit(self, request: EngineRequest) -> bool | None:
         """Acquire ``request``'s lease and move it to running (True), or fail it (False), or leave it waiting because
         the pool is held by running requests (None)."""
         cache, pool = self.runner.cache, self.runner.pool
@@ -456,7 +417,7 @@ class BatchEngine:
         self._running.append(request)
         return True
 
-    def _plan(self) -> tuple[list[BatchRow], list[_Request]]:
+    def _plan(self) -> tuple[list[BatchRow], list[EngineRequest]]:
         budget = self.max_batch_tokens
         rows, members = [], []
         decoding = [r for r in self._running if r.position >= len(r.prompt)]
@@ -477,7 +438,7 @@ class BatchEngine:
             budget -= end - request.position
         return rows, members
 
-    def _reserve(self, request: _Request, end: int, members: list[_Request]) -> bool:
+    def _reserve(self, request: EngineRequest, end: int, members: list[EngineRequest]) -> bool:
         """Grow ``request``'s lease to ``end`` tokens, preempting running requests not in ``members`` (latest
         admitted first) while the pool is short; False if ``request`` was preempted itself or failed."""
         while True:
@@ -493,7 +454,7 @@ class BatchEngine:
                 if victim is request:
                     return False
 
-    def _preempt(self, request: _Request) -> None:
+    def _preempt(self, request: EngineRequest) -> None:
         """Cache the tokens ``request`` has computed, free its blocks and queue it first, due, to resume."""
         try:
             if request.position:
@@ -515,7 +476,7 @@ class BatchEngine:
         with self._lock:
             self._waiting.appendleft(request)
 
-    def _advance(self, request: _Request, logits: torch.Tensor) -> None:
+    def _advance(self, request: EngineRequest, logits: torch.Tensor) -> None:
         """All known tokens of ``request`` are computed: sample the next one, or finish."""
         sampling = request.sampling
         if sampling.max_new_tokens == 0:
@@ -549,7 +510,7 @@ class BatchEngine:
         elif len(request.generated) >= sampling.max_new_tokens:
             self._finish(request, "length")
 
-    def _finish(self, request: _Request, reason: str) -> None:
+    def _finish(self, request: EngineRequest, reason: str) -> None:
         committed = [request.token_at(i) for i in range(request.position)]
         try:
             insert = self.runner.cache.commit(request.lease, committed)
@@ -574,7 +535,7 @@ class BatchEngine:
         )
         request.handle._finish(GenerationResult(tuple(request.generated), reason, usage, None, insert))
 
-    def _fail(self, request: _Request, error: BaseException) -> None:
+    def _fail(self, request: EngineRequest, error: BaseException) -> None:
         if request.lease is not None and not request.lease.closed:
             self.runner.cache.release(request.lease)
         if request in self._running:

@@ -9,7 +9,8 @@ race on the pool.  Text is decoded and stop strings matched on that thread as to
 (:func:`~prefixcache.engine.chat.submit_chat`); the event loop only renders the prompt and writes the responses.
 Responses always carry ``usage.prompt_tokens_details.cached_tokens``; a streamed response without
 ``stream_options.include_usage`` carries the usage on its finishing chunk.  A client that disconnects mid-stream
-cancels its request, which frees its blocks at the engine's next step.
+cancels its request, which frees its blocks at the engine's next step.  A request the engine drops itself (it
+closes) answers 503, or ends its stream with an error event, never like a finished answer.
 
 ``GET /health`` and ``GET /metrics`` stay open with ``--api-keys``, as in vLLM: load balancers and Prometheus probe
 them without credentials, and they show only pool-wide aggregates (no prompt, namespace or key).  Every error,
@@ -108,6 +109,9 @@ def _ending(future: Future[Any]) -> tuple[str, Any]:
 
 
 _T = TypeVar("_T")
+
+
+_SHUTTING_DOWN = "the server is shutting down: the request was cancelled before it finished"
 
 
 def _gone() -> Response:
@@ -326,12 +330,23 @@ def create_app(
         left is not)."""
         if kind == "gone":
             return _gone()
+        if kind == "cancelled":
+            metrics.failed(endpoint, 503)
+            return _json(error_body(_SHUTTING_DOWN, kind="server_error"), 503)
         if kind != "done":
-            error = value if kind == "error" else RuntimeError("the server is shutting down")
-            metrics.failed(endpoint, _status_of(error))
-            return _error_response(error)
+            metrics.failed(endpoint, _status_of(value))
+            return _error_response(value)
         metrics.observe(endpoint, value.usage)
         return value
+
+    def stream_failure(kind: str, value: Any, endpoint: str) -> str:
+        """The SSE error event that ends a stream whose request failed or was dropped by the engine (closing) after
+        its response began, counted as a failure; a stream that ends without it reads as a finished answer."""
+        if kind == "cancelled":
+            metrics.failed(endpoint, 503)
+            return _sse(error_body(_SHUTTING_DOWN, kind="server_error"))
+        metrics.failed(endpoint, _status_of(value))
+        return _sse(error_body(str(value), kind="server_error"))
 
     @route("/v1/chat/completions", "POST")
     async def chat_completions(request: Request) -> Response:
@@ -370,8 +385,8 @@ def create_app(
             while kind_ == "delta":
                 yield _sse(chat_chunk(request_id, model_name, {"content": value}))
                 kind_, value = await anext(events)
-            if kind_ == "error":
-                yield _sse(error_body(str(value), kind="server_error"))
+            if kind_ in ("error", "cancelled"):
+                yield stream_failure(kind_, value, "/v1/chat/completions")
             elif kind_ == "done":
                 done: ChatCompletion = value
                 metrics.observe("/v1/chat/completions", done.usage)
@@ -418,8 +433,8 @@ def create_app(
             while kind_ == "delta":
                 yield _sse(completion_response(request_id, model_name, value, None, None))
                 kind_, value = await anext(events)
-            if kind_ == "error":
-                yield _sse(error_body(str(value), kind="server_error"))
+            if kind_ in ("error", "cancelled"):
+                yield stream_failure(kind_, value, "/v1/completions")
             elif kind_ == "done":
                 metrics.observe("/v1/completions", value.usage)
                 usage = None if body.include_usage else value.usage

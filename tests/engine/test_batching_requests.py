@@ -202,6 +202,37 @@ def test_close_cancels_queued_calls_and_requests(tiny: LlamaModel) -> None:
     assert_quiescent(runner.cache)
 
 
+@pytest.mark.parametrize("stepping", ["background", "caller"])
+def test_close_called_on_the_stepping_thread_cancels_every_request_and_returns(tiny: LlamaModel, stepping: str) -> None:
+    """``close()`` from an ``on_token`` callback (a client's code, on the thread that steps) must neither join its own
+    thread nor wait for the step lock that thread holds: the step ends, then every request is cancelled."""
+    runner = PrefixCachingRunner(tiny, cache_tokens=1024, block_size=4)
+    engine = BatchEngine(runner)
+
+    def close_at_first_token(token: int) -> bool:
+        engine.close()
+        return False
+
+    handles = [engine.submit(_ids(8, 1), SamplingParams(max_new_tokens=5), on_token=close_at_first_token)]
+    handles += [engine.submit(_ids(8, 2 + i), SamplingParams(max_new_tokens=5)) for i in range(2)]
+    if stepping == "background":
+        engine.start()
+        thread = engine._thread
+    else:
+        thread = threading.Thread(target=engine.run_until_idle, daemon=True)
+        thread.start()
+    thread.join(30)
+
+    assert not thread.is_alive()
+    for handle in handles:
+        with pytest.raises(CancelledError):
+            handle.result(30)
+    assert engine.cancelled_requests == 3 and engine.num_pending == 0
+    assert_quiescent(runner.cache)
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        engine.call_soon(lambda: None)
+
+
 SCRIPTS = [
     "Thought: search it\nAction: search\nObservation: found",
     "Searching.\n" + CALL,

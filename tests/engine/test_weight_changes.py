@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from prefixcache import PrefixCachingRunner, SamplingParams
+from prefixcache.engine.batching import BatchEngine
 from prefixcache.models.llama import build_model
-from prefixcache.testing import greedy_reference
+from prefixcache.testing import assert_quiescent, greedy_reference
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,3 +143,30 @@ def test_resized_token_embeddings_reach_serial_and_batched_decode(together: bool
         expected, _ = greedy_reference(model, ids, NEW)
         assert list(result.token_ids) == expected
     assert any(t >= VOCAB for r in results for t in r.token_ids)  # the new rows of the head are in use
+
+
+@pytest.mark.parametrize("change", ["in_place", "invalidate"])
+def test_a_request_queued_before_a_weight_change_is_served_with_the_new_weights(change: str) -> None:
+    """The batching engine admits a request later than it is submitted: the weight check belongs to admission.  A
+    request queued behind a running one, the weights changed before it is admitted, must not reuse what was cached
+    with the old weights (0 cached tokens, output equal to the uncached reference of the new model)."""
+    model = build_model("tiny", device="cpu")
+    runner = PrefixCachingRunner(model, cache_tokens=4096, block_size=16)
+    engine = BatchEngine(runner, max_running=1)
+    ids = prompt(100)
+    engine.submit(ids, SamplingParams(max_new_tokens=2))
+    engine.run_until_idle()
+    queued = engine.submit([*ids, 7, 8, 9], SamplingParams(max_new_tokens=NEW))
+
+    with torch.no_grad():
+        if change == "in_place":
+            model.layers[0].qkv.mul_(1.5)
+        else:
+            model.lm_head.data.mul_(-1.0)
+            runner.invalidate()
+    engine.run_until_idle()
+
+    result = queued.result(timeout=0)
+    assert result.usage.cached_tokens == 0
+    assert list(result.token_ids) == greedy_reference(model, [*ids, 7, 8, 9], NEW)[0]
+    assert_quiescent(runner.cache)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -115,3 +116,49 @@ def test_a_queued_stream_whose_client_leaves_before_its_first_token_is_cancelled
             assert_quiescent(runner.cache)
     finally:
         engine.close()
+
+
+def test_requests_cut_off_by_the_engine_closing_are_answered_as_failed_not_as_finished(make_app) -> None:
+    """A stream whose request the engine drops (the engine closes under it) must not end like a finished answer
+    (``[DONE]`` with no finish reason reads as a complete, silently truncated reply): it ends with an error event.
+    A non-streamed request answers 503 saying why, and both count as failures in /metrics."""
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["word " * 3000]), cache_tokens=1 << 15)
+    app = make_app(runner)
+    engine = app.state.engine
+    plain: list[httpx.Response] = []
+    with start_background(app, "127.0.0.1", 0) as server:
+        body = {"model": "scripted", "messages": MESSAGES, "max_tokens": 15000}
+        waiter = threading.Thread(
+            target=lambda: plain.append(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30))
+        )
+        waiter.start()
+        for _ in range(3000):
+            if engine.num_pending == 1:
+                break
+            time.sleep(0.01)
+        with httpx.Client(base_url=server.url, timeout=30) as http:
+            with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+                closer = None
+                events = []
+                for line in response.iter_lines():
+                    if not line:
+                        continue
+                    events.append(line)
+                    if len(events) == 4 and closer is None:
+                        closer = threading.Thread(target=engine.close)
+                        closer.start()
+        closer.join(30)
+        waiter.join(30)
+        metrics = httpx.get(server.url + "/metrics").text
+
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2].removeprefix("data: "))
+    assert last["error"]["type"] == "server_error" and "shutting down" in last["error"]["message"]
+    assert not any('"finish_reason": "' in line for line in events)
+    (answer,) = plain
+    assert answer.status_code == 503
+    assert "shutting down" in answer.json()["error"]["message"]
+    assert engine.cancelled_requests == 2
+    assert 'prefixcache_requests_total{endpoint="/v1/chat/completions",status="503"} 2.0' in metrics
+    assert 'status="ok"' not in metrics
+    assert_quiescent(runner.cache)
