@@ -125,6 +125,27 @@ def test_failed_padded_hf_batch_resets_every_rows_live_kv() -> None:
         assert _close(row_logits, model, seq + [3]) < TOL
 
 
+def _decode_together(model, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """Prefill every sequence but its last token on a fresh pool (8 blocks each, a live K/V per row), then run the
+    last tokens as one batched decode step; each row's logits."""
+    kv = torch.zeros(kv_pool_shape(model, 8 * len(sequences), BLOCK), dtype=model.dtype)
+    tables = [torch.arange(8 * i, 8 * i + 8) for i in range(len(sequences))]
+    lives = [LiveKV() for _ in sequences]
+    for seq, table, live in zip(sequences, tables, lives, strict=True):
+        model.forward_cached(torch.tensor(seq[:-1]), 0, kv, table, live=live)
+    rows = [
+        BatchRow(torch.tensor(seq[-1:]), len(seq) - 1, table, live)
+        for seq, table, live in zip(sequences, tables, lives, strict=True)
+    ]
+    return model.forward_batch(rows, kv)
+
+
+def _errors(model, sequences: list[list[int]]) -> list[float]:
+    """Per row of :func:`_decode_together`, the largest difference from the uncached reference."""
+    logits = _decode_together(model, sequences)
+    return [_close(row_logits, model, seq) for row_logits, seq in zip(logits, sequences, strict=True)]
+
+
 @pytest.mark.parametrize("kind", ["embedded", "qwen2"])
 def test_batched_decode_follows_an_in_place_weight_update(kind: str) -> None:
     """Batched decode on the CPU runs the LM head through a packed copy of its weight (models.linear.WeightPacks):
@@ -132,24 +153,10 @@ def test_batched_decode_follows_an_in_place_weight_update(kind: str) -> None:
     model = build_model("tiny", device="cpu") if kind == "embedded" else _hf(kind)
     head = model.lm_head if kind == "embedded" else model.model.lm_head.weight
 
-    def decode_together(seed: int) -> list[float]:
-        kv = torch.zeros(kv_pool_shape(model, 16, BLOCK), dtype=model.dtype)
-        tables = [torch.arange(0, 8), torch.arange(8, 16)]
-        sequences = [_ids(6, seed), _ids(9, seed + 1)]
-        lives = [LiveKV(), LiveKV()]
-        for seq, table, live in zip(sequences, tables, lives, strict=True):
-            model.forward_cached(torch.tensor(seq[:-1]), 0, kv, table, live=live)
-        rows = [
-            BatchRow(torch.tensor(seq[-1:]), len(seq) - 1, table, live)
-            for seq, table, live in zip(sequences, tables, lives, strict=True)
-        ]
-        logits = model.forward_batch(rows, kv)
-        return [_close(row_logits, model, seq) for row_logits, seq in zip(logits, sequences, strict=True)]
-
-    assert max(decode_together(seed=1)) < TOL
+    assert max(_errors(model, [_ids(6, 1), _ids(9, 2)])) < TOL
     with torch.no_grad():
         head.mul_(-0.5)
-    assert max(decode_together(seed=3)) < TOL
+    assert max(_errors(model, [_ids(6, 3), _ids(9, 4)])) < TOL
 
 
 def test_hf_pack_head_off_keeps_no_copy_and_the_same_logits() -> None:
@@ -160,19 +167,7 @@ def test_hf_pack_head_off_keeps_no_copy_and_the_same_logits() -> None:
     plain = HFCausalLM(packed.model, pack_head=False)
     sequences = [_ids(7, 11), _ids(5, 12), _ids(9, 13)]
 
-    def decode_together(model) -> list[torch.Tensor]:
-        kv = torch.zeros(kv_pool_shape(model, 24, BLOCK), dtype=model.dtype)
-        tables = [torch.arange(8 * i, 8 * i + 8) for i in range(3)]
-        lives = [LiveKV() for _ in sequences]
-        for seq, table, live in zip(sequences, tables, lives, strict=True):
-            model.forward_cached(torch.tensor(seq[:-1]), 0, kv, table, live=live)
-        rows = [
-            BatchRow(torch.tensor(seq[-1:]), len(seq) - 1, table, live)
-            for seq, table, live in zip(sequences, tables, lives, strict=True)
-        ]
-        return model.forward_batch(rows, kv)
-
-    with_copy, without = decode_together(packed), decode_together(plain)
+    with_copy, without = _decode_together(packed, sequences), _decode_together(plain, sequences)
     assert len(packed._head_packs) == 1 and plain._head_packs is None
     for a, b, seq in zip(with_copy, without, sequences, strict=True):
         assert float((a - b).abs().max()) < 1e-5
@@ -254,21 +249,8 @@ def test_batched_decode_of_a_model_built_in_inference_mode(kind: str) -> None:
     version counter: batched decode must still run and equal the references."""
     with torch.inference_mode():
         model = build_model("tiny", device="cpu") if kind == "embedded" else _hf(kind)
-    kv = torch.zeros(kv_pool_shape(model, 24, BLOCK), dtype=model.dtype)
-    tables = [torch.arange(8 * i, 8 * i + 8) for i in range(3)]
-    sequences = [_ids(6, 21), _ids(9, 22), _ids(4, 23)]
-    lives = [LiveKV() for _ in sequences]
-    for seq, table, live in zip(sequences, tables, lives, strict=True):
-        model.forward_cached(torch.tensor(seq[:-1]), 0, kv, table, live=live)
-    rows = [
-        BatchRow(torch.tensor(seq[-1:]), len(seq) - 1, table, live)
-        for seq, table, live in zip(sequences, tables, lives, strict=True)
-    ]
 
-    logits = model.forward_batch(rows, kv)
-
-    for row_logits, seq in zip(logits, sequences, strict=True):
-        assert _close(row_logits, model, seq) < TOL
+    assert max(_errors(model, [_ids(6, 21), _ids(9, 22), _ids(4, 23)])) < TOL
 
 
 @pytest.mark.parametrize("kind", ["embedded", "qwen2"])
@@ -280,21 +262,9 @@ def test_a_model_deep_copied_after_batched_decode_decodes_with_its_own_weights(k
     model = build_model("tiny", device="cpu") if kind == "embedded" else _hf(kind)
     sequences = [_ids(6, 31), _ids(9, 32), _ids(4, 33)]
 
-    def decode_together(model) -> list[float]:
-        kv = torch.zeros(kv_pool_shape(model, 24, BLOCK), dtype=model.dtype)
-        tables = [torch.arange(8 * i, 8 * i + 8) for i in range(3)]
-        lives = [LiveKV() for _ in sequences]
-        for seq, table, live in zip(sequences, tables, lives, strict=True):
-            model.forward_cached(torch.tensor(seq[:-1]), 0, kv, table, live=live)
-        rows = [
-            BatchRow(torch.tensor(seq[-1:]), len(seq) - 1, table, live)
-            for seq, table, live in zip(sequences, tables, lives, strict=True)
-        ]
-        return [_close(out, model, seq) for out, seq in zip(model.forward_batch(rows, kv), sequences, strict=True)]
-
-    assert max(decode_together(model)) < TOL
+    assert max(_errors(model, sequences)) < TOL
     twin = copy.deepcopy(model)
     with torch.no_grad():
         (twin.lm_head if kind == "embedded" else twin.model.lm_head.weight).mul_(-0.5)
-    assert max(decode_together(twin)) < TOL
-    assert max(decode_together(model)) < TOL
+    assert max(_errors(twin, sequences)) < TOL
+    assert max(_errors(model, sequences)) < TOL
