@@ -275,10 +275,14 @@ def measure(requests: Sequence[ReplayRequest], replica_counts: Sequence[int], sh
         rows.append({"replicas": n, "baseline": big["hit_rate"], **routed})
     memory = {}
     if REPLICA_SHARE in replica_counts:
+        at_share = next(row for row in rows if row["replicas"] == REPLICA_SHARE)
         for share in MEMORY_SHARES:
             blocks = max(2 * longest, working_set // share)
-            big = simulate(requests, 1, blocks * REPLICA_SHARE, "round-robin")["hit_rate"]
-            exact = simulate(requests, REPLICA_SHARE, blocks, "exact")["hit_rate"]
+            if blocks == per_replica:  # the row above already ran this sizing
+                big, exact = at_share["baseline"], at_share["exact"]["hit_rate"]
+            else:
+                big = simulate(requests, 1, blocks * REPLICA_SHARE, "round-robin")["hit_rate"]
+                exact = simulate(requests, REPLICA_SHARE, blocks, "exact")["hit_rate"]
             memory[share] = exact / big if big else None
     return {"requests": len(requests), "replica_blocks": per_replica, "rows": rows, "exact_by_memory": memory}
 

@@ -348,12 +348,9 @@ class BatchEngine:
         fresh = [request for request in waiting if request.preemptions == 0]
         if not fresh:
             return
-        runner = self.runner
-        runner._check_weights()
-        prefix = f"{runner.fingerprint}:"
+        self.runner._check_weights()
         for request in fresh:
-            if not request.namespace.startswith(prefix):
-                request.namespace = runner.namespace_key(request.user_namespace)
+            request.namespace = self.runner.namespace_key(request.user_namespace)
 
     def _admission_order(self, waiting: list[EngineRequest]) -> list[tuple[EngineRequest, int | None]]:
         """``(request, cached tokens)`` in the order to try, the count None where the request may not be held back:
