@@ -40,6 +40,7 @@ twice the longest request), and the baseline is one replica with ``N`` times tha
 from __future__ import annotations
 
 import bisect
+import random
 import time
 from array import array
 from collections.abc import Sequence
@@ -54,8 +55,8 @@ from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.chat.tokenizer import ByteTokenizer
 from prefixcache.distributed.router import ExactPrefixRouter, power_of_two, too_uneven
-from prefixcache.errors import OutOfBlocksError
-from prefixcache.replay.replayer import ReplayRequest, load_requests
+from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
+from prefixcache.replay.replayer import ReplayRequest, interleave, load_requests
 from prefixcache.replay.scenarios import MOONCAKE_BLOCK_TOKENS
 
 BLOCK_SIZE = 16
@@ -63,15 +64,22 @@ REPLICA_SHARE = 8
 """Each replica holds ``1 / REPLICA_SHARE`` of the working set: eight of them together hold it once."""
 WORKLOADS: dict[str, tuple[str, int, int]] = {
     "tau-bench": ("tau_bench_airline_gpt4o.jsonl", 200, 24),
-    "mt-bench": ("mtbench_31models.jsonl", 310, 62),
+    "mt-bench": ("mtbench_31models.jsonl", 2480, 62),
     "oasst": ("oasst_en100_tree_paths.jsonl", 626, 60),
     "mooncake-conv": ("mooncake/conversation_trace.jsonl", 500, 100),
 }
-"""Label -> (file under the shared data, conversations or trace lines in a full run, in a ``--quick`` run)."""
+"""Label -> (file under the shared data, conversations or trace lines in a full run, in a ``--quick`` run).  A full
+run takes each transcript file whole (MT-Bench: 80 questions x 31 models, all eight categories) and the first 500
+lines of the Mooncake trace."""
 MEMORY_SHARES = (6, 8, 10, 12, 16)
 """At ``N = REPLICA_SHARE`` replicas the exact router is also run with ``1 / share`` of the working set per replica
 for each of these: at 1/8 the fleet holds the working set with no block to spare, a knife edge where one more copy
 of a prefix overflows a replica, so one memory size alone can mislead."""
+ORDERS = ("shuffled", "random")
+ORDER_SEEDS = (0, 1, 2)
+"""At ``N = REPLICA_SHARE`` and the bench's sizing the exact router also serves each workload's conversations in
+other orders (see :func:`reordered`), one run per seed: the bench's round-robin order puts every second turn after
+all first turns, the longest wait for a cached prefix, and one order alone can mislead."""
 REPLICAS = (2, 8, 64)
 QUICK_REPLICAS = (2, 8)
 ROUTERS = ("round-robin", "affinity", "text prefix", "exact", "oracle")
@@ -186,7 +194,9 @@ def simulate(
 ) -> dict:
     """Serve ``requests`` on ``num_replicas`` replicas of ``num_blocks`` blocks each, routed by ``router``.
 
-    Returns ``hit_rate``, ``imbalance`` and ``hits`` (cached prompt tokens per request).  For the exact and oracle
+    Returns ``hit_rate``, ``imbalance``, ``hits`` (cached prompt tokens per request) and ``kept``: of the requests
+    whose conversation came before, the share sent to the replica that served its previous turn (``None`` when no
+    conversation has two requests, as in a trace).  For the exact and oracle
     routers, given ``reference_hits`` (the one big replica's ``hits``), it also splits the tokens they miss against
     it: ``steered`` (a longer prefix sat on another replica; the router chose otherwise), ``absent`` (no replica
     held the prefix any more: evicted for lack of memory, duplicates included) and ``other`` (the rest: partial
@@ -209,7 +219,8 @@ def simulate(
     pools = [num_blocks] * num_replicas
     indexes = [r.index for r in replicas]
     hits: list[int] = []
-    steered = absent = prompt = answered = 0
+    steered = absent = prompt = answered = kept = returning = 0
+    previous: dict[str, int] = {}
     for i, request in enumerate(requests):
         loads = [r.served for r in replicas]
         if router == "round-robin":
@@ -234,6 +245,10 @@ def simulate(
             if reference_hits is not None:
                 absent += max(0, reference_hits[i] // BLOCK_SIZE * BLOCK_SIZE - max(cached))
         hits.append(replicas[choice].serve(request.prompt, request.answer))
+        if request.conversation_id in previous:
+            returning += 1
+            kept += previous[request.conversation_id] == choice
+        previous[request.conversation_id] = choice
         prompt += len(request.prompt)
         answered += len(request.answer)
     served = [r.served for r in replicas]
@@ -241,12 +256,36 @@ def simulate(
         "hit_rate": sum(hits) / prompt if prompt else 0.0,
         "imbalance": max(served) * num_replicas / len(requests),
         "hits": hits,
+        "kept": kept / returning if returning else None,
     }
     if reference_hits is not None and router in ("exact", "oracle") and prompt:
         missed = sum(reference_hits) - sum(hits)
         result["missed"] = {"steered": steered / prompt, "absent": absent / prompt}
         result["missed"]["other"] = missed / prompt - result["missed"]["steered"] - result["missed"]["absent"]
     return result
+
+
+def reordered(requests: Sequence[ReplayRequest], order: str, seed: int) -> list[ReplayRequest] | None:
+    """The same requests in another order, each conversation's turns still in turn order: ``shuffled`` is
+    round-robin over the conversations in a seeded random order, ``random`` lets a seeded random conversation take
+    its next turn each step (``prefixcache replay --order random``).  ``None`` when no conversation has a second
+    request (a trace, which keeps its time order).
+
+    Raises:
+        InvalidArgumentError: an unknown order.
+    """
+    per_conversation: dict[str, list[ReplayRequest]] = {}
+    for request in requests:
+        per_conversation.setdefault(request.conversation_id, []).append(request)
+    if len(per_conversation) == len(requests):
+        return None
+    conversations = list(per_conversation.values())
+    if order == "shuffled":
+        random.Random(seed).shuffle(conversations)
+        return interleave(conversations, "round-robin", seed)
+    if order == "random":
+        return interleave(conversations, "random", seed)
+    raise InvalidArgumentError(f"unknown order {order!r}; choose one of {ORDERS}")
 
 
 def working_set_blocks(requests: Sequence[ReplayRequest]) -> int:
@@ -261,7 +300,9 @@ def working_set_blocks(requests: Sequence[ReplayRequest]) -> int:
 def measure(requests: Sequence[ReplayRequest], replica_counts: Sequence[int], show_progress: bool = True) -> dict:
     """Per replica count: the one-big-replica baseline and every router's hit rate and imbalance; with
     ``REPLICA_SHARE`` among the counts, ``exact_by_memory``: share -> the exact router's hit rate over the big
-    replica's there, at each of :data:`MEMORY_SHARES` (None where the big replica hits nothing)."""
+    replica's there, at each of :data:`MEMORY_SHARES` (None where the big replica hits nothing), and
+    ``exact_by_order``: order -> per seed of :data:`ORDER_SEEDS`, the exact router's and round-robin's hit rates over
+    the big replica's and the exact router's imbalance, with the requests :func:`reordered` (none for a trace)."""
     # A replica must at least fit the two longest requests, or small workloads would be all misses.
     longest = max(-(-(len(r.prompt) + len(r.answer)) // BLOCK_SIZE) + 2 for r in requests)
     working_set = working_set_blocks(requests)
@@ -284,7 +325,31 @@ def measure(requests: Sequence[ReplayRequest], replica_counts: Sequence[int], sh
                 big = simulate(requests, 1, blocks * REPLICA_SHARE, "round-robin")["hit_rate"]
                 exact = simulate(requests, REPLICA_SHARE, blocks, "exact")["hit_rate"]
             memory[share] = exact / big if big else None
-    return {"requests": len(requests), "replica_blocks": per_replica, "rows": rows, "exact_by_memory": memory}
+    by_order: dict[str, list[dict]] = {}
+    if REPLICA_SHARE in replica_counts:
+        for order in ORDERS:
+            for seed in ORDER_SEEDS:
+                other = reordered(requests, order, seed)
+                if other is None:
+                    break
+                big = simulate(other, 1, per_replica * REPLICA_SHARE, "round-robin")["hit_rate"]
+                exact = simulate(other, REPLICA_SHARE, per_replica, "exact")
+                rr = simulate(other, REPLICA_SHARE, per_replica, "round-robin")["hit_rate"]
+                by_order.setdefault(order, []).append(
+                    {
+                        "seed": seed,
+                        "exact": exact["hit_rate"] / big if big else None,
+                        "exact_load": exact["imbalance"],
+                        "round_robin": rr / big if big else None,
+                    }
+                )
+    return {
+        "requests": len(requests),
+        "replica_blocks": per_replica,
+        "rows": rows,
+        "exact_by_memory": memory,
+        "exact_by_order": by_order,
+    }
 
 
 def run(quick: bool = False, replicas: Sequence[int] | None = None) -> BenchResult:
@@ -332,12 +397,28 @@ def run(quick: bool = False, replicas: Sequence[int] | None = None) -> BenchResu
             f"{100 * missed['steered']:.1f}, prefix evicted everywhere {100 * missed['absent']:.1f}, "
             f"other {100 * missed['other']:.1f}"
         )
+        kept = {name: row[name]["kept"] for name in ROUTERS if row[name]["kept"] is not None}
+        if kept:
+            notes.append(
+                f"  later turns sent to their previous turn's replica at N={row['replicas']}, %: "
+                + ", ".join(f"{name} {100 * share:.0f}" for name, share in kept.items())
+            )
         ratios = {share: ratio for share, ratio in r["exact_by_memory"].items() if ratio is not None}
         if ratios:
             cells = ", ".join(f"1/{share} {100 * ratio:.1f}" for share, ratio in ratios.items())
             notes.append(
                 f"  exact/big % at N={REPLICA_SHARE} by memory per replica (of the working set): {cells}; "
                 f"mean {100 * sum(ratios.values()) / len(ratios):.1f}"
+            )
+        for order, runs in r["exact_by_order"].items():
+            cells = ", ".join(
+                f"{100 * x['exact']:.1f} (load {x['exact_load']:.2f}; round-robin {100 * x['round_robin']:.0f})"
+                for x in runs
+                if x["exact"] is not None
+            )
+            notes.append(
+                f"  exact/big % at N={REPLICA_SHARE}, 1/{REPLICA_SHARE}, {order} order, seeds 0-{len(runs) - 1}: "
+                f"{cells}"
             )
     notes += [f"skipped {name}: not found in {DATA_DIR}" for name in skipped]
     table = Table(

@@ -9,6 +9,7 @@ import pytest
 
 from prefixcache.bench import route
 from prefixcache.cache.tokens import TOKEN_TYPECODE
+from prefixcache.errors import InvalidArgumentError
 from prefixcache.replay.replayer import ReplayRequest
 
 
@@ -38,6 +39,18 @@ def test_with_room_for_everything_exact_routing_matches_one_big_replica_and_roun
     assert round_robin["hit_rate"] < 0.5 * big
     assert exact["imbalance"] <= 1.25
     assert round_robin["imbalance"] == pytest.approx(9 / (35 / 4))  # 9, 9, 9, 8 requests
+
+
+def test_kept_counts_later_turns_sent_where_their_previous_turn_went() -> None:
+    # 7 conversations on 4 replicas: round-robin never sends a turn where the conversation's last turn went; with 8,
+    # each round of turns lines up with the replicas, so round-robin keeps every conversation by accident.
+    assert route.simulate(_conversations(num=7, turns=3), 4, 10_000, "round-robin")["kept"] == 0
+    by_accident = route.simulate(_conversations(num=8, turns=3), 4, 10_000, "round-robin")
+    assert by_accident["kept"] == 1
+    assert route.simulate(_conversations(num=7, turns=3), 4, 10_000, "affinity")["kept"] == 1
+    # 7 conversations x 2 later turns = 14 returning requests; the exact router keeps them all with room to spare.
+    assert route.simulate(_conversations(num=7, turns=3), 4, 10_000, "exact")["kept"] == 1
+    assert route.simulate(_conversations(num=5, turns=1), 2, 10_000, "exact")["kept"] is None
 
 
 def test_the_text_router_follows_its_routing_history() -> None:
@@ -157,3 +170,46 @@ def test_at_eight_replicas_the_exact_router_is_also_measured_at_other_memory_siz
     assert by_memory[6] == pytest.approx(1.0)
     assert all(0 < ratio <= 1.0 + 1e-9 for ratio in by_memory.values())
     assert route.measure(requests, (2,), show_progress=False)["exact_by_memory"] == {}
+
+
+@pytest.mark.parametrize("order", route.ORDERS)
+def test_other_orders_keep_every_request_and_each_conversations_turn_order(order: str) -> None:
+    requests = _conversations(num=9, turns=4)
+
+    other = route.reordered(requests, order, seed=1)
+
+    assert other is not None
+    assert sorted(map(id, other)) == sorted(map(id, requests))
+    assert other != requests  # 36 requests: a seeded reorder that changed nothing would be a broken shuffle
+    for c in range(9):
+        assert [r.turn for r in other if r.conversation_id == f"conv{c}"] == [0, 1, 2, 3]
+    assert route.reordered(requests, order, seed=1) == other  # seeded
+
+
+def test_a_trace_keeps_its_order_and_an_unknown_order_is_refused() -> None:
+    single = _conversations(num=6, turns=1)
+    assert route.reordered(single, "random", seed=0) is None
+    with pytest.raises(InvalidArgumentError, match="unknown order"):
+        route.reordered(_conversations(num=3, turns=2), "sorted", seed=0)
+
+
+def test_at_eight_replicas_the_exact_router_is_also_measured_in_other_orders() -> None:
+    requests = _conversations(num=16, turns=3)
+
+    by_order = route.measure(requests, (route.REPLICA_SHARE,), show_progress=False)["exact_by_order"]
+
+    assert tuple(by_order) == route.ORDERS
+    for runs in by_order.values():
+        assert [x["seed"] for x in runs] == list(route.ORDER_SEEDS)
+        assert all(x["exact_load"] <= 1.25 for x in runs)
+    # No shared prefix, two conversations a replica: in round-robin orders each stays where it is cached, as good as
+    # one big replica; in random orders a conversation that runs ahead of the others is sometimes moved by the load
+    # guard (at most a few of its 16 x 2 later turns).
+    assert all(x["exact"] == pytest.approx(1.0) for x in by_order["shuffled"])
+    assert all(0.9 <= x["exact"] <= 1.0 for x in by_order["random"])
+    # Round-robin over 16 conversations lines up with 8 replicas in round-robin orders (each turn lands where the
+    # previous one did); in random orders it does not.
+    assert all(x["round_robin"] == pytest.approx(1.0) for x in by_order["shuffled"])
+    assert all(x["round_robin"] < 0.5 for x in by_order["random"])
+    single_turns = _conversations(num=16, turns=1)
+    assert route.measure(single_turns, (route.REPLICA_SHARE,), show_progress=False)["exact_by_order"] == {}
