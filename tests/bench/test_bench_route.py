@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from array import array
 
 import pytest
@@ -69,12 +68,9 @@ def test_consistent_hashing_moves_few_keys_when_a_replica_is_added() -> None:
     assert all(after.owner(k) == 8 for k in keys if before.owner(k) != after.owner(k))
 
 
-def test_quick_route_benchmark_on_the_shared_data() -> None:
-    missing = [name for name, _, _ in route.WORKLOADS.values() if not (route.DATA_DIR / name).is_file()]
-    if missing:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI needs the shared data; missing {missing} in {route.DATA_DIR}")
-        pytest.skip(f"shared data not found at {route.DATA_DIR} (../shared/data beside the project)")
+def test_quick_route_benchmark_on_the_shared_data(shared_data) -> None:
+    for name, _, _ in route.WORKLOADS.values():
+        assert shared_data(name) == route.DATA_DIR / name  # skips locally, fails under CI, when one is missing
     result = route.run(quick=True, replicas=(4,))
     for label, workload in result.data["workloads"].items():
         (row,) = workload["rows"]
