@@ -78,6 +78,10 @@ class KVEventError(PrefixCacheError, AssertionError):
     as it was.  Also an ``AssertionError``: it means the events and the mirror went out of step."""
 
 
+class ClosedError(PrefixCacheError, RuntimeError):
+    """A KV event publisher was given an event after :meth:`close`; nothing will send it."""
+
+
 class ScenarioError(PrefixCacheError, ValueError):
     """A scenario or trace file has a line that is not a valid conversation/request.
 
