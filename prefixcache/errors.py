@@ -72,6 +72,16 @@ class LockError(PrefixCacheError, RuntimeError):
     """A lock handle or block reference was released twice, or used after release."""
 
 
+class KVEventError(PrefixCacheError, AssertionError):
+    """A KV event contradicts the mirror it is applied to (a strict :class:`~prefixcache.cache.events.BlockIndex`):
+    a block stored twice, removed while not held, or the cache cleared while blocks are held.  The mirror is left
+    as it was.  Also an ``AssertionError``: it means the events and the mirror went out of step."""
+
+
+class ClosedError(PrefixCacheError, RuntimeError):
+    """A KV event publisher was given an event after :meth:`close`; nothing will send it."""
+
+
 class ScenarioError(PrefixCacheError, ValueError):
     """A scenario or trace file has a line that is not a valid conversation/request.
 

@@ -201,7 +201,14 @@ def simulate(
     it: ``steered`` (a longer prefix sat on another replica; the router chose otherwise), ``absent`` (no replica
     held the prefix any more: evicted for lack of memory, duplicates included) and ``other`` (the rest: partial
     blocks, a prefix the chosen replica lost to its own eviction), each as a fraction of all prompt tokens.
+
+    Raises:
+        InvalidArgumentError: no request, no replica, ``num_blocks < 1`` or a router not in :data:`ROUTERS`.
     """
+    if router not in ROUTERS:
+        raise InvalidArgumentError(f"unknown router {router!r}; choose one of {ROUTERS}")
+    if not requests or num_replicas < 1:
+        raise InvalidArgumentError(f"need requests and replicas, got {len(requests)} and {num_replicas}")
     replicas = [Replica(num_blocks) for _ in range(num_replicas)]
     ring = ConsistentHashRing(num_replicas) if router == "affinity" else None
     text = TextPrefixRouter(num_replicas) if router == "text prefix" else None
@@ -274,6 +281,8 @@ def reordered(requests: Sequence[ReplayRequest], order: str, seed: int) -> list[
     Raises:
         InvalidArgumentError: an unknown order.
     """
+    if order not in ORDERS:
+        raise InvalidArgumentError(f"unknown order {order!r}; choose one of {ORDERS}")
     per_conversation: dict[str, list[ReplayRequest]] = {}
     for request in requests:
         per_conversation.setdefault(request.conversation_id, []).append(request)
@@ -283,9 +292,7 @@ def reordered(requests: Sequence[ReplayRequest], order: str, seed: int) -> list[
     if order == "shuffled":
         random.Random(seed).shuffle(conversations)
         return interleave(conversations, "round-robin", seed)
-    if order == "random":
-        return interleave(conversations, "random", seed)
-    raise InvalidArgumentError(f"unknown order {order!r}; choose one of {ORDERS}")
+    return interleave(conversations, "random", seed)
 
 
 def working_set_blocks(requests: Sequence[ReplayRequest]) -> int:
@@ -302,7 +309,13 @@ def measure(requests: Sequence[ReplayRequest], replica_counts: Sequence[int], sh
     ``REPLICA_SHARE`` among the counts, ``exact_by_memory``: share -> the exact router's hit rate over the big
     replica's there, at each of :data:`MEMORY_SHARES` (None where the big replica hits nothing), and
     ``exact_by_order``: order -> per seed of :data:`ORDER_SEEDS`, the exact router's and round-robin's hit rates over
-    the big replica's and the exact router's imbalance, with the requests :func:`reordered` (none for a trace)."""
+    the big replica's and the exact router's imbalance, with the requests :func:`reordered` (none for a trace).
+
+    Raises:
+        InvalidArgumentError: no request, or a replica count below 1.
+    """
+    if not requests:
+        raise InvalidArgumentError("no requests to route")
     # A replica must at least fit the two longest requests, or small workloads would be all misses.
     longest = max(-(-(len(r.prompt) + len(r.answer)) // BLOCK_SIZE) + 2 for r in requests)
     working_set = working_set_blocks(requests)

@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import xxhash
 
-from prefixcache.errors import InvalidArgumentError
+from prefixcache.cache.tokens import as_token_array
+from prefixcache.errors import InvalidArgumentError, KVEventError, NamespaceError
 
 if TYPE_CHECKING:
     from prefixcache.cache.node import Node
@@ -52,6 +53,8 @@ __all__ = [
     "KVEvent",
     "block_hashes",
     "chain_hashes",
+    "check_hash_seed",
+    "check_namespace",
     "namespace_root_hash",
 ]
 
@@ -94,6 +97,28 @@ KVEvent = BlockStored | BlockRemoved | AllCleared
 EventListener = Callable[[KVEvent], None]
 
 
+def check_namespace(namespace: object) -> str | None:
+    """Return ``namespace`` if it is ``None`` or a ``str``.
+
+    Raises:
+        NamespaceError: any other type.
+    """
+    if namespace is None or type(namespace) is str:
+        return namespace  # type: ignore[return-value]
+    raise NamespaceError(f"namespace must be None or a str (a cache salt), got {type(namespace).__name__}")
+
+
+def check_hash_seed(seed: object) -> int:
+    """Return ``seed`` if it is an int xxh64 takes as it is: ``0 <= seed < 2**64``.
+
+    Raises:
+        InvalidArgumentError: anything else.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise InvalidArgumentError(f"hash_seed must be an int in [0, 2**64), got {seed!r}")
+    return seed
+
+
 def namespace_root_hash(namespace: str | None, seed: int = 0) -> int:
     """The chain's starting value for ``namespace``: xxh64 of its UTF-8 bytes (``b"\\xff"`` for ``None``)."""
     data = b"\xff" if namespace is None else namespace.encode("utf-8", errors="surrogatepass")
@@ -123,14 +148,19 @@ def chain_hashes(
 
 def block_hashes(token_ids: Iterable[int], block_size: int, namespace: str | None = None, seed: int = 0) -> list[int]:
     """Chained hashes of every full block of a sequence cached in ``namespace`` with ``hash_seed == seed``.
+    An empty sequence has none.
 
     Raises:
-        InvalidArgumentError: ``block_size < 1``.
+        InvalidArgumentError: ``block_size`` not an int >= 1, or ``seed`` one no cache accepts.
+        InvalidTokensError: token ids a cache would refuse (negative, above ``2**32 - 1``, not ints).
+        NamespaceError: ``namespace`` neither ``None`` nor a ``str``.
     """
-    if block_size < 1:
-        raise InvalidArgumentError(f"block_size must be >= 1, got {block_size}")
-    ids = token_ids if isinstance(token_ids, array) else array("I", token_ids)
-    return chain_hashes(ids, block_size, namespace_root_hash(namespace, seed), seed, 0, len(ids) // block_size)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+    check_hash_seed(seed)
+    root = namespace_root_hash(check_namespace(namespace), seed)
+    ids = as_token_array(token_ids, allow_empty=True)
+    return chain_hashes(ids, block_size, root, seed, 0, len(ids) // block_size)
 
 
 class BlockIndex:
@@ -138,8 +168,9 @@ class BlockIndex:
     ``(namespace, block_hash)`` pairs held in any tier, ``media`` the tiers holding each pair of events that name
     one (a cache with a host tier: ``"GPU"``, ``"CPU"``; the same block may be in both for a while).
 
-    With ``strict`` (the default) an event that contradicts the mirror raises ``AssertionError``: a block
-    stored twice (in the same tier), or removed while not held.
+    With ``strict`` (the default) an event that contradicts the mirror raises
+    :class:`~prefixcache.errors.KVEventError` (an ``AssertionError``) and changes nothing: a block stored twice (in
+    the same tier), removed while not held, or the cache cleared while blocks are held.
     """
 
     def __init__(self, *, strict: bool = True) -> None:
@@ -149,28 +180,47 @@ class BlockIndex:
         self.num_events = 0
 
     def __call__(self, event: KVEvent) -> None:
+        """Apply one event: all of it, or (raising) none of it.  O(blocks in the event).
+
+        Raises:
+            KVEventError: with ``strict``, the event contradicts the mirror; nothing is applied.
+            InvalidArgumentError: ``event`` is not a KV event.
+        """
+        if not isinstance(event, (BlockStored, BlockRemoved, AllCleared)):
+            raise InvalidArgumentError(f"not a KV event: {type(event).__name__}")
+        if self.strict:
+            self._check(event)
         self.num_events += 1
-        if isinstance(event, (BlockStored, BlockRemoved)) and event.medium is not None:
-            self._apply_tiered(event)
-        elif isinstance(event, BlockStored):
-            for h in event.block_hashes:
-                key = (event.namespace, h)
-                if self.strict and key in self.hashes:
-                    raise AssertionError(f"block {h:#x} stored twice")
-                self.hashes.add(key)
-        elif isinstance(event, BlockRemoved):
-            for h in event.block_hashes:
-                key = (event.namespace, h)
-                if self.strict and key not in self.hashes:
-                    raise AssertionError(f"block {h:#x} removed but not held")
-                self.hashes.discard(key)
-        elif isinstance(event, AllCleared):
-            if self.strict and self.hashes:
-                raise AssertionError(f"cache cleared while {len(self.hashes)} blocks are still held")
+        if isinstance(event, AllCleared):
             self.hashes.clear()
             self.media.clear()
+        elif event.medium is not None:
+            self._apply_tiered(event)
+        elif isinstance(event, BlockStored):
+            self.hashes.update((event.namespace, h) for h in event.block_hashes)
         else:
-            raise TypeError(f"not a KV event: {type(event).__name__}")
+            self.hashes.difference_update((event.namespace, h) for h in event.block_hashes)
+
+    def _check(self, event: KVEvent) -> None:
+        if isinstance(event, AllCleared):
+            if self.hashes:
+                raise KVEventError(f"cache cleared while {len(self.hashes)} blocks are still held")
+            return
+        medium = event.medium
+        stored = isinstance(event, BlockStored)
+        seen: set[int] = set()
+        for h in event.block_hashes:
+            key = (event.namespace, h)
+            if medium is None:
+                held = key in self.hashes
+            else:
+                held = medium in self.media.get(key, ())
+            where = "" if medium is None else f" in {medium}"
+            if stored and (held or h in seen):
+                raise KVEventError(f"block {h:#x} stored twice{where}")
+            if not stored and (not held or h in seen):
+                raise KVEventError(f"block {h:#x} removed{where} but not held")
+            seen.add(h)
 
     def _apply_tiered(self, event: BlockStored | BlockRemoved) -> None:
         medium = event.medium
@@ -181,15 +231,9 @@ class BlockIndex:
             if stored:
                 if media is None:
                     media = self.media[key] = set()
-                elif self.strict and medium in media:
-                    raise AssertionError(f"block {h:#x} stored twice in {medium}")
                 media.add(medium)
                 self.hashes.add(key)
-            else:
-                if media is None or medium not in media:
-                    if self.strict:
-                        raise AssertionError(f"block {h:#x} removed from {medium} but not held there")
-                    continue
+            elif media is not None and medium in media:
                 media.discard(medium)
                 if not media:
                     del self.media[key]

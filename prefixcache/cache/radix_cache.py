@@ -32,7 +32,7 @@ import numpy as np
 from prefixcache.cache import host_snapshot, snapshot
 from prefixcache.cache.admission import Admission, Lease
 from prefixcache.cache.blocks import BlockLedger
-from prefixcache.cache.events import EventListener, EventPublisher
+from prefixcache.cache.events import EventListener, EventPublisher, check_hash_seed, check_namespace
 from prefixcache.cache.evictor import EvictionPolicy, Evictor
 from prefixcache.cache.host_tier import DEVICE_MEDIUM, HostTier
 from prefixcache.cache.invariants import check_invariants
@@ -42,7 +42,7 @@ from prefixcache.cache.retention import Retention
 from prefixcache.cache.stats import CacheStats, HitCounters
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult, RadixTree
-from prefixcache.errors import InvalidArgumentError, LockError, NamespaceError, SnapshotError
+from prefixcache.errors import InvalidArgumentError, LockError, SnapshotError
 
 __all__ = [
     "CacheStats",
@@ -54,17 +54,6 @@ __all__ = [
     "RadixCache",
     "check_namespace",
 ]
-
-
-def check_namespace(namespace: object) -> str | None:
-    """Return ``namespace`` if it is ``None`` or a ``str``.
-
-    Raises:
-        NamespaceError: any other type.
-    """
-    if namespace is None or type(namespace) is str:
-        return namespace  # type: ignore[return-value]
-    raise NamespaceError(f"namespace must be None or a str (a cache salt), got {type(namespace).__name__}")
 
 
 class RadixCache:
@@ -120,8 +109,7 @@ class RadixCache:
             raise InvalidArgumentError(f"pool must be a KVBlockPool, got {type(pool).__name__}")
         if isinstance(hit_rate_window, bool) or not isinstance(hit_rate_window, int) or hit_rate_window < 1:
             raise InvalidArgumentError(f"hit_rate_window must be a positive int, got {hit_rate_window!r}")
-        if isinstance(hash_seed, bool) or not isinstance(hash_seed, int) or not 0 <= hash_seed < 2**64:
-            raise InvalidArgumentError(f"hash_seed must be an int in [0, 2**64), got {hash_seed!r}")
+        check_hash_seed(hash_seed)
         self.pool = pool
         self.block_size = pool.block_size
         self.hash_seed = hash_seed

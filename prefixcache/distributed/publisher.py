@@ -26,7 +26,7 @@ import zmq
 
 from prefixcache.cache.events import KVEvent
 from prefixcache.distributed.wire import encode
-from prefixcache.errors import InvalidArgumentError
+from prefixcache.errors import ClosedError, InvalidArgumentError
 
 __all__ = ["END_SEQ", "ZmqEventPublisher"]
 
@@ -107,11 +107,21 @@ class ZmqEventPublisher:
         return self._next_seq - 1
 
     def __call__(self, event: KVEvent) -> None:
-        """Queue one event for the sender thread.  O(1), never blocks; safe inside the cache's mutex."""
+        """Queue one event for the sender thread.  O(1), never blocks; safe inside the cache's mutex.
+
+        Raises:
+            ClosedError: the publisher is closed (nothing would send the event; unsubscribe before closing).
+        """
+        if self._closed:
+            raise ClosedError("KV event publisher used after close(); unsubscribe it from the cache first")
         self._queue.put(event)
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every event queued so far has been sent; False if ``timeout_s`` passed first."""
+        """Wait until every event queued so far has been sent; False if ``timeout_s`` passed first.  Once closed,
+        this waits (at most ``timeout_s``) for the sender to finish what was queued before :meth:`close`."""
+        if self._closed:
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
         done = threading.Event()
         self._queue.put(done)
         return done.wait(timeout_s)

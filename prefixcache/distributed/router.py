@@ -51,11 +51,12 @@ The decision, as NVIDIA Dynamo's KV router and SGLang's cache-aware router make 
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from prefixcache.cache.events import BlockIndex, block_hashes
+from prefixcache.cache.events import BlockIndex, block_hashes, check_hash_seed
 from prefixcache.errors import InvalidArgumentError
 
 __all__ = ["ExactPrefixRouter", "RouteDecision", "cached_prefix_blocks", "power_of_two"]
@@ -93,7 +94,13 @@ def power_of_two(loads: Sequence[int], rng: random.Random) -> int:
 
 
 def too_uneven(loads: Sequence[int], imbalance_abs: float, imbalance_rel: float) -> bool:
-    """Whether ``max(loads) - min(loads)`` exceeds ``max(imbalance_abs, imbalance_rel * mean)``."""
+    """Whether ``max(loads) - min(loads)`` exceeds ``max(imbalance_abs, imbalance_rel * mean)``.
+
+    Raises:
+        InvalidArgumentError: no replica.
+    """
+    if not loads:
+        raise InvalidArgumentError("no replica to judge")
     mean = sum(loads) / len(loads)
     return max(loads) - min(loads) > max(imbalance_abs, imbalance_rel * mean)
 
@@ -133,8 +140,9 @@ class ExactPrefixRouter:
             ``...`` looks blocks up under the request's own namespace (indexes fed in process).
 
     Raises:
-        InvalidArgumentError: ``block_size < 1``, a negative penalty, weight or threshold, or
-            ``continuation_share`` outside ``(0, 1]``.
+        InvalidArgumentError: ``block_size`` not an int >= 1, ``hash_seed`` outside ``[0, 2**64)``, a penalty or
+            weight that is negative or not finite, a threshold that is negative or NaN (``inf`` turns its guard
+            off), or ``continuation_share`` outside ``(0, 1]``.
     """
 
     def __init__(
@@ -154,9 +162,16 @@ class ExactPrefixRouter:
         seed: int = 0,
         index_namespace: object = ...,
     ) -> None:
-        thresholds = (load_penalty_tokens, imbalance_abs, imbalance_rel, memory_weight, evict_weight, continuation_abs)
-        if block_size < 1 or min(thresholds) < 0 or (continuation_rel is not None and continuation_rel < 0):
-            raise InvalidArgumentError("block_size must be >= 1 and penalties/thresholds >= 0")
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+        check_hash_seed(hash_seed)
+        weights = (load_penalty_tokens, memory_weight, evict_weight)
+        thresholds = (imbalance_abs, imbalance_rel, continuation_abs, continuation_rel or 0)
+        # ``not 0 <= x`` is true for NaN too.
+        if not all(0 <= w < math.inf for w in weights) or not all(0 <= t for t in thresholds):
+            raise InvalidArgumentError(
+                f"penalties and weights must be finite and >= 0, thresholds >= 0, got {weights} and {thresholds}"
+            )
         if relative_above is not None and not relative_above > 0:
             raise InvalidArgumentError(f"relative_above must be > 0 or None, got {relative_above}")
         if not 0 < continuation_share <= 1:
@@ -202,16 +217,29 @@ class ExactPrefixRouter:
 
         Raises:
             InvalidArgumentError: no replica; ``indexes``, ``loads`` (and ``tiebreak``, ``free_blocks``,
-                ``num_blocks``) of different lengths; ``num_blocks`` without ``free_blocks``, or one below 1; a
-                negative ``expected_new_tokens``.
+                ``num_blocks``) of different lengths; a load, tiebreak or free block count that is negative or not
+                finite; ``num_blocks`` without ``free_blocks``, or one below 1, not finite, or below its replica's
+                ``free_blocks``; an ``expected_new_tokens`` that is negative or not finite.
+            InvalidTokensError, NamespaceError: a prompt or namespace no cache would accept.
+            Nothing changes when it raises (the power-of-two draws included).
         """
         n = len(loads)
         if not indexes or len(indexes) != n or any(x is not None and len(x) != n for x in (tiebreak, free_blocks)):
-            raise InvalidArgumentError(f"need one load per index, got {len(indexes)} indexes and {n} loads")
-        if num_blocks is not None and (free_blocks is None or len(num_blocks) != n or min(num_blocks) < 1):
-            raise InvalidArgumentError("num_blocks needs free_blocks, one pool size >= 1 per replica")
-        if not expected_new_tokens >= 0:
-            raise InvalidArgumentError(f"expected_new_tokens must be >= 0, got {expected_new_tokens}")
+            raise InvalidArgumentError(
+                f"need one load (and tiebreak, free block count) per index, got {len(indexes)} indexes and {n} loads"
+            )
+        for name, values in (("loads", loads), ("tiebreak", tiebreak), ("free_blocks", free_blocks)):
+            # ``0 <= x < inf`` is false for NaN too.
+            if values is not None and not all(0 <= x < math.inf for x in values):
+                raise InvalidArgumentError(f"{name} must be finite and >= 0, got {list(values)}")
+        if num_blocks is not None and (
+            free_blocks is None
+            or len(num_blocks) != n
+            or not all(1 <= p < math.inf and f <= p for p, f in zip(num_blocks, free_blocks, strict=True))
+        ):
+            raise InvalidArgumentError("num_blocks needs free_blocks, one finite pool size >= 1 and >= free each")
+        if not 0 <= expected_new_tokens < math.inf:
+            raise InvalidArgumentError(f"expected_new_tokens must be finite and >= 0, got {expected_new_tokens}")
         cached = self.cached_tokens(token_ids, indexes, namespace)
         low = min(loads)
         mean = sum(loads) / n

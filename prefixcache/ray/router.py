@@ -21,9 +21,10 @@ from typing import Any, ClassVar
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from prefixcache.cache.events import BlockIndex
+from prefixcache.cache.events import BlockIndex, check_namespace
 from prefixcache.distributed.router import ExactPrefixRouter
 from prefixcache.distributed.subscriber import ZmqEventSubscriber
+from prefixcache.errors import PrefixCacheError
 
 __all__ = ["ExactPrefixRequestRouter", "memory_of", "routed_namespace"]
 
@@ -33,7 +34,12 @@ logger = logging.getLogger(__name__)
 def routed_namespace(fingerprint: str, namespace: str | None) -> str:
     """The tree namespace a runner with ``fingerprint`` uses for a request's ``namespace`` (the same rule as
     :meth:`~prefixcache.engine.runner.PrefixCachingRunner.namespace_key`, so the router hashes prompts exactly as
-    the replica cached them)."""
+    the replica cached them).
+
+    Raises:
+        NamespaceError: ``namespace`` neither ``None`` nor a ``str``.
+    """
+    namespace = check_namespace(namespace)
     return f"{fingerprint}:" + ("-" if namespace is None else "=" + namespace)
 
 
@@ -49,11 +55,16 @@ def request_of(pending: PendingRequest | None) -> dict[str, Any] | None:
 
 def memory_of(replicas: list[RunningReplica]) -> tuple[list[int] | None, list[int] | None]:
     """Free blocks and pool sizes the replicas report in their routing stats, or ``(None, None)`` unless every
-    replica reports both (a replica that has not reported yet would otherwise look full or empty)."""
+    replica reports both, as ints with ``0 <= free_blocks <= num_blocks`` and ``num_blocks >= 1`` (a replica that
+    has not reported yet would otherwise look full or empty)."""
     stats = [r.routing_stats or {} for r in replicas]
-    if not all(isinstance(s.get("free_blocks"), int) and isinstance(s.get("num_blocks"), int) for s in stats):
+
+    def is_count(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not all(is_count(s.get("free_blocks")) and is_count(s.get("num_blocks")) for s in stats):
         return None, None
-    if any(s["num_blocks"] < 1 for s in stats):
+    if not all(0 <= s["free_blocks"] <= s["num_blocks"] and s["num_blocks"] >= 1 for s in stats):
         return None, None
     return [s["free_blocks"] for s in stats], [s["num_blocks"] for s in stats]
 
@@ -62,8 +73,10 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
     """Route ``generate`` calls to the replica holding the longest exact prefix of the prompt.
 
     Configure with ``RequestRouterConfig(request_router_class=ExactPrefixRequestRouter, request_router_kwargs=
-    {...})``; the kwargs reach :meth:`initialize_state`.  Calls without a ``prompt_ids`` request get every
-    replica in one rank (Ray Serve's own choice among them).
+    {...})``; the kwargs reach :meth:`initialize_state`.  Calls without a ``prompt_ids`` request, and requests the
+    router cannot hash (bad token ids or namespace), get every replica in one rank (Ray Serve's own choice among
+    them): the replica then raises the package's error to the caller, where an exception out of the router would
+    end Ray Serve's routing task and leave the caller waiting.
     """
 
     live: ClassVar[weakref.WeakSet] = weakref.WeakSet()
@@ -150,12 +163,17 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         empty = BlockIndex()
         indexes = [self._index(r) or empty for r in candidate_replicas]
         loads = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas]
-        namespace = routed_namespace(stats["fingerprint"], request.get("namespace"))
         routed = [self._routed.get(r.replica_id, 0) for r in candidate_replicas]
         free, pools = memory_of(candidate_replicas)
         answer = request.get("max_new_tokens")
-        expected = float(answer) if isinstance(answer, int) and answer > 0 else 0.0
-        decision = router.choose(request["prompt_ids"], indexes, loads, namespace, routed, free, pools, expected)
+        # Beyond 2**53 the float is inexact anyway, and far beyond it float() overflows.
+        expected = float(min(answer, 2**53)) if isinstance(answer, int) and answer > 0 else 0.0
+        try:
+            namespace = routed_namespace(stats["fingerprint"], request.get("namespace"))
+            decision = router.choose(request["prompt_ids"], indexes, loads, namespace, routed, free, pools, expected)
+        except PrefixCacheError as exc:
+            logger.debug("not routing by prefix: %s", exc)
+            return [candidate_replicas]
         chosen = candidate_replicas[decision.replica]
         # Counted at decision time: requests routed together would otherwise all see the same tallies and tie.
         self._routed[chosen.replica_id] = self._routed.get(chosen.replica_id, 0) + 1

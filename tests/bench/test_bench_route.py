@@ -209,3 +209,26 @@ def test_at_eight_replicas_the_exact_router_is_also_measured_in_other_orders() -
     assert all(x["round_robin"] < 0.5 for x in by_order["random"])
     single_turns = _conversations(num=16, turns=1)
     assert route.measure(single_turns, (route.REPLICA_SHARE,), show_progress=False)["exact_by_order"] == {}
+
+
+def test_an_unknown_order_is_refused_for_a_trace_too() -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown order"):
+        route.reordered(_conversations(num=6, turns=1), "sorted", seed=0)
+
+
+def test_an_unknown_router_is_refused_rather_than_run_as_the_oracle() -> None:
+    with pytest.raises(InvalidArgumentError, match="unknown router"):
+        route.simulate(_conversations(num=2, turns=2), 2, 64, "exactt")
+
+
+@pytest.mark.parametrize("router", route.ROUTERS)
+def test_simulating_no_requests_or_no_replica_raises_the_package_error(router: str) -> None:
+    with pytest.raises(InvalidArgumentError):
+        route.simulate([], 2, 64, router)
+    with pytest.raises(InvalidArgumentError):
+        route.simulate(_conversations(num=2, turns=1), 0, 64, router)
+
+
+def test_measuring_no_requests_raises_the_package_error() -> None:
+    with pytest.raises(InvalidArgumentError):
+        route.measure([], (2,), show_progress=False)

@@ -18,7 +18,14 @@ from prefixcache.cache.events import (
     block_hashes,
     namespace_root_hash,
 )
-from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
+from prefixcache.errors import (
+    InvalidArgumentError,
+    InvalidTokensError,
+    KVEventError,
+    NamespaceError,
+    OutOfBlocksError,
+    PrefixCacheError,
+)
 
 
 def _h(parent: int, tokens: list[int], seed: int = 0) -> int:
@@ -50,6 +57,58 @@ def test_block_hashes_chain_from_the_root_over_little_endian_uint32_tokens() -> 
 def test_block_hashes_reject_a_bad_block_size() -> None:
     with pytest.raises(InvalidArgumentError):
         block_hashes([1, 2], 0)
+
+
+@pytest.mark.parametrize("tokens", [[-1, 2], [2**40, 2], [1.5, 2], "ab", [True, 2]])
+def test_block_hashes_reject_what_a_cache_would_refuse_as_tokens(tokens) -> None:
+    with pytest.raises(InvalidTokensError):
+        block_hashes(tokens, 2)
+
+
+@pytest.mark.parametrize("namespace", [5, b"tenant"])
+def test_block_hashes_reject_a_namespace_that_is_not_none_or_str(namespace) -> None:
+    with pytest.raises(NamespaceError):
+        block_hashes([1, 2], 2, namespace)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5])
+def test_block_hashes_reject_a_seed_no_cache_can_have(seed) -> None:
+    # A cache refuses these seeds, so hashes made with one would never match anything.
+    with pytest.raises(InvalidArgumentError):
+        block_hashes([1, 2], 2, None, seed)
+
+
+def _snapshot(index: BlockIndex):
+    return set(index.hashes), {k: set(v) for k, v in index.media.items()}, index.num_events
+
+
+@pytest.mark.parametrize(
+    ("held", "event"),
+    [
+        ([BlockStored(None, (1,), 0, 0, (1, 2), 2)], BlockStored(None, (2, 1), 0, 0, (1, 2, 3, 4), 2)),
+        ([], BlockStored(None, (3, 3), 0, 0, (1, 2, 3, 4), 2)),
+        ([BlockStored(None, (1,), 0, 0, (1, 2), 2)], BlockRemoved(None, (1, 9))),
+        ([BlockStored(None, (1,), 0, 0, (1, 2), 2, "GPU")], BlockStored(None, (3, 1), 0, 0, (1, 2, 3, 4), 2, "GPU")),
+        ([BlockStored(None, (1,), 0, 0, (1, 2), 2, "GPU")], BlockRemoved(None, (1, 9), "GPU")),
+        ([BlockStored(None, (1,), 0, 0, (1, 2), 2)], AllCleared()),
+    ],
+)
+def test_a_strict_index_refuses_a_contradicting_event_whole(held, event) -> None:
+    index = BlockIndex()
+    for e in held:
+        index(e)
+    before = _snapshot(index)
+    with pytest.raises(KVEventError) as raised:
+        index(event)
+    assert isinstance(raised.value, PrefixCacheError) and isinstance(raised.value, AssertionError)
+    assert _snapshot(index) == before
+
+
+def test_an_index_refuses_what_is_not_an_event_and_counts_nothing() -> None:
+    index = BlockIndex(strict=False)
+    with pytest.raises(InvalidArgumentError):
+        index("not an event")
+    assert index.num_events == 0
 
 
 def test_insert_announces_only_the_full_blocks_of_the_new_leaf(make_cache, put) -> None:

@@ -13,10 +13,10 @@ zmq = pytest.importorskip("zmq", reason="needs the [events] extra")
 pytest.importorskip("msgspec", reason="needs the [events] extra")
 msgpack = pytest.importorskip("msgpack", reason="the independent subscriber needs msgpack")
 
-from prefixcache.cache.events import BlockIndex, block_hashes  # noqa: E402
+from prefixcache.cache.events import BlockIndex, BlockStored, block_hashes  # noqa: E402
 from prefixcache.distributed.publisher import ZmqEventPublisher  # noqa: E402
 from prefixcache.distributed.subscriber import ZmqEventSubscriber  # noqa: E402
-from prefixcache.errors import InvalidArgumentError  # noqa: E402
+from prefixcache.errors import ClosedError, InvalidArgumentError  # noqa: E402
 
 TIMEOUT_MS = 5000
 
@@ -195,3 +195,39 @@ def test_a_gone_publisher_is_warned_about_once_per_outage(caplog) -> None:
             time.sleep(0.8)  # several resyncs, each timing out
             assert sub._replay_failures >= 3
     assert len([r for r in caplog.records if "no complete answer" in r.getMessage()]) == 1
+
+
+def test_a_closed_publisher_refuses_events_and_its_flush_does_not_wait(make_cache, put) -> None:
+    publisher = ZmqEventPublisher()
+    cache = make_cache(num_blocks=16, block_size=2)
+    cache.subscribe(publisher)
+    put(cache, [1, 2])
+    publisher.close()
+    publisher.close()  # idempotent
+    last = publisher.last_seq
+    assert last == 0
+    with pytest.raises(ClosedError):
+        publisher(BlockStored(None, (1,), 0, 0, (1, 2), 2))
+    assert publisher._queue.empty()  # nothing left queued forever
+    # Everything queued before close was sent, so there is nothing to wait for (it waited out its timeout before).
+    assert publisher.flush(timeout_s=30.0) is True
+    assert publisher.last_seq == last
+
+
+def test_two_threads_publishing_at_once_lose_nothing(publisher) -> None:
+    index = BlockIndex()
+    with ZmqEventSubscriber(publisher.endpoint, publisher.replay_endpoint, index) as subscriber:
+
+        def publish(base: int) -> None:
+            for i in range(500):
+                publisher(BlockStored(None, (base + i,), 0, 0, (1, 2), 2))
+
+        threads = [threading.Thread(target=publish, args=(base,)) for base in (0, 10**6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert publisher.flush()
+        assert subscriber.wait_for(publisher.last_seq)
+        assert index.hashes == {(None, base + i) for base in (0, 10**6) for i in range(500)}
+        assert subscriber.num_gaps == 0

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.cache.events import BlockIndex, block_hashes
-from prefixcache.distributed.router import ExactPrefixRouter, cached_prefix_blocks, power_of_two
-from prefixcache.errors import InvalidArgumentError
+from prefixcache.cache.events import BlockIndex, BlockStored, block_hashes
+from prefixcache.distributed.router import ExactPrefixRouter, cached_prefix_blocks, power_of_two, too_uneven
+from prefixcache.errors import InvalidArgumentError, InvalidTokensError, NamespaceError
 
 
 def _indexed_cache(make_cache, put, sequences, namespace=None, num_blocks=64):
@@ -192,3 +192,87 @@ def test_bad_arguments_raise_the_package_error() -> None:
         ExactPrefixRouter(2).choose([1, 2], two, [0, 0], free_blocks=[1, 1], expected_new_tokens=-1)
     with pytest.raises(InvalidArgumentError):
         power_of_two([], random.Random(0))
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_a_nan_load_is_refused_rather_than_sending_the_prompt_away_from_its_prefix(make_cache, put) -> None:
+    _, holder = _indexed_cache(make_cache, put, [[1, 2, 3, 4]])
+    router = ExactPrefixRouter(2)
+    assert router.choose([1, 2, 3, 4], [BlockIndex(), holder], [0, 0]).replica == 1
+    # NaN made every score NaN, and max() then kept replica 0, which holds nothing.
+    with pytest.raises(InvalidArgumentError):
+        router.choose([1, 2, 3, 4], [BlockIndex(), holder], [NAN, 0])
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"loads": [NAN, 0]},
+        {"loads": [INF, 0]},
+        {"loads": [-1, 0]},
+        {"free_blocks": [NAN, 1]},
+        {"free_blocks": [-1, 1]},
+        {"free_blocks": [1, 1], "tiebreak": [0, NAN]},
+        {"free_blocks": [1, 1], "num_blocks": [NAN, 4]},
+        {"free_blocks": [1, 1], "num_blocks": [INF, 4]},
+        {"free_blocks": [5, 1], "num_blocks": [4, 4]},
+        {"free_blocks": [1, 1], "expected_new_tokens": INF},
+    ],
+)
+def test_non_finite_or_out_of_range_loads_and_memory_are_refused(bad) -> None:
+    args = {"loads": [0, 0], **bad}
+    router = ExactPrefixRouter(2, memory_weight=1.0, evict_weight=1.0)
+    state = router._rng.getstate()
+    with pytest.raises(InvalidArgumentError):
+        router.choose([1, 2, 3, 4], [BlockIndex(), BlockIndex()], **args)
+    assert router._rng.getstate() == state
+
+
+def test_prompts_and_namespaces_a_cache_would_refuse_raise_the_package_errors() -> None:
+    router = ExactPrefixRouter(2)
+    two = [BlockIndex(), BlockIndex()]
+    for tokens in ([-1, 2], [2**40, 2], [1.5, 2], "ab"):
+        with pytest.raises(InvalidTokensError):
+            router.choose(tokens, two, [0, 0])
+    for namespace in (5, b"t"):
+        with pytest.raises(NamespaceError):
+            router.choose([1, 2], two, [0, 0], namespace)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"block_size": 2.5},
+        {"block_size": True},
+        {"load_penalty_tokens": NAN},
+        {"imbalance_abs": NAN},
+        {"load_penalty_tokens": INF},
+        {"imbalance_rel": NAN},
+        {"memory_weight": NAN},
+        {"evict_weight": INF},
+        {"continuation_abs": NAN},
+        {"continuation_rel": NAN},
+        {"relative_above": NAN},
+        {"hash_seed": -1},
+        {"hash_seed": 2**64},
+    ],
+)
+def test_non_finite_settings_and_a_seed_no_cache_can_have_are_refused(bad) -> None:
+    args = {"block_size": 2, **bad}
+    with pytest.raises(InvalidArgumentError):
+        ExactPrefixRouter(args.pop("block_size"), **args)
+
+
+def test_an_infinite_threshold_turns_its_guard_off() -> None:
+    router = ExactPrefixRouter(2, imbalance_abs=INF, imbalance_rel=INF, relative_above=INF)
+    held = BlockIndex()
+    held(BlockStored(None, tuple(block_hashes([1, 2], 2)), 0, 0, (1, 2), 2))
+    decision = router.choose([1, 2], [BlockIndex(), held], [0, 1000])
+    assert decision.replica == 1 and not decision.balanced_by_load
+
+
+def test_too_uneven_without_a_replica_raises_the_package_error() -> None:
+    with pytest.raises(InvalidArgumentError):
+        too_uneven([], 8, 0.1)

@@ -3,6 +3,7 @@ stats, and a subscriber mirroring its cache from those stats.  Fast; needs the [
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -10,11 +11,14 @@ import pytest
 pytest.importorskip("ray.serve", reason="needs the [ray] extra")
 pytest.importorskip("zmq", reason="needs the [ray] extra")
 
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
+
 from prefixcache.cache.events import BlockIndex, block_hashes  # noqa: E402
 from prefixcache.distributed.router import ExactPrefixRouter  # noqa: E402
 from prefixcache.distributed.subscriber import ZmqEventSubscriber  # noqa: E402
+from prefixcache.errors import InvalidTokensError, NamespaceError  # noqa: E402
 from prefixcache.ray.deployment import PrefixCacheServer  # noqa: E402
-from prefixcache.ray.router import memory_of, request_of, routed_namespace  # noqa: E402
+from prefixcache.ray.router import ExactPrefixRequestRouter, memory_of, request_of, routed_namespace  # noqa: E402
 
 
 @pytest.fixture
@@ -69,3 +73,42 @@ def test_memory_of_reads_free_blocks_only_when_every_replica_reports_them() -> N
     # A replica that has not reported yet would look full (or empty): no memory cost for this decision.
     assert memory_of([full, SimpleNamespace(routing_stats=None)]) == (None, None)
     assert memory_of([full, SimpleNamespace(routing_stats={"free_blocks": 1, "num_blocks": 0})]) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("request_", "error"),
+    [
+        ({"prompt_ids": [-1, 2, 3, 4, 5]}, InvalidTokensError),
+        ({"prompt_ids": [1.5, 2]}, InvalidTokensError),
+        ({"prompt_ids": [1, 2, 3, 4, 5], "namespace": 5}, NamespaceError),
+    ],
+)
+def test_a_request_the_router_cannot_hash_goes_to_any_replica_which_reports_its_error(server, request_, error) -> None:
+    # An exception out of choose_replicas ends Ray Serve's routing task and the caller waits forever; offered every
+    # replica instead, the request reaches one, whose generate raises the package's error back to the caller.
+    router = ExactPrefixRequestRouter(DeploymentID(name="d", app_name="a"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state()
+    stats = {"fingerprint": "fp", "block_size": 4, "hash_seed": 0, "free_blocks": 8, "num_blocks": 8}
+    replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats=stats) for i in range(2)]
+    ranks = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(args=[request_], kwargs={})))
+    assert ranks == [replicas]
+    with pytest.raises(error):
+        server.generate(request_)
+
+
+def test_replicas_reporting_impossible_memory_are_routed_without_the_memory_cost() -> None:
+    bad = SimpleNamespace(routing_stats={"free_blocks": -3, "num_blocks": 64})
+    full = SimpleNamespace(routing_stats={"free_blocks": 3, "num_blocks": 64})
+    assert memory_of([full, bad]) == (None, None)
+    assert memory_of([full, SimpleNamespace(routing_stats={"free_blocks": 65, "num_blocks": 64})]) == (None, None)
+    assert memory_of([full, SimpleNamespace(routing_stats={"free_blocks": True, "num_blocks": 64})]) == (None, None)
+
+
+def test_an_absurd_max_new_tokens_does_not_break_routing() -> None:
+    router = ExactPrefixRequestRouter(DeploymentID(name="d", app_name="a"), DeploymentHandleSource.UNKNOWN)
+    router.initialize_state(evict_weight=1.0)
+    stats = {"fingerprint": "fp", "block_size": 4, "hash_seed": 0, "free_blocks": 8, "num_blocks": 8}
+    replicas = [SimpleNamespace(replica_id=f"r{i}", routing_stats=stats) for i in range(2)]
+    request = {"prompt_ids": [1, 2, 3, 4, 5], "max_new_tokens": 10**400}
+    ranks = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(args=[request], kwargs={})))
+    assert [len(rank) for rank in ranks] == [1, 1]
