@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DEVICE_MEDIUM",
+    "HOST_MEDIUM",
     "AllCleared",
     "BlockIndex",
     "BlockRemoved",
@@ -57,6 +59,10 @@ __all__ = [
     "check_namespace",
     "namespace_root_hash",
 ]
+
+
+DEVICE_MEDIUM = "GPU"  # the ``medium`` of events of a cache with a host tier, as vLLM names its two media
+HOST_MEDIUM = "CPU"
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,19 +265,13 @@ class EventPublisher:
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.listeners: list[EventListener] = []
-        # With a host tier: the medium stamped on the tree's own events, and the tier's events raised during an
-        # eviction, sent right after the eviction's own (a demotion is removed from the device, then stored on host).
+        # With a host tier: the medium stamped on the tree's own events (the tier's carry their own).
         self.medium: str | None = None
-        self.deferred: list[KVEvent] = []
 
     def emit(self, events: list[KVEvent], listeners: list[EventListener] | None = None) -> None:
-        """Send ``events`` in order to every listener (or to ``listeners``), then any deferred ones; a listener's
-        exception is logged."""
+        """Send ``events`` in order to every listener (or to ``listeners``); a listener's exception is logged."""
         if self.medium is not None:
             events = [e for e in (_stamped(event, self.medium) for event in events) if e is not None]
-        if self.deferred and listeners is None:
-            events = [*events, *self.deferred]
-            self.deferred = []
         for event in events:
             for callback in listeners if listeners is not None else tuple(self.listeners):
                 try:

@@ -25,9 +25,13 @@ Any exception on the way gives back every block and the lock.
 
 Events: with a host tier, the device tree's events carry ``medium="GPU"`` and the tier's own ``medium="CPU"`` (vLLM's
 names for its two media).  A demotion is ``BlockRemoved(GPU)`` followed by ``BlockStored(CPU)`` with the same block
-hashes; a promotion ``BlockStored(GPU)`` followed by ``BlockRemoved(CPU)`` (copied first, then freed); a drop
-``BlockRemoved(CPU)``.  The device tree sends no ``AllCleared``: with two tiers the removals say it all.  Host
-blocks demoted while nobody listened are never announced (so neither is their removal).
+hashes (and before it the ``BlockRemoved(CPU)`` of any run dropped to make room, all in the order they happened); a
+promotion ``BlockStored(GPU)`` followed by ``BlockRemoved(CPU)`` (copied first, then freed); a drop
+``BlockRemoved(CPU)``.  A block the device recomputed while the host held it can be demoted again into a second,
+overlapping run: it is announced on host when its first copy arrives and removed when its last goes.  The device
+tree sends no ``AllCleared``: with two tiers the removals say it all.  Host blocks demoted while nobody listened, and
+runs restored from a snapshot, are never announced (so neither is their removal): their chained hashes need the
+tokens before the run, which the tier does not keep.
 
 With ``num_layers == 0`` on both pools (the ``--no-model`` replay) demotion and promotion move block ids only.
 """
@@ -44,7 +48,7 @@ import torch
 import xxhash
 
 from prefixcache.cache.blocks import BlockLedger
-from prefixcache.cache.events import BlockRemoved, BlockStored, EventPublisher
+from prefixcache.cache.events import HOST_MEDIUM, BlockRemoved, BlockStored, EventPublisher, KVEvent
 from prefixcache.cache.locks import LockRegistry
 from prefixcache.cache.node import Node, common_prefix_length
 from prefixcache.cache.pool import KVBlockPool
@@ -53,9 +57,6 @@ from prefixcache.cache.tree import RadixTree
 from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
 
 logger = logging.getLogger(__name__)
-
-DEVICE_MEDIUM = "GPU"
-HOST_MEDIUM = "CPU"
 
 
 @dataclass(slots=True, eq=False)
@@ -176,6 +177,13 @@ class HostTier:
         self.events = events
         self.runs: OrderedDict[int, HostRun] = OrderedDict()
         self.pinned: dict[int, HostRun] = {}  # runs taken out of the LRU while a promotion reads them
+        # Events of the tier's moves, in the order they happened, until the operation that caused them sends them:
+        # after the device's own events of an eviction (demote returns them), or at the end of a promotion or clear.
+        self.pending: list[KVEvent] = []
+        # How many runs hold each announced (namespace, block hash): a device that recomputed blocks the host still
+        # holds can demote them again into a second, overlapping run.  Listeners hear a block stored when its first
+        # copy arrives and removed when its last goes, so nothing is announced twice.
+        self.announced: dict[tuple[str | None, int], int] = {}
         self.demoted_blocks = 0
         self.promoted_blocks = 0
         self.dropped_blocks = 0
@@ -196,16 +204,21 @@ class HostTier:
 
     # ---- demotion (the tree's hook) -------------------------------------------------------------------------
 
-    def demote(self, leaf: Node, first: int, block_ids: np.ndarray) -> None:
+    def demote(self, leaf: Node, first: int, block_ids: np.ndarray) -> list[KVEvent]:
         """Called by :meth:`RadixTree.evict` before it frees ``block_ids`` (``leaf.blocks[first:]``) of ``leaf``: copy
         the ones full on the leaf's path to host blocks, as one run.  A removed leaf's shared first block is passed
         too: the parent keeps it, but its rows past the parent's end are the leaf's, and the parent, ending inside it,
         never will demote it as a full block.  Best effort: a failure is logged and the blocks are simply evicted (the
-        tree's eviction must not be interrupted halfway)."""
+        tree's eviction must not be interrupted halfway).  Returns the host's events of it in order (runs dropped for
+        room, then the new run stored), which the tree sends after its own removal of those blocks."""
+        mark = len(self.pending)
         try:
             self._demote(leaf, first, block_ids)
         except Exception:
             logger.exception("demotion to host memory failed; the blocks are evicted instead")
+        events = self.pending[mark:]
+        del self.pending[mark:]
+        return events
 
     def _demote(self, leaf: Node, first: int, block_ids: np.ndarray) -> None:
         bs = self.block_size
@@ -221,8 +234,19 @@ class HostTier:
             return
         old = self.runs.pop(key, None)
         if old is not None:
-            # A run from the same block on: the device recomputed it, or another continuation; keep the newer.
-            self._free(old.block_ids, old.stored)
+            # A run from the same block on: the device recomputed it, or another continuation; keep the newer.  Its
+            # announced blocks are counted out after the new run's are counted in: the blocks both hold stay put.
+            self.pool.decref(old.block_ids)
+        try:
+            self._demote_into(leaf, block_ids, path, key, first_block, num)
+        finally:
+            if old is not None:
+                self._unannounce(old.stored)
+
+    def _demote_into(
+        self, leaf: Node, block_ids: np.ndarray, path: array, key: int, first_block: int, num: int
+    ) -> None:
+        bs = self.block_size
         self._make_room(num)
         host_ids = self.pool.allocate(num).astype(np.intp)
         try:
@@ -237,7 +261,7 @@ class HostTier:
         self.runs[key] = HostRun(key, leaf.namespace, first_block, tokens, host_ids, stored)
         self.demoted_blocks += num
         if stored:
-            self.events.deferred.extend(stored)
+            self._announce(stored)
 
     def _stored_events(self, leaf: Node, path: array, first_block: int, num: int) -> list[BlockStored] | None:
         # The chained event hashes of the leaf's full blocks are on the leaf while anyone listens.
@@ -279,16 +303,50 @@ class HostTier:
     def clear(self) -> None:
         """Drop every host run (counted in ``dropped_blocks``), as a restore that replaces the cache's content does.
         O(runs)."""
-        while self.runs:
-            _, run = self.runs.popitem(last=False)
-            self._free(run.block_ids, run.stored)
-            self.dropped_blocks += len(run.block_ids)
+        try:
+            while self.runs:
+                _, run = self.runs.popitem(last=False)
+                self._free(run.block_ids, run.stored)
+                self.dropped_blocks += len(run.block_ids)
+        finally:
+            self.send_pending()
+
+    def _announce(self, stored: list[BlockStored]) -> None:
+        """Count the new run's announced blocks; queue the events of those no other run holds.  O(blocks)."""
+        counts = self.announced
+        for event in stored:
+            key = (event.namespace, event.block_hashes[0])
+            held = counts.get(key, 0)
+            counts[key] = held + 1
+            if not held:
+                self.pending.append(event)
 
     def _free(self, block_ids: np.ndarray, stored: list[BlockStored] | None) -> None:
         self.pool.decref(block_ids)
-        if stored and self.events.listeners:
-            hashes = tuple(h for event in stored for h in event.block_hashes)
-            self.events.emit([BlockRemoved(stored[0].namespace, hashes, HOST_MEDIUM)])
+        self._unannounce(stored)
+
+    def _unannounce(self, stored: list[BlockStored] | None) -> None:
+        """Count out a run's announced blocks; queue the removal of those no other run holds.  O(blocks)."""
+        if not stored:
+            return
+        counts = self.announced
+        gone = []
+        for event in stored:
+            key = (event.namespace, event.block_hashes[0])
+            held = counts[key] - 1
+            if held:
+                counts[key] = held
+            else:
+                del counts[key]
+                gone.append(key[1])
+        if gone and self.events.listeners:
+            self.pending.append(BlockRemoved(stored[0].namespace, tuple(gone), HOST_MEDIUM))
+
+    def send_pending(self) -> None:
+        """Send the events of the moves made so far (see :attr:`pending`)."""
+        if self.pending:
+            events, self.pending = self.pending, []
+            self.events.emit(events)
 
     # ---- promotion ------------------------------------------------------------------------------------------
 
@@ -356,6 +414,7 @@ class HostTier:
             return Promotion(m, (b0 + num) * bs)
         finally:
             locks.unlock(handle)
+            self.send_pending()
 
     def _find(self, q: array, namespace: str | None, b0: int) -> list[tuple[HostRun, int]]:
         """The runs continuing ``q`` from block ``b0``, each with how many of its blocks ``q`` shares in full."""
@@ -444,12 +503,21 @@ class HostTier:
 
     def stored_events(self) -> list[BlockStored]:
         """The events of every announced host block (for a new subscriber), least recently used run first."""
-        return [event for run in self.runs.values() if run.stored for event in run.stored]
+        seen: set[tuple[str | None, int]] = set()
+        out = []
+        for run in self.runs.values():
+            for event in run.stored or ():
+                key = (event.namespace, event.block_hashes[0])
+                if key not in seen:
+                    seen.add(key)
+                    out.append(event)
+        return out
 
     def check_invariants(self) -> None:
         """The host pool's free list is consistent; every host-resident block has exactly one holder (its run); no
         block is both free and used or in two runs; each run is filed under its key, with its tokens and events
-        matching its blocks; no promotion is in flight.  O(host blocks).
+        matching its blocks; the announced blocks are counted once per run holding them; no promotion is in flight
+        and no event is left unsent.  O(host blocks).
 
         Raises:
             AssertionError: naming what is wrong.
@@ -459,6 +527,15 @@ class HostTier:
         pool.check_invariants()
         if self.pinned:
             raise AssertionError(f"{len(self.pinned)} host runs still pinned by a promotion")
+        if self.pending:
+            raise AssertionError(f"{len(self.pending)} host events were never sent")
+        counts: dict[tuple[str | None, int], int] = {}
+        for run in self.runs.values():
+            for event in run.stored or ():
+                key = (event.namespace, event.block_hashes[0])
+                counts[key] = counts.get(key, 0) + 1
+        if counts != self.announced:
+            raise AssertionError("the announced host blocks are not counted once per run holding them")
         for key, run in self.runs.items():
             if run.key != key or not len(run.block_ids):
                 raise AssertionError(f"host run {key:#x} is filed under another key or empty")

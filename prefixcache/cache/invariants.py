@@ -7,16 +7,26 @@ live handles through each node; locked and evictable token totals; the eviction 
 unlocked leaves, filed under their current priority (retention priority first); the node count; block hashes while
 events are listened to; ``shares_first`` exactly where a node's first block is its parent's last; the evictable
 block total (own blocks of unlocked nodes); retained token and block totals, within the cap.
+
+:func:`check_mirror` checks an event consumer against the cache: a :class:`~prefixcache.cache.events.BlockIndex` fed
+every event holds exactly the device tree's full blocks (hashes recomputed from the tokens) and the host blocks that
+were announced.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from prefixcache.cache.blocks import BlockLedger
+from prefixcache.cache.events import DEVICE_MEDIUM, HOST_MEDIUM, BlockIndex, chain_hashes, namespace_root_hash
 from prefixcache.cache.locks import LockRegistry
 from prefixcache.cache.node import EMPTY_BLOCKS
 from prefixcache.cache.tree import RadixTree
+
+if TYPE_CHECKING:
+    from prefixcache.cache.host_tier import HostTier
 
 
 def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) -> None:
@@ -135,3 +145,52 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
     ranks = [(node.priority, *policy.priority(node), node.node_id) for node in members]
     if ranks != sorted(ranks):
         fail("eviction order is not (retention priority, policy priority, node id)")
+
+
+def device_block_hashes(tree: RadixTree, seed: int) -> set[tuple[str | None, int]]:
+    """``(namespace, hash)`` of every full block the device tree holds, recomputed from its tokens (not from the hashes
+    kept on nodes).  O(cached tokens)."""
+    bs = tree.block_size
+    out: set[tuple[str | None, int]] = set()
+    for namespace, root in tree.roots.items():
+        stack = [(child, root.tokens, namespace_root_hash(namespace, seed)) for child in root.children.values()]
+        while stack:
+            node, prefix, parent_hash = stack.pop()
+            path = prefix + node.tokens
+            hashes = chain_hashes(path, bs, parent_hash, seed, node.start // bs, node.end // bs)
+            out.update((namespace, h) for h in hashes)
+            last = hashes[-1] if hashes else parent_hash
+            stack.extend((child, path, last) for child in node.children.values())
+    return out
+
+
+def check_mirror(tree: RadixTree, host: HostTier | None, index: BlockIndex, seed: int) -> None:
+    """``index``, fed every event of the cache since it was empty (or since ``index`` subscribed), mirrors it: the
+    blocks it holds on the device (medium ``"GPU"``, or none without a host tier) are exactly the device tree's full
+    blocks, and those it holds on host (``"CPU"``) exactly the host blocks that were announced.  O(cached tokens).
+
+    Raises:
+        AssertionError: naming the blocks that differ.
+    """
+    device = device_block_hashes(tree, seed)
+    if host is None:
+        held_device, held_host = set(index.hashes), set()
+        announced: set[tuple[str | None, int]] = set()
+    else:
+        held_device = {key for key, media in index.media.items() if DEVICE_MEDIUM in media}
+        held_host = {key for key, media in index.media.items() if HOST_MEDIUM in media}
+        announced = {
+            (run.namespace, h) for run in host.runs.values() if run.stored for e in run.stored for h in e.block_hashes
+        }
+        if {key for key in index.hashes if key not in index.media}:
+            raise AssertionError("the index holds blocks without a medium from a cache with a host tier")
+    if held_device != device:
+        raise AssertionError(
+            f"the index's device blocks differ from the tree's: {len(device - held_device)} missing, "
+            f"{len(held_device - device)} not held"
+        )
+    if held_host != announced:
+        raise AssertionError(
+            f"the index's host blocks differ from the announced host runs: {len(announced - held_host)} missing, "
+            f"{len(held_host - announced)} not held"
+        )

@@ -32,10 +32,17 @@ import numpy as np
 from prefixcache.cache import host_snapshot, snapshot
 from prefixcache.cache.admission import Admission, Lease
 from prefixcache.cache.blocks import BlockLedger
-from prefixcache.cache.events import EventListener, EventPublisher, check_hash_seed, check_namespace
+from prefixcache.cache.events import (
+    DEVICE_MEDIUM,
+    BlockIndex,
+    EventListener,
+    EventPublisher,
+    check_hash_seed,
+    check_namespace,
+)
 from prefixcache.cache.evictor import EvictionPolicy, Evictor
-from prefixcache.cache.host_tier import DEVICE_MEDIUM, HostTier
-from prefixcache.cache.invariants import check_invariants
+from prefixcache.cache.host_tier import HostTier
+from prefixcache.cache.invariants import check_invariants, check_mirror
 from prefixcache.cache.locks import LockHandle, LockRegistry
 from prefixcache.cache.pool import BlockIds, KVBlockPool
 from prefixcache.cache.retention import Retention
@@ -554,9 +561,10 @@ class RadixCache:
         with self._mutex:
             return self._tree.cached_sequences(namespace)
 
-    def check_invariants(self) -> None:
-        """Recompute every piece of bookkeeping from scratch and compare (:mod:`prefixcache.cache.invariants`).
-        O(total tokens).
+    def check_invariants(self, index: BlockIndex | None = None) -> None:
+        """Recompute every piece of bookkeeping from scratch and compare (:mod:`prefixcache.cache.invariants`); with
+        ``index`` (fed every event since the cache was empty or since it subscribed), also that it mirrors the cache
+        (:func:`~prefixcache.cache.invariants.check_mirror`).  O(total tokens).
 
         Raises:
             AssertionError: naming the first broken invariant.
@@ -565,3 +573,5 @@ class RadixCache:
             check_invariants(self._tree, self._blocks, self._locks)
             if self._host is not None:
                 self._host.check_invariants()
+            if index is not None:
+                check_mirror(self._tree, self._host, index, self.hash_seed)

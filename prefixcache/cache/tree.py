@@ -138,8 +138,9 @@ class RadixTree:
         self.evicted_tokens = 0
         self.evicted_blocks = 0
         # The host tier's demote(leaf, first, block_ids), called before eviction frees leaf.blocks[first:] (or removes
-        # the leaf, first == 0); None without a host tier, so eviction pays one test per leaf for it.
-        self.demote: Callable[[Node, int, np.ndarray], None] | None = None
+        # the leaf, first == 0), returning the host's events of it, sent after the leaf's own BlockRemoved; None
+        # without a host tier, so eviction pays one test per leaf for it.
+        self.demote: Callable[[Node, int, np.ndarray], list[KVEvent]] | None = None
         self._ids = itertools.count(1)
 
     @property
@@ -397,13 +398,14 @@ class RadixTree:
                         keep = len(blocks) - want
                         new_end = (leaf.start // bs + keep) * bs
                         cut = leaf.end - new_end
-                        if demote is not None:
-                            demote(leaf, keep, blocks[keep:])
+                        demoted = demote(leaf, keep, blocks[keep:]) if demote is not None else None
                         if listening and leaf.block_hashes:
                             gone = leaf.end // bs - new_end // bs
                             if gone:
                                 events.append(BlockRemoved(leaf.namespace, tuple(leaf.block_hashes[-gone:])))
                                 del leaf.block_hashes[-gone:]
+                        if demoted:
+                            events.extend(demoted)
                         batch.append(blocks[keep:])
                         leaf.blocks = blocks[:keep]
                         leaf.num_own_blocks = own - want
@@ -417,13 +419,14 @@ class RadixTree:
                         trims += 1
                         evictor.add(leaf)
                         break
-                    if demote is not None:
-                        # A shared first block stays with the parent, but its later rows are this leaf's: copy it too.
-                        demote(leaf, 0, blocks)
+                    # A shared first block stays with the parent, but its later rows are this leaf's: demote it too.
+                    demoted = demote(leaf, 0, blocks) if demote is not None else None
                     parent = leaf.parent
                     del parent.children[leaf.tokens[0]]
                     if listening and leaf.block_hashes:
                         events.append(BlockRemoved(leaf.namespace, tuple(leaf.block_hashes)))
+                    if demoted:
+                        events.extend(demoted)
                     if leaf.shares_first:
                         # The parent's copy may now duplicate a remaining child's; the next request through that
                         # child, or the next allocation of one running through it, heals the seam (scanning the
@@ -467,10 +470,10 @@ class RadixTree:
                 logger.debug(
                     "evicted %d nodes: %d tokens, %d blocks freed (%d asked)", nodes, tokens, freed, num_blocks
                 )
-                if listening:
-                    if not self.roots:
-                        events.append(AllCleared())
-                    self.events.emit(events)
+                if listening and not self.roots:
+                    events.append(AllCleared())
+            if events:
+                self.events.emit(events)
         return EvictResult(freed, nodes, tokens)
 
     def heal_seam(self, node: Node) -> bool:
