@@ -6,6 +6,11 @@ Joining late is safe: the subscriber connects its SUB socket, then asks the repl
 sequence 0; afterwards it applies only batches it has not applied yet, in sequence order.  A gap in the live stream
 (a dropped or early message) triggers a replay from the first missing batch, and so does a quiet spell of
 ``resync_interval_s``, so the tail is never missed for long.  Needs the ``[events]`` extra (pyzmq, msgspec).
+
+Not detected: a publisher restarted on the *same* endpoints.  It numbers its batches from 0 again (vLLM's protocol
+has no epoch), so the subscriber takes them for batches it already applied and the mirror goes stale.  Follow a
+replica by its endpoints and subscribe anew when they change, as the Ray Serve router does (each replica binds
+fresh ports), or close and reopen the subscriber when you restart a publisher on fixed ports.
 """
 
 from __future__ import annotations
