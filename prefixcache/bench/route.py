@@ -196,11 +196,11 @@ def simulate(
 
     Returns ``hit_rate``, ``imbalance``, ``hits`` (cached prompt tokens per request) and ``kept``: of the requests
     whose conversation came before, the share sent to the replica that served its previous turn (``None`` when no
-    conversation has two requests, as in a trace).  For the exact and oracle
-    routers, given ``reference_hits`` (the one big replica's ``hits``), it also splits the tokens they miss against
-    it: ``steered`` (a longer prefix sat on another replica; the router chose otherwise), ``absent`` (no replica
-    held the prefix any more: evicted for lack of memory, duplicates included) and ``other`` (the rest: partial
-    blocks, a prefix the chosen replica lost to its own eviction), each as a fraction of all prompt tokens.
+    conversation has two requests, as in a trace). For the exact and oracle routers, given ``reference_hits`` (the
+    one big replica's ``hits``), it also splits the tokens they miss against it: ``steered`` (a longer prefix sat on
+    another replica; the router chose otherwise), ``absent`` (no replica held the prefix any more: evicted for lack
+    of memory, duplicates included) and ``other`` (the rest: partial blocks, a prefix the chosen replica lost to its
+    own eviction), each as a fraction of all prompt tokens.
 
     Raises:
         InvalidArgumentError: no request, no replica, ``num_blocks < 1`` or a router not in :data:`ROUTERS`.
