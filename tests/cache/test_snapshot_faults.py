@@ -1,6 +1,6 @@
 """Restores that fail leave the cache as it was: a snapshot written wrong refused before ``replace`` drops anything,
-manifests no reader expects refused with the package's errors, and a fault injected at any step of a restore leaks no
-block."""
+manifests no reader expects refused with the package's errors, and a fault injected at any step of a restore (or of
+the host tier's clearing) leaks no block."""
 
 from __future__ import annotations
 
@@ -111,6 +111,20 @@ def test_a_fault_at_any_step_of_a_restore_leaks_no_block(tmp_path: Path, module,
     assert cache.stats().num_nodes > 0
 
 
+@pytest.mark.parametrize("name", ["decref", "_free"])
+def test_a_fault_while_clearing_the_host_tier_leaks_no_host_block(tmp_path: Path, name: str) -> None:
+    num_runs = len(filled_tiered_cache()._host.runs)
+    for k in range(1, num_runs + 1):
+        cache = filled_tiered_cache()
+        target = cache._host.pool if name == "decref" else cache._host
+        with fail_on_call(target, name, k), pytest.raises(InjectedFault):
+            cache._host.clear()
+        cache.check_invariants()
+        cache._host.clear()
+        assert cache.stats().host_used_blocks == 0
+        cache.check_invariants()
+
+
 def test_a_restored_snapshot_saves_again_to_the_same_manifest(tmp_path: Path) -> None:
     original = filled_tiered_cache()
     original.save(tmp_path / "a")
@@ -128,3 +142,16 @@ def test_a_restored_snapshot_saves_again_to_the_same_manifest(tmp_path: Path) ->
         return {key: manifest[key] for key in ("num_blocks", "num_tokens", "host_runs")} | {"nodes": sorted(nodes)}
 
     assert content(tmp_path / "a") == content(tmp_path / "b")
+
+
+def test_a_fault_while_dropping_a_host_run_for_room_leaks_no_host_block() -> None:
+    cache = tiered_cache(device_blocks=4, host_blocks=2)
+    serve(cache, [1] * 16, seed=1)
+    serve(cache, [2] * 16, seed=2)  # demotes the first document: the host tier is full
+    assert cache.stats().host_used_blocks == 2
+
+    with fail_on_call(cache._host.pool, "decref", 1) as calls:
+        serve(cache, [3] * 16, seed=3)  # demotion must drop a host run for room; it fails, and is only logged
+
+    assert calls[0] >= 1
+    cache.check_invariants()
