@@ -76,6 +76,36 @@ def plan(snapshot: Snapshot, host: HostTier | None, block_size: int) -> HostPlan
         SnapshotError: the host tier already holds runs.
         SnapshotCorruptError: a run is malformed (only a snapshot written wrong can hold one).
     """
+    check(snapshot, block_size)
+    records = snapshot.manifest.get("host_runs", [])
+    if host is None:
+        return HostPlan([], len(records), sum(len(r["tokens"]) for r in records))
+    if host.runs:
+        raise SnapshotError(
+            f"a snapshot is restored into an empty host tier; this one holds {len(host.runs)} runs "
+            "(restore with replace=True drops them)"
+        )
+    budget = host.pool.num_free_blocks
+    chosen: list[tuple[dict[str, Any], int]] = []
+    skipped_runs = skipped_tokens = 0
+    for record in reversed(records):
+        take = min(len(record["blocks"]), budget)
+        if take:
+            chosen.append((record, take))
+            budget -= take
+        skipped_tokens += (len(record["blocks"]) - take) * block_size
+        skipped_runs += take == 0
+    chosen.reverse()
+    return HostPlan(chosen, skipped_runs, skipped_tokens)
+
+
+def check(snapshot: Snapshot, block_size: int) -> None:
+    """Check the saved host runs, without touching a host tier: a restore that replaces a cache's content calls it
+    before dropping anything.  O(host tokens).
+
+    Raises:
+        SnapshotCorruptError: a run is malformed (only a snapshot written wrong can hold one).
+    """
     records = snapshot.manifest.get("host_runs", [])
     num_saved = snapshot.manifest.get("host_num_blocks", 0)
     seen: set[int] = set()
@@ -96,25 +126,6 @@ def plan(snapshot: Snapshot, host: HostTier | None, block_size: int) -> HostPlan
                 raise ValueError(f"host run {index} has namespace {record['namespace']!r}")
     except (KeyError, TypeError, ValueError) as error:
         raise SnapshotCorruptError(f"the snapshot {snapshot.path} holds a malformed host run: {error!r}") from None
-    if host is None:
-        return HostPlan([], len(records), sum(len(r["tokens"]) for r in records))
-    if host.runs:
-        raise SnapshotError(
-            f"a snapshot is restored into an empty host tier; this one holds {len(host.runs)} runs "
-            "(restore with replace=True drops them)"
-        )
-    budget = host.pool.num_free_blocks
-    chosen: list[tuple[dict[str, Any], int]] = []
-    skipped_runs = skipped_tokens = 0
-    for record in reversed(records):
-        take = min(len(record["blocks"]), budget)
-        if take:
-            chosen.append((record, take))
-            budget -= take
-        skipped_tokens += (len(record["blocks"]) - take) * block_size
-        skipped_runs += take == 0
-    chosen.reverse()
-    return HostPlan(chosen, skipped_runs, skipped_tokens)
 
 
 def apply(snapshot: Snapshot, host: HostTier | None, chosen: HostPlan) -> dict[str, int]:

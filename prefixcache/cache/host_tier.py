@@ -286,8 +286,8 @@ class HostTier:
             run = next(iter(runs.values()))
             size = len(run.block_ids)
             if size <= short:
+                self._free(run.block_ids, run.stored)  # before it leaves the LRU: a failure leaks no block
                 runs.popitem(last=False)
-                self._free(run.block_ids, run.stored)
                 cut = size
             else:
                 cut = short
@@ -305,8 +305,9 @@ class HostTier:
         O(runs)."""
         try:
             while self.runs:
-                _, run = self.runs.popitem(last=False)
-                self._free(run.block_ids, run.stored)
+                run = next(iter(self.runs.values()))
+                self._free(run.block_ids, run.stored)  # before it leaves the LRU: a failure leaks no block
+                self.runs.popitem(last=False)
                 self.dropped_blocks += len(run.block_ids)
         finally:
             self.send_pending()

@@ -449,6 +449,8 @@ class RadixCache:
         """
         loaded = snapshot.read(directory)
         snapshot.check_compatible(loaded, self.pool, identity)
+        snapshot.check_nodes(loaded, self.pool.block_size)
+        host_snapshot.check(loaded, self.pool.block_size)
         with self._mutex:
             if replace:
                 if self._tree.locked_tokens or self._blocks.num_owned:

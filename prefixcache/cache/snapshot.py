@@ -44,7 +44,6 @@ drops them, and :class:`SnapshotSummary` counts what was left out either way.
 
 from __future__ import annotations
 
-import heapq
 import json
 import logging
 import os
@@ -72,7 +71,8 @@ from prefixcache.cache.snapshot_folder import (
     safetensors_module,
     write_error,
 )
-from prefixcache.cache.snapshot_manifest import check_structure
+from prefixcache.cache.snapshot_manifest import check_nodes as check_manifest_nodes
+from prefixcache.cache.snapshot_manifest import choose
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.errors import (
     SnapshotCorruptError,
@@ -416,16 +416,15 @@ def restore(snapshot: Snapshot, tree: RadixTree) -> SnapshotSummary:
         )
     manifest = snapshot.manifest
     records = manifest["nodes"]
-    try:
-        check_structure(manifest)
-        chosen, skipped_nodes, skipped_tokens = _choose(records, pool.num_free_blocks, pool.block_size)
-    except (KeyError, TypeError, IndexError, ValueError, AttributeError) as error:
-        raise SnapshotCorruptError(f"the snapshot {snapshot.path} holds a malformed node: {error!r}") from None
+    check_nodes(snapshot, pool.block_size)
+    chosen, skipped_nodes, skipped_tokens = choose(records, pool.num_free_blocks, pool.block_size)
     new_id: dict[int, int] = {}
     for index in chosen:
         for block in records[index]["blocks"]:
             new_id.setdefault(block, len(new_id))
     allocated = pool.allocate(len(new_id))
+    built: dict[int, Node] = {}
+    shared: list[np.ndarray] = []
     try:
         if pool.kv is not None and new_id:
             source = torch.tensor(list(new_id), dtype=torch.long)
@@ -433,52 +432,21 @@ def restore(snapshot: Snapshot, tree: RadixTree) -> SnapshotSummary:
             for first in range(0, len(source), COPY_CHUNK_BLOCKS):
                 rows = snapshot.kv.index_select(2, source[first : first + COPY_CHUNK_BLOCKS]).to(pool.kv.device)
                 pool.kv.index_copy_(2, target[first : first + COPY_CHUNK_BLOCKS], rows)
+        num_tokens = _link(tree, records, chosen, manifest["namespaces"], allocated, new_id, built, shared)
+        tree.clock = max(tree.clock, int(manifest["clock"]))
     except BaseException:
-        pool.decref(allocated)
+        _unlink(tree, built, shared, allocated)
         raise
-    num_tokens = _link(tree, records, chosen, manifest["namespaces"], allocated, new_id)
-    tree.clock = max(tree.clock, int(manifest["clock"]))
     if tree.events.listeners:
         tree.events.emit(tree.events.hash_tree(tree.roots))
     kv_bytes = 0 if pool.kv is None else len(new_id) * pool.block_size * pool.bytes_per_token
     return SnapshotSummary(snapshot.path, len(chosen), num_tokens, len(new_id), kv_bytes, skipped_nodes, skipped_tokens)
 
 
-def _choose(records: list[dict[str, Any]], budget_blocks: int, block_size: int) -> tuple[list[int], int, int]:
-    """Indices of the nodes to load, parents first: a frontier from the roots down, highest (priority, last access)
-    first, taking each node whose own blocks still fit.  Checks the structure the tree will rely on.  Also returns
-    the nodes and tokens left out."""
-    children: dict[int, list[int]] = {}
-    for index, record in enumerate(records):
-        parent = record["parent"]
-        if not -1 <= parent < index:
-            raise ValueError(f"node {index} names parent {parent}")
-        children.setdefault(parent, []).append(index)
-    frontier = [(-records[i]["priority"], -records[i]["last_access"], i) for i in children.get(-1, [])]
-    heapq.heapify(frontier)
-    chosen: list[int] = []
-    while frontier:
-        index = heapq.heappop(frontier)[2]
-        record = records[index]
-        tokens, blocks, start = record["tokens"], record["blocks"], record["start"]
-        parent = records[record["parent"]] if record["parent"] >= 0 else None
-        expected_start = parent["start"] + len(parent["tokens"]) if parent else 0
-        if not tokens or start != expected_start:
-            raise ValueError(f"node {index} starts at {start}, after its parent at {expected_start}")
-        if len(blocks) != (start + len(tokens) - 1) // block_size - start // block_size + 1:
-            raise ValueError(f"node {index} holds {len(blocks)} blocks for positions {start}..{start + len(tokens)}")
-        if record["shares_first"] and (parent is None or blocks[0] != parent["blocks"][-1]):
-            raise ValueError(f"node {index} says it shares its parent's last block, which it does not")
-        own = len(blocks) - bool(record["shares_first"])
-        if own > budget_blocks:
-            continue
-        budget_blocks -= own
-        chosen.append(index)
-        for child in children.get(index, ()):
-            heapq.heappush(frontier, (-records[child]["priority"], -records[child]["last_access"], child))
-    taken = set(chosen)
-    left_out = [r for i, r in enumerate(records) if i not in taken]
-    return chosen, len(left_out), sum(len(r["tokens"]) for r in left_out)
+def check_nodes(snapshot: Snapshot, block_size: int) -> None:
+    """:func:`~prefixcache.cache.snapshot_manifest.check_nodes` of ``snapshot``: a restore that replaces a cache's
+    content calls it before dropping anything.  Raises :class:`SnapshotCorruptError` for a malformed node."""
+    check_manifest_nodes(snapshot.manifest, block_size, snapshot.path)
 
 
 def _link(
@@ -488,10 +456,13 @@ def _link(
     namespaces: list[str | None],
     allocated: np.ndarray,
     new_id: dict[int, int],
+    built: dict[int, Node],
+    shared: list[np.ndarray],
 ) -> int:
-    """Create the chosen nodes (parents first) in ``tree`` on the ``allocated`` blocks; returns their tokens."""
+    """Create the chosen nodes (parents first) in ``tree`` on the ``allocated`` blocks; returns their tokens.  Fills
+    ``built`` (record index -> node) and ``shared`` (each first block given one more holder) as it goes, so that
+    :func:`_unlink` can take out what a failure midway left."""
     pool = tree.pool
-    built: dict[int, Node] = {}
     num_tokens = 0
     for index in chosen:
         record = records[index]
@@ -506,6 +477,7 @@ def _link(
         shares = bool(record["shares_first"])
         if shares:
             pool.incref(blocks[:1])  # the first block is the parent's last: one more holder
+            shared.append(blocks[:1])
         tokens = array(TOKEN_TYPECODE, record["tokens"])
         # Restored nodes get fresh ids from the tree's own counter, as insert and split do.
         node = Node(next(tree._ids), parent, tokens, record["start"], blocks)
@@ -537,6 +509,20 @@ def _link(
     return num_tokens
 
 
+def _unlink(tree: RadixTree, built: dict[int, Node], shared: list[np.ndarray], allocated: np.ndarray) -> None:
+    """Undo a restore that failed after taking its blocks: the tree, empty before it, is emptied again (nodes,
+    counters, eviction candidates, retention) and every block it took goes back to the pool."""
+    for node in built.values():
+        tree.evictor.discard(node)
+        node.evicted = True  # a retention deadline left in the heap skips it
+    tree.roots.clear()
+    tree.num_nodes = tree.cached_tokens = tree.evictable_tokens = tree.evictable_blocks = 0
+    tree.retention.retained_tokens = tree.retention.retained_blocks = 0
+    for blocks in shared:
+        tree.pool.decref(blocks)
+    tree.pool.decref(allocated)
+
+
 # ---- files ------------------------------------------------------------------------------------------------------
 
 
@@ -545,7 +531,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         document = json.loads(read_bytes(path))
         manifest = document["manifest"]
         checksum = document["checksum"]["xxh3_128"]
-    except (ValueError, KeyError, TypeError) as error:
+    except (ValueError, KeyError, TypeError, RecursionError) as error:  # RecursionError: nested past json's depth
         raise SnapshotCorruptError(f"{path} is not a snapshot manifest: {error}") from None
     if not isinstance(manifest, dict) or digest(canonical(manifest)) != checksum:
         raise SnapshotCorruptError(f"{path} does not match its checksum (edited or damaged)")
@@ -557,6 +543,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         )
     kinds = {"pool": dict, "identity": dict, "files": dict, "namespaces": list, "nodes": list, "num_blocks": int}
     wrong = [key for key, kind in kinds.items() if not isinstance(manifest.get(key), kind)]
+    if "files" not in wrong and not all(isinstance(entry, dict) for entry in manifest["files"].values()):
+        wrong.append("files")
     if wrong:
         raise SnapshotCorruptError(f"{path} lacks or mistypes {', '.join(wrong)} (written wrong)")
     return manifest
