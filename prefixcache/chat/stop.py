@@ -52,16 +52,20 @@ class StopMatcher:
     def feed(self, delta: str) -> str:
         """Text of ``delta`` (plus earlier held-back text) that can no longer be part of a stop string.
 
-        Once a stop string is seen, returns the text before it and discards the rest; after that, returns ``""``.
+        Once a stop string is complete, returns the text before it and discards the rest; after that, returns ``""``.
+        Of several stop strings in the text, the one that ends first counts (of those ending together, the longest),
+        so the result does not depend on how the text was cut into deltas.
         """
         if self.stopped:
             return ""
         text = self._held + delta
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        # Generation stops once a stop string is complete, so the one that ends first wins (of two ending together,
+        # the longer); the earliest-starting one would make the answer depend on how tokens chunk the text.
+        ends = [(i + len(s), i) for s in self.stops if (i := text.find(s)) >= 0]
+        if ends:
             self.stopped = True
             self._held = ""
-            return text[:cut]
+            return text[: min(ends)[1]]
         keep = 0
         for stop in self.stops:
             for length in range(min(len(stop) - 1, len(text)), keep, -1):
@@ -77,12 +81,16 @@ class StopMatcher:
         return held
 
 
+_MAX_HELD_IDS = 8
+"""Ids :class:`TextStream` holds while their text ends in U+FFFD before it emits all but the last few."""
+
+
 class TextStream:
     """Token ids in, text deltas out, for any :class:`Tokenizer`.
 
     Decodes the ids since the last emitted character boundary and holds back a trailing U+FFFD (a multi-byte
-    character cut by a token boundary), as Hugging Face's ``TextStreamer`` does.  ``skip`` ids (end-of-turn tokens)
-    produce no text.  Cost per token: O(ids since the last boundary).
+    character cut by a token boundary), as Hugging Face's ``TextStreamer`` does; the deltas add up to the decode of
+    all the ids.  ``skip`` ids (end-of-turn tokens) produce no text.  Cost per token: O(ids since the last boundary).
     """
 
     __slots__ = ("_pending", "_skip", "_tokenizer")
@@ -96,11 +104,22 @@ class TextStream:
         """Text completed by ``token_id`` (may be ``""``)."""
         if token_id in self._skip:
             return ""
-        self._pending.append(token_id)
-        text = self._tokenizer.decode(self._pending)
-        if text.endswith("\ufffd") and len(self._pending) < 8:
+        pending = self._pending
+        pending.append(token_id)
+        text = self._tokenizer.decode(pending)
+        if not text.endswith("\ufffd"):
+            pending.clear()
+            return text
+        if len(pending) < _MAX_HELD_IDS:
             return ""
-        self._pending.clear()
+        # A long run of ids ending in U+FFFD is mostly invalid bytes: emit all but the last few ids (a UTF-8
+        # character spans at most 4), cut where no character spans the cut, so the text stays decode(all ids).
+        for keep in range(3, 0, -1):
+            head = self._tokenizer.decode(pending[:-keep])
+            if head + self._tokenizer.decode(pending[-keep:]) == text:
+                del pending[:-keep]
+                return head
+        pending.clear()
         return text
 
     def flush(self) -> str:

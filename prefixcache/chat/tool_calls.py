@@ -84,11 +84,36 @@ def _call_id(index: int, name: str, arguments: str, salt: str) -> str:
     return "call_" + xxhash.xxh64(f"{salt}|{index}|{name}|{arguments}".encode()).hexdigest()
 
 
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _strict_call(block: str) -> tuple[str, str] | None:
+    """``(name, arguments as JSON)`` of one block's JSON, or ``None`` when it is not a call in strict JSON.
+
+    Python's json reads NaN and Infinity (and turns 1e999 into inf), which no other JSON parser a client runs
+    accepts, and ``\\ud800`` escapes into a lone surrogate, which cannot be sent as UTF-8: all make the block text.
+    """
+    try:
+        obj = json.loads(block, parse_constant=_not_json)
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            return None
+        arguments = obj.get("arguments", {})
+        if not isinstance(arguments, dict):
+            return None
+        arguments_json = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+        (obj["name"] + arguments_json).encode()
+    except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
+        return None
+    return obj["name"], arguments_json
+
+
 def parse_tool_calls(text: str, *, id_salt: str = "") -> ParsedOutput:
     """Split generated ``text`` into content and OpenAI tool calls.  O(len(text)).
 
     Text before the first ``<tool_call>`` (stripped; ``None`` if empty) is the content; every block must hold a JSON
-    object with a string ``name`` and object ``arguments`` (missing arguments count as ``{}``), and only whitespace
+    object with a string ``name`` and object ``arguments`` (missing arguments count as ``{}``; strict JSON: no NaN or
+    Infinity, nothing that is not valid UTF-8 once decoded), and only whitespace
     may lie between and after blocks.  Otherwise the result is ``ParsedOutput(text, ())``.  Call ids are
     ``call_<xxh64>`` of ``id_salt``, the call's index, name and arguments.  Never raises.
     """
@@ -100,21 +125,15 @@ def parse_tool_calls(text: str, *, id_salt: str = "") -> ParsedOutput:
     for match in _BLOCK.finditer(text, start):
         if text[position : match.start()].strip():
             return ParsedOutput(text, ())
-        try:
-            obj = json.loads(match.group(1))
-        except (ValueError, RecursionError):
+        call = _strict_call(match.group(1))
+        if call is None:
             return ParsedOutput(text, ())
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-            return ParsedOutput(text, ())
-        arguments = obj.get("arguments", {})
-        if not isinstance(arguments, dict):
-            return ParsedOutput(text, ())
-        arguments_json = json.dumps(arguments, ensure_ascii=False)
+        name, arguments_json = call
         calls.append(
             {
-                "id": _call_id(len(calls), obj["name"], arguments_json, id_salt),
+                "id": _call_id(len(calls), name, arguments_json, id_salt),
                 "type": "function",
-                "function": {"name": obj["name"], "arguments": arguments_json},
+                "function": {"name": name, "arguments": arguments_json},
             }
         )
         position = match.end()

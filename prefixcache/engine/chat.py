@@ -15,10 +15,11 @@ per-token callback, as the server does.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from prefixcache.chat.stop import StopMatcher, TextStream, check_stop
@@ -81,7 +82,8 @@ def check_tool_choice(tool_choice: Any, tools: Sequence[Mapping[str, Any]] | Non
         name = function.get("name") if isinstance(function, Mapping) else None
         if not isinstance(name, str) or name not in known:
             raise InvalidArgumentError(f"tool_choice names function {name!r}, which is not among the tools {known}")
-        return f'{TOOL_CALL_OPEN}\n{{"name": "{name}", "arguments": '
+        # As JSON, so that a name with a quote or a backslash still leaves a call the parser reads back.
+        return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
     raise InvalidArgumentError(
         "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}, "
         f"got {tool_choice!r}"
@@ -236,8 +238,16 @@ def prepare_chat(
     return PreparedChat(list(prompt) + forced_ids, params, decoder)
 
 
+_SAMPLING_FIELDS = frozenset(field.name for field in fields(SamplingParams))
+
+
 def _sampling_params(tokenizer: Any, sampling: dict[str, Any]) -> SamplingParams:
     # The tokenizer's end-of-turn ids stop generation and its vocabulary bounds sampling unless the caller says else.
+    unknown = sorted(set(sampling) - _SAMPLING_FIELDS)
+    if unknown:
+        raise InvalidArgumentError(
+            f"unsupported parameter(s) {', '.join(unknown)}; sampling takes {', '.join(sorted(_SAMPLING_FIELDS))}"
+        )
     sampling.setdefault("stop_token_ids", tokenizer.eos_token_ids)
     sampling.setdefault("vocab_limit", tokenizer.vocab_size)
     return SamplingParams(**sampling)

@@ -26,6 +26,7 @@ from smolagents.monitoring import TokenUsage
 from prefixcache.chat.template import join_text_parts
 from prefixcache.engine.chat import ChatCompletion, chat_stream
 from prefixcache.engine.runner import PrefixCachingRunner
+from prefixcache.errors import InvalidArgumentError
 
 __all__ = ["PrefixCacheModel"]
 
@@ -45,8 +46,10 @@ class PrefixCacheModel(Model):
     """A smolagents ``Model`` answering with ``runner`` through its prefix cache.
 
     ``namespace`` salts every call's cache; ``max_tokens`` (default 256), ``temperature`` (0 = greedy), ``top_p`` and
-    ``seed`` are the sampling defaults.  Other keyword arguments go to ``smolagents.Model``.  Errors are those of
-    :func:`prefixcache.engine.chat.chat_stream`, raised before anything is cached.
+    ``seed`` are the sampling defaults (a call's ``max_tokens``, ``temperature``, ``top_p`` or ``seed`` overrides
+    them).  Other keyword arguments go to ``smolagents.Model``.  Errors are those of
+    :func:`prefixcache.engine.chat.chat_stream` (an unsupported option, ``response_format`` included, is an
+    ``InvalidArgumentError``), raised before anything is cached.
     """
 
     def __init__(
@@ -72,7 +75,7 @@ class PrefixCacheModel(Model):
 
     def _start(self, messages, stop_sequences, response_format, tools_to_call_from, kwargs):
         if response_format is not None:
-            raise ValueError("PrefixCacheModel does not support response_format (structured generation)")
+            raise InvalidArgumentError("PrefixCacheModel does not support response_format (structured generation)")
         request = self._prepare_completion_kwargs(
             messages=messages, stop_sequences=stop_sequences, tools_to_call_from=tools_to_call_from, **kwargs
         )
@@ -84,6 +87,11 @@ class PrefixCacheModel(Model):
         for ours, theirs in (("max_new_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p")):
             if theirs in request:
                 sampling[ours] = request.pop(theirs)
+        for name in ("max_new_tokens", "seed"):
+            if name in request:
+                sampling[name] = request.pop(name)
+        # What is left (a call's or the model's extra kwargs) goes on as sampling: an unknown one is an
+        # InvalidArgumentError rather than silently dropped.
         return chat_stream(
             self.runner,
             chat_messages,
@@ -92,6 +100,7 @@ class PrefixCacheModel(Model):
             stop=request.pop("stop", None),
             namespace=self.namespace,
             **sampling,
+            **request,
         )
 
     def _message(self, done: ChatCompletion) -> ChatMessage:

@@ -127,6 +127,8 @@ def _common(body: Any, allowed: frozenset[str], default_max_tokens: int, max_tok
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
         raise BadRequest("stream_options supports only include_usage", "stream_options")
+    if not isinstance(options.get("include_usage", False), (bool, type(None))):
+        raise BadRequest("stream_options.include_usage must be a boolean", "stream_options")
     if body.get("stream_options") is not None and not stream:
         # As OpenAI and vLLM answer: the options describe a stream, and a plain response would silently drop them.
         raise BadRequest("stream_options is only allowed when stream is true", "stream_options")

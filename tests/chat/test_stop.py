@@ -61,9 +61,27 @@ def test_matches_a_search_on_the_whole_text_whatever_the_chunking(text: str, sto
         # The emitted text never contains, or ends inside, a stop string.
         assert not any(s in emitted for s in stops)
     emitted += matcher.flush()
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    assert emitted == (text[: min(hits)] if hits else text)
-    assert matcher.stopped == bool(hits)
+    cut = first_stop(text, stops)
+    assert emitted == (text if cut is None else text[:cut])
+    assert matcher.stopped == (cut is not None)
+
+
+def first_stop(text: str, stops: list[str]) -> int | None:
+    """Where the answer ends: generation stops as soon as a stop string is complete, so the stop that ends first
+    wins (of two ending together, the longer); ``None`` when no stop string occurs."""
+    for end in range(1, len(text) + 1):
+        starts = [end - len(s) for s in stops if text[:end].endswith(s)]
+        if starts:
+            return min(starts)
+    return None
+
+
+def test_the_stop_that_completes_first_wins_however_the_text_is_chunked() -> None:
+    # "bc" is complete at "abc", before the overlapping "abcd" is: the answer is "a" whether "abcd" comes as one
+    # token or four (it used to be "" in one chunk, as the earliest-starting stop won).
+    for chunks in (["abcd"], ["a", "b", "c", "d"], ["ab", "cd"]):
+        matcher = StopMatcher(("abcd", "bc"))
+        assert "".join(feed_all(matcher, chunks)) == "a", chunks
 
 
 @pytest.mark.parametrize(("stop", "expected"), [(None, ()), ("x", ("x",)), (["a", "b"], ("a", "b")), ((), ())])
@@ -85,3 +103,22 @@ def test_text_stream_never_emits_half_a_character() -> None:
     assert "\ufffd" not in "".join(pieces)
     assert "".join(pieces) + stream.flush() == text
     assert pieces[-1] == ""  # the end-of-turn token makes no text
+
+
+def test_text_stream_after_a_run_of_invalid_bytes_still_decodes_the_next_character() -> None:
+    # Seven stray bytes then "€" (3 bytes): the stream used to give up holding at 8 ids and emit "€"'s first byte
+    # as U+FFFD, so the text (and any stop string in it) differed from the tokenizer's decode of the same ids.
+    tok = ByteTokenizer()
+    ids = [0xFF] * 7 + list("€ ok".encode())
+    stream = TextStream(tok)
+    assert "".join(stream.push(t) for t in ids) + stream.flush() == tok.decode(ids) == "\ufffd" * 7 + "€ ok"
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    ids=st.lists(st.sampled_from([0x61, 0x20, 0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x98, 0x80, 0xFF]), max_size=40)
+)
+def test_text_stream_equals_decoding_all_the_ids_at_once(ids: list[int]) -> None:
+    tok = ByteTokenizer()
+    stream = TextStream(tok)
+    assert "".join(stream.push(t) for t in ids) + stream.flush() == tok.decode(ids)

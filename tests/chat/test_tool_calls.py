@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.chat.tool_calls import parse_tool_calls, render_tool_call
+from prefixcache.chat.tool_calls import ParsedOutput, parse_tool_calls, render_tool_call
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 
@@ -111,3 +111,22 @@ def test_parsing_never_raises_and_keeps_all_text_when_it_finds_no_call(text: str
     parsed = parse_tool_calls(text)
     if not parsed.tool_calls:
         assert parsed.content == text
+
+
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        '{"text": "\\ud800"}',  # a lone surrogate escape: used to raise UnicodeEncodeError (a 500 on the server)
+        '{"x": NaN}',  # NaN, Infinity and numbers past float range are not JSON: used to pass as "arguments"
+        '{"x": -Infinity}',
+        '{"x": 1e999}',
+    ],
+)
+def test_a_call_that_is_not_strict_utf8_json_stays_text_and_never_raises(arguments: str) -> None:
+    text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+    assert parse_tool_calls(text) == parse_tool_calls(text, id_salt="x") == ParsedOutput(text, ())
+
+
+def test_a_surrogate_in_the_name_stays_text() -> None:
+    text = '<tool_call>\n{"name": "f\\udc00", "arguments": {}}\n</tool_call>'
+    assert parse_tool_calls(text).tool_calls == ()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from prefixcache import PrefixCachingRunner
@@ -77,6 +79,22 @@ def test_named_tool_choice_forces_the_call() -> None:
     assert done.tool_calls[0]["function"]["name"] == "search"
 
 
+def test_a_named_tool_choice_whose_name_needs_json_escaping_still_parses() -> None:
+    # The forced prefix used to write the name raw: '{"name": "say "hi"", ...' is not JSON, so the call came back
+    # as text.
+    name = 'say "hi"\\now'
+    tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+    done = complete_chat(
+        runner_for(f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": {{"to": "you"}}}}\n</tool_call>'),
+        ASK,
+        tools,
+        tool_choice={"type": "function", "function": {"name": name}},
+        max_new_tokens=200,
+    )
+    assert done.finish_reason == "tool_calls"
+    assert done.tool_calls[0]["function"] == {"name": name, "arguments": '{"to": "you"}'}
+
+
 def test_closing_the_stream_early_releases_everything_and_caches_nothing() -> None:
     runner = runner_for("a long answer " * 20)
     steps = chat_stream(runner, ASK, max_new_tokens=200)
@@ -93,6 +111,9 @@ def test_closing_the_stream_early_releases_everything_and_caches_nothing() -> No
         ({"tool_choice": "required"}, InvalidArgumentError),
         ({"tool_choice": "sometimes"}, InvalidArgumentError),
         ({"temperature": -1}, InvalidArgumentError),
+        # Unknown sampling fields (what LangChain's invoke(..., logprobs=True) passes on) used to be a TypeError.
+        ({"logprobs": True}, InvalidArgumentError),
+        ({"n": 2}, InvalidArgumentError),
     ],
 )
 def test_bad_options_raise_before_touching_the_cache(options: dict, error: type) -> None:

@@ -76,3 +76,19 @@ def get_weather_schema() -> dict:
     from langchain_core.utils.function_calling import convert_to_openai_tool
 
     return convert_to_openai_tool(get_weather)
+
+
+def test_an_unknown_call_option_is_an_invalid_argument_and_touches_nothing() -> None:
+    from prefixcache.errors import InvalidArgumentError
+
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["hi"]), cache_tokens=4096)
+    llm = ChatPrefixCache(runner=runner)
+    for call in (lambda: llm.invoke("x", logprobs=True), lambda: list(llm.stream("x", n=2))):
+        try:
+            call()
+        except InvalidArgumentError as error:  # was a TypeError from SamplingParams
+            assert "logprobs" in str(error) or "n" in str(error)
+        else:
+            raise AssertionError("no error")
+    assert runner.cache.stats().cached_tokens == 0
+    assert_quiescent(runner.cache)

@@ -56,3 +56,20 @@ def test_streaming_agent_gets_the_same_calls(weather_calls: list[str]) -> None:
     assert VISITS == ["Paris", "Oslo", "Lima", "Pune", "Kyiv"]
     assert [s.tool_calls[0].name for s in steps] == ["get_weather"] * 5 + ["final_answer"]
     assert_quiescent(runner.cache)
+
+
+def test_unsupported_options_are_invalid_arguments_and_a_per_call_seed_is_taken() -> None:
+    import pytest
+
+    from prefixcache.errors import InvalidArgumentError
+
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["hi", "hi"]), cache_tokens=4096)
+    model = PrefixCacheModel(runner)
+    ask = [{"role": "user", "content": "x"}]
+    with pytest.raises(InvalidArgumentError, match="response_format"):  # was a plain ValueError
+        model.generate(ask, response_format={"type": "json_object"})
+    with pytest.raises(InvalidArgumentError, match="frobnicate"):  # was silently dropped
+        model.generate(ask, frobnicate=1)
+    assert runner.cache.stats().cached_tokens == 0
+    assert model.generate(ask, seed=7, temperature=0.5, max_new_tokens=8).content == "hi"
+    assert_quiescent(runner.cache)

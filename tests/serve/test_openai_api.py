@@ -179,6 +179,25 @@ def test_a_malformed_call_comes_back_as_text(make_app, asgi_client) -> None:
     assert response.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_with_a_lone_surrogate_escape_comes_back_as_text_not_a_500(make_app, asgi_client, stream: bool) -> None:
+    # json.loads turns "\ud800" into a lone surrogate, which cannot be encoded as UTF-8: this used to be a 500.
+    odd = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\ud800"}}\n</tool_call>'
+    app = make_app(scripted(odd))
+
+    async def main():
+        client = asgi_client(app)
+        if not stream:
+            response = await client.chat.completions.create(model="scripted", messages=QUESTION, tools=TOOLS)
+            return response.choices[0].message.content, response.choices[0].message.tool_calls
+        chunks = await client.chat.completions.create(model="scripted", messages=QUESTION, tools=TOOLS, stream=True)
+        pieces = [c.choices[0].delta async for c in chunks if c.choices]
+        return "".join(d.content or "" for d in pieces), [d.tool_calls for d in pieces if d.tool_calls] or None
+
+    assert run(main()) == (odd, None)
+    assert_quiescent(app.state.runner.cache)
+
+
 @pytest.mark.parametrize(
     ("extra", "param"),
     [

@@ -202,6 +202,8 @@ def test_requests_that_run_out_of_pool_together_are_preempted_not_failed(make_ap
     [
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"stream": False, "stream_options": {}}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
         ({"tools": [{"type": "function"}]}, "tools[0]"),
         ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0]"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}, {"function": {"name": 3}}]}, "tools[1]"),
