@@ -62,7 +62,7 @@ class HFTokenizer:
 
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-        except (OSError, ValueError, ImportError) as error:
+        except Exception as error:  # noqa: BLE001 - the tokenizers library raises bare Exception for broken files
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise InvalidArgumentError(f"cannot load a tokenizer from {str(folder)!r}: {first_line}") from None
         if chat_template is not None:
@@ -159,6 +159,7 @@ class HFTokenizer:
             )
         from jinja2 import TemplateError as JinjaError
 
+        _require_unicode(messages, tools)
         try:
             rendered = self.tokenizer.apply_chat_template(
                 [_template_message(m) for m in messages],
@@ -194,6 +195,23 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r})"
+
+
+def _require_unicode(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> None:
+    """Refuse a lone surrogate (``"\\ud800"`` is valid JSON, not Unicode text): the Rust tokenizers cannot take it
+    and fail with a TypeError naming no message.  The byte tokenizer encodes it (surrogatepass) instead.
+
+    Raises :class:`TemplateError` naming the message (or the tools) and the character.
+    """
+    parts = [(f"message {index} ({m.get('role')})", m) for index, m in enumerate(messages)]
+    for where, value in [*parts, ("tools", tools)]:
+        try:
+            json.dumps(value, ensure_ascii=False, default=str).encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise TemplateError(
+                f"{where} holds a lone surrogate {error.object[error.start]!r}, which is not Unicode text; "
+                "a Hugging Face tokenizer cannot encode it"
+            ) from None
 
 
 def _check_tokenizer_files(folder: Path) -> None:

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.chat.tokenizer import Tokenizer
-from prefixcache.errors import InvalidArgumentError, ScenarioError
+from prefixcache.errors import InvalidArgumentError, ScenarioError, TemplateError
 from prefixcache.replay.scenarios import Conversation, default_tools_for, detect_format, iter_mooncake, load_scenario
 
 __all__ = [
@@ -147,7 +147,7 @@ def load_requests(
 
     Raises:
         ScenarioError: a bad line (unless ``skip_invalid``, which also skips bad lines before the first usable one),
-            or an unreadable file.
+            a conversation the tokenizer's chat template cannot render (same), or an unreadable file.
     """
     path = Path(path)
     name = str(path)
@@ -168,12 +168,22 @@ def load_requests(
     if fmt != "chat":
         raise InvalidArgumentError(f"unknown format {file_format!r}; choose auto, chat or mooncake")
     scenario = load_scenario(path, tools=default_tools_for(path), skip_invalid=skip_invalid, progress=progress)
-    for error in scenario.skipped:
+    skipped = list(scenario.skipped)
+    for error in skipped:
         logger.warning("skipped %s", error)
     conversations = scenario.conversations[:limit] if limit is not None else scenario.conversations
-    rendering = progress(conversations, f"tokenize {path.name}", len(conversations), "conv")
-    per_conversation = [conversation_requests(c, tokenizer, name) for c in rendering]
-    return interleave(per_conversation, order, seed), len(scenario.skipped)
+    per_conversation = []
+    for conversation in progress(conversations, f"tokenize {path.name}", len(conversations), "conv"):
+        try:
+            per_conversation.append(conversation_requests(conversation, tokenizer, name))
+        except TemplateError as error:
+            # The line is valid JSON and a valid transcript, but this tokenizer's template refuses it: say where.
+            problem = ScenarioError(f"conversation {conversation.id!r}: {error}", name, conversation.line_no)
+            if not skip_invalid:
+                raise problem from None
+            logger.warning("skipped %s", problem)
+            skipped.append(problem)
+    return interleave(per_conversation, order, seed), len(skipped)
 
 
 def smallest_pool_tokens(requests: Iterable[ReplayRequest], block_size: int) -> tuple[int, ReplayRequest | None]:

@@ -357,21 +357,26 @@ def detect_format(path: str | Path, *, skip_invalid: bool = False) -> Literal["c
 def expand_paths(paths: Sequence[str | Path]) -> list[Path]:
     """Scenario files from command-line paths: a file as given, a folder as its ``*.jsonl`` files, sorted by name.
 
+    A file named more than once (again, through its folder, or by another spelling of its path) is kept once, where
+    first named, with a warning: each file is a scenario of the report, keyed by its path.
     Raises :class:`ScenarioError` for a path that does not exist or a folder with no ``*.jsonl`` file.
     """
-    files: list[Path] = []
+    files: dict[Path, Path] = {}
     for raw in paths:
         path = Path(raw)
         if path.is_dir():
             found = sorted(p for p in path.glob("*.jsonl") if p.is_file())
             if not found:
                 raise ScenarioError("folder has no *.jsonl scenario files", str(path))
-            files.extend(found)
         elif path.is_file():
-            files.append(path)
+            found = [path]
         else:
             raise ScenarioError("no such scenario file", str(path))
-    return files
+        for file in found:
+            first = files.setdefault(file.resolve(), file)
+            if first is not file:
+                logger.warning("%s: named more than once (again as %s); replayed once", first, file)
+    return list(files.values())
 
 
 def _require_int(obj: dict[str, Any], key: str, minimum: int, where: tuple[str, int]) -> int:
