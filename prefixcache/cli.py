@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -10,8 +11,10 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import IO, Any
 
 import torch
 
@@ -226,9 +229,13 @@ def _check_outputs(args: argparse.Namespace) -> None:
     a plot format matplotlib does not know, two outputs (or an output and an input) on one path."""
     outputs = {"--json": args.json, "--requests-jsonl": args.requests_jsonl, "--plot": args.plot}
     seen: dict[Path, str] = {Path(p).resolve(): "an input" for p in args.paths}
+    for folder in (Path(p) for p in args.paths if Path(p).is_dir()):
+        seen.update((p.resolve(), "an input") for p in folder.glob("*.jsonl"))  # replayed as inputs too
     for option, value in outputs.items():
         if value is None:
             continue
+        if not value.strip():
+            raise InvalidArgumentError(f"{option}: empty file name")
         path = Path(value)
         folder = path.parent
         if path.is_dir():
@@ -363,20 +370,46 @@ def _write_replay(args: argparse.Namespace, report, tokenizer_name: str) -> None
             print(format_divergences(scenario.scenario, scenario.explain_kinds or {}, scenario.divergences))
             if scenario.drifts:
                 print(format_drift_requests(scenario))
-    if args.plot and report.scenarios:
-        from prefixcache.replay.plot import plot_replay
-
-        print(f"plot written to {plot_replay(report, args.plot)}")
     if args.json:
         out_json = report.to_json()
         for scenario in report.scenarios:
             out_json["scenarios"][scenario.scenario]["drift"] = drift_json(scenario)
-        with open(args.json, "w") as out:
+        with _replacing(args.json) as out:
             json.dump(out_json, out, indent=2)
     if args.requests_jsonl:
-        with open(args.requests_jsonl, "w") as out:
+        with _replacing(args.requests_jsonl) as out:
             for record in report.requests_log:
                 out.write(json.dumps(record) + "\n")
+    if args.plot and report.scenarios:  # last: a plot that cannot be drawn (no requests) costs no other report
+        from prefixcache.replay.plot import plot_replay
+
+        with _replacing(args.plot, binary=True) as out:
+            plot_replay(report, out, image_format=Path(args.plot).suffix.lstrip(".").lower())
+        print(f"plot written to {args.plot}")
+
+
+@contextlib.contextmanager
+def _replacing(name: str, *, binary: bool = False) -> Iterator[IO[Any]]:
+    """A text file opened for writing that appears at ``name`` whole or not at all: written beside it under a
+    temporary name and renamed over it on success, removed on any error or Ctrl-C, so an old report survives.
+    A name that is not a regular file (``/dev/stdout``, a pipe) is written directly."""
+    path = Path(name)
+    if path.exists() and not path.is_file():
+        with open(path, "wb") if binary else open(path, "w", encoding="utf-8") as out:
+            yield out
+        return
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") if binary else os.fdopen(handle, "w", encoding="utf-8") as out:
+            yield out
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
 
 
 def _run_bench(args: argparse.Namespace) -> int:

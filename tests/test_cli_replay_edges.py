@@ -87,3 +87,115 @@ def test_expand_paths_keeps_the_first_naming_of_each_file(tmp_path: Path) -> Non
     assert expand_paths([b, tmp_path, a]) == [b, a]
     with pytest.raises(ScenarioError, match="no such scenario file"):
         expand_paths([a, tmp_path / "missing.jsonl"])
+
+
+def test_a_plot_of_no_requests_fails_after_writing_the_other_reports(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    scenario = write_jsonl(tmp_path / "s.jsonl", {"id": "u", "messages": [{"role": "user", "content": "hi"}]})
+    out, log, plot = tmp_path / "r.json", tmp_path / "r.jsonl", tmp_path / "p.png"
+
+    assert replay(scenario, "--json", out, "--requests-jsonl", log, "--plot", plot) == 2
+    assert json.loads(out.read_text())["requests"] == 0 and log.read_text() == ""
+    assert not plot.exists()
+    err = capsys.readouterr().err
+    assert "nothing to plot" in err and "Traceback" not in err
+
+
+def test_ctrl_c_while_the_json_is_written_leaves_the_old_file_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scenario = write_jsonl(tmp_path / "s.jsonl", CONVERSATION)
+    out = tmp_path / "r.json"
+    out.write_text('{"old": true}')
+    real_dump = json.dump
+
+    def dump_then_interrupt(obj, handle, **kwargs) -> None:
+        handle.write(json.dumps(obj)[:20])
+        handle.flush()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(json, "dump", dump_then_interrupt)
+    assert replay(scenario, "--json", out) == 130
+    monkeypatch.setattr(json, "dump", real_dump)
+
+    assert json.loads(out.read_text()) == {"old": True}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "s.jsonl"]
+    assert "interrupted" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_requests_log_is_written_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    scenario = write_jsonl(tmp_path / "s.jsonl", CONVERSATION, {**CONVERSATION, "id": "b"})
+    log = tmp_path / "r.jsonl"
+    calls = []
+    real_dumps = json.dumps
+
+    def dumps_then_interrupt(obj, **kwargs) -> str:
+        calls.append(obj)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_dumps(obj, **kwargs)
+
+    monkeypatch.setattr(json, "dumps", dumps_then_interrupt)
+    assert replay(scenario, "--requests-jsonl", log) == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.jsonl"]
+
+
+def test_reports_are_written_with_the_usual_permissions_and_to_devices(tmp_path: Path) -> None:
+    scenario = write_jsonl(tmp_path / "s.jsonl", CONVERSATION)
+    out = tmp_path / "r.json"
+
+    assert replay(scenario, "--json", out, "--requests-jsonl", "/dev/null") == 0
+    probe = tmp_path / "probe"
+    probe.touch()
+    assert out.stat().st_mode & 0o777 == probe.stat().st_mode & 0o777
+    assert json.loads(out.read_text())["requests"] == 1
+
+
+@pytest.mark.parametrize("option", ["--json", "--requests-jsonl", "--plot"])
+def test_an_empty_output_name_is_refused_as_empty(
+    option: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scenario = write_jsonl(tmp_path / "s.jsonl", CONVERSATION)
+
+    assert replay(scenario, option, "") == 2
+    assert f"error: {option}: empty file name" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_plot_is_saved_leaves_no_half_image(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    scenario = write_jsonl(tmp_path / "s.jsonl", CONVERSATION)
+    plot, out = tmp_path / "p.png", tmp_path / "r.json"
+
+    def savefig_then_interrupt(self, target, **kwargs) -> None:
+        target.write(b"\x89PNG half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", savefig_then_interrupt)
+    assert replay(scenario, "--json", out, "--plot", plot) == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json", "s.jsonl"]
+
+
+def test_a_plot_is_written_whole_under_its_name(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    scenario = write_jsonl(tmp_path / "s.jsonl", CONVERSATION, {**CONVERSATION, "id": "b"})
+    plot = tmp_path / "p.svg"
+
+    assert replay(scenario, "--plot", plot) == 0
+    assert plot.read_text().lstrip().startswith("<?xml") and plot.read_text().rstrip().endswith("</svg>")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.svg", "s.jsonl"]
+
+
+def test_an_output_that_is_a_file_of_an_input_folder_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scenario = write_jsonl(tmp_path / "s.jsonl", CONVERSATION)
+
+    assert replay(tmp_path, "--requests-jsonl", scenario) == 2
+    assert f"error: --requests-jsonl {scenario}: the same file as an input" in capsys.readouterr().err
+    assert json.loads(scenario.read_text()) == CONVERSATION

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, BinaryIO
 
 from prefixcache.errors import PrefixCacheError
 
@@ -62,8 +62,11 @@ def check_plot_path(path: str | Path) -> None:
         )
 
 
-def plot_replay(report: ReplayReport, path: str | Path, *, dpi: int = 110) -> Path:
-    """Draw one row per scenario of ``report`` and save it to ``path`` (format from the suffix, e.g. ``.png``).
+def plot_replay(
+    report: ReplayReport, path: str | Path | BinaryIO, *, dpi: int = 110, image_format: str | None = None
+) -> Path | BinaryIO:
+    """Draw one row per scenario of ``report`` and save it to ``path`` (format from the suffix, e.g. ``.png``, or
+    ``image_format``, which a binary file object given as ``path`` needs); returns ``path`` (as a Path if a name).
 
     Left: cumulative hit rate (cached / prompt tokens so far) against the ideal cache's, the gap shaded.  Right:
     the pool's blocks after each request, stacked as cached-and-evictable, locked (only drawn when some are) and
@@ -104,8 +107,8 @@ def plot_replay(report: ReplayReport, path: str | Path, *, dpi: int = 110) -> Pa
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=9, frameon=False)
     model = report.model or "no model (cache accounting only)"
     fig.suptitle(f"prefixcache replay: {model}, block size {report.block_size}", fontsize=12)
-    out = Path(path)
-    fig.savefig(out, dpi=dpi)
+    out = Path(path) if isinstance(path, (str, Path)) else path
+    fig.savefig(out, dpi=dpi, format=image_format)
     return out
 
 
