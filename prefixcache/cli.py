@@ -356,6 +356,17 @@ def _run_replay(args: argparse.Namespace) -> int:
 def _write_replay(args: argparse.Namespace, report, tokenizer_name: str) -> None:
     from prefixcache.replay.report import drift_json, format_drift, format_drift_requests, format_replay
 
+    # The files first: a stdout closed early (`| head`) must not cost them.
+    if args.json:
+        out_json = report.to_json()
+        for scenario in report.scenarios:
+            out_json["scenarios"][scenario.scenario]["drift"] = drift_json(scenario)
+        with _replacing(args.json) as out:
+            json.dump(out_json, out, indent=2)
+    if args.requests_jsonl:
+        with _replacing(args.requests_jsonl) as out:
+            for record in report.requests_log:
+                out.write(json.dumps(record) + "\n")
     print(f"tokenizer: {tokenizer_name}")
     print(format_replay(report))
     for scenario in report.scenarios:
@@ -370,16 +381,6 @@ def _write_replay(args: argparse.Namespace, report, tokenizer_name: str) -> None
             print(format_divergences(scenario.scenario, scenario.explain_kinds or {}, scenario.divergences))
             if scenario.drifts:
                 print(format_drift_requests(scenario))
-    if args.json:
-        out_json = report.to_json()
-        for scenario in report.scenarios:
-            out_json["scenarios"][scenario.scenario]["drift"] = drift_json(scenario)
-        with _replacing(args.json) as out:
-            json.dump(out_json, out, indent=2)
-    if args.requests_jsonl:
-        with _replacing(args.requests_jsonl) as out:
-            for record in report.requests_log:
-                out.write(json.dumps(record) + "\n")
     if args.plot and report.scenarios:  # last: a plot that cannot be drawn (no requests) costs no other report
         from prefixcache.replay.plot import plot_replay
 
@@ -515,7 +516,8 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (0 ok, 1 verification failed, 2 bad input or other error)."""
+    """Entry point; returns the exit status (0 ok, 1 verification failed, 2 bad input or other error, 130 Ctrl-C,
+    141 stdout closed by its reader)."""
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
@@ -525,6 +527,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # stdout closed by its reader (`| head`): end quietly, as a program killed by SIGPIPE would.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush fails silently
+        return 141
     except VerificationError as error:
         print(f"VERIFICATION FAILED: {error}", file=sys.stderr)
         return 1

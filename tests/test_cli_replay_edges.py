@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from prefixcache.cli import main
 from prefixcache.errors import ScenarioError
 from prefixcache.replay.scenarios import expand_paths
 
+ROOT = Path(__file__).resolve().parents[1]
 CONVERSATION = {"id": "a", "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
 
@@ -199,3 +202,17 @@ def test_an_output_that_is_a_file_of_an_input_folder_is_refused(
     assert replay(tmp_path, "--requests-jsonl", scenario) == 2
     assert f"error: --requests-jsonl {scenario}: the same file as an input" in capsys.readouterr().err
     assert json.loads(scenario.read_text()) == CONVERSATION
+
+
+def test_a_closed_stdout_ends_quietly_with_141_and_still_writes_the_json(tmp_path: Path) -> None:
+    scenario = write_jsonl(tmp_path / "s.jsonl", CONVERSATION, {**CONVERSATION, "id": "b"})
+    out = tmp_path / "r.json"
+    command = [sys.executable, "-m", "prefixcache", "replay", str(scenario), "--no-model", "--no-progress"]
+    process = subprocess.Popen([*command, "--json", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()  # as `| head -1` does once it has its line: every write to stdout fails
+    stderr = process.stderr.read().decode()
+    process.wait(timeout=120)
+
+    assert process.returncode == 141
+    assert stderr == ""
+    assert json.loads(out.read_text())["requests"] == 2
