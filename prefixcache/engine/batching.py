@@ -26,7 +26,8 @@ Prefix-aware scheduling (``policy="lpm"``, the default), after SGLang's longest-
 Admission reserves a request's prompt only; when a running request's next block cannot be had because the others
 hold the pool, the latest admitted ones are preempted (recompute preemption, :mod:`prefixcache.engine.preemption`):
 each caches what it has computed, frees its blocks and waits at the front of the queue, due, to resume where it
-stopped.  Its output is unchanged; ``preempted_requests`` counts them.
+stopped.  Its output is unchanged; ``preempted_requests`` counts them.  Resuming is admission: after a weight
+change the resumed request matches nothing of the old weights and recomputes its prompt and tokens with the new ones.
 
 Thread safety: :meth:`BatchEngine.submit`, :meth:`BatchEngine.call_soon` and ``cancel()`` may be called from any
 thread; one thread steps the engine (the background thread after :meth:`BatchEngine.start`, else whoever calls
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from array import array
@@ -127,10 +129,14 @@ class BatchEngine:
         (self-hit accounting; the prompt retained once cached).  ``on_token(token_id)`` is called on the engine
         thread with each generated token; returning True ends the request there as ``steps.send("stop")`` ends a
         runner stream: finish reason ``"stop"``, that token's K/V not computed, the prompt and the tokens before it
-        cached.  An exception from it fails the request (its blocks freed, nothing cached)."""
+        cached.  An exception from it fails the request (its blocks freed, nothing cached); a KeyboardInterrupt or
+        SystemExit does too, then reaches the caller of :meth:`run_until_idle` (the background thread logs it and
+        serves on).  Raises InvalidArgumentError for an ``on_token`` that is not callable."""
         sampling = sampling if sampling is not None else SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        if on_token is not None and not callable(on_token):
+            raise InvalidArgumentError(f"on_token must be callable or None, got {type(on_token).__name__}")
         runner = self.runner
         prompt = [int(t) for t in runner._check_tokens(prompt_ids, "prompt")]
         retention = check_retention(priority, retain_s)
@@ -177,7 +183,16 @@ class BatchEngine:
             return len(self._waiting) + len(self._running) + len(self._calls)
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Block until nothing is waiting or running (another thread steps the engine); False on timeout."""
+        """Block until nothing is waiting or running (another thread steps the engine); False on timeout.  Raises
+        InvalidArgumentError for a ``timeout`` that is not None or a number of seconds (NaN would wait forever), and
+        when called on the thread that steps (from ``on_token`` or a :meth:`call_soon` function): the engine cannot
+        become idle while its own step waits."""
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout)
+        ):
+            raise InvalidArgumentError(f"timeout must be None or a number of seconds, got {timeout!r}")
+        if self._stepping == threading.get_ident():
+            raise InvalidArgumentError("wait_idle() called on the thread that steps the engine would wait on itself")
         with self._lock:
             return self._lock.wait_for(lambda: not (self._waiting or self._running or self._calls), timeout)
 
@@ -234,6 +249,9 @@ class BatchEngine:
             except Exception as error:  # noqa: BLE001 - a fault in the engine's own code must not strand every request
                 logger.exception("a batching step failed; failing the requests it held")
                 self._fail_all(error)
+            except BaseException:  # noqa: BLE001 - a callback's or model's SystemExit, KeyboardInterrupt...: the step
+                # failed and released the requests it concerned; ending the thread would strand all the others
+                logger.exception("a request raised a BaseException on the engine thread; serving the others on")
 
     def _fail_all(self, error: BaseException) -> None:
         """Fail every waiting and running request with ``error`` (their leases released): after a step raised, the
@@ -274,9 +292,11 @@ class BatchEngine:
             self.steps += 1
             try:
                 logits = forward_batch(self.runner.model, rows, self.runner.pool.kv)
-            except Exception as error:  # noqa: BLE001 - the error belongs to the requests, not the engine
+            except BaseException as error:  # noqa: BLE001 - the error belongs to the requests, not the engine
                 for request in members:
                     self._fail(request, error)
+                if not isinstance(error, Exception):
+                    raise  # KeyboardInterrupt and the like reach whoever steps, once the requests are released
                 logits = []
             for request, row, row_logits in zip(members, rows, logits, strict=False):
                 request.position += row.token_ids.numel()
@@ -341,15 +361,13 @@ class BatchEngine:
                 request.waited_steps += 1
 
     def _refresh_namespaces(self, waiting: list[EngineRequest]) -> None:
-        """Check the weights before admitting: requests that have not started yet move to the current fingerprint's
-        namespace, so nothing cached with weights changed (or ``runner.invalidate()``) since their submit is served
-        to them.  A preempted request keeps its namespace: it resumes its own tokens.  O(parameters) integer reads
-        when a waiting request has not started."""
-        fresh = [request for request in waiting if request.preemptions == 0]
-        if not fresh:
-            return
+        """Check the weights before admitting: waiting requests move to the current fingerprint's namespace, so
+        nothing cached with weights changed (or ``runner.invalidate()``) since their submit is served to them.  A
+        preempted request moves too (resuming is admission): it then recomputes its prompt and tokens with the new
+        weights, instead of matching what it cached with the old ones or not, as eviction had it.  O(parameters)
+        integer reads per step while a request waits."""
         self.runner._check_weights()
-        for request in fresh:
+        for request in waiting:
             request.namespace = self.runner.namespace_key(request.user_namespace)
 
     def _admission_order(self, waiting: list[EngineRequest]) -> list[tuple[EngineRequest, int | None]]:
@@ -496,8 +514,10 @@ class BatchEngine:
         if request.on_token is not None:
             try:
                 stop = request.on_token(token)
-            except Exception as error:  # noqa: BLE001 - the callback's error belongs to its request
+            except BaseException as error:  # noqa: BLE001 - the callback's error belongs to its request
                 self._fail(request, error)
+                if not isinstance(error, Exception):
+                    raise  # KeyboardInterrupt and the like reach whoever steps, once the request is released
                 return
             if stop:
                 self._finish(request, "stop")

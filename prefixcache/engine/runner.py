@@ -18,6 +18,7 @@ threads compute in parallel and only wait for each other during bookkeeping.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
@@ -168,6 +169,9 @@ class PrefixCachingRunner:
             host_pool=host_pool_for(self.pool, host_cache_tokens, host_cache_memory),
         )
         self._epoch = 0
+        # One thread at a time checks the weights and moves the fingerprint: a second one must not find the new
+        # version stored and go on with the fingerprint of the old weights while the first computes the new one.
+        self._weights_lock = threading.Lock()
         self._weights_version = self._read_weights_version()
         self.fingerprint = self._make_fingerprint()
 
@@ -181,7 +185,8 @@ class PrefixCachingRunner:
         drop = getattr(self.model, "drop_weight_copies", None)
         if drop is not None:
             drop()
-        self._new_epoch()
+        with self._weights_lock:
+            self._new_epoch()
 
     def _new_epoch(self) -> None:
         self._epoch += 1
@@ -395,10 +400,11 @@ class PrefixCachingRunner:
         return None if read is None else read()
 
     def _check_weights(self) -> None:
-        version = self._read_weights_version()
-        if version != self._weights_version:
-            self._weights_version = version
-            self._new_epoch()  # the packed copies see what weights_version sees
+        with self._weights_lock:
+            version = self._read_weights_version()
+            if version != self._weights_version:
+                self._new_epoch()  # the packed copies see what weights_version sees
+                self._weights_version = version
 
     def _make_fingerprint(self) -> str:
         key = f"{self.model.fingerprint()}|{self.tokenizer.name}"
