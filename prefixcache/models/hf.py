@@ -37,7 +37,7 @@ from prefixcache.models.base import (
     weights_version_of,
 )
 from prefixcache.models.hf_cache import PaddedBatch, growing_layer_class
-from prefixcache.models.hf_support import check_supported
+from prefixcache.models.hf_support import check_supported, probe_kv_layout
 from prefixcache.models.linear import WeightPacks, large_cpu_linears, project, tall_skinny_linears
 
 logger = logging.getLogger(__name__)
@@ -54,10 +54,11 @@ _WEIGHT_SAMPLES = 64
 class HFCausalLM:
     """A Hugging Face ``*ForCausalLM`` implementing :class:`~prefixcache.models.base.CausalLM`.
 
-    Sizes come from the model's config: ``num_layers`` (``num_hidden_layers``), ``num_kv_heads``
-    (``num_key_value_heads``, else the attention heads), ``head_dim`` (``head_dim``, else hidden / heads),
-    ``max_position`` (``max_position_embeddings``).  The pool must be in the model's dtype and on its device.
-    Puts the model in eval mode (dropout would break exactness).
+    Sizes: ``num_layers`` (``num_hidden_layers``) and ``max_position`` (``max_position_embeddings``) from the config;
+    ``num_kv_heads`` and ``head_dim`` from what the layers store after a one-token forward at wrap time
+    (:func:`~prefixcache.models.hf_support.probe_kv_layout`).  ``dtype`` and ``device`` are the model's, read at each
+    use.  The pool must be in the model's dtype and on its device.  Puts the model in eval mode; a forward while any
+    module is in training mode again raises InvalidArgumentError (dropout would break exactness).
 
     ``pack_head`` (default True): on the CPU in float32, batched decode (2 .. 64 rows a forward) multiplies by a
     oneDNN-packed copy of the LM head weight (:class:`~prefixcache.models.linear.WeightPacks`; Qwen2.5-0.5B's head,
@@ -67,7 +68,7 @@ class HFCausalLM:
     Raises:
         UnsupportedModelError: the architecture has layers a per-token K/V pool cannot serve exactly (sliding or
             chunked attention, recurrent/linear state), is an encoder-decoder, or its forward takes no cache or
-            ``position_ids``.
+            ``position_ids``, or it has no LM head (a base model); the layers disagree on their K/V layout.
     """
 
     def __init__(self, model: Any, *, pack_head: bool = True) -> None:
@@ -77,17 +78,18 @@ class HFCausalLM:
         self.model = model.eval()
         self.config = config
         self._cache_kwarg = check_supported(model)
+        if _output_embeddings(model) is None:
+            raise UnsupportedModelError(
+                f"{type(model).__name__} has no LM head (get_output_embeddings() is None); wrap the *ForCausalLM "
+                "model, not its base model"
+            )
         # Older or custom heads without logits_to_keep compute every position's logits; we still return the last.
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._resolve_head()
         self._head_packs = WeightPacks() if pack_head else None  # the LM head's oneDNN copy, batched CPU decode
-        heads = config.num_attention_heads
         self.num_layers = int(config.num_hidden_layers)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        self.num_kv_heads, self.head_dim = probe_kv_layout(model, self._cache_kwarg)
         self.max_position = int(config.max_position_embeddings)
-        self.dtype: torch.dtype = model.dtype
-        self.device: torch.device = model.device
         self._fingerprint: str | None = None
         self._fingerprint_version: int | None = None
         if config.model_type not in TESTED_MODEL_TYPES:
@@ -96,6 +98,25 @@ class HFCausalLM:
                 "--verify to check it",
                 type(model).__name__,
                 config.model_type,
+            )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype, read at each use: ``model.to(...)`` after wrapping changes it (and the fingerprint)."""
+        return self.model.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device, read at each use like :attr:`dtype`."""
+        return self.model.device
+
+    def _check_eval(self) -> None:
+        """Raise InvalidArgumentError when any module is in training mode: dropout would make every forward differ.
+        O(modules)."""
+        if any(module.training for module in self.model.modules()):
+            raise InvalidArgumentError(
+                f"{type(self.model).__name__} (or one of its modules) is in training mode: dropout makes cached and "
+                "recomputed outputs differ; call model.eval() before serving"
             )
 
     @property
@@ -191,6 +212,7 @@ class HFCausalLM:
         Raises InvalidTokensError, InvalidArgumentError, CapacityError (see ``check_cached_call``), and
         UnsupportedModelError if the model's cache holds K/V of another shape than the config says.
         """
+        self._check_eval()
         ids, table = check_cached_call(self, token_ids, start_pos, kv, block_table)
         reuse = check_live(live, start_pos)
         block_size = kv.shape[3]
@@ -225,6 +247,7 @@ class HFCausalLM:
         Rows must belong to different requests and write disjoint pool slots.  Raises as :meth:`forward_cached`,
         every row checked before anything runs; the rows of a failed group have their live K/V reset.
         """
+        self._check_eval()
         checked = [check_cached_call(self, r.token_ids, r.start_pos, kv, r.block_table) for r in rows]
         groups: dict[int, list[int]] = {}
         for index, (ids, _) in enumerate(checked):
@@ -317,6 +340,7 @@ class HFCausalLM:
         Touches no pool.  Raises InvalidTokensError, CapacityError (``T > max_position``), InvalidArgumentError
         (``logits_from`` outside ``0 .. T - 1``).
         """
+        self._check_eval()
         ids = check_reference_call(self, token_ids)
         check_logits_from(logits_from, ids.numel())
         positions = torch.arange(ids.numel(), device=self.device)

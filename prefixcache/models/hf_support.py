@@ -10,9 +10,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
+
 from prefixcache.errors import UnsupportedModelError
 
-__all__ = ["check_supported"]
+__all__ = ["check_supported", "probe_kv_layout"]
 
 # Model types whose state is not (only) per-token K/V, for a clear message even where DynamicCache cannot say so.
 _RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma"})
@@ -81,3 +83,34 @@ def check_supported(model: Any) -> str:
     if getattr(config, "max_position_embeddings", None) is None:
         raise UnsupportedModelError(f"{arch} config has no max_position_embeddings")
     return cache_kwarg
+
+
+def probe_kv_layout(model: Any, cache_kwarg: str) -> tuple[int, int]:
+    """``(num_kv_heads, head_dim)`` the model's layers really store, read from a one-token forward into a fresh cache.
+
+    The config cannot always say: Falcon's multi-query attention keeps one K/V head whatever its config fields are,
+    and a config may carry keys its architecture never reads (``num_key_value_heads`` on GPT-2).  Costs one forward
+    of one token.  Raises UnsupportedModelError when a layer keeps no K/V or the layers disagree on the layout.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    with torch.inference_mode():
+        model(input_ids=ids, position_ids=ids, use_cache=True, **keep, **{cache_kwarg: cache})
+    shapes = {
+        (tuple(layer.keys.shape), tuple(layer.values.shape)) if getattr(layer, "keys", None) is not None else None
+        for layer in cache.layers
+    }
+    if len(shapes) != 1 or None in shapes:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} layers keep K/V of shapes {sorted(map(str, shapes))} after one token; a KV pool "
+            "needs every layer to keep one [1, kv_heads, 1, head_dim] K and V"
+        )
+    ((keys, values),) = shapes
+    if keys != values or len(keys) != 4 or keys[0] != 1 or keys[2] != 1:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} keeps K {keys} and V {values} after one token; expected [1, kv_heads, 1, head_dim]"
+        )
+    return keys[1], keys[3]
