@@ -111,9 +111,11 @@ class HFCausalLM:
         return self.model.device
 
     def _check_eval(self) -> None:
-        """Raise InvalidArgumentError when any module is in training mode: dropout would make every forward differ.
+        """Raise InvalidArgumentError when the model, or a module whose output training mode changes (dropout with
+        p > 0, attention with a positive ``attention_dropout``), is in training mode: every forward would differ.
+        Modules made in training mode by ``resize_token_embeddings`` (a new embedding or head) do not count.
         O(modules)."""
-        if any(module.training for module in self.model.modules()):
+        if self.model.training or any(module.training and _drops(module) for module in self.model.modules()):
             raise InvalidArgumentError(
                 f"{type(self.model).__name__} (or one of its modules) is in training mode: dropout makes cached and "
                 "recomputed outputs differ; call model.eval() before serving"
@@ -426,6 +428,17 @@ class HFCausalLM:
 def _flat(kv: torch.Tensor) -> torch.Tensor:
     """``kv`` as ``[num_layers, 2, num_blocks * block_size, H_kv, D]``: a view, so index_copy_ writes the pool."""
     return kv.view(kv.shape[0], 2, kv.shape[2] * kv.shape[3], kv.shape[4], kv.shape[5])
+
+
+def _drops(module: torch.nn.Module) -> bool:
+    """Whether ``module`` computes differently in training mode: a dropout with p > 0, a module holding a positive
+    dropout rate it applies itself (transformers' attention: ``attention_dropout``), or a whole transformers model."""
+    from transformers import PreTrainedModel
+
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    rates = (getattr(module, name, None) for name in ("attention_dropout", "dropout", "attn_pdrop"))
+    return isinstance(module, PreTrainedModel) or any(isinstance(r, float) and r > 0 for r in rates)
 
 
 def _output_embeddings(model: Any) -> Any:

@@ -90,15 +90,21 @@ def probe_kv_layout(model: Any, cache_kwarg: str) -> tuple[int, int]:
 
     The config cannot always say: Falcon's multi-query attention keeps one K/V head whatever its config fields are,
     and a config may carry keys its architecture never reads (``num_key_value_heads`` on GPT-2).  Costs one forward
-    of one token.  Raises UnsupportedModelError when a layer keeps no K/V or the layers disagree on the layout.
+    of one token.  Raises UnsupportedModelError when that forward fails (a config the model cannot run, such as more
+    K/V heads than query heads), a layer keeps no K/V or the layers disagree on the layout.
     """
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    with torch.inference_mode():
-        model(input_ids=ids, position_ids=ids, use_cache=True, **keep, **{cache_kwarg: cache})
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids, position_ids=ids, use_cache=True, **keep, **{cache_kwarg: cache})
+    except Exception as error:  # noqa: BLE001 - a model that cannot run one token cannot be served at all
+        raise UnsupportedModelError(
+            f"{type(model).__name__} failed a one-token forward with a cache: {type(error).__name__}: {error}"
+        ) from error
     shapes = {
         (tuple(layer.keys.shape), tuple(layer.values.shape)) if getattr(layer, "keys", None) is not None else None
         for layer in cache.layers

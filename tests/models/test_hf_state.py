@@ -122,3 +122,19 @@ def test_kv_heads_are_read_from_the_model_not_a_stray_config_key() -> None:
         assert result.usage.cached_tokens == 6
         torch.testing.assert_close(result.prompt_logits, reference[6:], atol=1e-4, rtol=0)
         assert list(result.token_ids) == _greedy_reference(wrapped, PROMPT, 4)
+
+
+def test_a_new_head_from_resize_token_embeddings_is_not_taken_for_training_mode() -> None:
+    model = _model("qwen2", tie_word_embeddings=False, num_key_value_heads=2)
+    wrapped = HFCausalLM(model)
+    model.resize_token_embeddings(320)
+    assert model.get_output_embeddings().training  # torch makes new modules in training mode
+    runner = PrefixCachingRunner(wrapped, block_size=4, cache_tokens=256)
+    prompt = [*PROMPT, 310]
+    assert list(runner.generate(prompt, GREEDY).token_ids) == _greedy_reference(wrapped, prompt, 4)
+
+
+def test_a_config_the_model_cannot_run_is_refused_at_wrap_time() -> None:
+    # Qwen2's default of 32 K/V heads over 4 query heads: the model's own forward fails.
+    with pytest.raises(UnsupportedModelError, match="one-token forward"):
+        HFCausalLM(_model("qwen2"))
