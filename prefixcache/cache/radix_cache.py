@@ -245,6 +245,7 @@ class RadixCache:
         """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 0:
             raise InvalidArgumentError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        num_blocks = int(num_blocks)  # a numpy int's fixed width would wrap in the tree's running totals
         with self._mutex:
             return self._tree.evict(num_blocks)
 

@@ -1,0 +1,73 @@
+"""Misuse of the core cache API found by a breaker session: numpy integer counts, listeners that change the cache
+while it announces a change, request ids a snapshot cannot store, and retention or listener arguments of the wrong
+kind.  Each must raise a prefixcache error (or work exactly as with a Python int) and leave the cache consistent."""
+
+from __future__ import annotations
+
+import tempfile
+import uuid
+
+import numpy as np
+import pytest
+
+from prefixcache import KVBlockPool, RadixCache
+from prefixcache.errors import CapacityError, InvalidArgumentError, LockError
+from prefixcache.testing import assert_quiescent
+
+NUMPY_INTS = [np.int64, np.uint64, np.int32, np.uint8]
+
+
+def put(cache: RadixCache, seq: list[int], **kwargs) -> None:
+    lease = cache.acquire(seq, num_tokens=len(seq), **kwargs)
+    cache.commit(lease, seq)
+
+
+@pytest.mark.parametrize("kind", NUMPY_INTS, ids=lambda t: t.__name__)
+def test_allocating_a_numpy_count_with_free_blocks_evicts_nothing(kind) -> None:
+    cache = RadixCache(KVBlockPool(16, 4))
+    put(cache, list(range(1, 9)))
+    blocks = cache.allocate(kind(1))
+    assert len(blocks) == 1
+    assert cache.cached_sequences() == [list(range(1, 9))]  # np.uint64(1) - 14 free used to wrap: all evicted
+    assert cache.stats().free_blocks == 13
+    cache.free(blocks)
+    assert_quiescent(cache)
+
+
+@pytest.mark.parametrize("kind", NUMPY_INTS, ids=lambda t: t.__name__)
+def test_evicting_a_numpy_count_leaves_only_python_ints_in_the_stats(kind) -> None:
+    cache = RadixCache(KVBlockPool(128, 4))
+    for k in range(3):
+        put(cache, [k + 1] * 120)
+    result = cache.evict(kind(1))  # np.uint8 used to overflow midway, breaking the evictable count
+    assert (result.num_blocks, result.num_tokens) == (1, 4)
+    assert type(result.num_tokens) is int
+    stats = cache.stats()
+    assert stats.cached_tokens == 356 and type(stats.cached_tokens) is int
+    assert stats.evicted_tokens == 4 and type(stats.evicted_tokens) is int
+    cache.check_invariants()
+    cache.evict(kind(2))
+    assert cache.stats().cached_tokens == 348
+    assert_quiescent(cache)
+
+
+@pytest.mark.parametrize("kind", NUMPY_INTS, ids=lambda t: t.__name__)
+def test_reserving_a_numpy_count_reserves_what_a_python_int_would(kind) -> None:
+    cache = RadixCache(KVBlockPool(8, 4))
+    lease = cache.acquire([1, 2, 3])
+    table = cache.reserve(lease, kind(9))  # np.uint8(9) used to be refused as "9 tokens need 195 blocks"
+    assert len(table) == 3
+    cache.commit(lease, [1, 2, 3, 7, 7, 7, 7, 7, 7])
+    assert cache.cached_sequences() == [[1, 2, 3, 7, 7, 7, 7, 7, 7]]
+    assert_quiescent(cache)
+
+
+def test_reserving_the_largest_uint64_is_refused_as_beyond_the_pool() -> None:
+    cache = RadixCache(KVBlockPool(8, 4))
+    lease = cache.acquire([1, 2, 3])
+    with pytest.raises(CapacityError) as info:
+        cache.reserve(lease, np.uint64(2**64 - 1))  # used to return the empty table: -x wrapped to 1
+    assert "18446744073709551615 tokens need 4611686018427387904 blocks" in str(info.value)
+    assert len(lease.block_table) == 0
+    cache.release(lease)
+    assert_quiescent(cache)
