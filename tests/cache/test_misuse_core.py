@@ -71,3 +71,60 @@ def test_reserving_the_largest_uint64_is_refused_as_beyond_the_pool() -> None:
     assert len(lease.block_table) == 0
     cache.release(lease)
     assert_quiescent(cache)
+
+
+CHANGES = {
+    "evict_all": lambda c: c.evict_all(),
+    "evict": lambda c: c.evict(1),
+    "acquire": lambda c: c.acquire([90, 91, 92], num_tokens=3),
+    "allocate": lambda c: c.allocate(1),
+    "retain": lambda c: c.retain([1, 2, 3, 4]),
+    "lock": lambda c: c.lock(c.match([1, 2, 3, 4])),
+}
+
+
+@pytest.mark.parametrize("change", CHANGES.values(), ids=CHANGES.keys())
+def test_a_listener_cannot_change_the_cache_while_it_announces_a_change(change) -> None:
+    cache = RadixCache(KVBlockPool(16, 4))
+    put(cache, [50] * 8)
+    refused: list[BaseException] = []
+
+    def listener(event) -> None:
+        try:
+            change(cache)
+        except BaseException as error:
+            refused.append(error)
+            raise
+
+    lease = cache.acquire(list(range(1, 11)), num_tokens=14)
+    cache.subscribe(listener)  # the cached [50] * 8 is announced: a change from here is allowed to be refused
+    refused.clear()
+    before = cache.cached_sequences()
+    # An evict_all() from the listener used to empty the tree under insert_prefix, which then failed with a numpy
+    # ValueError and left the lease unable to release its blocks.
+    cache.insert_prefix(lease, list(range(1, 11)))
+    assert refused and all(isinstance(e, LockError) and "KV event listener" in str(e) for e in refused)
+    assert sorted(cache.cached_sequences()) == sorted([*before, list(range(1, 11))])
+    cache.check_invariants()
+    cache.commit(lease, list(range(1, 13)))
+    cache.unsubscribe(listener)
+    assert_quiescent(cache)
+    change(cache)  # allowed again outside a listener
+
+
+def test_a_listener_may_read_and_subscribe_during_an_event() -> None:
+    cache = RadixCache(KVBlockPool(16, 4))
+    seen: list[object] = []
+
+    def late(event) -> None:
+        seen.append(("late", type(event).__name__))
+
+    def listener(event) -> None:
+        seen.append((cache.stats().cached_tokens, cache.cached_length([1, 2, 3, 4, 5])))
+        if late not in cache._events.listeners:
+            cache.subscribe(late)
+
+    cache.subscribe(listener)
+    put(cache, list(range(1, 9)))
+    assert seen == [(8, 5), ("late", "BlockStored")]
+    assert_quiescent(cache)
