@@ -46,7 +46,7 @@ from prefixcache.cache.invariants import check_invariants, check_mirror
 from prefixcache.cache.locks import ChangeGuard, LockHandle, LockRegistry
 from prefixcache.cache.pool import BlockIds, KVBlockPool
 from prefixcache.cache.retention import Retention
-from prefixcache.cache.stats import CacheStats, HitCounters
+from prefixcache.cache.stats import CacheStats, HitCounters, check_request_id
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult, RadixTree
 from prefixcache.errors import InvalidArgumentError, LockError, SnapshotError
@@ -162,10 +162,12 @@ class RadixCache:
         self-hits).
 
         Raises:
-            InvalidTokensError, NamespaceError: bad input (nothing changes).
+            InvalidTokensError, NamespaceError, InvalidArgumentError: bad input (``request_id`` not a str or None);
+                nothing changes.
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
+        check_request_id(request_id)
         with self._mutex:
             result = self._tree.match(q, namespace, len(q) - 1 if for_prefill else len(q), self)
             own = self._tree.own_tokens(result.node, result.num_tokens, request_id) if request_id is not None else 0
@@ -233,6 +235,7 @@ class RadixCache:
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
+        check_request_id(request_id)
         with self._change:
             blocks = self._blocks
             return blocks.insert(q, blocks.as_block_ids(block_ids), None, namespace, request_id)
@@ -282,13 +285,14 @@ class RadixCache:
         before anything is evicted, and counts in :attr:`CacheStats.rejected_requests` only.
 
         Raises:
-            InvalidTokensError, NamespaceError, InvalidArgumentError: bad input.
+            InvalidTokensError, NamespaceError, InvalidArgumentError: bad input (``request_id`` not a str or None).
             CapacityError: ``num_tokens`` exceed the pool.  PoolBusyError: running requests hold what it needs.
         Without ``num_tokens`` it never runs out of blocks: the copy falls back to recomputation as said above.
         Whatever raises, the cache is left as before (no lock, no block of this request).
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
+        check_request_id(request_id)
         if num_tokens is not None and (
             isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < len(q)
         ):

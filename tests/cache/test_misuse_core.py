@@ -128,3 +128,26 @@ def test_a_listener_may_read_and_subscribe_during_an_event() -> None:
     put(cache, list(range(1, 9)))
     assert seen == [(8, 5), ("late", "BlockStored")]
     assert_quiescent(cache)
+
+
+BAD_REQUEST_IDS = [uuid.UUID(int=7), 7, b"r1", ("r", 1)]
+
+
+@pytest.mark.parametrize("request_id", BAD_REQUEST_IDS, ids=repr)
+def test_a_request_id_that_is_not_a_str_is_refused_before_anything_changes(request_id) -> None:
+    cache = RadixCache(KVBlockPool(8, 4))
+    put(cache, [1, 2, 3, 4, 5], request_id="r0")
+    before = (cache.stats(), cache.cached_sequences())
+    for call in (
+        lambda: cache.acquire([1, 2, 3, 4, 5, 6], num_tokens=6, request_id=request_id),
+        lambda: cache.match([1, 2, 3], request_id=request_id),
+        lambda: cache.insert([9, 9], cache._blocks.pool.free_block_ids()[:1], request_id=request_id),
+    ):
+        with pytest.raises(InvalidArgumentError, match="request_id must be a str or None"):
+            call()
+    assert (cache.stats(), cache.cached_sequences()) == before
+    assert_quiescent(cache)
+    # A UUID used to be stored on the node, and save() then failed with json's TypeError.
+    with tempfile.TemporaryDirectory() as folder:
+        cache.save(folder)
+        assert RadixCache.load(folder, KVBlockPool(8, 4)).cached_sequences() == [[1, 2, 3, 4, 5]]
