@@ -95,8 +95,8 @@ class RadixCache:
     Raises:
         InvalidArgumentError: ``host_pool`` is not a CPU pool with the device pool's block size, KV shape and dtype;
             ``pool`` is not a KVBlockPool, ``hit_rate_window`` not a positive int, ``hash_seed``
-            not an int in ``[0, 2**64)``, an unknown policy or granularity, or ``max_retained_fraction`` outside
-            ``[0, 1]``.
+            not an int in ``[0, 2**64)``, an unknown policy or granularity, ``max_retained_fraction`` outside
+            ``[0, 1]``, or ``clock`` or ``event_listener`` not callable.
     """
 
     def __init__(
@@ -545,8 +545,10 @@ class RadixCache:
         """Send KV events (:mod:`prefixcache.cache.events`) to ``callback`` from now on, starting with a
         :class:`~prefixcache.cache.events.BlockStored` for every full block already cached, so its view is complete.
 
-        O(cached tokens): every node's block hashes are recomputed.
+        O(cached tokens): every node's block hashes are recomputed.  Raises InvalidArgumentError: not callable.
         """
+        if not callable(callback):
+            raise InvalidArgumentError(f"an event listener must be callable, got {callback!r}")
         with self._mutex:
             self._events.listeners.append(callback)
             self._events.emit(self._events.hash_tree(self._tree.roots), [callback])

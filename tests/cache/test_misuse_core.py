@@ -151,3 +151,29 @@ def test_a_request_id_that_is_not_a_str_is_refused_before_anything_changes(reque
     with tempfile.TemporaryDirectory() as folder:
         cache.save(folder)
         assert RadixCache.load(folder, KVBlockPool(8, 4)).cached_sequences() == [[1, 2, 3, 4, 5]]
+
+
+@pytest.mark.parametrize("listener", [5, None, "print"], ids=repr)
+def test_a_listener_that_is_not_callable_is_refused(listener) -> None:
+    cache = RadixCache(KVBlockPool(8, 4))
+    with pytest.raises(InvalidArgumentError, match="must be callable"):
+        cache.subscribe(listener)  # used to be kept, and to fail (logged) on every event from then on
+    assert cache._events.listeners == []
+    with pytest.raises(InvalidArgumentError, match="must be callable"):
+        RadixCache(KVBlockPool(8, 4), event_listener=listener) if listener is not None else cache.subscribe(None)
+
+
+def test_a_clock_that_is_not_callable_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="clock must be callable"):
+        RadixCache(KVBlockPool(8, 4), clock=5.0)  # used to fail with TypeError at the first timed retain
+
+
+def test_a_retention_time_too_large_for_a_float_retains_for_ever() -> None:
+    cache = RadixCache(KVBlockPool(8, 4), max_retained_fraction=1.0)
+    put(cache, [1, 2, 3, 4, 5])
+    assert cache.retain([1, 2, 3, 4, 5], retain_s=10**400) == 5  # used to raise OverflowError
+    assert cache.stats().retained_tokens == 5
+    put(cache, [7] * 8)
+    cache.evict(2)
+    assert cache.cached_sequences() == [[1, 2, 3, 4, 5]]
+    assert_quiescent(cache)
