@@ -257,6 +257,7 @@ class Admission:
         self.check_lease(lease, "reserve")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
             raise InvalidArgumentError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
+        num_tokens = int(num_tokens)  # -np.uint8(9) wraps: a numpy int must not reach the block arithmetic
         bs = self.block_size
         need = -(-num_tokens // bs) - len(lease.block_table)
         if need > 0:

@@ -53,6 +53,7 @@ class BlockLedger:
         """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 0:
             raise InvalidArgumentError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+        num_blocks = int(num_blocks)  # np.uint64(1) - free blocks wrapped to a huge shortfall: everything evicted
         pool = self.pool
         if num_blocks > pool.num_blocks:
             raise CapacityError(

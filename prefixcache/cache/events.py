@@ -3,8 +3,9 @@
 A router or a second-tier store can mirror which blocks a cache holds without reading the tree, as vLLM's and
 SGLang's KV event publishers allow.  Three events exist: :class:`BlockStored`, :class:`BlockRemoved` and
 :class:`AllCleared`.  Listeners are plain callables taking one event (``RadixCache(pool, event_listener=f)`` or
-``cache.subscribe(f)``); they run synchronously, inside the cache's lock, so they must be quick and must not call
-back into the cache.  An exception from a listener is logged and swallowed: it never breaks the cache.
+``cache.subscribe(f)``); they run synchronously, inside the cache's lock, so they must be quick and must not change
+the cache: a call that would (acquire, commit, release, evict, lock, retain...) raises
+:class:`~prefixcache.errors.LockError` there; reading it (stats, match) and subscribing are allowed.  An exception from a listener is logged and swallowed: it never breaks the cache.
 
 Block identity.  Only *full* blocks are announced: block ``j`` of a sequence holds positions
 ``[j * block_size, (j + 1) * block_size)`` and is named by a chained hash of everything up to its end::
@@ -267,17 +268,23 @@ class EventPublisher:
         self.listeners: list[EventListener] = []
         # With a host tier: the medium stamped on the tree's own events (the tier's carry their own).
         self.medium: str | None = None
+        # Nonzero while listeners are being called: the cache refuses changes from inside one (locks.ChangeGuard).
+        self.emitting = 0
 
     def emit(self, events: list[KVEvent], listeners: list[EventListener] | None = None) -> None:
         """Send ``events`` in order to every listener (or to ``listeners``); a listener's exception is logged."""
         if self.medium is not None:
             events = [e for e in (_stamped(event, self.medium) for event in events) if e is not None]
-        for event in events:
-            for callback in listeners if listeners is not None else tuple(self.listeners):
-                try:
-                    callback(event)
-                except BaseException:  # noqa: B036 - a listener must never leave the tree half-updated
-                    logger.exception("KV event listener %r failed on %s", callback, type(event).__name__)
+        self.emitting += 1
+        try:
+            for event in events:
+                for callback in listeners if listeners is not None else tuple(self.listeners):
+                    try:
+                        callback(event)
+                    except BaseException:  # noqa: B036 - a listener must never leave the tree half-updated
+                        logger.exception("KV event listener %r failed on %s", callback, type(event).__name__)
+        finally:
+            self.emitting -= 1
 
     def announce_leaf(self, leaf: Node, path: array) -> None:
         """Hash the full blocks a new leaf owns (those ending inside it) and announce them.  ``path`` is the whole

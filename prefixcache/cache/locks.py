@@ -66,3 +66,29 @@ class LockRegistry:
         self.tree.unlock_path(handle.node)  # first: should it raise, the handle is still live and can be retried
         handle.released = True
         del self.handles[handle.handle_id]
+
+
+class ChangeGuard:
+    """``with guard:`` holds the cache's mutex for a call that changes the cache, and refuses the call when it comes
+    from a KV event listener.  Events go out while the call that sent them is still under way (an insert_prefix has
+    yet to lock what it inserted), so a listener evicting, admitting or locking there would change the tree under it.
+    Reading (match, stats, cached_length) and subscribing stay allowed.  ``events.emitting`` can only be nonzero for
+    the thread holding the mutex, so it is read once the mutex is held."""
+
+    __slots__ = ("_mutex", "_events")
+
+    def __init__(self, mutex, events) -> None:
+        self._mutex = mutex
+        self._events = events
+
+    def __enter__(self) -> None:
+        self._mutex.acquire()
+        if self._events.emitting:
+            self._mutex.release()
+            raise LockError(
+                "the cache cannot be changed from inside a KV event listener (the call that sent the event is still "
+                "under way); make the change after that call returns"
+            )
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._mutex.release()

@@ -43,10 +43,10 @@ from prefixcache.cache.events import (
 from prefixcache.cache.evictor import EvictionPolicy, Evictor
 from prefixcache.cache.host_tier import HostTier
 from prefixcache.cache.invariants import check_invariants, check_mirror
-from prefixcache.cache.locks import LockHandle, LockRegistry
+from prefixcache.cache.locks import ChangeGuard, LockHandle, LockRegistry
 from prefixcache.cache.pool import BlockIds, KVBlockPool
 from prefixcache.cache.retention import Retention
-from prefixcache.cache.stats import CacheStats, HitCounters
+from prefixcache.cache.stats import CacheStats, HitCounters, check_request_id
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult, RadixTree
 from prefixcache.errors import InvalidArgumentError, LockError, SnapshotError
@@ -95,8 +95,8 @@ class RadixCache:
     Raises:
         InvalidArgumentError: ``host_pool`` is not a CPU pool with the device pool's block size, KV shape and dtype;
             ``pool`` is not a KVBlockPool, ``hit_rate_window`` not a positive int, ``hash_seed``
-            not an int in ``[0, 2**64)``, an unknown policy or granularity, or ``max_retained_fraction`` outside
-            ``[0, 1]``.
+            not an int in ``[0, 2**64)``, an unknown policy or granularity, ``max_retained_fraction`` outside
+            ``[0, 1]``, or ``clock`` or ``event_listener`` not callable.
     """
 
     def __init__(
@@ -122,6 +122,7 @@ class RadixCache:
         self.hash_seed = hash_seed
         self._mutex = threading.RLock()
         self._events = EventPublisher(pool.block_size, hash_seed)
+        self._change = ChangeGuard(self._mutex, self._events)  # the mutex, for calls that change the cache
         evictor = Evictor(policy)
         retention = Retention(pool.num_blocks, evictor, max_retained_fraction, clock)
         self._tree = RadixTree(pool, evictor, self._events, retention, eviction_granularity)
@@ -161,10 +162,12 @@ class RadixCache:
         self-hits).
 
         Raises:
-            InvalidTokensError, NamespaceError: bad input (nothing changes).
+            InvalidTokensError, NamespaceError, InvalidArgumentError: bad input (``request_id`` not a str or None);
+                nothing changes.
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
+        check_request_id(request_id)
         with self._mutex:
             result = self._tree.match(q, namespace, len(q) - 1 if for_prefill else len(q), self)
             own = self._tree.own_tokens(result.node, result.num_tokens, request_id) if request_id is not None else 0
@@ -177,7 +180,7 @@ class RadixCache:
         O(depth).  Raises:
             LockError: the match is not this cache's, or is stale (its node was evicted or shortened since).
         """
-        with self._mutex:
+        with self._change:
             if not isinstance(match, MatchResult) or match.owner is not self:
                 raise LockError("lock takes a MatchResult returned by this cache's match()")
             return self._locks.lock(match.node, match.num_tokens)
@@ -188,7 +191,7 @@ class RadixCache:
         Raises:
             LockError: the handle is another cache's or was already released (nothing changes).
         """
-        with self._mutex:
+        with self._change:
             self._locks.unlock(handle)
 
     # ---- blocks, insert, evict ----------------------------------------------------------------------------
@@ -203,7 +206,7 @@ class RadixCache:
             OutOfBlocksError: not enough blocks even after evicting every unlocked leaf; what was evicted stays
                 evicted (the cache stays consistent), nothing is allocated.
         """
-        with self._mutex:
+        with self._change:
             return self._blocks.allocate(num_blocks)
 
     def free(self, block_ids: BlockIds) -> int:
@@ -212,7 +215,7 @@ class RadixCache:
         Raises:
             LockError: a block is not owned by a caller (already freed, or held by the tree); nothing changes.
         """
-        with self._mutex:
+        with self._change:
             return self._blocks.free(block_ids)
 
     def insert(
@@ -232,7 +235,8 @@ class RadixCache:
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
-        with self._mutex:
+        check_request_id(request_id)
+        with self._change:
             blocks = self._blocks
             return blocks.insert(q, blocks.as_block_ids(block_ids), None, namespace, request_id)
 
@@ -245,12 +249,13 @@ class RadixCache:
         """
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 0:
             raise InvalidArgumentError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        with self._mutex:
+        num_blocks = int(num_blocks)  # a numpy int's fixed width would wrap in the tree's running totals
+        with self._change:
             return self._tree.evict(num_blocks)
 
     def evict_all(self) -> EvictResult:
         """Evict every unlocked node."""
-        with self._mutex:
+        with self._change:
             return self._tree.evict(self.pool.num_blocks + 1)
 
     # ---- request-level ------------------------------------------------------------------------------------
@@ -280,20 +285,21 @@ class RadixCache:
         before anything is evicted, and counts in :attr:`CacheStats.rejected_requests` only.
 
         Raises:
-            InvalidTokensError, NamespaceError, InvalidArgumentError: bad input.
+            InvalidTokensError, NamespaceError, InvalidArgumentError: bad input (``request_id`` not a str or None).
             CapacityError: ``num_tokens`` exceed the pool.  PoolBusyError: running requests hold what it needs.
         Without ``num_tokens`` it never runs out of blocks: the copy falls back to recomputation as said above.
         Whatever raises, the cache is left as before (no lock, no block of this request).
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
+        check_request_id(request_id)
         if num_tokens is not None and (
             isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < len(q)
         ):
             raise InvalidArgumentError(
                 f"num_tokens must be an int of at least the prompt's {len(q)} tokens, got {num_tokens!r}"
             )
-        with self._mutex:
+        with self._change:
             return self._admission.acquire(
                 q, namespace, request_id, None if num_tokens is None else int(num_tokens), counted=not resumed
             )
@@ -305,7 +311,7 @@ class RadixCache:
             CapacityError: ``num_tokens`` exceed the whole pool.  OutOfBlocksError: as :meth:`allocate`.
             LockError: the lease is closed.
         """
-        with self._mutex:
+        with self._change:
             return self._admission.reserve(lease, num_tokens)
 
     def commit(self, lease: Lease, token_ids: TokenIds) -> InsertResult:
@@ -320,7 +326,7 @@ class RadixCache:
             LockError: the lease is closed.
         """
         q = as_token_array(token_ids)
-        with self._mutex:
+        with self._change:
             return self._admission.commit(lease, q)
 
     def insert_prefix(self, lease: Lease, token_ids: TokenIds) -> InsertResult:
@@ -337,7 +343,7 @@ class RadixCache:
         Nothing changes when it raises (the lease stays open).
         """
         q = as_token_array(token_ids)
-        with self._mutex:
+        with self._change:
             return self._admission.insert_prefix(lease, q)
 
     def cached_length(self, token_ids: TokenIds, namespace: str | None = None, *, for_prefill: bool = False) -> int:
@@ -359,7 +365,7 @@ class RadixCache:
         Raises:
             LockError: the lease is already closed.
         """
-        with self._mutex:
+        with self._change:
             self._admission.release(lease)
 
     def retain(
@@ -388,7 +394,7 @@ class RadixCache:
             isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not retain_s > 0
         ):
             raise InvalidArgumentError(f"retain_s must be a positive number of seconds or None, got {retain_s!r}")
-        with self._mutex:
+        with self._change:
             tree = self._tree
             match = tree.match(q, namespace, len(q), self)
             if match.num_tokens == 0:
@@ -451,7 +457,7 @@ class RadixCache:
         snapshot.check_compatible(loaded, self.pool, identity)
         snapshot.check_nodes(loaded, self.pool.block_size)
         host_snapshot.check(loaded, self.pool.block_size)
-        with self._mutex:
+        with self._change:
             if replace:
                 if self._tree.locked_tokens or self._blocks.num_owned:
                     raise SnapshotError("cannot replace the cache's content while requests hold locks or blocks")
@@ -539,8 +545,10 @@ class RadixCache:
         """Send KV events (:mod:`prefixcache.cache.events`) to ``callback`` from now on, starting with a
         :class:`~prefixcache.cache.events.BlockStored` for every full block already cached, so its view is complete.
 
-        O(cached tokens): every node's block hashes are recomputed.
+        O(cached tokens): every node's block hashes are recomputed.  Raises InvalidArgumentError: not callable.
         """
+        if not callable(callback):
+            raise InvalidArgumentError(f"an event listener must be callable, got {callback!r}")
         with self._mutex:
             self._events.listeners.append(callback)
             self._events.emit(self._events.hash_tree(self._tree.roots), [callback])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -40,6 +41,14 @@ def check_fraction(fraction: object) -> float:
     return float(fraction)
 
 
+def _seconds(retain_s: float) -> float:
+    # An int too large for a float (10**400) retains for ever, as math.inf does, instead of an OverflowError.
+    try:
+        return float(retain_s)
+    except OverflowError:
+        return math.inf
+
+
 class Retention:
     """The retained nodes of one tree: their priorities, deadlines and sizes, and the cap on them.
 
@@ -54,6 +63,8 @@ class Retention:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cap_blocks = int(check_fraction(max_retained_fraction) * num_blocks)
+        if not callable(clock):
+            raise InvalidArgumentError(f"clock must be callable (returning seconds), got {clock!r}")
         self.evictor = evictor
         self.clock = clock
         self.retained_tokens = 0
@@ -68,7 +79,7 @@ class Retention:
         """
         if self.deadlines:
             self.expire()  # an expired node is marked afresh, not revived with its old priority
-        until = None if retain_s is None else self.clock() + retain_s
+        until = None if retain_s is None else self.clock() + _seconds(retain_s)
         covered = 0
         for node in path:
             if not node.priority:

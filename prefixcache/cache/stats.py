@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from prefixcache.errors import InvalidArgumentError
+
 
 @dataclass(frozen=True, slots=True)
 class CacheStats:
@@ -111,3 +113,10 @@ class HitCounters:
         window.append((query_tokens, hit_tokens))
         self.window_query_tokens += query_tokens
         self.window_hit_tokens += hit_tokens
+
+
+def check_request_id(request_id: object) -> None:
+    """Raises InvalidArgumentError unless ``request_id`` is None or a str: it is stored on the nodes a request inserts
+    and saved in snapshots (a UUID there failed the save), and compared with later queries' ids."""
+    if request_id is not None and type(request_id) is not str:
+        raise InvalidArgumentError(f"request_id must be a str or None, got {type(request_id).__name__}")
