@@ -5,7 +5,8 @@ SGLang's KV event publishers allow.  Three events exist: :class:`BlockStored`, :
 :class:`AllCleared`.  Listeners are plain callables taking one event (``RadixCache(pool, event_listener=f)`` or
 ``cache.subscribe(f)``); they run synchronously, inside the cache's lock, so they must be quick and must not change
 the cache: a call that would (acquire, commit, release, evict, lock, retain...) raises
-:class:`~prefixcache.errors.LockError` there; reading it (stats, match) and subscribing are allowed.  An exception from a listener is logged and swallowed: it never breaks the cache.
+:class:`~prefixcache.errors.LockError` there; reading it (stats, match) and subscribing are allowed.  An exception
+from a listener is logged and swallowed: it never breaks the cache.
 
 Block identity.  Only *full* blocks are announced: block ``j`` of a sequence holds positions
 ``[j * block_size, (j + 1) * block_size)`` and is named by a chained hash of everything up to its end::

@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from prefixcache.cache.stats import check_request_id
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.engine.preemption import can_preempt_for, choose_victim
 from prefixcache.engine.request import EngineRequest, RequestHandle
@@ -131,12 +132,14 @@ class BatchEngine:
         runner stream: finish reason ``"stop"``, that token's K/V not computed, the prompt and the tokens before it
         cached.  An exception from it fails the request (its blocks freed, nothing cached); a KeyboardInterrupt or
         SystemExit does too, then reaches the caller of :meth:`run_until_idle` (the background thread logs it and
-        serves on).  Raises InvalidArgumentError for an ``on_token`` that is not callable."""
+        serves on).  Raises InvalidArgumentError for an ``on_token`` that is not callable or a ``request_id`` that is
+        not a str or None."""
         sampling = sampling if sampling is not None else SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         if on_token is not None and not callable(on_token):
             raise InvalidArgumentError(f"on_token must be callable or None, got {type(on_token).__name__}")
+        check_request_id(request_id)  # here, not in the background step where the cache would refuse it
         runner = self.runner
         prompt = [int(t) for t in runner._check_tokens(prompt_ids, "prompt")]
         retention = check_retention(priority, retain_s)

@@ -175,3 +175,12 @@ def test_a_keyboard_interrupt_from_the_model_in_a_step_releases_its_requests_and
     assert isinstance(handle.future.exception(timeout=0), KeyboardInterrupt)  # was left running, its blocks locked
     assert engine.num_pending == 0
     assert_quiescent(runner.cache)
+
+
+def test_a_request_id_that_is_not_a_str_is_refused_at_submit() -> None:
+    runner = PrefixCachingRunner(build_model("tiny", device="cpu"), num_blocks=32, block_size=4)
+    engine = BatchEngine(runner)
+    with pytest.raises(InvalidArgumentError, match="request_id"):
+        engine.submit([1, 2, 3], SamplingParams(max_new_tokens=1), request_id=7)
+    assert engine.num_pending == 0
+    runner.cache.check_invariants()
