@@ -328,6 +328,9 @@ class RadixTree:
         new_start = start + at
         upper_blocks = node.blocks[: (new_start - 1) // bs - first_index + 1].copy()
         lower_blocks = node.blocks[new_start // bs - first_index :].copy()
+        if new_start % bs:
+            # The block holding the cut becomes both halves'.  First: should it raise, nothing has changed yet.
+            self.pool.incref(lower_blocks[:1])
         upper = Node(next(self._ids), node.parent, node.tokens[:at], start, upper_blocks)
         upper.lock_count = node.lock_count
         upper.last_access = node.last_access
@@ -351,8 +354,6 @@ class RadixTree:
             node.block_hashes = node.block_hashes[owned_by_upper:]
         upper.children[node.tokens[at]] = node
         node.parent.children[node.tokens[0]] = upper
-        if new_start % bs:
-            self.pool.incref(lower_blocks[:1])
         node.parent = upper
         node.tokens = node.tokens[at:]
         node.start = new_start
@@ -387,6 +388,7 @@ class RadixTree:
                 # counted), but a block under copy-on-write holds a temporary reference, so the outer loop goes by
                 # what decref actually freed and the count here only sizes the batch.
                 batch: list[np.ndarray] = []
+                shared: list[int] = []  # leaves' shared first blocks (their parents keep them), released last
                 expected = 0
                 while freed + expected < num_blocks and len(evictor):
                     # Popped at once, as a whole leaf mostly goes; a trimmed one is filed back under its key.
@@ -431,7 +433,7 @@ class RadixTree:
                         # The parent's copy may now duplicate a remaining child's; the next request through that
                         # child, or the next allocation of one running through it, heals the seam (scanning the
                         # siblings here would cost O(children) per leaf).
-                        pool.decref(blocks[:1])
+                        shared.append(blocks[0])
                         blocks = blocks[1:]
                         parent.sharing_child = None
                     batch.append(blocks)
@@ -450,12 +452,18 @@ class RadixTree:
                         del self.roots[parent.namespace]
                 released = batch[0] if len(batch) == 1 else np.concatenate(batch)
                 try:
-                    freed += pool.decref(released)
-                except BaseException:
-                    # The tree holds these blocks no more: finish giving them back (decref changes nothing when it
-                    # raises, so an interrupted first attempt is repeated once), then let the error through.
-                    freed += pool.decref(released)
-                    raise
+                    freed += _release(pool, released)
+                finally:
+                    # After the batch, one at a time: a parent evicted in the same batch releases the same block, and
+                    # a chain of nested leaves inside one block shares that block at every level.
+                    error: BaseException | None = None
+                    for block in shared:
+                        try:
+                            freed += _release(pool, np.array([block], dtype=np.intp))
+                        except BaseException as exc:  # noqa: BLE001 - released on the retry; the rest go too
+                            error = error or exc
+                    if error is not None:
+                        raise error
         finally:
             # Even when interrupted: count and announce what left the tree.  The sizes are updated here, once, not
             # per leaf: the evicted nodes are unlocked, so evictable and cached sizes drop alike.
@@ -567,3 +575,13 @@ def _old_copy_holders(parent: Node) -> list[Node]:
     while len(chain[-1].blocks) == 1 and chain[-1].shares_first:
         chain.append(chain[-1].parent)
     return chain
+
+
+def _release(pool: KVBlockPool, block_ids: np.ndarray) -> int:
+    """``pool.decref(block_ids)`` for blocks the tree no longer holds: an interrupted first attempt (decref changes
+    nothing when it raises) is repeated once before the error goes through, so no block leaks."""
+    try:
+        return pool.decref(block_ids)
+    except BaseException:
+        pool.decref(block_ids)
+        raise

@@ -12,7 +12,7 @@ import pytest
 
 from prefixcache import KVBlockPool, RadixCache
 from prefixcache.errors import CapacityError, InvalidArgumentError, LockError
-from prefixcache.testing import assert_quiescent
+from prefixcache.testing import InjectedFault, assert_quiescent, fail_on_call
 
 NUMPY_INTS = [np.int64, np.uint64, np.int32, np.uint8]
 
@@ -177,3 +177,45 @@ def test_a_retention_time_too_large_for_a_float_retains_for_ever() -> None:
     cache.evict(2)
     assert cache.cached_sequences() == [[1, 2, 3, 4, 5]]
     assert_quiescent(cache)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_failed_release_during_eviction_of_a_leaf_sharing_its_first_block_leaks_nothing(k: int) -> None:
+    # [1..6, 50, 51, 52] leaves [1..10] inside block 1 (tokens 4-7): its leaf shares that block with the parent.
+    cache = RadixCache(KVBlockPool(12, 4))
+    for seq in (list(range(1, 11)), [*range(1, 7), 50, 51, 52], [9] * 8):
+        cache.commit(cache.acquire(seq, num_tokens=len(seq)), seq)
+    with fail_on_call(cache.pool, "decref", k), pytest.raises(InjectedFault):
+        cache.evict_all()
+    cache.check_invariants()  # every block the tree let go of went back to the pool: counts equal holders
+    assert cache.pool.num_free_blocks + cache.stats().used_blocks == 12
+    cache.evict_all()
+    assert cache.pool.num_free_blocks == 12
+    assert_quiescent(cache)
+
+
+def _seam_cache() -> RadixCache:
+    cache = RadixCache(KVBlockPool(12, 4))
+    for seq in (list(range(1, 11)), [*range(1, 7), 50, 51, 52], [9] * 8):
+        cache.commit(cache.acquire(seq, num_tokens=len(seq)), seq)
+    return cache
+
+
+def test_a_failed_incref_while_splitting_a_node_inside_a_block_changes_nothing() -> None:
+    prompt = [*range(1, 10), 70, 71, 72]  # leaves [1..10] after token 9, inside block 2: a split that shares it
+    cache = _seam_cache()
+    lease = cache.acquire(prompt, num_tokens=16)
+    with fail_on_call(cache.pool, "incref", 10**9) as calls:
+        cache.insert_prefix(lease, prompt)
+    assert calls[0] >= 1
+    for k in range(1, calls[0] + 1):  # fail each incref of insert_prefix in turn, the split's among them
+        cache = _seam_cache()
+        lease = cache.acquire(prompt, num_tokens=16)
+        before = cache.cached_sequences(None)
+        with fail_on_call(cache.pool, "incref", k), pytest.raises(InjectedFault):
+            cache.insert_prefix(lease, prompt)
+        cache.check_invariants()
+        assert cache.cached_sequences(None) == before, k
+        cache.release(lease)
+        cache.check_invariants()
+        assert_quiescent(cache)
