@@ -91,6 +91,9 @@ class HFCausalLM:
         self.num_kv_heads, self.head_dim = probe_kv_layout(model, self._cache_kwarg)
         self.max_position = int(config.max_position_embeddings)
         self._fingerprint: str | None = None
+        self._droppers: list[torch.nn.Module] = []  # the modules _check_eval watches (see there)
+        self._droppers_version: int | None = None
+        self.weights_version()  # makes the list
         self._fingerprint_version: int | None = None
         if config.model_type not in TESTED_MODEL_TYPES:
             logger.warning(
@@ -114,8 +117,9 @@ class HFCausalLM:
         """Raise InvalidArgumentError when the model, or a module whose output training mode changes (dropout with
         p > 0, attention with a positive ``attention_dropout``), is in training mode: every forward would differ.
         Modules made in training mode by ``resize_token_embeddings`` (a new embedding or head) do not count.
-        O(modules)."""
-        if self.model.training or any(module.training and _drops(module) for module in self.model.modules()):
+        O(such modules), usually none: it runs before every forward, decode steps included; the list is made again
+        when :meth:`weights_version` moves (new modules bring new parameters, as a LoRA adapter does)."""
+        if self.model.training or any(module.training for module in self._droppers):
             raise InvalidArgumentError(
                 f"{type(self.model).__name__} (or one of its modules) is in training mode: dropout makes cached and "
                 "recomputed outputs differ; call model.eval() before serving"
@@ -147,7 +151,11 @@ class HFCausalLM:
         """Sum of the version counters and storage addresses of the parameters and buffers: moves on every in-place
         write to a weight (``load_state_dict``, a merged LoRA delta, ``mul_``) and on every rebinding of one.
         O(parameters) integer reads."""
-        return weights_version_of(itertools.chain(self.model.parameters(), self.model.buffers()))
+        version = weights_version_of(itertools.chain(self.model.parameters(), self.model.buffers()))
+        if version != self._droppers_version:
+            self._droppers = [module for module in self.model.modules() if _drops(module)]
+            self._droppers_version = version
+        return version
 
     def drop_weight_copies(self) -> None:
         """Drop the packed copy of the LM head (made again on the next batched forward), for a weight write that

@@ -138,3 +138,17 @@ def test_a_config_the_model_cannot_run_is_refused_at_wrap_time() -> None:
     # Qwen2's default of 32 K/V heads over 4 query heads: the model's own forward fails.
     with pytest.raises(UnsupportedModelError, match="one-token forward"):
         HFCausalLM(_model("qwen2"))
+
+
+def test_a_dropout_added_after_wrapping_is_watched_once_the_weights_check_sees_its_parameters() -> None:
+    # As a LoRA adapter brings its dropout: a new module in training mode (torch's default) with a parameter.
+    model = _model("llama")
+    runner = PrefixCachingRunner(HFCausalLM(model), num_blocks=64, block_size=4)
+    runner.generate(PROMPT, SamplingParams(max_new_tokens=1))
+    before = _cache_state(runner)
+    model.model.layers[0].adapter = torch.nn.Sequential(torch.nn.Dropout(0.5), torch.nn.Linear(2, 2))
+    with pytest.raises(InvalidArgumentError, match="training mode"):
+        runner.generate(PROMPT, SamplingParams(max_new_tokens=1))
+    assert _cache_state(runner) == before
+    model.model.layers[0].adapter.eval()
+    assert len(runner.generate(PROMPT, SamplingParams(max_new_tokens=1)).token_ids) == 1
