@@ -72,7 +72,10 @@ _SSE_JSON = json.JSONEncoder(ensure_ascii=False)
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(_JSON.encode(body).encode(), status, headers, media_type="application/json")
+    # A lone surrogate (JSON's "\ud800" escape, echoed back in an error naming a field) has no UTF-8 form: it is
+    # written as that escape again, which is still valid JSON, rather than failing the response with a 500.
+    data = _JSON.encode(body).encode("utf-8", "backslashreplace")
+    return Response(data, status, headers, media_type="application/json")
 
 
 def _error_response(error: BaseException) -> Response:
