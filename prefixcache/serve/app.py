@@ -137,14 +137,19 @@ async def _unless_gone(request: Request, waiter: Awaitable[_T]) -> tuple[bool, _
     """``(True, waiter's result)``, or ``(False, None)`` when the client disconnects first (``waiter`` is then
     cancelled and awaited, so a job it drives is cancelled before this returns)."""
     task = asyncio.ensure_future(waiter)
-    await asyncio.wait((task,), timeout=_WATCH_AFTER_S)
-    if task.done():
-        return True, task.result()
-    gone = asyncio.ensure_future(_client_gone(request))
+    gone = None
     try:
+        await asyncio.wait((task,), timeout=_WATCH_AFTER_S)
+        if task.done():
+            return True, task.result()
+        gone = asyncio.ensure_future(_client_gone(request))
         await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()  # this handler was cancelled (uvicorn's shutdown): so is what it waited for
+        raise
     finally:
-        gone.cancel()
+        if gone is not None:
+            gone.cancel()
     if task.done():
         return True, task.result()
     task.cancel()
@@ -271,6 +276,10 @@ def create_app(
         try:
             answered, result = await _unless_gone(request, ended)
             return result if answered else ("gone", None)
+        except asyncio.CancelledError:
+            # uvicorn cancels the handlers still running when its graceful shutdown times out (it never cancels
+            # one whose client left): answered as a request the closing engine dropped, not as its plain 500.
+            return "cancelled", None
         finally:
             handle.cancel()
 
