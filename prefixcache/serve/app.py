@@ -72,7 +72,10 @@ _SSE_JSON = json.JSONEncoder(ensure_ascii=False)
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(_JSON.encode(body).encode(), status, headers, media_type="application/json")
+    # A lone surrogate (JSON's "\ud800" escape, echoed back in an error naming a field) has no UTF-8 form: it is
+    # written as that escape again, which is still valid JSON, rather than failing the response with a 500.
+    data = _JSON.encode(body).encode("utf-8", "backslashreplace")
+    return Response(data, status, headers, media_type="application/json")
 
 
 def _error_response(error: BaseException) -> Response:
@@ -134,14 +137,19 @@ async def _unless_gone(request: Request, waiter: Awaitable[_T]) -> tuple[bool, _
     """``(True, waiter's result)``, or ``(False, None)`` when the client disconnects first (``waiter`` is then
     cancelled and awaited, so a job it drives is cancelled before this returns)."""
     task = asyncio.ensure_future(waiter)
-    await asyncio.wait((task,), timeout=_WATCH_AFTER_S)
-    if task.done():
-        return True, task.result()
-    gone = asyncio.ensure_future(_client_gone(request))
+    gone = None
     try:
+        await asyncio.wait((task,), timeout=_WATCH_AFTER_S)
+        if task.done():
+            return True, task.result()
+        gone = asyncio.ensure_future(_client_gone(request))
         await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()  # this handler was cancelled (uvicorn's shutdown): so is what it waited for
+        raise
     finally:
-        gone.cancel()
+        if gone is not None:
+            gone.cancel()
     if task.done():
         return True, task.result()
     task.cancel()
@@ -268,6 +276,10 @@ def create_app(
         try:
             answered, result = await _unless_gone(request, ended)
             return result if answered else ("gone", None)
+        except asyncio.CancelledError:
+            # uvicorn cancels the handlers still running when its graceful shutdown times out (it never cancels
+            # one whose client left): answered as a request the closing engine dropped, not as its plain 500.
+            return "cancelled", None
         finally:
             handle.cancel()
 

@@ -119,7 +119,8 @@ def _common(body: Any, allowed: frozenset[str], default_max_tokens: int, max_tok
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model must be a non-empty string", "model")
-    if body.get("n") not in (None, 1):
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
         raise BadRequest("only n=1 is supported", "n")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):

@@ -221,3 +221,26 @@ def test_stream_options_without_a_stream_and_malformed_tools_are_400(make_app, e
     assert (error["type"], error["param"]) == ("invalid_request_error", param)
     assert snapshot(runner.cache, [runner.namespace_key(None)]) == before
     assert_quiescent(runner.cache)
+
+
+def test_an_error_naming_a_lone_surrogate_is_a_400_in_openai_shape_not_a_500(make_app) -> None:
+    # JSON's \ud800 escape decodes to a lone surrogate, which UTF-8 cannot encode: the error body escapes it again.
+    runner = scripted(1024)
+    body = b'{"model": "scripted", "\\ud800": 1, "messages": [{"role": "user", "content": "x"}]}'
+    (response,) = post_all(make_app(runner), [("POST", "/v1/chat/completions", body)])
+    assert response.status_code == 400
+    assert response.json()["error"] == {
+        "message": "unsupported parameter: \ud800",
+        "type": "invalid_request_error",
+        "param": "\ud800",
+        "code": None,
+    }
+    assert_quiescent(runner.cache)
+    assert runner.cache.stats().query_tokens == 0
+
+
+@pytest.mark.parametrize("n", [True, 2, 0, "1"])
+def test_n_other_than_the_integer_one_is_refused(make_app, n) -> None:
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "x"}], "n": n}
+    (response,) = post_all(make_app(scripted(1024)), [("POST", "/v1/chat/completions", body)])
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"

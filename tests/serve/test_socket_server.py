@@ -162,3 +162,31 @@ def test_requests_cut_off_by_the_engine_closing_are_answered_as_failed_not_as_fi
     assert 'prefixcache_requests_total{endpoint="/v1/chat/completions",status="503"} 2.0' in metrics
     assert 'status="ok"' not in metrics
     assert_quiescent(runner.cache)
+
+
+def test_a_plain_request_still_running_when_the_shutdown_grace_ends_answers_503_in_openai_shape(make_app) -> None:
+    """uvicorn cancels the handlers still running when its graceful-shutdown wait ends; a non-streamed request cut
+    there answers 503 in OpenAI's error shape (counted as a failure), not uvicorn's plain-text 500."""
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["word " * 3000]), cache_tokens=1 << 15)
+    app = make_app(runner)
+    engine = app.state.engine
+    answers: list[httpx.Response] = []
+    server = start_background(app, "127.0.0.1", 0)
+    server.server.config.timeout_graceful_shutdown = 0.2
+    body = {"model": "scripted", "messages": MESSAGES, "max_tokens": 15000}
+    waiter = threading.Thread(
+        target=lambda: answers.append(httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60))
+    )
+    waiter.start()
+    while engine.num_pending < 1:
+        time.sleep(0.01)
+    server.stop(30)
+    waiter.join(30)
+    (answer,) = answers
+    assert answer.status_code == 503
+    assert answer.json()["error"]["type"] == "server_error"
+    assert "shutting down" in answer.json()["error"]["message"]
+    assert engine.wait_idle(30)
+    assert engine.cancelled_requests == 1
+    assert 'endpoint="/v1/chat/completions",status="503"} 1.0' in app.state.metrics.render().decode()
+    assert_quiescent(runner.cache)
