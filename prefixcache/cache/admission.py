@@ -39,6 +39,7 @@ import numpy as np
 
 from prefixcache.cache.blocks import BlockLedger
 from prefixcache.cache.locks import LockHandle, LockRegistry
+from prefixcache.cache.pool import check_count
 from prefixcache.cache.stats import HitCounters
 from prefixcache.cache.tree import InsertResult, RadixTree
 from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidTokensError, LockError, OutOfBlocksError
@@ -255,9 +256,7 @@ class Admission:
             LockError: the lease is closed.
         """
         self.check_lease(lease, "reserve")
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
-            raise InvalidArgumentError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
-        num_tokens = int(num_tokens)  # -np.uint8(9) wraps: a numpy int must not reach the block arithmetic
+        num_tokens = check_count(num_tokens, "num_tokens")
         bs = self.block_size
         need = -(-num_tokens // bs) - len(lease.block_table)
         if need > 0:

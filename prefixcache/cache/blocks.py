@@ -13,7 +13,7 @@ from array import array
 
 import numpy as np
 
-from prefixcache.cache.pool import BlockIds, KVBlockPool
+from prefixcache.cache.pool import BlockIds, KVBlockPool, check_count
 from prefixcache.cache.tree import InsertResult, RadixTree
 from prefixcache.errors import CapacityError, InvalidArgumentError, LockError, OutOfBlocksError, PoolBusyError
 
@@ -51,9 +51,7 @@ class BlockLedger:
             OutOfBlocksError: short after eviction although the count said otherwise, which only a block held for a
                 moment by copy-on-write can cause; nothing is allocated.
         """
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 0:
-            raise InvalidArgumentError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        num_blocks = int(num_blocks)  # np.uint64(1) - free blocks wrapped to a huge shortfall: everything evicted
+        num_blocks = check_count(num_blocks, "num_blocks")
         pool = self.pool
         if num_blocks > pool.num_blocks:
             raise CapacityError(

@@ -30,13 +30,14 @@ from __future__ import annotations
 import logging
 import sys
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
 
+from prefixcache.cache.pool import check_block_size
 from prefixcache.cache.tokens import as_token_array
 from prefixcache.errors import InvalidArgumentError, KVEventError, NamespaceError
 
@@ -60,6 +61,7 @@ __all__ = [
     "check_hash_seed",
     "check_namespace",
     "namespace_root_hash",
+    "walk_block_hashes",
 ]
 
 
@@ -127,6 +129,23 @@ def check_hash_seed(seed: object) -> int:
     return seed
 
 
+def walk_block_hashes(
+    roots: dict[str | None, Node], block_size: int, seed: int
+) -> Iterator[tuple[Node, array, int, list[int]]]:
+    """Every node under ``roots``, parents first, with its path's tokens, the hash before its first owned block and
+    the chained hashes of the full blocks it owns, recomputed from the tokens (the hashes kept on nodes are not read).
+    O(cached tokens)."""
+    for namespace, root in roots.items():
+        stack = [(child, root.tokens, namespace_root_hash(namespace, seed)) for child in root.children.values()]
+        while stack:
+            node, prefix, parent_hash = stack.pop()
+            path = prefix + node.tokens
+            hashes = chain_hashes(path, block_size, parent_hash, seed, node.start // block_size, node.end // block_size)
+            yield node, path, parent_hash, hashes
+            last = hashes[-1] if hashes else parent_hash
+            stack.extend((child, path, last) for child in node.children.values())
+
+
 def namespace_root_hash(namespace: str | None, seed: int = 0) -> int:
     """The chain's starting value for ``namespace``: xxh64 of its UTF-8 bytes (``b"\\xff"`` for ``None``)."""
     data = b"\xff" if namespace is None else namespace.encode("utf-8", errors="surrogatepass")
@@ -159,12 +178,11 @@ def block_hashes(token_ids: Iterable[int], block_size: int, namespace: str | Non
     An empty sequence has none.
 
     Raises:
-        InvalidArgumentError: ``block_size`` not an int >= 1, or ``seed`` one no cache accepts.
+        InvalidArgumentError: ``block_size`` or ``seed`` one no cache accepts (``check_block_size``).
         InvalidTokensError: token ids a cache would refuse (negative, above ``2**32 - 1``, not ints).
         NamespaceError: ``namespace`` neither ``None`` nor a ``str``.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+    check_block_size(block_size)
     check_hash_seed(seed)
     root = namespace_root_hash(check_namespace(namespace), seed)
     ids = as_token_array(token_ids, allow_empty=True)
@@ -315,16 +333,9 @@ class EventPublisher:
     def hash_tree(self, roots: dict[str | None, Node]) -> list[BlockStored]:
         """Recompute every node's block hashes; return a :class:`BlockStored` per node owning full blocks.
         O(cached tokens)."""
-        bs, seed = self.block_size, self.hash_seed
         events: list[BlockStored] = []
-        for namespace, root in roots.items():
-            stack = [(child, root.tokens, namespace_root_hash(namespace, seed)) for child in root.children.values()]
-            while stack:
-                node, prefix, parent_hash = stack.pop()
-                path = prefix + node.tokens
-                node.block_hashes = chain_hashes(path, bs, parent_hash, seed, node.start // bs, node.end // bs)
-                if node.block_hashes:
-                    events.append(self._stored_event(node, path, parent_hash))
-                last = node.block_hashes[-1] if node.block_hashes else parent_hash
-                stack.extend((child, path, last) for child in node.children.values())
+        for node, path, parent_hash, hashes in walk_block_hashes(roots, self.block_size, self.hash_seed):
+            node.block_hashes = hashes
+            if hashes:
+                events.append(self._stored_event(node, path, parent_hash))
         return events

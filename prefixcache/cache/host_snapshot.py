@@ -69,14 +69,12 @@ def capture(snapshot: Snapshot, host: HostTier | None, keep_namespace: Callable[
 
 
 def plan(snapshot: Snapshot, host: HostTier | None, block_size: int) -> HostPlan:
-    """Check the saved runs and choose those to restore: the most recently used that fit ``host``'s free blocks (none
-    without a host tier).  Changes nothing.
+    """Choose the saved runs to restore: the most recently used that fit ``host``'s free blocks (none without a host
+    tier).  The caller has checked them with :func:`check`.  Changes nothing.
 
     Raises:
         SnapshotError: the host tier already holds runs.
-        SnapshotCorruptError: a run is malformed (only a snapshot written wrong can hold one).
     """
-    check(snapshot, block_size)
     records = snapshot.manifest.get("host_runs", [])
     if host is None:
         return HostPlan([], len(records), sum(len(r["tokens"]) for r in records))

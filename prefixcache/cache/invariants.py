@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from prefixcache.cache.blocks import BlockLedger
-from prefixcache.cache.events import DEVICE_MEDIUM, HOST_MEDIUM, BlockIndex, chain_hashes, namespace_root_hash
+from prefixcache.cache.events import DEVICE_MEDIUM, HOST_MEDIUM, BlockIndex, walk_block_hashes
 from prefixcache.cache.locks import LockRegistry
 from prefixcache.cache.node import EMPTY_BLOCKS
 from prefixcache.cache.tree import RadixTree
@@ -150,18 +150,8 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
 def device_block_hashes(tree: RadixTree, seed: int) -> set[tuple[str | None, int]]:
     """``(namespace, hash)`` of every full block the device tree holds, recomputed from its tokens (not from the hashes
     kept on nodes).  O(cached tokens)."""
-    bs = tree.block_size
-    out: set[tuple[str | None, int]] = set()
-    for namespace, root in tree.roots.items():
-        stack = [(child, root.tokens, namespace_root_hash(namespace, seed)) for child in root.children.values()]
-        while stack:
-            node, prefix, parent_hash = stack.pop()
-            path = prefix + node.tokens
-            hashes = chain_hashes(path, bs, parent_hash, seed, node.start // bs, node.end // bs)
-            out.update((namespace, h) for h in hashes)
-            last = hashes[-1] if hashes else parent_hash
-            stack.extend((child, path, last) for child in node.children.values())
-    return out
+    walk = walk_block_hashes(tree.roots, tree.block_size, seed)
+    return {(node.namespace, h) for node, _, _, hashes in walk for h in hashes}
 
 
 def check_mirror(tree: RadixTree, host: HostTier | None, index: BlockIndex, seed: int) -> None:

@@ -33,6 +33,18 @@ def check_block_size(block_size: object) -> int:
     return block_size
 
 
+def check_count(value: object, name: str) -> int:
+    """Return ``value`` as a plain ``int`` if it is a non-negative int (numpy integers included: their fixed width
+    would wrap in the cache's block arithmetic, so they do not go further).
+
+    Raises:
+        InvalidArgumentError: a bool, a float, a negative number or anything else.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidArgumentError(f"{name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
 def default_device() -> torch.device:
     """CUDA when a GPU is present, else the CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

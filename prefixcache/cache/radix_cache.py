@@ -44,7 +44,7 @@ from prefixcache.cache.evictor import EvictionPolicy, Evictor
 from prefixcache.cache.host_tier import HostTier
 from prefixcache.cache.invariants import check_invariants, check_mirror
 from prefixcache.cache.locks import ChangeGuard, LockHandle, LockRegistry
-from prefixcache.cache.pool import BlockIds, KVBlockPool
+from prefixcache.cache.pool import BlockIds, KVBlockPool, check_count
 from prefixcache.cache.retention import Retention
 from prefixcache.cache.stats import CacheStats, HitCounters, check_request_id
 from prefixcache.cache.tokens import TokenIds, as_token_array
@@ -247,9 +247,7 @@ class RadixCache:
         boundary) and removes a leaf once nothing of it is left; its parent may then become a candidate.  The result
         and the ``BlockRemoved`` events say exactly what was freed.  O(log c) per block freed.
         """
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, (int, np.integer)) or num_blocks < 0:
-            raise InvalidArgumentError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
-        num_blocks = int(num_blocks)  # a numpy int's fixed width would wrap in the tree's running totals
+        num_blocks = check_count(num_blocks, "num_blocks")
         with self._change:
             return self._tree.evict(num_blocks)
 

@@ -401,11 +401,11 @@ def restore(snapshot: Snapshot, tree: RadixTree) -> SnapshotSummary:
 
     Loads the most recently used part that fits the free blocks (see the module docstring).  Restored nodes keep
     their access times, hits, origin and retention (within the cap).  The caller holds the cache's mutex and has
-    checked :func:`check_compatible`.  O(restored tokens) plus one host-to-device copy.
+    checked :func:`check_compatible` and :func:`check_nodes` (before dropping anything the cache held).
+    O(restored tokens) plus one host-to-device copy.
 
     Raises:
         SnapshotError: the tree is not empty or blocks are in use.
-        SnapshotCorruptError: the nodes do not form a valid tree (only a snapshot written wrong can do that).
     Nothing changes when it raises.
     """
     pool = tree.pool
@@ -416,7 +416,6 @@ def restore(snapshot: Snapshot, tree: RadixTree) -> SnapshotSummary:
         )
     manifest = snapshot.manifest
     records = manifest["nodes"]
-    check_nodes(snapshot, pool.block_size)
     chosen, skipped_nodes, skipped_tokens = choose(records, pool.num_free_blocks, pool.block_size)
     new_id: dict[int, int] = {}
     for index in chosen:

@@ -57,6 +57,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prefixcache.cache.events import BlockIndex, block_hashes, check_hash_seed
+from prefixcache.cache.pool import check_block_size
 from prefixcache.errors import InvalidArgumentError
 
 __all__ = ["ExactPrefixRouter", "RouteDecision", "cached_prefix_blocks", "power_of_two"]
@@ -140,9 +141,9 @@ class ExactPrefixRouter:
             ``...`` looks blocks up under the request's own namespace (indexes fed in process).
 
     Raises:
-        InvalidArgumentError: ``block_size`` not an int >= 1, ``hash_seed`` outside ``[0, 2**64)``, a penalty or
-            weight that is negative or not finite, a threshold that is negative or NaN (``inf`` turns its guard
-            off), or ``continuation_share`` outside ``(0, 1]``.
+        InvalidArgumentError: ``block_size`` no cache accepts (an int in 1..256), ``hash_seed`` outside
+            ``[0, 2**64)``, a penalty or weight that is negative or not finite, a threshold that is negative or NaN
+            (``inf`` turns its guard off), or ``continuation_share`` outside ``(0, 1]``.
     """
 
     def __init__(
@@ -162,8 +163,7 @@ class ExactPrefixRouter:
         seed: int = 0,
         index_namespace: object = ...,
     ) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise InvalidArgumentError(f"block_size must be an int >= 1, got {block_size!r}")
+        check_block_size(block_size)
         check_hash_seed(hash_seed)
         weights = (load_penalty_tokens, memory_weight, evict_weight)
         thresholds = (imbalance_abs, imbalance_rel, continuation_abs, continuation_rel or 0)
