@@ -159,7 +159,6 @@ class HFTokenizer:
             )
         from jinja2 import TemplateError as JinjaError
 
-        _require_unicode(messages, tools)
         try:
             rendered = self.tokenizer.apply_chat_template(
                 [_template_message(m) for m in messages],
@@ -169,10 +168,15 @@ class HFTokenizer:
                 return_dict=False,
             )
         except (JinjaError, ValueError, TypeError) as error:
+            _require_unicode(messages, tools)  # the likely cause of a TypeError, named (checked on failure only)
             raise TemplateError(f"chat template of {self._name} failed: {error}") from None
         if self._splitter is None:
             return [int(t) for t in rendered]
-        return self._encode_pieces(rendered)
+        try:
+            return self._encode_pieces(rendered)
+        except TypeError:
+            _require_unicode(messages, tools)
+            raise
 
     def _encode_pieces(self, text: str) -> list[int]:
         """Ids of ``text`` as the tokenizer gives them (``add_special_tokens=False``), from memoised pieces."""
@@ -199,7 +203,8 @@ class HFTokenizer:
 
 def _require_unicode(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> None:
     """Refuse a lone surrogate (``"\\ud800"`` is valid JSON, not Unicode text): the Rust tokenizers cannot take it
-    and fail with a TypeError naming no message.  The byte tokenizer encodes it (surrogatepass) instead.
+    and fail with a TypeError naming no message, after which this names it.  O(characters), so it runs only then.
+    The byte tokenizer encodes it (surrogatepass) instead.
 
     Raises :class:`TemplateError` naming the message (or the tools) and the character.
     """
