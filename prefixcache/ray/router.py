@@ -5,10 +5,11 @@ Each replica of :class:`~prefixcache.ray.deployment.PrefixCacheServer` publishes
 Ray Serve's routing stats (``record_routing_stats``).  The router, which runs wherever the deployment handle is
 used (the driver, or Serve's HTTP proxy), keeps one :class:`~prefixcache.distributed.subscriber.ZmqEventSubscriber`
 per replica feeding a :class:`~prefixcache.cache.events.BlockIndex`, and ranks replicas with
-:class:`~prefixcache.distributed.router.ExactPrefixRouter`: cached prompt tokens minus a load penalty on the queue
-lengths Ray Serve probes and a memory cost from the free blocks each replica reports, power of two choices when
-the preferred replica is too busy.  It returns two ranks, the chosen replica then the rest by cached tokens, so Ray
-Serve falls through to another replica if the first rejects the request or has died.
+:class:`~prefixcache.distributed.router.ExactPrefixRouter`: cached prompt tokens minus a load penalty (the larger of
+the queue length Ray Serve probes and the requests this router routed there and has not seen complete) and a memory
+cost from the free blocks each replica reports, power of two choices when the preferred replica is too busy.  It
+returns two ranks, the chosen replica then the rest by cached tokens, so Ray Serve falls through to another replica
+if the first rejects the request or has died.
 
 Ray Serve's ``RequestRouter`` API is alpha (Ray >= 2.46); this module is written against Ray 2.60.
 """
@@ -94,7 +95,7 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         continuation_rel: float | None = None,
         seed: int = 0,
     ) -> None:
-        """Router settings; see :class:`~prefixcache.distributed.router.ExactPrefixRouter` (loads are queue lengths,
+        """Router settings; see :class:`~prefixcache.distributed.router.ExactPrefixRouter` (loads are request counts,
         so the penalty is absolute unless ``relative_above`` is given; the memory and eviction costs use the
         ``free_blocks`` and ``num_blocks`` each replica reports in its routing stats, refreshed every routing-stats
         period, and the eviction cost takes a request's ``max_new_tokens`` as its expected answer)."""
@@ -112,12 +113,42 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         self._routers: dict[tuple[int, int], ExactPrefixRouter] = {}
         self._mirrors: dict[ReplicaID, tuple[str, BlockIndex, ZmqEventSubscriber]] = {}
         self._routed: dict[ReplicaID, int] = {}
+        # Requests this router sent to a replica and has not seen complete: internal request id -> (replica, request).
+        self._in_flight: dict[str, tuple[ReplicaID, PendingRequest]] = {}
         ExactPrefixRequestRouter.live.add(self)
 
     @property
     def num_mirrored(self) -> int:
         """Replicas whose KV events this router follows."""
         return len(self._mirrors)
+
+    @property
+    def num_in_flight(self) -> dict[ReplicaID, int]:
+        """Requests routed to each replica and not yet completed, as this router counts them (replicas with none are
+        left out)."""
+        self._forget_cancelled()
+        counts: dict[ReplicaID, int] = {}
+        for replica_id, _ in self._in_flight.values():
+            counts[replica_id] = counts.get(replica_id, 0) + 1
+        return counts
+
+    def _forget_cancelled(self) -> None:
+        # A request cancelled before it was sent never completes; one sent elsewhere than decided (the chosen replica
+        # rejected it, or a retry) is counted where its future says it went.
+        for request_id, (replica_id, pending) in list(self._in_flight.items()):
+            future = getattr(pending, "future", None)
+            if future is None or not future.done():
+                continue
+            if future.cancelled() or future.exception() is not None:
+                del self._in_flight[request_id]
+            elif getattr(future.result(), "replica_id", replica_id) != replica_id:
+                self._in_flight[request_id] = (future.result().replica_id, pending)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        super().on_request_completed(replica_id, internal_request_id)
+        known = self._in_flight.get(internal_request_id)
+        if known is not None and known[0] == replica_id:
+            del self._in_flight[internal_request_id]
 
     def _index(self, replica: RunningReplica) -> BlockIndex | None:
         stats = replica.routing_stats or {}
@@ -142,6 +173,8 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._drop(replica_id)
+        for request_id in [k for k, (r, _) in self._in_flight.items() if r == replica_id]:
+            del self._in_flight[request_id]
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -162,7 +195,14 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
             self._routers[key] = router
         empty = BlockIndex()
         indexes = [self._index(r) or empty for r in candidate_replicas]
-        loads = [self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas]
+        # Ray Serve decides a burst of requests before any reaches a replica (its queue lengths lag, or have expired),
+        # so the load is the larger of its queue length and the requests this router routed there and has not seen
+        # complete.
+        in_flight = self.num_in_flight
+        loads = [
+            max(self.replica_queue_len_cache.get(r.replica_id) or 0, in_flight.get(r.replica_id, 0))
+            for r in candidate_replicas
+        ]
         routed = [self._routed.get(r.replica_id, 0) for r in candidate_replicas]
         free, pools = memory_of(candidate_replicas)
         answer = request.get("max_new_tokens")
@@ -177,6 +217,9 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         chosen = candidate_replicas[decision.replica]
         # Counted at decision time: requests routed together would otherwise all see the same tallies and tie.
         self._routed[chosen.replica_id] = self._routed.get(chosen.replica_id, 0) + 1
+        request_id = getattr(getattr(pending_request, "metadata", None), "internal_request_id", None)
+        if isinstance(request_id, str):
+            self._in_flight[request_id] = (chosen.replica_id, pending_request)
         rest = sorted(
             (i for i in range(len(candidate_replicas)) if i != decision.replica),
             key=lambda i: (-decision.cached_tokens[i], loads[i]),

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("ray.serve", reason="needs the [ray] extra")
 pytest.importorskip("zmq", reason="needs the [ray] extra")
 
-from ray.serve._private.common import DeploymentHandleSource, DeploymentID  # noqa: E402
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID  # noqa: E402
 
 from prefixcache.cache.events import BlockIndex, block_hashes  # noqa: E402
 from prefixcache.distributed.router import ExactPrefixRouter  # noqa: E402
@@ -112,3 +112,69 @@ def test_an_absurd_max_new_tokens_does_not_break_routing() -> None:
     request = {"prompt_ids": [1, 2, 3, 4, 5], "max_new_tokens": 10**400}
     ranks = asyncio.run(router.choose_replicas(replicas, SimpleNamespace(args=[request], kwargs={})))
     assert [len(rank) for rank in ranks] == [1, 1]
+
+
+def _pending(request: dict, request_id: str) -> SimpleNamespace:
+    return SimpleNamespace(args=[request], kwargs={}, metadata=SimpleNamespace(internal_request_id=request_id))
+
+
+def _fresh_router(**settings) -> tuple[ExactPrefixRequestRouter, list[SimpleNamespace]]:
+    deployment = DeploymentID(name="d", app_name="a")
+    router = ExactPrefixRequestRouter(deployment, DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True)
+    router.initialize_state(**settings)
+    stats = {"fingerprint": "fp", "block_size": 4, "hash_seed": 0, "free_blocks": 8, "num_blocks": 8}
+    replicas = [SimpleNamespace(replica_id=ReplicaID(f"r{i}", deployment), routing_stats=dict(stats)) for i in range(2)]
+    return router, replicas
+
+
+def test_a_burst_of_new_prompts_is_spread_even_when_the_queue_lengths_are_stale() -> None:
+    # Ray Serve decides a burst of requests before any of them reaches a replica, so every decision sees the same
+    # queue lengths; here they still count one finished request on r1.  The router counts the requests it has routed
+    # and not yet seen complete, so new prompts (no cached prefix anywhere) alternate instead of all going to r0.
+    router, replicas = _fresh_router(load_penalty_tokens=1.0, imbalance_abs=8)
+    r0, r1 = (r.replica_id for r in replicas)
+    router.on_new_queue_len_info(r1, 1)
+    assert router.replica_queue_len_cache.get(r1) == 1
+    chosen = []
+    for c in range(8):
+        request = {"prompt_ids": [c + 1] * 12, "max_new_tokens": 4}
+        ranks = asyncio.run(router.choose_replicas(replicas, _pending(request, f"q{c}")))
+        chosen.append(ranks[0][0].replica_id)
+    assert chosen.count(r0) == chosen.count(r1) == 4, chosen
+    assert router.num_in_flight == {r0: 4, r1: 4}
+    # Completions free the slots (a completion reported by another replica than the one recorded changes nothing).
+    other = r1 if chosen[1] == r0 else r0
+    router.on_request_completed(other, "q1")
+    assert router.num_in_flight == {r0: 4, r1: 4}
+    for c in range(8):
+        router.on_request_completed(chosen[c], f"q{c}")
+    assert router.num_in_flight == {}
+
+
+def test_in_flight_requests_of_a_dead_replica_are_forgotten() -> None:
+    router, replicas = _fresh_router()
+    r0, r1 = (r.replica_id for r in replicas)
+    for c in range(4):
+        asyncio.run(router.choose_replicas(replicas, _pending({"prompt_ids": [c + 1] * 12}, f"q{c}")))
+    assert sum(router.num_in_flight.values()) == 4
+    router.on_replica_actor_died(r0)
+    assert set(router.num_in_flight) <= {r1}
+
+
+def test_a_request_cancelled_before_it_was_sent_or_sent_elsewhere_is_counted_where_it_is() -> None:
+    from concurrent.futures import Future
+
+    router, replicas = _fresh_router()
+    r0, r1 = (r.replica_id for r in replicas)
+    pending = [_pending({"prompt_ids": [c + 1] * 12}, f"q{c}") for c in range(2)]
+    for p in pending:
+        p.future = Future()
+        asyncio.run(router.choose_replicas(replicas, p))
+    assert router.num_in_flight == {r0: 1, r1: 1}
+    # q0 was cancelled while waiting for a replica: it will never complete, so it no longer counts.
+    pending[0].future.cancel()
+    # q1 went to r0 instead (its chosen replica rejected it): it counts there, and r0's completion frees it.
+    pending[1].future.set_result(replicas[0])
+    assert router.num_in_flight == {r0: 1}
+    router.on_request_completed(r0, "q1")
+    assert router.num_in_flight == {}
