@@ -5,11 +5,12 @@ Each replica of :class:`~prefixcache.ray.deployment.PrefixCacheServer` publishes
 Ray Serve's routing stats (``record_routing_stats``).  The router, which runs wherever the deployment handle is
 used (the driver, or Serve's HTTP proxy), keeps one :class:`~prefixcache.distributed.subscriber.ZmqEventSubscriber`
 per replica feeding a :class:`~prefixcache.cache.events.BlockIndex`, and ranks replicas with
-:class:`~prefixcache.distributed.router.ExactPrefixRouter`: cached prompt tokens minus a load penalty (the larger of
-the queue length Ray Serve probes and the requests this router routed there and has not seen complete) and a memory
-cost from the free blocks each replica reports, power of two choices when the preferred replica is too busy.  It
-returns two ranks, the chosen replica then the rest by cached tokens, so Ray Serve falls through to another replica
-if the first rejects the request or has died.
+:class:`~prefixcache.distributed.router.ExactPrefixRouter`: cached prompt tokens minus a load penalty and a memory
+cost from the free blocks each replica reports, power of two choices when the preferred replica is too busy.  A
+replica's load is Ray Serve's queue length for it (the requests sent there and not finished) plus the requests this
+router has routed there and Ray Serve has not sent yet: Ray Serve decides a burst of requests before any is sent, so
+the queue lengths alone would be the same for the whole burst.  It returns two ranks, the chosen replica then the
+rest by cached tokens, so Ray Serve falls through to another replica if the first rejects the request or has died.
 
 Ray Serve's ``RequestRouter`` API is alpha (Ray >= 2.46); this module is written against Ray 2.60.
 """
@@ -17,6 +18,7 @@ Ray Serve's ``RequestRouter`` API is alpha (Ray >= 2.46); this module is written
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from typing import Any, ClassVar
 
@@ -30,6 +32,11 @@ from prefixcache.errors import PrefixCacheError
 __all__ = ["ExactPrefixRequestRouter", "memory_of", "routed_namespace"]
 
 logger = logging.getLogger(__name__)
+
+UNSENT_GRACE_S = 30.0
+"""Seconds after which a routed request neither sent nor routed again is no longer counted (seconds; a request waits
+for a replica in Ray Serve's routing loop, which decides again at least every 0.5 s, and one that is sent is sent
+within milliseconds of its decision)."""
 
 
 def routed_namespace(fingerprint: str, namespace: str | None) -> str:
@@ -52,6 +59,18 @@ def request_of(pending: PendingRequest | None) -> dict[str, Any] | None:
     if isinstance(candidate, dict) and isinstance(candidate.get("prompt_ids"), (list, tuple)):
         return candidate
     return None
+
+
+def _where(chosen: ReplicaID, pending: PendingRequest) -> ReplicaID | None:
+    """The replica a routed request is going to: the one its routing future resolved to (Ray Serve falls through to
+    the next rank when the chosen replica is full), the chosen one until it resolves, None once it was cancelled or
+    failed."""
+    future = getattr(pending, "future", None)
+    if future is None or not future.done():
+        return chosen
+    if future.cancelled() or future.exception() is not None:
+        return None
+    return getattr(future.result(), "replica_id", chosen)
 
 
 def memory_of(replicas: list[RunningReplica]) -> tuple[list[int] | None, list[int] | None]:
@@ -113,8 +132,9 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         self._routers: dict[tuple[int, int], ExactPrefixRouter] = {}
         self._mirrors: dict[ReplicaID, tuple[str, BlockIndex, ZmqEventSubscriber]] = {}
         self._routed: dict[ReplicaID, int] = {}
-        # Requests this router sent to a replica and has not seen complete: internal request id -> (replica, request).
-        self._in_flight: dict[str, tuple[ReplicaID, PendingRequest]] = {}
+        # Requests routed and not yet sent, oldest first: id(pending request) -> (replica chosen, request, when).
+        self._unsent: dict[int, tuple[ReplicaID, PendingRequest, float]] = {}
+        self._clock = time.monotonic
         ExactPrefixRequestRouter.live.add(self)
 
     @property
@@ -123,32 +143,33 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         return len(self._mirrors)
 
     @property
-    def num_in_flight(self) -> dict[ReplicaID, int]:
-        """Requests routed to each replica and not yet completed, as this router counts them (replicas with none are
-        left out)."""
-        self._forget_cancelled()
+    def num_unsent(self) -> dict[ReplicaID, int]:
+        """Requests routed to each replica that Ray Serve has not sent yet, by this router's count (replicas with none
+        are left out).  A request counts on the replica its routing resolved to (Ray Serve falls through to the
+        second rank when the chosen replica is full), and no longer once it is sent, cancelled or failed, or
+        after :data:`UNSENT_GRACE_S`."""
         counts: dict[ReplicaID, int] = {}
-        for replica_id, _ in self._in_flight.values():
-            counts[replica_id] = counts.get(replica_id, 0) + 1
+        for chosen, pending, _ in list(self._unsent.values()):
+            where = _where(chosen, pending)
+            if where is not None:
+                counts[where] = counts.get(where, 0) + 1
         return counts
 
-    def _forget_cancelled(self) -> None:
-        # A request cancelled before it was sent never completes; one sent elsewhere than decided (the chosen replica
-        # rejected it, or a retry) is counted where its future says it went.
-        for request_id, (replica_id, pending) in list(self._in_flight.items()):
-            future = getattr(pending, "future", None)
-            if future is None or not future.done():
-                continue
-            if future.cancelled() or future.exception() is not None:
-                del self._in_flight[request_id]
-            elif getattr(future.result(), "replica_id", replica_id) != replica_id:
-                self._in_flight[request_id] = (future.result().replica_id, pending)
+    def _forget_stale(self) -> None:
+        now = self._clock()
+        for key, (chosen, pending, decided_at) in list(self._unsent.items()):
+            if now - decided_at > UNSENT_GRACE_S or _where(chosen, pending) is None:
+                del self._unsent[key]
 
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        super().on_request_completed(replica_id, internal_request_id)
-        known = self._in_flight.get(internal_request_id)
-        if known is not None and known[0] == replica_id:
-            del self._in_flight[internal_request_id]
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        # From now on Ray Serve's queue length counts the request: stop counting the oldest one resolved to that
+        # replica (which of them does not matter for the count).
+        super().on_send_request(replica_id)
+        for key, (chosen, pending, _) in list(self._unsent.items()):
+            future = getattr(pending, "future", None)
+            if future is not None and future.done() and _where(chosen, pending) == replica_id:
+                del self._unsent[key]
+                return
 
     def _index(self, replica: RunningReplica) -> BlockIndex | None:
         stats = replica.routing_stats or {}
@@ -173,8 +194,9 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._drop(replica_id)
-        for request_id in [k for k, (r, _) in self._in_flight.items() if r == replica_id]:
-            del self._in_flight[request_id]
+        for key, (chosen, pending, _) in list(self._unsent.items()):
+            if _where(chosen, pending) == replica_id:
+                del self._unsent[key]
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -195,12 +217,10 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
             self._routers[key] = router
         empty = BlockIndex()
         indexes = [self._index(r) or empty for r in candidate_replicas]
-        # Ray Serve decides a burst of requests before any reaches a replica (its queue lengths lag, or have expired),
-        # so the load is the larger of its queue length and the requests this router routed there and has not seen
-        # complete.
-        in_flight = self.num_in_flight
+        self._forget_stale()
+        unsent = self.num_unsent
         loads = [
-            max(self.replica_queue_len_cache.get(r.replica_id) or 0, in_flight.get(r.replica_id, 0))
+            (self.replica_queue_len_cache.get(r.replica_id) or 0) + unsent.get(r.replica_id, 0)
             for r in candidate_replicas
         ]
         routed = [self._routed.get(r.replica_id, 0) for r in candidate_replicas]
@@ -217,9 +237,10 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         chosen = candidate_replicas[decision.replica]
         # Counted at decision time: requests routed together would otherwise all see the same tallies and tie.
         self._routed[chosen.replica_id] = self._routed.get(chosen.replica_id, 0) + 1
-        request_id = getattr(getattr(pending_request, "metadata", None), "internal_request_id", None)
-        if isinstance(request_id, str):
-            self._in_flight[request_id] = (chosen.replica_id, pending_request)
+        if pending_request is not None:
+            # Routed again (its replica was full, or rejected it): it moves to the end, counted once.
+            self._unsent.pop(id(pending_request), None)
+            self._unsent[id(pending_request)] = (chosen.replica_id, pending_request, self._clock())
         rest = sorted(
             (i for i in range(len(candidate_replicas)) if i != decision.replica),
             key=lambda i: (-decision.cached_tokens[i], loads[i]),

@@ -4,6 +4,7 @@ stats, and a subscriber mirroring its cache from those stats.  Fast; needs the [
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +19,13 @@ from prefixcache.distributed.router import ExactPrefixRouter  # noqa: E402
 from prefixcache.distributed.subscriber import ZmqEventSubscriber  # noqa: E402
 from prefixcache.errors import InvalidTokensError, NamespaceError  # noqa: E402
 from prefixcache.ray.deployment import PrefixCacheServer  # noqa: E402
-from prefixcache.ray.router import ExactPrefixRequestRouter, memory_of, request_of, routed_namespace  # noqa: E402
+from prefixcache.ray.router import (  # noqa: E402
+    UNSENT_GRACE_S,
+    ExactPrefixRequestRouter,
+    memory_of,
+    request_of,
+    routed_namespace,
+)
 
 
 @pytest.fixture
@@ -114,8 +121,10 @@ def test_an_absurd_max_new_tokens_does_not_break_routing() -> None:
     assert [len(rank) for rank in ranks] == [1, 1]
 
 
-def _pending(request: dict, request_id: str) -> SimpleNamespace:
-    return SimpleNamespace(args=[request], kwargs={}, metadata=SimpleNamespace(internal_request_id=request_id))
+def _pending(request: dict, request_id: str = "q") -> SimpleNamespace:
+    return SimpleNamespace(
+        args=[request], kwargs={}, metadata=SimpleNamespace(internal_request_id=request_id), future=Future()
+    )
 
 
 def _fresh_router(**settings) -> tuple[ExactPrefixRequestRouter, list[SimpleNamespace]]:
@@ -127,54 +136,84 @@ def _fresh_router(**settings) -> tuple[ExactPrefixRequestRouter, list[SimpleName
     return router, replicas
 
 
+def _route(router, replicas, pending) -> SimpleNamespace:
+    return asyncio.run(router.choose_replicas(replicas, pending))[0][0]
+
+
 def test_a_burst_of_new_prompts_is_spread_even_when_the_queue_lengths_are_stale() -> None:
-    # Ray Serve decides a burst of requests before any of them reaches a replica, so every decision sees the same
-    # queue lengths; here they still count one finished request on r1.  The router counts the requests it has routed
-    # and not yet seen complete, so new prompts (no cached prefix anywhere) alternate instead of all going to r0.
+    # Ray Serve decides a burst of requests before it sends any, so every decision sees the same queue lengths; here
+    # they still count one finished request on r1.  The router adds the requests it routed and Ray Serve has not sent,
+    # so new prompts (no cached prefix anywhere) alternate instead of all going to r0.
     router, replicas = _fresh_router(load_penalty_tokens=1.0, imbalance_abs=8)
     r0, r1 = (r.replica_id for r in replicas)
     router.on_new_queue_len_info(r1, 1)
     assert router.replica_queue_len_cache.get(r1) == 1
-    chosen = []
-    for c in range(8):
-        request = {"prompt_ids": [c + 1] * 12, "max_new_tokens": 4}
-        ranks = asyncio.run(router.choose_replicas(replicas, _pending(request, f"q{c}")))
-        chosen.append(ranks[0][0].replica_id)
-    assert chosen.count(r0) == chosen.count(r1) == 4, chosen
-    assert router.num_in_flight == {r0: 4, r1: 4}
-    # Completions free the slots (a completion reported by another replica than the one recorded changes nothing).
-    other = r1 if chosen[1] == r0 else r0
-    router.on_request_completed(other, "q1")
-    assert router.num_in_flight == {r0: 4, r1: 4}
-    for c in range(8):
-        router.on_request_completed(chosen[c], f"q{c}")
-    assert router.num_in_flight == {}
+    burst = [_pending({"prompt_ids": [c + 1] * 12, "max_new_tokens": 4}, f"q{c}") for c in range(8)]
+    chosen = [_route(router, replicas, p) for p in burst]
+    assert [c.replica_id for c in chosen].count(r0) == 4, chosen
+    assert router.num_unsent == {r0: 4, r1: 4}
+    # Resolved but not sent: still counted here.  Once sent, Ray Serve's queue length counts them instead.
+    for p, c in zip(burst, chosen, strict=True):
+        p.future.set_result(c)
+    assert router.num_unsent == {r0: 4, r1: 4}
+    for c in chosen:
+        router.on_send_request(c.replica_id)
+    assert router.num_unsent == {}
+    assert router.replica_queue_len_cache.get(r0) == 4 and router.replica_queue_len_cache.get(r1) == 5
 
 
-def test_in_flight_requests_of_a_dead_replica_are_forgotten() -> None:
+def test_a_request_cancelled_failed_or_sent_elsewhere_is_counted_where_it_is() -> None:
+    router, replicas = _fresh_router()
+    r0, r1 = (r.replica_id for r in replicas)
+    pending = [_pending({"prompt_ids": [c + 1] * 12}, f"q{c}") for c in range(3)]
+    chosen = [_route(router, replicas, p).replica_id for p in pending]
+    assert sorted(router.num_unsent.values()) == [1, 2]
+    pending[0].future.cancel()  # the caller gave up while it waited for a replica: it will never be sent
+    pending[1].future.set_exception(RuntimeError("routing failed"))
+    other = r1 if chosen[2] == r0 else r0
+    pending[2].future.set_result(SimpleNamespace(replica_id=other))  # its replica was full: the next rank took it
+    assert router.num_unsent == {other: 1}
+    # Sending to the chosen replica something else (a broadcast) does not free it; sending it where it went does.
+    router.on_send_request(chosen[2])
+    assert router.num_unsent == {other: 1}
+    router.on_send_request(other)
+    assert router.num_unsent == {}
+
+
+def test_calls_sharing_an_internal_request_id_each_count_and_a_request_routed_again_counts_once() -> None:
+    # Calls a replica makes while serving one request inherit its internal request id (Ray Serve's request context):
+    # a fan-out from an ingress deployment is a burst of requests with one id.
+    router, replicas = _fresh_router(load_penalty_tokens=1.0, imbalance_abs=8)
+    r0, r1 = (r.replica_id for r in replicas)
+    fan_out = [_pending({"prompt_ids": [c + 1] * 12}, "parent") for c in range(8)]
+    for p in fan_out:
+        _route(router, replicas, p)
+    assert router.num_unsent == {r0: 4, r1: 4}
+    _route(router, replicas, fan_out[0])
+    assert sum(router.num_unsent.values()) == 8
+
+
+def test_a_routed_request_never_sent_stops_counting_after_the_grace_period() -> None:
+    # handle.choose_replica(...) without dispatch resolves a replica and never sends: no hook says it is over.
+    router, replicas = _fresh_router()
+    now = [100.0]
+    router._clock = lambda: now[0]
+    p = _pending({"prompt_ids": [5] * 12})
+    p.future.set_result(_route(router, replicas, p))
+    assert sum(router.num_unsent.values()) == 1
+    now[0] += UNSENT_GRACE_S - 1
+    _route(router, replicas, _pending({"prompt_ids": [6] * 12}))
+    assert sum(router.num_unsent.values()) == 2
+    now[0] += 2
+    _route(router, replicas, _pending({"prompt_ids": [7] * 12}))
+    assert sum(router.num_unsent.values()) == 2
+
+
+def test_unsent_requests_of_a_dead_replica_are_forgotten() -> None:
     router, replicas = _fresh_router()
     r0, r1 = (r.replica_id for r in replicas)
     for c in range(4):
-        asyncio.run(router.choose_replicas(replicas, _pending({"prompt_ids": [c + 1] * 12}, f"q{c}")))
-    assert sum(router.num_in_flight.values()) == 4
+        _route(router, replicas, _pending({"prompt_ids": [c + 1] * 12}, f"q{c}"))
+    assert router.num_unsent == {r0: 2, r1: 2}
     router.on_replica_actor_died(r0)
-    assert set(router.num_in_flight) <= {r1}
-
-
-def test_a_request_cancelled_before_it_was_sent_or_sent_elsewhere_is_counted_where_it_is() -> None:
-    from concurrent.futures import Future
-
-    router, replicas = _fresh_router()
-    r0, r1 = (r.replica_id for r in replicas)
-    pending = [_pending({"prompt_ids": [c + 1] * 12}, f"q{c}") for c in range(2)]
-    for p in pending:
-        p.future = Future()
-        asyncio.run(router.choose_replicas(replicas, p))
-    assert router.num_in_flight == {r0: 1, r1: 1}
-    # q0 was cancelled while waiting for a replica: it will never complete, so it no longer counts.
-    pending[0].future.cancel()
-    # q1 went to r0 instead (its chosen replica rejected it): it counts there, and r0's completion frees it.
-    pending[1].future.set_result(replicas[0])
-    assert router.num_in_flight == {r0: 1}
-    router.on_request_completed(r0, "q1")
-    assert router.num_in_flight == {}
+    assert router.num_unsent == {r1: 2}
