@@ -34,9 +34,9 @@ __all__ = ["ExactPrefixRequestRouter", "memory_of", "routed_namespace"]
 logger = logging.getLogger(__name__)
 
 UNSENT_GRACE_S = 30.0
-"""Seconds after which a routed request neither sent nor routed again is no longer counted (seconds; a request waits
-for a replica in Ray Serve's routing loop, which decides again at least every 0.5 s, and one that is sent is sent
-within milliseconds of its decision)."""
+"""Seconds after which a routed request neither sent nor routed again is no longer counted (a request waiting for a
+replica in Ray Serve's routing loop is decided again at least every 0.5 s, and one that is sent is sent within
+milliseconds of its decision; one never sent, as ``handle.choose_replica`` without dispatch leaves it, has no hook)."""
 
 
 def routed_namespace(fingerprint: str, namespace: str | None) -> str:
