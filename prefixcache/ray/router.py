@@ -36,7 +36,8 @@ logger = logging.getLogger(__name__)
 UNSENT_GRACE_S = 30.0
 """Seconds after which a routed request neither sent nor routed again is no longer counted (a request waiting for a
 replica in Ray Serve's routing loop is decided again at least every 0.5 s, and one that is sent is sent within
-milliseconds of its decision; one never sent, as ``handle.choose_replica`` without dispatch leaves it, has no hook)."""
+milliseconds of its decision; one never resolved, as ``handle.choose_replica(..., _reserve=False)`` leaves it, or
+one whose caller gave up just after it resolved, has no hook)."""
 
 
 def routed_namespace(fingerprint: str, namespace: str | None) -> str:
@@ -161,15 +162,26 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
             if now - decided_at > UNSENT_GRACE_S or _where(chosen, pending) is None:
                 del self._unsent[key]
 
-    def on_send_request(self, replica_id: ReplicaID) -> None:
-        # From now on Ray Serve's queue length counts the request: stop counting the oldest one resolved to that
-        # replica (which of them does not matter for the count).
-        super().on_send_request(replica_id)
+    def _forget_one_resolved_to(self, replica_id: ReplicaID) -> None:
+        # Which of the requests resolved to that replica does not matter for the count.
         for key, (chosen, pending, _) in list(self._unsent.items()):
             future = getattr(pending, "future", None)
             if future is not None and future.done() and _where(chosen, pending) == replica_id:
                 del self._unsent[key]
                 return
+
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        # From now on Ray Serve's queue length counts the request: stop counting the oldest one resolved there.
+        super().on_send_request(replica_id)
+        self._forget_one_resolved_to(replica_id)
+
+    def on_new_queue_len_info(self, replica_id: ReplicaID, num_ongoing_requests: int) -> None:
+        # The replica's own count, which includes every request it has received or reserved a slot for.
+        # ``handle.choose_replica`` reserves a slot and reports this, then dispatches with no on_send_request: stop
+        # counting a request resolved there.  After a plain send (already forgotten by on_send_request) this forgets
+        # one more only if another request resolved there is about to be sent in this same event-loop turn.
+        super().on_new_queue_len_info(replica_id, num_ongoing_requests)
+        self._forget_one_resolved_to(replica_id)
 
     def _index(self, replica: RunningReplica) -> BlockIndex | None:
         stats = replica.routing_stats or {}

@@ -194,7 +194,8 @@ def test_calls_sharing_an_internal_request_id_each_count_and_a_request_routed_ag
 
 
 def test_a_routed_request_never_sent_stops_counting_after_the_grace_period() -> None:
-    # handle.choose_replica(...) without dispatch resolves a replica and never sends: no hook says it is over.
+    # A caller that gives up just after its request resolved, or handle.choose_replica(..., _reserve=False), never
+    # sends it nor reserves a slot for it: no hook says it is over.
     router, replicas = _fresh_router()
     now = [100.0]
     router._clock = lambda: now[0]
@@ -217,3 +218,26 @@ def test_unsent_requests_of_a_dead_replica_are_forgotten() -> None:
     assert router.num_unsent == {r0: 2, r1: 2}
     router.on_replica_actor_died(r0)
     assert router.num_unsent == {r1: 2}
+
+
+def test_a_request_reserved_through_choose_replica_stops_counting_once_its_replica_reports_it() -> None:
+    # handle.choose_replica(...) (Ray 2.60): the routing future resolves, the replica reserves a slot and reports its
+    # queue length with the reservation in it (on_new_queue_len_info); dispatch sends with no on_send_request.  The
+    # reported length counts the request from then on, so the router must stop counting it too.
+    router, replicas = _fresh_router()
+    p = _pending({"prompt_ids": [5] * 12})
+    chosen = _route(router, replicas, p)
+    p.future.set_result(chosen)
+    assert router.num_unsent == {chosen.replica_id: 1}
+    router.on_new_queue_len_info(chosen.replica_id, 1)  # reserve_slot accepted: 1 ongoing, this one
+    assert router.num_unsent == {}
+    assert router.replica_queue_len_cache.get(chosen.replica_id) == 1
+    # Requests still being routed, or resolved to the other replica, keep counting.
+    q = _pending({"prompt_ids": [6] * 12}, "q2")
+    q_chosen = _route(router, replicas, q)
+    router.on_new_queue_len_info(q_chosen.replica_id, 1)
+    assert router.num_unsent == {q_chosen.replica_id: 1}
+    other = next(r for r in replicas if r.replica_id != q_chosen.replica_id)
+    q.future.set_result(q_chosen)
+    router.on_new_queue_len_info(other.replica_id, 0)
+    assert router.num_unsent == {q_chosen.replica_id: 1}
