@@ -1,4 +1,5 @@
-"""The package's layers, checked from its source: every import points down, and no module grows past 600 lines.
+"""The package's layers, checked from its source: every import points down, no module imports another's private
+names, no modules import each other in a circle (inside a layer too), and no module grows past 600 lines.
 
 Layers, lowest first: errors <- cache <- models, chat, distributed <- engine <- replay <- bench, testing, ray <-
 serve, integrations <- cli <- the ``prefixcache`` facade.  A module may import its own subpackage and any lower layer;
@@ -79,6 +80,69 @@ def upward_imports(source: str, module: str) -> list[str]:
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
 
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (anywhere in it: at the top, in a function, under TYPE_CHECKING),
+    ``from package import submodule`` resolved to the submodule."""
+    graph: dict[str, set[str]] = {}
+    for module, source in sources.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    targets.add(sub if sub in sources else node.module)
+        graph[module] = {t for t in targets if t in sources and t != module}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected group of two or more modules (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
+
+
+def private_imports(source: str, module: str) -> list[str]:
+    """``from other_module import _name``: a name another module keeps to itself."""
+    problems = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("prefixcache"):
+            for alias in node.names:
+                if alias.name.startswith("_") and node.module != module:
+                    problems.append(f"{module}:{node.lineno} imports {node.module}.{alias.name}")
+    return problems
+
+
 def test_every_module_belongs_to_a_layer() -> None:
     assert [str(p) for p in MODULES if unit(module_name(p)) not in LAYERS] == []
 
@@ -86,6 +150,63 @@ def test_every_module_belongs_to_a_layer() -> None:
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
 def test_imports_point_down(path: Path) -> None:
     assert upward_imports(path.read_text(), module_name(path)) == []
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    sources = {module_name(p): p.read_text() for p in MODULES}
+    assert import_cycles(import_graph(sources)) == []
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_no_module_imports_another_modules_private_names(path: Path) -> None:
+    assert private_imports(path.read_text(), module_name(path)) == []
+
+
+def test_the_cycle_check_finds_a_circle_inside_one_layer_and_through_a_function_import() -> None:
+    sources = {
+        "prefixcache.engine.a": "from prefixcache.engine.b import B",
+        "prefixcache.engine.b": "def f():\n    from prefixcache.engine import c",
+        "prefixcache.engine.c": "import prefixcache.engine.a",
+        "prefixcache.engine.d": "from prefixcache.engine.a import A",
+        "prefixcache.cache.e": "",
+    }
+    assert import_cycles(import_graph(sources)) == [
+        ["prefixcache.engine.a", "prefixcache.engine.b", "prefixcache.engine.c"]
+    ]
+    del sources["prefixcache.engine.c"]
+    assert import_cycles(import_graph(sources)) == []
+
+
+def private_attributes(source: str, module: str) -> list[str]:
+    """``obj._name`` on anything but ``self`` or ``cls``: reaching into another object's private state."""
+    problems = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                problems.append(f"{module}:{node.lineno} reads {ast.unparse(node)}")
+    return problems
+
+
+ENGINE_MODULES = [p for p in MODULES if module_name(p).startswith("prefixcache.engine")]
+
+
+@pytest.mark.parametrize("path", ENGINE_MODULES, ids=lambda p: module_name(p))
+def test_no_engine_module_reaches_into_another_objects_private_state(path: Path) -> None:
+    assert private_attributes(path.read_text(), module_name(path)) == []
+
+
+def test_the_private_state_check_catches_a_borrowed_private_method() -> None:
+    source = "def f(self, runner):\n    self._ok()\n    runner._check_tokens([1])"
+    assert private_attributes(source, "prefixcache.engine.batching") == [
+        "prefixcache.engine.batching:3 reads runner._check_tokens"
+    ]
+
+
+def test_the_private_name_check_catches_a_borrowed_private_name() -> None:
+    source = "from prefixcache.engine.runner import _drive\nfrom prefixcache.engine.core import EngineCore"
+    assert private_imports(source, "prefixcache.engine.batching") == [
+        "prefixcache.engine.batching:1 imports prefixcache.engine.runner._drive"
+    ]
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))

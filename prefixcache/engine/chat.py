@@ -10,7 +10,8 @@ cached for the next turn.
 The work is split so that both ways of running a request share it: :func:`prepare_chat` renders the prompt and
 builds a :class:`ChatDecoder` (push-based: tokens in, text deltas and "stop here" out, then the completion);
 :func:`chat_stream` drives it pull-based through ``runner.stream``, :func:`submit_chat` from the batching engine's
-per-token callback, as the server does.
+per-token callback, as the server does.  Both run on the one engine core (:mod:`prefixcache.engine.core`); this module
+knows them only by what it calls (:class:`StreamingRunner`, :class:`SubmittingEngine`).
 """
 
 from __future__ import annotations
@@ -20,16 +21,15 @@ import uuid
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from prefixcache.cache.tokens import TokenIds
 from prefixcache.chat.stop import StopMatcher, TextStream, check_stop
 from prefixcache.chat.tool_calls import TOOL_CALL_OPEN, parse_tool_calls
+from prefixcache.engine.request import RequestHandle
+from prefixcache.engine.results import GenerationResult, Usage
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from prefixcache.engine.batching import BatchEngine, RequestHandle
-    from prefixcache.engine.runner import GenerationResult, PrefixCachingRunner, Usage
 
 __all__ = [
     "ChatCompletion",
@@ -238,6 +238,24 @@ def prepare_chat(
     return PreparedChat(list(prompt) + forced_ids, params, decoder)
 
 
+class StreamingRunner(Protocol):
+    """What the pull-based drivers need of a runner (:class:`~prefixcache.engine.runner.PrefixCachingRunner`)."""
+
+    tokenizer: Any
+
+    def stream(
+        self, prompt_ids: TokenIds, sampling: SamplingParams | None = None, **options: Any
+    ) -> Generator[int, Any, GenerationResult]: ...
+
+
+class SubmittingEngine(Protocol):
+    """What :func:`submit_chat` needs of an engine (:class:`~prefixcache.engine.batching.BatchEngine`)."""
+
+    def submit(
+        self, prompt_ids: TokenIds, sampling: SamplingParams | None = None, **options: Any
+    ) -> RequestHandle: ...
+
+
 _SAMPLING_FIELDS = frozenset(field.name for field in fields(SamplingParams))
 
 
@@ -269,7 +287,7 @@ def prepare_completion(
 
 
 def chat_stream(
-    runner: PrefixCachingRunner,
+    runner: StreamingRunner,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
     *,
@@ -330,7 +348,7 @@ def _drive(steps: Generator[int, Any, GenerationResult], decoder: ChatDecoder) -
 
 
 def submit_chat(
-    engine: BatchEngine,
+    engine: SubmittingEngine,
     prepared: PreparedChat,
     *,
     namespace: str | None = None,
@@ -373,7 +391,7 @@ def submit_chat(
 
 
 def completion_stream(
-    runner: PrefixCachingRunner,
+    runner: StreamingRunner,
     prompt_ids: Sequence[int],
     *,
     stop: str | Sequence[str] | None = None,
@@ -389,7 +407,7 @@ def completion_stream(
 
 
 def complete_chat(
-    runner: PrefixCachingRunner,
+    runner: StreamingRunner,
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
     **options: Any,

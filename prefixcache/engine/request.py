@@ -1,4 +1,4 @@
-"""A request of the batching engine: the handle its caller holds (tokens as they come, the result, cancel) and the
+"""A request of the engine: the handle its caller holds (tokens as they come, the result, cancel) and the
 record the engine keeps of it while it waits, runs, or waits again after a preemption."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import torch
 
 from prefixcache.cache.radix_cache import Lease
 from prefixcache.cache.tokens import as_token_array
-from prefixcache.engine.runner import GenerationResult
+from prefixcache.engine.logits import LogitsPipeline
+from prefixcache.engine.results import GenerationResult
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.models.base import LiveKV
 
@@ -50,10 +51,12 @@ class RequestHandle:
         """Ask the engine to drop the request; harmless once it has finished."""
         self.cancelled = True
 
-    def _emit(self, token: int) -> None:
+    def emit(self, token: int) -> None:
+        """The engine hands over a new token id (iterating the handle yields it)."""
         self._tokens.put(token)
 
-    def _finish(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
+    def settle(self, result: GenerationResult | None = None, error: BaseException | None = None) -> None:
+        """The engine ends the request with ``result`` or ``error``; iteration ends after the tokens emitted."""
         self._tokens.put(_END)
         if error is not None:
             self.future.set_exception(error)
@@ -63,39 +66,58 @@ class RequestHandle:
 
 @dataclass(slots=True, eq=False)
 class EngineRequest:
-    """One request inside a :class:`~prefixcache.engine.batching.BatchEngine`: what it asked for, where it stands
-    (waiting, running with a lease, or preempted to resume) and what it produced.  The engine's own record."""
+    """One request inside the engine core (:class:`~prefixcache.engine.core.EngineCore`): what it asked for, where it
+    stands (waiting, running with a lease, or preempted to resume) and what it produced.  Made by
+    :meth:`~prefixcache.engine.checks.RequestChecks.request`; the engine's own record.
+
+    Its known tokens are the prompt followed by the forced tokens (teacher forcing) or by the tokens generated so far;
+    ``position`` of them have their K/V written.
+    """
 
     prompt: list[int]
+    prompt_array: array  # the prompt as the cache stores it, converted once
     sampling: SamplingParams
-    namespace: str  # the tree namespace: the runner's fingerprint at admission and the user's namespace
     user_namespace: str | None
     handle: RequestHandle
-    submitted_at: float
-    prompt_array: array  # the prompt as the cache stores it, converted once
-    arrival: int
+    forced: list[int] | None = None  # teacher-forced answer: computed after the prompt, never sampled
+    return_logits: bool = False  # keep the float32 logits of the prompt positions prefilled
+    request_id: str | None = None
+    retention: tuple[int, float | None] | None = None
+    on_token: Callable[[int], Any] | None = None
+    namespace: str = ""  # the tree namespace: the fingerprint at the latest admission and the user's namespace
+    submitted_at: float = 0.0
+    arrival: int = 0
     waited_steps: int = 0  # steps spent waiting without being admitted (the fairness bound counts these)
     prompt_inserted: bool = False  # the prompt's K/V are in the tree while the request goes on
     live: LiveKV = field(default_factory=LiveKV)
     lease: Lease | None = None
+    picker: LogitsPipeline | None = None  # made at first admission, kept across preemptions
     cached: int = 0  # prompt tokens found cached at first admission (a resumption's hits are not the prompt's)
     copied: int = 0
     host_cached: int = 0
     preemptions: int = 0
-    position: int = 0  # tokens of prompt + generated whose K/V are written
+    position: int = 0  # known tokens whose K/V are written
     generated: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [tokens, vocab] float32 on the CPU
+    logits_until: int = 0  # prompt positions up to which prompt_logits hold rows
+    awaiting_verdict: bool = False  # a token was sampled; its caller decides whether the request stops there
+    external_verdict: bool = False  # the caller, not on_token, decides after each sampled token (serial streams)
     first_token_at: float | None = None
-    request_id: str | None = None
-    retention: tuple[int, float | None] | None = None
-    on_token: Callable[[int], bool] | None = None
 
     def sequence_length(self) -> int:
-        return len(self.prompt) + len(self.generated)
+        """Known tokens: the prompt and the forced or generated ones."""
+        return len(self.prompt) + len(self.forced if self.forced is not None else self.generated)
 
     def token_at(self, index: int) -> int:
-        return self.prompt[index] if index < len(self.prompt) else self.generated[index - len(self.prompt)]
+        if index < len(self.prompt):
+            return self.prompt[index]
+        return (self.forced if self.forced is not None else self.generated)[index - len(self.prompt)]
 
     def known_tokens(self) -> array:
-        """The prompt and the tokens generated so far, as the cache stores them."""
-        return self.prompt_array + as_token_array(self.generated) if self.generated else self.prompt_array
+        """The known tokens (see :meth:`sequence_length`), as the cache stores them."""
+        rest = self.forced if self.forced is not None else self.generated
+        return self.prompt_array + as_token_array(rest) if rest else self.prompt_array
+
+    def num_new_tokens(self) -> int:
+        """Tokens the request may add after its prompt: its forced tokens, or ``max_new_tokens``."""
+        return len(self.forced) if self.forced is not None else self.sampling.max_new_tokens

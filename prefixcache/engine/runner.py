@@ -1,104 +1,41 @@
-"""The runner: serve requests through the prefix cache, prefilling only what is not cached.
+"""The runner: the cache, pool and model of one deployment, and the serial calls on them.
 
-Per request: match the longest cached prefix (at most ``len - 1`` tokens: the last prompt token is always computed,
-its logits start decoding), lock it, copy the rows of a partially matched block into a private block, allocate
-blocks for the rest (evicting unreferenced leaves), prefill the remaining tokens at positions continuing from the
-cached length, decode, insert prompt + generated tokens into the tree so the next turn reuses them, unlock.
-Whatever goes wrong midway (model error, out of blocks, ``KeyboardInterrupt``, a closed stream) releases every
-lock and block the request took, and nothing it half-wrote is ever cached.
+:class:`PrefixCachingRunner` owns the block pool, the radix cache and the request checks (the model and tokenizer
+fingerprint).  Its calls (:meth:`~PrefixCachingRunner.generate`, :meth:`~PrefixCachingRunner.stream`,
+:meth:`~PrefixCachingRunner.prefill`, teacher-forced replay, :meth:`~PrefixCachingRunner.chat`) each drive an
+:class:`~prefixcache.engine.core.EngineCore` holding that one request, synchronously in the calling thread, as vLLM's
+offline ``LLM`` drives the engine core its server also runs; :meth:`~PrefixCachingRunner.generate_many` drives one
+with many.  So prefill, decode, stopping and the result are the core's, whichever way a request comes.
 
-This is the flow of SGLang's and vLLM's schedulers for one request, without batching: the point here is exact
-reuse and its accounting, in-process.
-
-Concurrency: the cache's own mutex serializes tree and pool bookkeeping (match, lock, allocate, insert); the
-model's forward passes run outside it, each on blocks its request owns privately, so requests on different
-threads compute in parallel and only wait for each other during bookkeeping.
+Concurrency: the cache's own mutex serializes tree and pool bookkeeping (match, lock, allocate, insert); each call's
+core runs its forward passes outside it, on blocks its request owns privately, so calls on different threads compute
+in parallel and only wait for each other during bookkeeping.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import time
 from collections.abc import Callable, Generator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
-
-import torch
-import xxhash
 
 from prefixcache.cache.host_tier import host_pool_for
 from prefixcache.cache.pool import KVBlockPool
-from prefixcache.cache.radix_cache import InsertResult, Lease, RadixCache, check_namespace
+from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.cache.snapshot import SnapshotSummary
-from prefixcache.cache.tokens import TokenIds, as_token_array
+from prefixcache.cache.tokens import TokenIds
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
-from prefixcache.engine.sampling import SamplingParams, sample_token, sampling_generator
-from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidTokensError
-from prefixcache.models.base import CausalLM, LiveKV
+from prefixcache.engine.chat import complete_chat
+from prefixcache.engine.checks import RequestChecks
+from prefixcache.engine.core import EngineCore
+from prefixcache.engine.request import EngineRequest
+from prefixcache.engine.results import ChatResult, GenerationResult, Usage
+from prefixcache.engine.sampling import SamplingParams
+from prefixcache.errors import InvalidArgumentError
+from prefixcache.models.base import CausalLM
+
+__all__ = ["DEFAULT_CACHE_TOKENS", "ChatResult", "GenerationResult", "PrefixCachingRunner", "SamplingParams", "Usage"]
 
 DEFAULT_CACHE_TOKENS = 1 << 16
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    """Token accounting and timing of one request.
-
-    ``cached_tokens`` counts every prompt token whose KV was reused, shared or copied (``copied_tokens`` is the
-    copied part), so ``cached_tokens + prefilled_tokens == prompt_tokens``.  ``ttft_s`` is the prefill time up to
-    the first token's logits; ``decode_s`` the time after it (decode steps, or the teacher-forced tokens).
-    ``host_cached_tokens`` of the cached tokens were promoted from the host-memory tier (0 without one); the rest
-    were on the device.
-    """
-
-    prompt_tokens: int
-    cached_tokens: int
-    prefilled_tokens: int
-    copied_tokens: int
-    generated_tokens: int
-    ttft_s: float
-    decode_s: float
-    host_cached_tokens: int = 0
-
-    def to_openai(self) -> dict[str, Any]:
-        """OpenAI-style usage: ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
-        ``prompt_tokens_details.cached_tokens``, plus our extra counts."""
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.generated_tokens,
-            "total_tokens": self.prompt_tokens + self.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-            "prefilled_tokens": self.prefilled_tokens,
-            "copied_tokens": self.copied_tokens,
-            "host_cached_tokens": self.host_cached_tokens,
-            "ttft_s": self.ttft_s,
-            "decode_s": self.decode_s,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationResult:
-    """Output of one request: the new token ids, why it stopped (``"stop"``, ``"length"``, ``"forced"`` for
-    teacher forcing, ``"prefill"`` when nothing was generated), usage, and, when asked for, the float32 logits of
-    the prefilled prompt positions (``[prefilled_tokens, vocab_size]``, on the CPU)."""
-
-    token_ids: tuple[int, ...]
-    finish_reason: str
-    usage: Usage
-    prompt_logits: torch.Tensor | None = None
-    insert: InsertResult | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ChatResult:
-    """Output of :meth:`PrefixCachingRunner.chat`: decoded text (stop tokens and strings removed), token ids, finish
-    reason (``"tool_calls"`` when calls were parsed), usage, and the OpenAI ``tool_calls``."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str
-    usage: Usage
-    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 class PrefixCachingRunner:
@@ -168,12 +105,8 @@ class PrefixCachingRunner:
             max_retained_fraction=max_retained_fraction,
             host_pool=host_pool_for(self.pool, host_cache_tokens, host_cache_memory),
         )
-        self._epoch = 0
-        # One thread at a time checks the weights and moves the fingerprint: a second one must not find the new
-        # version stored and go on with the fingerprint of the old weights while the first computes the new one.
-        self._weights_lock = threading.Lock()
-        self._weights_version = self._read_weights_version()
-        self.fingerprint = self._make_fingerprint()
+        self.checks = RequestChecks(model, self.tokenizer.name, self.pool)
+        """Every request's checks and the fingerprint of its namespaces (see :class:`RequestChecks`)."""
 
     # ---- public API ----------------------------------------------------------------------------------------
 
@@ -185,17 +118,16 @@ class PrefixCachingRunner:
         drop = getattr(self.model, "drop_weight_copies", None)
         if drop is not None:
             drop()
-        with self._weights_lock:
-            self._new_epoch()
+        self.checks.invalidate()
 
-    def _new_epoch(self) -> None:
-        self._epoch += 1
-        self.fingerprint = self._make_fingerprint()
+    @property
+    def fingerprint(self) -> str:
+        """Hex id of the model, tokenizer and invalidation epoch that salts every namespace (``checks.fingerprint``)."""
+        return self.checks.fingerprint
 
     def namespace_key(self, namespace: str | None) -> str:
         """The tree namespace for a user namespace: the model/tokenizer fingerprint plus the cache salt."""
-        namespace = check_namespace(namespace)
-        return f"{self.fingerprint}:" + ("-" if namespace is None else "=" + namespace)
+        return self.checks.namespace_key(namespace)
 
     def save_snapshot(self, directory: str | os.PathLike[str]) -> SnapshotSummary:
         """Save what is cached for this model and tokenizer (every namespace under the current fingerprint) into the
@@ -206,7 +138,7 @@ class PrefixCachingRunner:
             SnapshotWriteError: a write failed (also an OSError); the previous snapshot stays current.
             SnapshotError: safetensors is missing.
         """
-        self._check_weights()
+        self.checks.refresh_weights()
         prefix = f"{self.fingerprint}:"
         return self.cache.save(
             directory,
@@ -224,7 +156,7 @@ class PrefixCachingRunner:
             SnapshotMismatchError: another model or tokenizer fingerprint, KV dtype, block size or KV shape.
             SnapshotError: requests are running (they hold locks or blocks).
         """
-        self._check_weights()
+        self.checks.refresh_weights()
         return self.cache.restore(directory, identity=self._snapshot_identity(), replace=True)
 
     def _snapshot_identity(self) -> dict[str, str]:
@@ -303,19 +235,33 @@ class PrefixCachingRunner:
         (``steps.send("stop")``) after a decoded token ends generation there as a stop token would (finish reason
         ``"stop"``, the token's K/V not computed) and caches the prompt and the tokens before it: that is how a
         string stop sequence, matched on decoded text, ends a request."""
-        sampling = sampling if sampling is not None else SamplingParams()
-        if not isinstance(sampling, SamplingParams):
-            raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
-        prompt = self._check_tokens(prompt_ids, "prompt")
-        forced = (
-            self._check_tokens(forced_tokens, "forced_tokens", allow_empty=True) if forced_tokens is not None else None
+        watch = None
+        if on_token is not None:
+            if not callable(on_token):
+                raise InvalidArgumentError(f"on_token must be callable or None, got {type(on_token).__name__}")
+
+            def watch(token: int) -> None:  # its return value never stops the request: send("stop") does
+                on_token(token)
+
+        request = self.checks.request(
+            prompt_ids,
+            sampling,
+            namespace=namespace,
+            forced_tokens=forced_tokens,
+            return_logits=return_logits,
+            request_id=request_id,
+            priority=priority,
+            retain_s=retain_s,
+            on_token=watch,
         )
-        num_new = len(forced) if forced is not None else sampling.max_new_tokens
-        retention = check_retention(priority, retain_s)
-        self._check_capacity(len(prompt) + num_new)
-        self._check_weights()
-        namespace = self.namespace_key(namespace)
-        return self._steps(prompt, sampling, namespace, forced, return_logits, on_token, request_id, retention)
+        request.external_verdict = True
+        return _drive(self.new_core(max_batch_tokens=None, policy="fcfs"), request)
+
+    def new_core(self, **options: Any) -> EngineCore:
+        """An :class:`~prefixcache.engine.core.EngineCore` on this runner's model, cache and checks (``options``:
+        ``max_batch_tokens``, ``max_running``, ``policy``, ``max_wait_steps``).  Raises InvalidArgumentError for bad
+        options."""
+        return EngineCore(self.model, self.cache, self.checks, **options)
 
     def generate_many(
         self,
@@ -329,12 +275,17 @@ class PrefixCachingRunner:
         one batched forward per step, prefill chunked under ``max_batch_tokens``.  Results are in prompt order; each
         equals what :meth:`generate` returns for that prompt alone (greedy tokens; logits within float rounding).
         Raises as :meth:`generate`, for the first prompt that fails."""
-        from prefixcache.engine.batching import BatchEngine
-
-        engine = BatchEngine(self, max_batch_tokens=max_batch_tokens)
-        handles = [engine.submit(prompt, sampling, namespace=namespace) for prompt in prompts]
-        engine.run_until_idle()
-        return [handle.result() for handle in handles]
+        core = self.new_core(max_batch_tokens=max_batch_tokens)
+        requests = [self.checks.request(prompt, sampling, namespace=namespace) for prompt in prompts]
+        for request in requests:
+            core.add(request)
+        try:
+            while core.step():
+                pass
+        finally:
+            for request in core.take_all():  # a KeyboardInterrupt between steps leaves nothing locked
+                core.abort(request, InvalidArgumentError("generate_many was interrupted"))
+        return [request.handle.result() for request in requests]
 
     def prefill(
         self,
@@ -367,8 +318,6 @@ class PrefixCachingRunner:
         ``tools``, ``<tool_call>`` blocks come back parsed in ``ChatResult.tool_calls`` (see
         :func:`prefixcache.engine.chat.chat_stream`, which also streams).  Raises TemplateError for bad messages,
         InvalidArgumentError for no messages, bad ``stop`` or ``tool_choice``, else as :meth:`generate`."""
-        from prefixcache.engine.chat import complete_chat
-
         done = complete_chat(
             self,
             messages,
@@ -381,159 +330,22 @@ class PrefixCachingRunner:
         )
         return ChatResult(done.content or "", done.token_ids, done.finish_reason, done.usage, done.tool_calls)
 
-    # ---- internals -----------------------------------------------------------------------------------------
-
-    def _check_tokens(self, token_ids: TokenIds, what: str, *, allow_empty: bool = False):
-        try:
-            ids = as_token_array(token_ids, allow_empty=allow_empty)
-        except InvalidTokensError as error:
-            raise InvalidTokensError(f"{what}: {error}") from None
-        if len(ids) and max(ids) >= self.model.vocab_size:
-            raise InvalidTokensError(
-                f"{what}: token id {max(ids)} is outside the model's vocabulary; allowed ids are "
-                f"0 .. {self.model.vocab_size - 1}"
-            )
-        return ids
-
-    def _read_weights_version(self) -> int | None:
-        read = getattr(self.model, "weights_version", None)
-        return None if read is None else read()
-
-    def _check_weights(self) -> None:
-        with self._weights_lock:
-            version = self._read_weights_version()
-            if version != self._weights_version:
-                self._new_epoch()  # the packed copies see what weights_version sees
-                self._weights_version = version
-
-    def _make_fingerprint(self) -> str:
-        key = f"{self.model.fingerprint()}|{self.tokenizer.name}"
-        if self._epoch:
-            key += f"|epoch {self._epoch}"
-        return xxhash.xxh64(key.encode()).hexdigest()
-
-    def _check_capacity(self, num_tokens: int) -> None:
-        if num_tokens > self.model.max_position:
-            raise CapacityError(
-                f"prompt + new tokens = {num_tokens} tokens exceed the model's maximum of "
-                f"{self.model.max_position} positions"
-            )
-        if self.pool.blocks_for_tokens(num_tokens) > self.pool.num_blocks:
-            raise CapacityError(
-                f"prompt + new tokens = {num_tokens} tokens exceed the pool's capacity of "
-                f"{self.pool.capacity_tokens} tokens ({self.pool.num_blocks} blocks of {self.pool.block_size})"
-            )
-
-    def _steps(
-        self,
-        prompt,
-        sampling: SamplingParams,
-        namespace: str,
-        forced,
-        return_logits: bool,
-        on_token: Callable[[int], None] | None,
-        request_id: str | None,
-        retention: tuple[int, float | None] | None = None,
-    ) -> Generator[int, None, GenerationResult]:
-        model, cache, pool = self.model, self.cache, self.pool
-        device = model.device
-        lease: Lease = cache.acquire(prompt, namespace, request_id=request_id, num_tokens=len(prompt))
-        try:
-            start = time.perf_counter()
-            cached = lease.num_cached_tokens
-            cache.reserve(lease, len(prompt))
-            table = pool.block_table_tensor(lease.block_table)
-            new_ids = torch.tensor(prompt[cached:], dtype=torch.long, device=device)
-            # One live K/V for the request's lifetime: decode steps append to it instead of re-gathering the prefix.
-            live = LiveKV(len(prompt) + (len(forced) if forced is not None else sampling.max_new_tokens))
-            logits = model.forward_cached(new_ids, cached, pool.kv, table, return_logits=return_logits, live=live)
-            last = logits[-1]
-            generator = sampling_generator(sampling, device)
-            if forced is None and sampling.max_new_tokens:
-                token = sample_token(last, sampling, generator)
-            else:
-                _synchronize(device)
-                token = None
-            ttft = time.perf_counter() - start
-            prompt_logits = logits.float().cpu() if return_logits else None
-            generated: list[int] = []
-            committed = list(prompt)
-            decode_start = time.perf_counter()
-            if forced is not None:
-                finish = "forced"
-                if len(forced):
-                    cache.reserve(lease, len(prompt) + len(forced))
-                    table = pool.block_table_tensor(lease.block_table)
-                    forced_ids = torch.tensor(forced, dtype=torch.long, device=device)
-                    model.forward_cached(forced_ids, len(prompt), pool.kv, table, live=live)
-                    _synchronize(device)
-                    generated = list(forced)
-                    committed.extend(generated)
-                    for t in generated:
-                        if on_token is not None:
-                            on_token(t)
-                        yield t
-            elif token is None:
-                finish = "prefill"
-            else:
-                finish = "length"
-                position = len(prompt)
-                while True:
-                    generated.append(token)
-                    if on_token is not None:
-                        on_token(token)
-                    command = yield token
-                    if command == "stop" or token in sampling.stop_token_ids:
-                        finish = "stop"
-                        break
-                    if len(generated) >= sampling.max_new_tokens:
-                        break
-                    if position + 1 > lease.capacity_tokens:
-                        cache.reserve(lease, position + 1)
-                        table = pool.block_table_tensor(lease.block_table)
-                    step = torch.tensor([token], dtype=torch.long, device=device)
-                    last = model.forward_cached(step, position, pool.kv, table, live=live)[-1]
-                    committed.append(token)
-                    position += 1
-                    token = sample_token(last, sampling, generator)
-            decode = time.perf_counter() - decode_start
-            insert = cache.commit(lease, committed)
-        except BaseException:
-            if not lease.closed:
-                cache.release(lease)
-            raise
-        if retention is not None:
-            cache.retain(prompt, namespace, priority=retention[0], retain_s=retention[1])
-        usage = Usage(
-            prompt_tokens=len(prompt),
-            cached_tokens=cached,
-            prefilled_tokens=len(prompt) - cached,
-            copied_tokens=lease.num_copied_tokens,
-            generated_tokens=len(generated),
-            ttft_s=ttft,
-            decode_s=decode,
-            host_cached_tokens=lease.num_host_tokens,
-        )
-        return GenerationResult(tuple(generated), finish, usage, prompt_logits, insert)
 
 
-def check_retention(priority: int | None, retain_s: float | None) -> tuple[int, float | None] | None:
-    """``(priority, retain_s)`` checked for :meth:`PrefixCachingRunner.stream` and the batching engine's submit, or
-    None without a priority.  Raises InvalidArgumentError: ``retain_s`` without a priority, a priority that is not a
-    positive int, a ``retain_s`` that is not a positive number of seconds (NaN included)."""
-    if priority is None:
-        if retain_s is not None:
-            raise InvalidArgumentError("retain_s needs a priority")
-        return None
-    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 1:
-        raise InvalidArgumentError(f"priority must be a positive int, got {priority!r}")
-    if retain_s is not None and (
-        isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not retain_s > 0  # NaN too
-    ):
-        raise InvalidArgumentError(f"retain_s must be a positive number of seconds, got {retain_s!r}")
-    return priority, retain_s
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _drive(core: EngineCore, request: EngineRequest) -> Generator[int, Any, GenerationResult]:
+    """Step ``core`` with ``request`` alone in it, yielding each token as the request produces it; a ``"stop"``
+    sent after a sampled token is the request's verdict (:meth:`EngineCore.conclude`).  Closing the generator, or
+    an exception thrown into it, releases everything the request holds and caches nothing of it."""
+    core.add(request)
+    seen = 0
+    try:
+        while core.step() or request.awaiting_verdict:
+            command = None
+            while seen < len(request.generated):
+                command = yield request.generated[seen]
+                seen += 1
+            core.conclude(request, stop=command == "stop")
+    finally:
+        if not request.handle.future.done():
+            core.abort(request, InvalidArgumentError("the stream was closed before the request finished"))
+    return request.handle.result()

@@ -1,15 +1,13 @@
-"""Sampling: how the engine picks the next token id from a row of logits.
+"""Sampling parameters: what a request asks of the token picker (:mod:`prefixcache.engine.logits` applies them).
 
 Greedy (argmax) by default; temperature and top-p (nucleus) sampling as in Holtzman et al., "The Curious Case of
-Neural Text Degeneration" (2020), with a per-request ``torch.Generator`` when a seed is given so sampling repeats.
+Neural Text Degeneration" (2020), with a seed so that sampling repeats.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-
-import torch
 
 from prefixcache.errors import InvalidArgumentError
 
@@ -72,26 +70,3 @@ def check_stop_token_ids(stop_token_ids: object) -> frozenset[int]:
             f"stop_token_ids must be a collection of non-negative int token ids, got {stop_token_ids!r}"
         )
     return frozenset(operator.index(t) for t in ids)
-
-
-def sampling_generator(sampling: SamplingParams, device: torch.device) -> torch.Generator | None:
-    if sampling.temperature == 0 or sampling.seed is None:
-        return None
-    generator = torch.Generator(device=device)
-    generator.manual_seed(sampling.seed)
-    return generator
-
-
-def sample_token(logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from ``logits[vocab]``: argmax when greedy, else temperature + top-p (nucleus) sampling."""
-    if sampling.vocab_limit is not None:
-        logits = logits[: sampling.vocab_limit]
-    if sampling.temperature == 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
-    if sampling.top_p < 1:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < sampling.top_p
-        sorted_probs = sorted_probs * keep
-        return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
-    return int(torch.multinomial(probs, 1, generator=generator))

@@ -25,7 +25,8 @@ from pydantic import ConfigDict, Field
 
 from prefixcache.chat.template import join_text_parts
 from prefixcache.engine.chat import ChatCompletion, chat_stream
-from prefixcache.engine.runner import PrefixCachingRunner, Usage
+from prefixcache.engine.results import Usage
+from prefixcache.engine.runner import PrefixCachingRunner
 
 __all__ = ["ChatPrefixCache"]
 

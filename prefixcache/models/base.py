@@ -173,25 +173,37 @@ class LiveKV:
 @dataclass(frozen=True, slots=True)
 class BatchRow:
     """One request's part of a batched step: ``token_ids[n]`` at positions ``start_pos ..`` through ``block_table``,
-    with the request's :class:`LiveKV` (a prefill chunk has n >= 1 tokens, a decode step one)."""
+    with the request's :class:`LiveKV` (a prefill chunk has n >= 1 tokens, a decode step one).  ``return_logits``
+    asks for the logits of every one of its positions, not only the last."""
 
     token_ids: torch.Tensor
     start_pos: int
     block_table: torch.Tensor
     live: LiveKV
+    return_logits: bool = False
 
 
 def forward_batch(model: CausalLM, rows: list[BatchRow], kv: torch.Tensor) -> list[torch.Tensor]:
-    """Run every row's tokens in one step; returns per row the float32 logits ``[1, vocab_size]`` of its last position.
+    """Run every row's tokens in one step; returns per row the float32 logits ``[1, vocab_size]`` of its last position
+    (``[n, vocab_size]`` for a row with ``return_logits``).
 
-    Uses the model's own ``forward_batch`` when it has one (one packed forward: the embedded model), else calls
-    ``forward_cached`` row by row (same results, no batching gain).  Rows must write disjoint pool slots.  Raises as
-    ``forward_cached``; a row that failed leaves its ``live`` to be refilled.
+    Uses the model's own ``forward_batch`` for two rows or more when it has one (one packed forward: the embedded
+    model); a lone row, a model without one, and rows that ask for every position's logits run through
+    ``forward_cached`` (same results; a lone row is exactly a serial call).  Rows must write disjoint pool slots.
+    Raises as ``forward_cached``; a row that failed leaves its ``live`` to be refilled.
     """
     own = getattr(model, "forward_batch", None)
-    if own is not None:
-        return own(rows, kv)
-    return [model.forward_cached(r.token_ids, r.start_pos, kv, r.block_table, live=r.live) for r in rows]
+    packed = [i for i, row in enumerate(rows) if not row.return_logits] if own is not None and len(rows) > 1 else []
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    if len(packed) > 1:
+        for i, logits in zip(packed, own([rows[i] for i in packed], kv), strict=True):
+            out[i] = logits
+    for i, row in enumerate(rows):
+        if out[i] is None:
+            out[i] = model.forward_cached(
+                row.token_ids, row.start_pos, kv, row.block_table, return_logits=row.return_logits, live=row.live
+            )
+    return out  # type: ignore[return-value]
 
 
 def check_logits_from(logits_from: object, num_tokens: int) -> int:

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.engine.batching import BatchEngine
-from prefixcache.engine.runner import Usage
+from prefixcache.engine.results import Usage
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 

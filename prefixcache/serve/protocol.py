@@ -18,7 +18,7 @@ from typing import Any
 from prefixcache.chat.stop import check_stop
 from prefixcache.chat.template import join_text_parts
 from prefixcache.engine.chat import ChatCompletion
-from prefixcache.engine.runner import Usage
+from prefixcache.engine.results import Usage
 from prefixcache.errors import InvalidArgumentError, TemplateError
 
 __all__ = [

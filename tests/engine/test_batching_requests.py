@@ -293,7 +293,7 @@ def test_a_fault_inside_a_step_fails_its_requests_and_the_engine_keeps_serving(
     runner = PrefixCachingRunner(tiny, cache_tokens=4096, block_size=4)
     engine = BatchEngine(runner)
     faults = iter([RuntimeError("a bug in planning")])
-    plan = engine._plan
+    plan = engine.core._plan
 
     def faulty_plan():
         fault = next(faults, None)
@@ -301,7 +301,7 @@ def test_a_fault_inside_a_step_fails_its_requests_and_the_engine_keeps_serving(
             raise fault
         return plan()
 
-    monkeypatch.setattr(engine, "_plan", faulty_plan)
+    monkeypatch.setattr(engine.core, "_plan", faulty_plan)
     engine.start()
     try:
         first = engine.submit(_ids(30, 1), SamplingParams(max_new_tokens=4))

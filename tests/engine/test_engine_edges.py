@@ -156,7 +156,7 @@ def test_a_weight_check_raced_by_another_thread_never_yields_the_old_fingerprint
     model.fingerprint = slow_fingerprint  # type: ignore[method-assign]
     with torch.no_grad():
         model.layers[0].qkv.mul_(1.5)
-    changer = threading.Thread(target=runner._check_weights, name="changer")
+    changer = threading.Thread(target=runner.checks.refresh_weights, name="changer")
     changer.start()
     assert inside.wait(30)
     result = runner.generate(prompt, SamplingParams(max_new_tokens=1))  # the version is stored: only the old print

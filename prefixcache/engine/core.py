@@ -1,0 +1,455 @@
+"""The engine core: the one implementation of scheduling, prefill, decode, stopping, preemption and the result
+record, behind every way a request runs.
+
+Requests join and leave between steps (Orca, OSDI'22; the scheduling of vLLM and SGLang).  Each :meth:`EngineCore.step`
+admits waiting requests (:mod:`prefixcache.engine.scheduler` orders them), runs every decoding request's next token
+and, under a token budget, a chunk of each admitted prompt's uncached suffix (chunked prefill, as in Sarathi and
+vLLM's ``max_num_batched_tokens``), all in one call of :func:`~prefixcache.models.base.forward_batch`, then picks
+each finished row's next token (:mod:`prefixcache.engine.logits`) and retires the requests that ended.
+
+Per request: match the longest cached prefix (at most ``len - 1`` prompt tokens: the last prompt token is always
+computed, its logits start decoding), lock it, copy the rows of a partially matched block into a private block,
+reserve blocks for the rest (evicting unreferenced leaves), prefill the remaining tokens at positions continuing
+from the cached length, decode, insert prompt + generated tokens into the tree so the next turn reuses them, unlock.
+Each request keeps its own :class:`~prefixcache.models.base.LiveKV` and lease, so its tokens do not depend on what
+runs beside it (greedy: equal to running alone; logits within float rounding).  Whatever goes wrong midway (model
+error, out of blocks, a callback's exception, a cancel) releases every lock and block the request took, and nothing
+it half-wrote is cached.
+
+Request options: teacher forcing (``forced``: the answer is given, computed in one pass after the prompt, finish
+reason ``"forced"``), prompt logits (``return_logits``), and who decides whether a sampled token ends the request:
+its ``on_token`` callback (returning True stops it there, as a stop token would, the token's K/V not computed) or,
+with ``external_verdict``, the caller, through :meth:`EngineCore.conclude` before the next step (the serial
+generator of :meth:`~prefixcache.engine.runner.PrefixCachingRunner.stream`, which yields the token first).
+
+With ``policy="lpm"`` a request's prompt is inserted into the cache as soon as its prefill ends
+(:meth:`RadixCache.insert_prefix`), not when it finishes: requests admitted while it decodes hit its prompt.
+
+Admission reserves a request's known tokens only; when a running request's next block cannot be had because the
+others hold the pool, the latest admitted ones are preempted (recompute preemption, :mod:`prefixcache.engine.preemption`):
+each caches what it has computed, frees its blocks and waits at the front of the queue, due, to resume where it
+stopped.  Its output is unchanged.  Resuming is admission: after a weight change the resumed request matches nothing
+of the old weights and recomputes its prompt and tokens with the new ones.  A core with one request (the serial
+calls) never preempts: a shortage fails the request with the cache's error (PoolBusyError, OutOfBlocksError).
+
+Thread safety: :meth:`EngineCore.add` and a handle's ``cancel()`` may be called from any thread; one thread steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import CancelledError
+
+import numpy as np
+import torch
+
+from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.engine.checks import RequestChecks
+from prefixcache.engine.logits import LogitsPipeline
+from prefixcache.engine.preemption import can_preempt_for, choose_victim
+from prefixcache.engine.request import EngineRequest
+from prefixcache.engine.results import GenerationResult, Usage
+from prefixcache.engine.scheduler import POLICIES, admission_order, held_back
+from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
+from prefixcache.models.base import BatchRow, CausalLM, forward_batch
+
+__all__ = ["EngineCore"]
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Steps requests through ``model`` and ``cache``; ``checks`` name their namespaces at each admission.
+
+    ``max_batch_tokens`` bounds the tokens of one step (decode rows first, one token each, then prefill chunks in
+    admission order; None: no bound, a prompt prefills in one forward); ``max_running`` the requests holding leases
+    at once.  ``policy`` is ``"lpm"`` (prefix-aware, see :mod:`prefixcache.engine.scheduler`) or ``"fcfs"``;
+    ``max_wait_steps`` is the fairness bound of ``"lpm"``.  Raises InvalidArgumentError for a bound below 1 or an
+    unknown policy.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: RadixCache,
+        checks: RequestChecks,
+        *,
+        max_batch_tokens: int | None = 512,
+        max_running: int = 32,
+        policy: str = "lpm",
+        max_wait_steps: int = 32,
+    ) -> None:
+        bounds = [("max_running", max_running), ("max_wait_steps", max_wait_steps)]
+        if max_batch_tokens is not None:
+            bounds.insert(0, ("max_batch_tokens", max_batch_tokens))
+        for name, value in bounds:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
+        if policy not in POLICIES:
+            raise InvalidArgumentError(f"policy must be one of {POLICIES}, got {policy!r}")
+        self.model, self.cache, self.pool, self.checks = model, cache, cache.pool, checks
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.policy = policy
+        self.max_wait_steps = max_wait_steps
+        self.lock = threading.Condition()
+        """Guards :attr:`waiting`; a front end that steps on another thread waits on it."""
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []  # in admission order; changed by the stepping thread only
+        self._arrivals = itertools.count()
+        self.steps = 0
+        """Batched forwards run."""
+        self.cancelled_requests = 0
+        """Requests dropped by ``cancel()`` (or a front end closing) before they finished (their blocks were freed)."""
+        self.preempted_requests = 0
+        """Preemptions: a running request gave its blocks back to wait and resume (once per preemption)."""
+
+    # ---- what a front end calls ----------------------------------------------------------------------------
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a checked request (:meth:`RequestChecks.request`); thread-safe."""
+        request.submitted_at = time.perf_counter()
+        with self.lock:
+            request.arrival = next(self._arrivals)
+            self.waiting.append(request)
+            self.lock.notify_all()
+
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        with self.lock:
+            return bool(self.waiting or self.running)
+
+    def step(self) -> bool:
+        """One step: drop cancelled requests, admit waiting ones, plan the batch (preempting where the pool runs
+        short), run one batched forward, pick tokens, retire finished requests.  Returns :meth:`has_work`.  A model's
+        or callback's exception fails the requests it concerns (their handles hold it); a BaseException that is not
+        an Exception (KeyboardInterrupt) is raised again once they are released."""
+        self._drop_cancelled()
+        self._admit()
+        rows, members = self._plan()
+        if rows:
+            self.steps += 1
+            try:
+                logits = forward_batch(self.model, rows, self.pool.kv)
+            except BaseException as error:  # noqa: BLE001 - the error belongs to the requests, not the engine
+                for request in members:
+                    self._fail(request, error)
+                if not isinstance(error, Exception):
+                    raise
+                logits = []
+            for request, row, row_logits in zip(members, rows, logits, strict=False):
+                self._computed(request, row.token_ids.numel(), row_logits)
+        return self.has_work()
+
+    def conclude(self, request: EngineRequest, stop: bool = False) -> None:
+        """The caller's verdict on the token(s) ``request`` just produced (``external_verdict`` requests, which
+        wait for it): ``stop`` ends it there as a stop token would; else its stop tokens and ``max_new_tokens``
+        decide.  A forced request finishes (``"forced"``)."""
+        if not request.awaiting_verdict:
+            return
+        request.awaiting_verdict = False
+        if request.forced is not None:
+            self._finish(request, "forced")
+            return
+        reason = request.picker.ends(request.generated[-1], len(request.generated), stop)
+        if reason is not None:
+            self._finish(request, reason)
+
+    def abort(self, request: EngineRequest, error: BaseException) -> None:
+        """End ``request`` now with ``error`` (its blocks and locks released, nothing of it cached), wherever it
+        stands; harmless once it has finished."""
+        with self.lock:
+            if request in self.waiting:
+                self.waiting.remove(request)
+        self._fail(request, error)
+
+    def cancel(self, request: EngineRequest) -> None:
+        """Drop ``request`` as ``cancel()`` does (counted in :attr:`cancelled_requests`); from the stepping thread."""
+        self.cancelled_requests += 1
+        self._fail(request, CancelledError())
+
+    def take_all(self) -> list[EngineRequest]:
+        """Remove every waiting and running request from the core and return them (a front end ends them)."""
+        with self.lock:
+            requests = [*self.waiting, *self.running]
+            self.waiting.clear()
+            self.running.clear()
+            self.lock.notify_all()
+        return requests
+
+    # ---- admission -----------------------------------------------------------------------------------------
+
+    def _drop_cancelled(self) -> None:
+        with self.lock:
+            waiting = [r for r in self.waiting if r.handle.cancelled]
+            for request in waiting:
+                self.waiting.remove(request)
+        for request in waiting + [r for r in self.running if r.handle.cancelled]:
+            self.cancel(request)
+
+    def _admit(self) -> None:
+        with self.lock:
+            waiting = list(self.waiting)
+        if not waiting:
+            return
+        self._refresh_namespaces(waiting)
+        admitted: set[int] = set()
+        if len(self.running) < self.max_running:
+            for request, cached in admission_order(waiting, self.cache, self.policy, self.max_wait_steps):
+                if len(self.running) >= self.max_running:
+                    break
+                if cached is not None and held_back(request, cached, self.running, self.cache.block_size):
+                    continue
+                outcome = self._try_admit(request)
+                if outcome is None:
+                    break  # running requests hold the pool: wait for them to finish and free it
+                admitted.add(id(request))
+                with self.lock:
+                    self.waiting.remove(request)
+        for request in waiting:
+            if id(request) not in admitted:
+                request.waited_steps += 1
+
+    def _refresh_namespaces(self, waiting: list[EngineRequest]) -> None:
+        """Check the weights before admitting: waiting requests move to the current fingerprint's namespace, so
+        nothing cached with weights changed (or ``runner.invalidate()``) since their submit is served to them.  A
+        preempted request moves too (resuming is admission).  O(parameters) integer reads per step while a request
+        waits."""
+        self.checks.refresh_weights()
+        for request in waiting:
+            request.namespace = self.checks.namespace_key(request.user_namespace)
+
+    def _try_admit(self, request: EngineRequest) -> bool | None:
+        """Acquire ``request``'s lease and move it to running (True), or fail it (False), or leave it waiting because
+        the pool is held by running requests (None)."""
+        cache = self.cache
+        # A first admission matches the prompt (never into forced tokens); a resumption all it knows.
+        tokens = request.prompt_array if request.preemptions == 0 else request.known_tokens()
+        try:
+            request.lease = cache.acquire(
+                tokens,
+                request.namespace,
+                request_id=request.request_id,
+                num_tokens=len(tokens),
+                resumed=request.preemptions > 0,
+            )
+            cache.reserve(request.lease, len(tokens))
+        except OutOfBlocksError as error:
+            if request.lease is not None:
+                cache.release(request.lease)
+                request.lease = None
+            if self.running:
+                return None
+            self._fail(request, error)
+            return False
+        except Exception as error:  # noqa: BLE001 - this request fails, the others go on
+            self._fail(request, error)
+            return False
+        request.position = request.lease.num_cached_tokens
+        if request.preemptions == 0:
+            request.cached, request.copied = request.position, request.lease.num_copied_tokens
+            request.host_cached = request.lease.num_host_tokens
+            request.live.capacity = len(request.prompt) + request.num_new_tokens()
+            request.picker = LogitsPipeline(request.sampling, self.pool.kv.device)
+        self.running.append(request)
+        return True
+
+    # ---- the batch -----------------------------------------------------------------------------------------
+
+    def _plan(self) -> tuple[list[BatchRow], list[EngineRequest]]:
+        budget = self.max_batch_tokens if self.max_batch_tokens is not None else float("inf")
+        rows, members = [], []
+        decoding = [r for r in self.running if r.position >= len(r.prompt)]
+        prefilling = [r for r in self.running if r.position < len(r.prompt)]
+        for request in decoding + prefilling:
+            if budget <= 0:
+                break
+            if request.awaiting_verdict or request not in self.running:
+                continue  # its caller has not decided yet; or preempted to make room for one before it
+            known = request.sequence_length()
+            if request.forced is not None and request.position < len(request.prompt):
+                known = len(request.prompt)  # the prompt in one pass, its forced answer in the next (as served alone)
+            end = int(min(known, request.position + budget))
+            if end > request.lease.capacity_tokens and not self._reserve(request, end, members):
+                continue
+            table = self.pool.block_table_tensor(request.lease.block_table)
+            token_ids = self._token_ids(request, request.position, end)
+            wants_logits = request.return_logits and request.position < len(request.prompt)
+            rows.append(BatchRow(token_ids, request.position, table, request.live, wants_logits))
+            members.append(request)
+            budget -= end - request.position
+        return rows, members
+
+    def _token_ids(self, request: EngineRequest, start: int, end: int) -> torch.Tensor:
+        """Known tokens ``start .. end - 1`` of ``request`` as int64 on the model's device (a prompt slice without a
+        Python loop: prompts run to tens of thousands of tokens)."""
+        prompt_end = min(end, len(request.prompt))
+        ids = np.frombuffer(request.prompt_array, dtype=np.uint32)[start:prompt_end].astype(np.int64)
+        if end > len(request.prompt):
+            rest = request.forced if request.forced is not None else request.generated
+            tail = np.asarray(rest[max(start, len(request.prompt)) - len(request.prompt) : end - len(request.prompt)])
+            ids = np.concatenate([ids, tail.astype(np.int64)])
+        return torch.from_numpy(ids).to(self.model.device)
+
+    def _reserve(self, request: EngineRequest, end: int, members: list[EngineRequest]) -> bool:
+        """Grow ``request``'s lease to ``end`` tokens, preempting running requests not in ``members`` (latest
+        admitted first) while the pool is short; False if ``request`` was preempted itself or failed."""
+        while True:
+            try:
+                self.cache.reserve(request.lease, end)
+                return True
+            except Exception as error:  # noqa: BLE001 - this request fails or waits, the others go on
+                victim = choose_victim(self.running, members, request) if can_preempt_for(error) else None
+                if victim is None:
+                    self._fail(request, error)
+                    return False
+                self._preempt(victim)
+                if victim is request:
+                    return False
+
+    def _preempt(self, request: EngineRequest) -> None:
+        """Cache the tokens ``request`` has computed, free its blocks and queue it first, due, to resume."""
+        try:
+            if request.position:
+                self.cache.commit(request.lease, request.known_tokens()[: request.position])
+            else:
+                self.cache.release(request.lease)
+        except Exception:  # noqa: BLE001 - the tokens are only a cache hit to come: recompute them instead
+            logger.exception("caching a preempted request's tokens failed; it will recompute them")
+            if not request.lease.closed:
+                self.cache.release(request.lease)
+        self.running.remove(request)
+        request.lease = None
+        request.live.reset()
+        request.preemptions += 1
+        request.prompt_inserted = request.position >= len(request.prompt)
+        request.waited_steps = self.max_wait_steps
+        self.preempted_requests += 1
+        logger.debug("preempted a request at %d of %d tokens", request.position, request.sequence_length())
+        with self.lock:
+            self.waiting.appendleft(request)
+
+    # ---- after the forward ---------------------------------------------------------------------------------
+
+    def _computed(self, request: EngineRequest, num_tokens: int, logits: torch.Tensor) -> None:
+        """``request``'s row of ``num_tokens`` ran, with these logits (``[1 or num_tokens, vocab]``)."""
+        start = request.position
+        request.position = end = start + num_tokens
+        prompt_length = len(request.prompt)
+        if request.return_logits and start < prompt_length:
+            lo, hi = max(start, request.logits_until), min(end, prompt_length)
+            if hi > lo:
+                request.prompt_logits.append(logits[lo - start : hi - start].float().cpu())
+                request.logits_until = hi
+        if request.forced is None:
+            if end == request.sequence_length():
+                self._advance(request, logits[-1])
+            return
+        if end == prompt_length:
+            self._prompt_computed(request)
+        if end == request.sequence_length():
+            self._emit_forced(request)
+
+    def _prompt_computed(self, request: EngineRequest) -> None:
+        """A forced request's prompt is computed: its first token's time, and under ``"lpm"`` its prompt cached for
+        others while its forced answer runs."""
+        if request.first_token_at is None:
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)
+            request.first_token_at = time.perf_counter()
+        if self.policy == "lpm" and not request.prompt_inserted and request.forced:
+            self._insert_prompt(request)
+
+    def _insert_prompt(self, request: EngineRequest) -> bool:
+        try:
+            self.cache.insert_prefix(request.lease, request.prompt_array)
+        except Exception as error:  # noqa: BLE001
+            self._fail(request, error)
+            return False
+        request.prompt_inserted = True
+        return True
+
+    def _emit_forced(self, request: EngineRequest) -> None:
+        request.generated = list(request.forced)
+        for token in request.generated:
+            request.handle.emit(token)
+            if request.on_token is not None and not self._call_on_token(request, token)[0]:
+                return
+        request.awaiting_verdict = True
+        if not request.external_verdict:
+            self.conclude(request)
+
+    def _advance(self, request: EngineRequest, logits: torch.Tensor) -> None:
+        """All known tokens of ``request`` are computed: pick the next one, or finish."""
+        sampling = request.sampling
+        if sampling.max_new_tokens == 0:
+            if self.model.device.type == "cuda":
+                torch.cuda.synchronize(self.model.device)  # the prefill time is the time of the work, not its launch
+            self._finish(request, "prefill")
+            return
+        # A request that ends with this token commits its prompt in this same step, before anyone else is admitted:
+        # inserting it first would only copy its partial block for nothing.
+        if self.policy == "lpm" and not request.prompt_inserted and sampling.max_new_tokens > 1:
+            if not self._insert_prompt(request):
+                return
+        token = request.picker.pick(logits)
+        if request.first_token_at is None:
+            request.first_token_at = time.perf_counter()
+        request.generated.append(token)
+        request.handle.emit(token)
+        stop = False
+        if request.on_token is not None:
+            alive, stop = self._call_on_token(request, token)
+            if not alive:
+                return
+        request.awaiting_verdict = True
+        if not request.external_verdict:
+            self.conclude(request, bool(stop))
+
+    def _call_on_token(self, request: EngineRequest, token: int) -> tuple[bool, object]:
+        """``(request still alive, the callback's answer)``; the callback's exception fails the request."""
+        try:
+            return True, request.on_token(token)
+        except BaseException as error:  # noqa: BLE001 - the callback's error belongs to its request
+            self._fail(request, error)
+            if not isinstance(error, Exception):
+                raise  # KeyboardInterrupt and the like reach whoever steps, once the request is released
+            return False, None
+
+    def _finish(self, request: EngineRequest, reason: str) -> None:
+        try:
+            insert = self.cache.commit(request.lease, request.known_tokens()[: request.position])
+            if request.retention is not None:
+                priority, retain_s = request.retention
+                self.cache.retain(request.prompt_array, request.namespace, priority=priority, retain_s=retain_s)
+        except Exception as error:  # noqa: BLE001
+            self._fail(request, error)
+            return
+        self.running.remove(request)
+        now = time.perf_counter()
+        first = request.first_token_at if request.first_token_at is not None else now
+        usage = Usage(
+            prompt_tokens=len(request.prompt),
+            cached_tokens=request.cached,
+            prefilled_tokens=len(request.prompt) - request.cached,
+            copied_tokens=request.copied,
+            generated_tokens=len(request.generated),
+            ttft_s=first - request.submitted_at,
+            decode_s=now - first,
+            host_cached_tokens=request.host_cached,
+        )
+        logits = torch.cat(request.prompt_logits) if request.return_logits and request.prompt_logits else None
+        request.handle.settle(GenerationResult(tuple(request.generated), reason, usage, logits, insert))
+
+    def _fail(self, request: EngineRequest, error: BaseException) -> None:
+        if request.lease is not None and not request.lease.closed:
+            self.cache.release(request.lease)
+        if request in self.running:
+            self.running.remove(request)
+        request.awaiting_verdict = False
+        if not request.handle.future.done():
+            request.handle.settle(error=error)
