@@ -1,0 +1,121 @@
+"""Specification of the engine core's request options, the same through every front end: teacher forcing
+(``forced_tokens``) and prompt logits (``return_logits``) batched, chunked and preempted give what a serial call gives;
+the serial calls and the batching engine are one core (one request in a serial call's core)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixcache import PrefixCachingRunner, SamplingParams
+from prefixcache.engine.batching import BatchEngine
+from prefixcache.engine.core import EngineCore
+from prefixcache.errors import InvalidTokensError
+from prefixcache.models.llama import LlamaModel
+from prefixcache.testing import assert_quiescent
+
+BLOCK = 4
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 259, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _reference_logits(model: LlamaModel, sequence: list[int], start: int) -> torch.Tensor:
+    return model.forward_reference(torch.tensor(sequence), return_logits=True, logits_from=start)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(2, 40), min_size=1, max_size=4),
+    forced_lengths=st.lists(st.integers(0, 9), min_size=4, max_size=4),
+    budget=st.integers(1, 48),
+    shared=st.integers(0, 20),
+)
+def test_batched_teacher_forcing_with_prompt_logits_equals_the_serial_call(
+    tiny: LlamaModel, lengths: list[int], forced_lengths: list[int], budget: int, shared: int
+) -> None:
+    prefix = _ids(shared, seed=99)
+    prompts = [prefix + _ids(n, seed=i) for i, n in enumerate(lengths)]
+    answers = [_ids(forced_lengths[i], seed=50 + i) for i in range(len(prompts))]
+    serial_runner = PrefixCachingRunner(tiny, cache_tokens=4096, block_size=BLOCK)
+    expected = [
+        serial_runner.generate(p, forced_tokens=a, return_logits=True) for p, a in zip(prompts, answers, strict=True)
+    ]
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096, block_size=BLOCK)
+    engine = BatchEngine(runner, max_batch_tokens=budget)
+    handles = [
+        engine.submit(p, forced_tokens=a, return_logits=True) for p, a in zip(prompts, answers, strict=True)
+    ]
+    engine.run_until_idle()
+    for prompt, answer, handle, serial in zip(prompts, answers, handles, expected, strict=True):
+        result = handle.result()
+        assert result.finish_reason == "forced" and list(result.token_ids) == answer
+        assert result.prompt_logits.shape == (result.usage.prefilled_tokens, tiny.vocab_size)
+        reference = _reference_logits(tiny, prompt, result.usage.cached_tokens)
+        torch.testing.assert_close(result.prompt_logits, reference, atol=1e-4, rtol=1e-4)
+        if result.usage.cached_tokens == serial.usage.cached_tokens:
+            torch.testing.assert_close(result.prompt_logits, serial.prompt_logits, atol=1e-4, rtol=1e-4)
+        # the forced answer was cached with its prompt: the next turn hits all of it
+        assert runner.cache.cached_length(prompt + answer + [1], runner.namespace_key(None)) == len(prompt + answer)
+    assert_quiescent(runner.cache)
+
+
+def test_a_preempted_forced_request_with_prompt_logits_keeps_each_row_once(tiny: LlamaModel) -> None:
+    """Three forced requests on a pool too small for all: preemption between the prompt and its answer recomputes,
+    and the prompt logits still hold one row per prefilled position, equal to the model's own forward."""
+    runner = PrefixCachingRunner(tiny, cache_tokens=6 * BLOCK, block_size=BLOCK)
+    engine = BatchEngine(runner, max_batch_tokens=64)
+    prompts = [_ids(7, seed=10 + i) for i in range(3)]
+    answers = [_ids(10, seed=20 + i) for i in range(3)]
+    handles = [engine.submit(p, forced_tokens=a, return_logits=True) for p, a in zip(prompts, answers, strict=True)]
+    engine.run_until_idle()
+    assert engine.preempted_requests >= 1
+    for prompt, answer, handle in zip(prompts, answers, handles, strict=True):
+        result = handle.result()
+        assert list(result.token_ids) == answer and result.finish_reason == "forced"
+        reference = _reference_logits(tiny, prompt, result.usage.cached_tokens)
+        torch.testing.assert_close(result.prompt_logits, reference, atol=1e-4, rtol=1e-4)
+    assert_quiescent(runner.cache)
+
+
+def test_forced_tokens_are_streamed_to_on_token_and_never_stop_early(tiny: LlamaModel) -> None:
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096, block_size=BLOCK)
+    engine = BatchEngine(runner)
+    seen: list[int] = []
+    answer = _ids(6, seed=3)
+    handle = engine.submit(_ids(12, seed=4), forced_tokens=answer, on_token=lambda t: seen.append(t) or True)
+    engine.run_until_idle()
+    assert seen == answer and list(handle.result().token_ids) == answer
+    assert handle.result().finish_reason == "forced"
+
+
+def test_bad_forced_tokens_are_refused_at_submit_and_leave_nothing_queued(tiny: LlamaModel) -> None:
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096, block_size=BLOCK)
+    engine = BatchEngine(runner)
+    with pytest.raises(InvalidTokensError, match="forced_tokens"):
+        engine.submit([1, 2, 3], forced_tokens=[tiny.vocab_size])
+    assert engine.num_pending == 0
+    assert_quiescent(runner.cache)
+
+
+def test_a_serial_call_runs_on_an_engine_core_of_its_own(tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The serial path is the core: a call's core holds its one request, prefills it in one forward and is empty
+    after it."""
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096, block_size=BLOCK)
+    cores: list[EngineCore] = []
+    new_core = runner.new_core
+
+    def watched(**options):
+        core = new_core(**options)
+        cores.append(core)
+        return core
+
+    monkeypatch.setattr(runner, "new_core", watched)
+    result = runner.generate(_ids(30, seed=5), SamplingParams(max_new_tokens=3))
+    (core,) = cores
+    assert core.max_batch_tokens is None and core.steps == 3 and not core.has_work()
+    assert result.usage.generated_tokens == 3
+    assert_quiescent(runner.cache)
