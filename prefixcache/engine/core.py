@@ -276,7 +276,7 @@ class EngineCore:
             end = int(min(known, request.position + budget))
             if end > request.lease.capacity_tokens and not self._reserve(request, end, members):
                 continue
-            table = self.pool.block_table_tensor(request.lease.block_table)
+            table = self._block_table(request)
             token_ids = self._token_ids(request, request.position, end)
             wants_logits = request.return_logits and request.position < len(request.prompt)
             rows.append(BatchRow(token_ids, request.position, table, request.live, wants_logits))
@@ -284,9 +284,22 @@ class EngineCore:
             budget -= end - request.position
         return rows, members
 
+    def _block_table(self, request: EngineRequest) -> torch.Tensor:
+        """The lease's block table on the device, made again only when the lease's table changed: a reserve makes a
+        new array, an insert of the prompt rewrites it in place (and drops the tensor, :meth:`_insert_prompt`)."""
+        source = request.lease.block_table
+        if request.table is None or request.table_source is not source:
+            request.table = self.pool.block_table_tensor(source)
+            request.table_source = source
+        return request.table
+
     def _token_ids(self, request: EngineRequest, start: int, end: int) -> torch.Tensor:
         """Known tokens ``start .. end - 1`` of ``request`` as int64 on the model's device (a prompt slice without a
         Python loop: prompts run to tens of thousands of tokens)."""
+        if start >= len(request.prompt):
+            rest = request.forced if request.forced is not None else request.generated
+            offset = len(request.prompt)
+            return torch.tensor(rest[start - offset : end - offset], dtype=torch.long, device=self.model.device)
         prompt_end = min(end, len(request.prompt))
         ids = np.frombuffer(request.prompt_array, dtype=np.uint32)[start:prompt_end].astype(np.int64)
         if end > len(request.prompt):
@@ -323,7 +336,7 @@ class EngineCore:
             if not request.lease.closed:
                 self.cache.release(request.lease)
         self.running.remove(request)
-        request.lease = None
+        request.lease = request.table = request.table_source = None
         request.live.reset()
         request.preemptions += 1
         request.prompt_inserted = request.position >= len(request.prompt)
@@ -370,6 +383,7 @@ class EngineCore:
         except Exception as error:  # noqa: BLE001
             self._fail(request, error)
             return False
+        request.table = None  # the insert may have rewritten the lease's table in place (blocks shared with the tree)
         request.prompt_inserted = True
         return True
 

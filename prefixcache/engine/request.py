@@ -91,6 +91,8 @@ class EngineRequest:
     prompt_inserted: bool = False  # the prompt's K/V are in the tree while the request goes on
     live: LiveKV = field(default_factory=LiveKV)
     lease: Lease | None = None
+    table: torch.Tensor | None = None  # the lease's block table on the device, made from ``table_source``
+    table_source: Any = None  # the lease's block-table array that ``table`` was made from
     picker: LogitsPipeline | None = None  # made at first admission, kept across preemptions
     cached: int = 0  # prompt tokens found cached at first admission (a resumption's hits are not the prompt's)
     copied: int = 0

@@ -15,6 +15,7 @@ in parallel and only wait for each other during bookkeeping.
 from __future__ import annotations
 
 import os
+from concurrent.futures import CancelledError
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Any
 
@@ -339,7 +340,12 @@ def _drive(core: EngineCore, request: EngineRequest) -> Generator[int, Any, Gene
     core.add(request)
     seen = 0
     try:
-        while core.step() or request.awaiting_verdict:
+        # Alone in its core, the request moves at every step (admitted or failed, then computed or waiting for
+        # its verdict, which the loop gives), so the loop ends.
+        while not request.handle.future.done():
+            core.step()
+            if not request.awaiting_verdict:
+                continue  # admitted, failed, or finished without a token to show
             command = None
             while seen < len(request.generated):
                 command = yield request.generated[seen]
@@ -347,5 +353,5 @@ def _drive(core: EngineCore, request: EngineRequest) -> Generator[int, Any, Gene
             core.conclude(request, stop=command == "stop")
     finally:
         if not request.handle.future.done():
-            core.abort(request, InvalidArgumentError("the stream was closed before the request finished"))
+            core.abort(request, CancelledError())  # closed, or an exception thrown in: nothing of it cached
     return request.handle.result()
