@@ -1,4 +1,4 @@
-"""Recompute preemption for the batching engine: which running request gives its blocks back when another runs short.
+"""Recompute preemption for the engine core: which running request gives its blocks back when another runs short.
 
 A running request whose next block cannot be had (the pool is held by the other running requests) does not fail:
 running requests are preempted, latest admitted first, until the block can be had or the request itself is the one
@@ -8,7 +8,7 @@ the last preempts itself).  A preempted request commits the tokens whose K/V it 
 the waiting queue; re-admitted, it matches its prompt and the tokens it generated, recomputes the rest and samples on
 (vLLM's "recompute" preemption, where the tree makes the recomputation a prefix hit).
 
-Only the policy lives here; :class:`~prefixcache.engine.batching.BatchEngine` does the preempting.
+Only the policy lives here; :class:`~prefixcache.engine.core.EngineCore` does the preempting.
 """
 
 from __future__ import annotations
