@@ -251,9 +251,7 @@ class StreamingRunner(Protocol):
 class SubmittingEngine(Protocol):
     """What :func:`submit_chat` needs of an engine (:class:`~prefixcache.engine.batching.BatchEngine`)."""
 
-    def submit(
-        self, prompt_ids: TokenIds, sampling: SamplingParams | None = None, **options: Any
-    ) -> RequestHandle: ...
+    def submit(self, prompt_ids: TokenIds, sampling: SamplingParams | None = None, **options: Any) -> RequestHandle: ...
 
 
 _SAMPLING_FIELDS = frozenset(field.name for field in fields(SamplingParams))

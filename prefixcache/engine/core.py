@@ -26,11 +26,12 @@ With ``policy="lpm"`` a request's prompt is inserted into the cache as soon as i
 (:meth:`RadixCache.insert_prefix`), not when it finishes: requests admitted while it decodes hit its prompt.
 
 Admission reserves a request's known tokens only; when a running request's next block cannot be had because the
-others hold the pool, the latest admitted ones are preempted (recompute preemption, :mod:`prefixcache.engine.preemption`):
-each caches what it has computed, frees its blocks and waits at the front of the queue, due, to resume where it
-stopped.  Its output is unchanged.  Resuming is admission: after a weight change the resumed request matches nothing
-of the old weights and recomputes its prompt and tokens with the new ones.  A core with one request (the serial
-calls) never preempts: a shortage fails the request with the cache's error (PoolBusyError, OutOfBlocksError).
+others hold the pool, the latest admitted ones are preempted (recompute preemption,
+:mod:`prefixcache.engine.preemption`): each caches what it has computed, frees its blocks and waits at the front of
+the queue, due, to resume where it stopped.  Its output is unchanged.  Resuming is admission: after a weight change
+the resumed request matches nothing of the old weights and recomputes its prompt and tokens with the new ones.  A
+core with one request (the serial calls) never preempts: a shortage fails the request with the cache's error
+(PoolBusyError, OutOfBlocksError).
 
 Thread safety: :meth:`EngineCore.add` and a handle's ``cancel()`` may be called from any thread; one thread steps.
 """

@@ -15,8 +15,8 @@ in parallel and only wait for each other during bookkeeping.
 from __future__ import annotations
 
 import os
-from concurrent.futures import CancelledError
 from collections.abc import Callable, Generator, Mapping, Sequence
+from concurrent.futures import CancelledError
 from typing import Any
 
 from prefixcache.cache.host_tier import host_pool_for
@@ -285,7 +285,7 @@ class PrefixCachingRunner:
                 pass
         finally:
             for request in core.take_all():  # a KeyboardInterrupt between steps leaves nothing locked
-                core.abort(request, InvalidArgumentError("generate_many was interrupted"))
+                core.abort(request, CancelledError())
         return [request.handle.result() for request in requests]
 
     def prefill(
@@ -330,7 +330,6 @@ class PrefixCachingRunner:
             **sampling,
         )
         return ChatResult(done.content or "", done.token_ids, done.finish_reason, done.usage, done.tool_calls)
-
 
 
 def _drive(core: EngineCore, request: EngineRequest) -> Generator[int, Any, GenerationResult]:

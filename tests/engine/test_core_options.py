@@ -46,9 +46,7 @@ def test_batched_teacher_forcing_with_prompt_logits_equals_the_serial_call(
     ]
     runner = PrefixCachingRunner(tiny, cache_tokens=4096, block_size=BLOCK)
     engine = BatchEngine(runner, max_batch_tokens=budget)
-    handles = [
-        engine.submit(p, forced_tokens=a, return_logits=True) for p, a in zip(prompts, answers, strict=True)
-    ]
+    handles = [engine.submit(p, forced_tokens=a, return_logits=True) for p, a in zip(prompts, answers, strict=True)]
     engine.run_until_idle()
     for prompt, answer, handle, serial in zip(prompts, answers, handles, expected, strict=True):
         result = handle.result()
