@@ -1,8 +1,10 @@
-"""Shared fixtures: one torch thread, the tiny model, a cache factory, a helper that caches one sequence, and the
-gate for files under ../shared/data."""
+"""Shared fixtures: one torch thread, the tiny model, a cache factory, a helper that caches one sequence, the gate
+for files under ../shared/data, and two small Hugging Face tokenizers trained here (no hub): a SentencePiece-style one
+(Llama 2 / Mistral) and a byte-level BPE one (GPT-2 / Qwen)."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -107,3 +109,80 @@ def put() -> Callable[..., InsertResult]:
         return cache.insert(tokens, blocks, namespace)
 
     return insert
+
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TRAINING_TEXTS = (
+    "Hello world, how are you?",
+    "The quick brown fox jumps over the lazy dog.",
+    "how are you doing today? Fine, thank you.",
+    "Hello there, world! Observation: sunny.",
+)
+CHATML_SPECIALS = ("<|im_start|>", "<|im_end|>")
+
+
+def _save_tokenizer(tokenizer: object, folder: Path, **special: str) -> Path:
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, chat_template=CHATML_TEMPLATE, **special)
+    fast.save_pretrained(str(folder))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama 2 / Mistral-style tokenizer folder: BPE with byte fallback (ids 3..258 are ``<0x00>``..``<0xFF>``, so
+    emoji and CJK, absent from the training text, become byte tokens), the family's normalizer (Prepend + Replace
+    "▁"), a ``Metaspace`` pre-tokenizer and the decoders ``Replace("▁", " ") + ByteFallback + Fuse +
+    Strip(" ", 1, 0)`` of their tokenizer.json files; ChatML specials and template, ``<|im_end|>`` ends a turn."""
+    pytest.importorskip("transformers", reason="needs: pip install 'prefixcache[hf]'")
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    def pipeline(tokenizer: Tokenizer) -> Tokenizer:
+        tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True)
+        tokenizer.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+        return tokenizer
+
+    specials = ["<unk>", "<s>", "</s>"]
+    trained = pipeline(Tokenizer(models.BPE(unk_token="<unk>")))
+    trained.train_from_iterator(
+        TRAINING_TEXTS, trainers.BpeTrainer(vocab_size=220, special_tokens=specials, show_progress=False)
+    )
+    learned = json.loads(trained.to_str())["model"]
+    vocab = {name: index for index, name in enumerate(specials)}
+    vocab.update({f"<0x{byte:02X}>": len(specials) + byte for byte in range(256)})
+    for piece, _ in sorted(learned["vocab"].items(), key=lambda item: item[1]):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learned["merges"]]
+    tokenizer = pipeline(Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)))
+    tokenizer.add_special_tokens(
+        [AddedToken(name, special=True, normalized=False) for name in (*specials, *CHATML_SPECIALS)]
+    )
+    folder = tmp_path_factory.mktemp("sentencepiece")
+    return _save_tokenizer(tokenizer, folder, bos_token="<s>", eos_token="<|im_end|>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="session")
+def byte_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A GPT-2 / Qwen-style tokenizer folder: byte-level BPE (``ByteLevel`` pre-tokenizer and decoder, all 256 byte
+    symbols in the alphabet) trained here; ChatML specials and template, ``<|im_end|>`` ends a turn."""
+    pytest.importorskip("transformers", reason="needs: pip install 'prefixcache[hf]'")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", *CHATML_SPECIALS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TRAINING_TEXTS, trainer)
+    return _save_tokenizer(tokenizer, tmp_path_factory.mktemp("byte_bpe"), eos_token="<|im_end|>")

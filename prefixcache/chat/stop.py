@@ -86,44 +86,72 @@ _MAX_HELD_IDS = 8
 
 
 class TextStream:
-    """Token ids in, text deltas out, for any :class:`Tokenizer`.
+    """Token ids in, text deltas out, for any :class:`Tokenizer`: incremental detokenization with a prefix offset.
 
-    Decodes the ids since the last emitted character boundary and holds back a trailing U+FFFD (a multi-byte
-    character cut by a token boundary), as Hugging Face's ``TextStreamer`` does; the deltas add up to the decode of
-    all the ids.  ``skip`` ids (end-of-turn tokens) produce no text.  Cost per token: O(ids since the last boundary).
+    Each push decodes a short window, the ids of the previous delta (the context, already emitted) and the ids not
+    yet emitted, and emits what that text adds to the context's own decode, as vLLM's ``detokenize_incrementally``
+    does with its prefix and read offsets.  Decoding the new ids alone would lose text: a SentencePiece decoder
+    (Llama 2, Mistral, Gemma: ``Metaspace``, or ``Replace("\u2581", " ") + ... + Strip(" ", 1, 0)``) drops the leading
+    space of every decode, so each word came out glued to the last ("Helloworld,"); with the context in front, only
+    a context token, whose text went out earlier, loses it.  A trailing U+FFFD (a multi-byte character cut by a token
+    boundary, byte fallback spelling it one byte per token) is held back, as Hugging Face's ``TextStreamer`` does.
+
+    The deltas add up to ``tokenizer.decode(all ids)`` wherever decoding more ids extends the text at a character
+    boundary: byte-level BPE (GPT-2, Qwen, Llama 3), the byte tokenizer, and SentencePiece over valid UTF-8.  Hugging
+    Face's ``ByteFallback`` renders a whole run of byte tokens as U+FFFD once any byte in it is invalid, so an answer
+    that goes on (or is cut) inside a character after complete characters of the same run decodes those as U+FFFD
+    too; the stream, which emitted them when they were complete, then gives the new ids' own decode.  ``skip`` ids
+    (end-of-turn tokens) produce no text.
+
+    Cost per token: one or two decodes of at most ``2 * _MAX_HELD_IDS`` ids (a delta ends at the latest after that
+    many held ids), so O(1) in the length of the answer.
     """
 
-    __slots__ = ("_pending", "_skip", "_tokenizer")
+    __slots__ = ("_context_text", "_ids", "_read", "_skip", "_tokenizer")
 
     def __init__(self, tokenizer: Tokenizer, skip: Iterable[int] = ()) -> None:
         self._tokenizer = tokenizer
         self._skip = frozenset(skip)
-        self._pending: list[int] = []
+        self._ids: list[int] = []  # the context (ids[:_read], emitted) then the ids not yet emitted
+        self._read = 0
+        self._context_text = ""  # decode(ids[:_read])
 
     def push(self, token_id: int) -> str:
         """Text completed by ``token_id`` (may be ``""``)."""
         if token_id in self._skip:
             return ""
-        pending = self._pending
-        pending.append(token_id)
-        text = self._tokenizer.decode(pending)
+        ids = self._ids
+        ids.append(token_id)
+        text = self._tokenizer.decode(ids)
         if not text.endswith("\ufffd"):
-            pending.clear()
-            return text
-        if len(pending) < _MAX_HELD_IDS:
+            return self._emit(len(ids), text)
+        if len(ids) - self._read < _MAX_HELD_IDS:
             return ""
         # A long run of ids ending in U+FFFD is mostly invalid bytes: emit all but the last few ids (a UTF-8
-        # character spans at most 4), cut where no character spans the cut, so the text stays decode(all ids).
+        # character spans at most 4), cut where no character spans the cut (the tail's own decode is the rest of
+        # the text; the tail holds byte tokens only, whose decode has no leading space to lose).
         for keep in range(3, 0, -1):
-            head = self._tokenizer.decode(pending[:-keep])
-            if head + self._tokenizer.decode(pending[-keep:]) == text:
-                del pending[:-keep]
-                return head
-        pending.clear()
-        return text
+            head = self._tokenizer.decode(ids[:-keep])
+            if head + self._tokenizer.decode(ids[-keep:]) == text:
+                return self._emit(len(ids) - keep, head)
+        return self._emit(len(ids), text)
 
     def flush(self) -> str:
-        """Whatever is left (an incomplete character decodes as U+FFFD)."""
-        text = self._tokenizer.decode(self._pending) if self._pending else ""
-        self._pending.clear()
-        return text
+        """Whatever is left, at the end of generation (an incomplete character decodes as U+FFFD)."""
+        if self._read == len(self._ids):
+            return ""
+        return self._emit(len(self._ids), self._tokenizer.decode(self._ids))
+
+    def _emit(self, upto: int, text: str) -> str:
+        """The delta of ``ids[_read:upto]``, given ``text == decode(ids[:upto])``; those ids become the context."""
+        ids, read = self._ids, self._read
+        if text.startswith(self._context_text):
+            delta = text[len(self._context_text) :]
+            context_text = text if read == 0 else None
+        else:
+            # ByteFallback turned complete characters of the context into U+FFFD (see above): they went out already.
+            delta = context_text = self._tokenizer.decode(ids[read:upto])
+        del ids[:read]
+        self._read = upto - read
+        self._context_text = self._tokenizer.decode(ids[: self._read]) if context_text is None else context_text
+        return delta

@@ -147,8 +147,8 @@ class ChatDecoder:
 
     When :attr:`stopped` turns true the caller must end generation before computing that token's K/V (as
     ``runner.stream``'s ``send("stop")`` or the engine's ``on_token`` returning True do), so the turn is cached
-    as with a stop token.  Not thread-safe: one request, one thread.  Cost per token: O(ids since the last UTF-8
-    boundary + held-back text)."""
+    as with a stop token.  Not thread-safe: one request, one thread.  Cost per token: the :class:`TextStream`'s
+    decode of a window of at most 16 ids, plus O(held-back text)."""
 
     __slots__ = ("_gate", "_parse_calls", "_pieces", "_request_id", "_stopper", "_text_stream", "forced_ids")
 
