@@ -15,16 +15,14 @@ from dataclasses import dataclass, field
 from prefixcache.chat.tokenizer import Tokenizer
 from prefixcache.errors import InvalidArgumentError
 
-__all__ = ["MAX_STOP_SEQUENCES", "StopMatcher", "TextStream", "check_stop"]
-
-MAX_STOP_SEQUENCES = 4
-"""OpenAI's limit on the number of stop strings in one request."""
+__all__ = ["StopMatcher", "TextStream", "check_stop"]
 
 
 def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     """Normalize OpenAI's ``stop`` (a string, a list of strings, or ``None``) to a tuple of non-empty strings.
 
-    Raises :class:`InvalidArgumentError` for another type, an empty string or more than :data:`MAX_STOP_SEQUENCES`.
+    Any number of strings: OpenAI allows 4, vLLM has no limit and lm-eval's ``until`` lists may hold more.  Raises
+    :class:`InvalidArgumentError` for another type or an empty string.
     """
     if stop is None:
         return ()
@@ -33,8 +31,6 @@ def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
         raise InvalidArgumentError(f"stop must be a string or a list of strings, got {stop!r}")
     if any(not s for s in items):
         raise InvalidArgumentError("stop strings must not be empty")
-    if len(items) > MAX_STOP_SEQUENCES:
-        raise InvalidArgumentError(f"at most {MAX_STOP_SEQUENCES} stop strings, got {len(items)}")
     return tuple(items)
 
 
@@ -42,7 +38,8 @@ def check_stop(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 class StopMatcher:
     """Feed text deltas, get back what is safe to emit; :attr:`stopped` turns true at the first stop string.
 
-    Memory is bounded by the longest stop string.  Each :meth:`feed` is O(len(delta) + held-back text) per stop string.
+    Memory is bounded by the longest stop string.  Each :meth:`feed` is O(len(delta) + held-back text) per stop string,
+    so O(number of stop strings) per token.
     """
 
     stops: tuple[str, ...]

@@ -302,7 +302,7 @@ def chat_stream(
     the output become ``tool_calls`` (malformed ones stay text); ``"none"`` keeps the tools in the prompt (so it
     shares the cached prefix) and returns text only; ``"required"`` and a named function are forced by appending the
     start of a call to the prompt (:func:`check_tool_choice`); ``usage.prompt_tokens`` counts those tokens.  ``stop``
-    strings (at most 4) end the answer before them; the turn is cached as with a stop token.  Closing the generator
+    strings (any number) end the answer before them; the turn is cached as with a stop token.  Closing the generator
     early releases the request's blocks and caches nothing of it.
 
     Raises :class:`TemplateError` (bad messages or tools), :class:`InvalidArgumentError` (no messages, bad ``stop``,

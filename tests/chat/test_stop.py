@@ -89,7 +89,15 @@ def test_check_stop_normalizes(stop: object, expected: tuple[str, ...]) -> None:
     assert check_stop(stop) == expected  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("stop", [[""], ["a"] * 5, 3, [1], [None]])
+def test_check_stop_takes_more_than_openais_four_strings() -> None:
+    # vLLM has no limit, and lm-eval sends its whole ``until`` list; this used to be refused past 4.
+    stops = [f"stop{i}" for i in range(12)]
+    assert check_stop(stops) == tuple(stops)
+    matcher = StopMatcher(check_stop(stops))
+    assert matcher.feed("text stop1") == "text " and matcher.stopped
+
+
+@pytest.mark.parametrize("stop", [[""], ["a", ""], 3, [1], [None]])
 def test_check_stop_rejects(stop: object) -> None:
     with pytest.raises(InvalidArgumentError):
         check_stop(stop)  # type: ignore[arg-type]
