@@ -43,7 +43,8 @@ class SamplingParams:
     (whatever runs beside the request).  Generation stops after ``max_new_tokens`` tokens or on a token of
     ``stop_token_ids`` (which is kept in the output ids), unless ``ignore_eos``; before ``min_tokens`` tokens are
     generated the stop tokens cannot be picked (their logits are -inf; not with ``ignore_eos``, where they end
-    nothing).  ``vocab_limit`` restricts sampling to ids below it (``chat`` sets it to the tokenizer's vocabulary
+    nothing; a stop string of the chat layer still ends a request before ``min_tokens``, where vLLM would not look
+    for it yet).  ``vocab_limit`` restricts sampling to ids below it (``chat`` sets it to the tokenizer's vocabulary
     size, since a model's embedding table is often padded beyond the ids its tokenizer can decode).
 
     Penalties, on the logits before temperature (greedy requests see them too): ``frequency_penalty`` and
