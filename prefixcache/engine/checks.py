@@ -72,14 +72,20 @@ class RequestChecks:
                 which may be empty).
             CapacityError: prompt + new tokens exceed the model's positions or the whole pool.
             NamespaceError: a namespace that is not a str or None.
-            InvalidArgumentError: ``sampling`` not SamplingParams, ``on_token`` not callable, ``request_id`` not a str
-                or None, bad retention (see :func:`check_retention`).
+            InvalidArgumentError: ``sampling`` not SamplingParams or with a ``logit_bias`` id outside the model's
+                vocabulary, ``on_token`` not callable, ``request_id`` not a str or None, bad retention (see
+                :func:`check_retention`).
         """
         sampling = sampling if sampling is not None else SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
         if on_token is not None and not callable(on_token):
             raise InvalidArgumentError(f"on_token must be callable or None, got {type(on_token).__name__}")
+        if sampling.logit_bias and sampling.logit_bias[-1][0] >= self.model.vocab_size:
+            raise InvalidArgumentError(
+                f"logit_bias: token id {sampling.logit_bias[-1][0]} is outside the model's vocabulary; allowed ids "
+                f"are 0 .. {self.model.vocab_size - 1}"
+            )
         check_request_id(request_id)
         prompt = self.tokens(prompt_ids, "prompt")
         forced = None if forced_tokens is None else self.tokens(forced_tokens, "forced_tokens", allow_empty=True)

@@ -255,7 +255,9 @@ class EngineCore:
             request.cached, request.copied = request.position, request.lease.num_copied_tokens
             request.host_cached = request.lease.num_host_tokens
             request.live.capacity = len(request.prompt) + request.num_new_tokens()
-            request.picker = LogitsPipeline(request.sampling, self.pool.kv.device)
+            request.picker = LogitsPipeline(
+                request.sampling, self.pool.kv.device, self.model.vocab_size, request.prompt_array
+            )
         self.running.append(request)
         return True
 
@@ -415,6 +417,7 @@ class EngineCore:
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         request.generated.append(token)
+        request.picker.accept(token)  # the penalties' history: kept by the pipeline, which outlives a preemption
         request.handle.emit(token)
         stop = False
         if request.on_token is not None:

@@ -1,19 +1,38 @@
 """The logits pipeline: how one request turns a row of logits into its next token id, and whether that token ends it.
 
 Every request of the engine, serial or batched, picks its tokens here and nowhere else, one :class:`LogitsPipeline`
-per request.  The stages run in this order on the float logits of the last computed position:
+per request.  The stages run in this order on the logits of the last computed position (vLLM's order: the logits
+processors and penalties on the raw logits, then temperature, then the filters of the sampler):
 
 1. the vocabulary limit (``vocab_limit``: ids the tokenizer cannot decode are never picked);
-2. temperature, then top-p (nucleus) filtering (Holtzman et al., 2020);
-3. the pick: argmax when greedy, else a draw from the request's own ``torch.Generator`` (seeded when a seed is given,
-   so that a request's samples repeat whatever else runs beside it).
+2. ``min_tokens``: the stop tokens' logits are -inf while fewer than ``min_tokens`` tokens are generated (vLLM);
+3. ``logit_bias`` added (OpenAI);
+4. ``repetition_penalty`` on the tokens of the prompt and generated so far: a positive logit divided by it, a
+   negative one multiplied (CTRL, Keskar et al. 2019, as Hugging Face's ``RepetitionPenaltyLogitsProcessor`` and
+   vLLM's ``apply_penalties``);
+5. ``frequency_penalty * count + presence_penalty * (count > 0)`` subtracted, ``count`` a token's occurrences among
+   the generated tokens (OpenAI's definition; vLLM's);
+6. greedy (``temperature == 0``) stops here: the argmax of the row stages 1-5 made;
+7. temperature: the row divided by it;
+8. ``min_p`` (tokens of probability below ``min_p`` times the top token's, at this temperature, get -inf: vLLM and
+   Nguyen et al. 2024) and ``top_k`` (the logits below the k-th largest get -inf; ties kept: vLLM); the two keep a
+   most-probable prefix each, so their order does not matter;
+9. top-p (nucleus, Holtzman et al. 2020) on the softmax of what 8 kept: the smallest most-probable set whose
+   probability reaches ``top_p``;
+10. the draw from the request's own ``torch.Generator`` (seeded when a seed is given, so that a request's samples
+    repeat whatever else runs beside it).
 
-Masks and biases that change which tokens may come next (a grammar's allowed tokens, repetition and frequency
-penalties, a logit bias) and the log-probabilities a caller asks for belong between stage 1 and stage 3.
+A request that sets none of stages 2-5 and 8 runs exactly the code it ran before they existed: the same ops on the
+same row (greedy: one argmax), so neither its speed nor a seeded request's tokens change.  The token history the
+penalties need is built once: the prompt's tokens as a ``[vocab]`` mask at creation (one scatter), the generated
+tokens' counts updated by :meth:`LogitsPipeline.accept` (O(1) per token), and only for the penalties asked for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 
 from prefixcache.engine.sampling import SamplingParams
@@ -23,41 +42,143 @@ __all__ = ["LogitsPipeline"]
 
 class LogitsPipeline:
     """One request's token picker, made at its first admission and kept across preemptions (its generator's state
-    is the request's, so a resumed request samples on where it stopped).
+    and its token history are the request's, so a resumed request samples on where it stopped).
 
-    ``device`` is where the logits live (the generator must be on it).  Not thread-safe: one request, one thread.
+    ``device`` is where the logits live (the generator and the history tensors are made there); ``vocab_size`` the
+    width of a logits row (the model's ``vocab_size``); ``prompt_ids`` the request's prompt (read once, for
+    ``repetition_penalty``; any sequence of ints or an ``array('I')``, ids below ``vocab_size``).  The engine calls
+    :meth:`accept` with every token it appends to the request.  Not thread-safe: one request, one thread.
     """
 
-    __slots__ = ("generator", "params")
+    __slots__ = (
+        "_adjusting",
+        "_bias_ids",
+        "_bias_values",
+        "_counts",
+        "_filtering",
+        "_seen",
+        "_stop_ids",
+        "generator",
+        "num_generated",
+        "params",
+    )
 
-    def __init__(self, params: SamplingParams, device: torch.device) -> None:
+    def __init__(
+        self, params: SamplingParams, device: torch.device, vocab_size: int, prompt_ids: Sequence[int] = ()
+    ) -> None:
         self.params = params
+        self.num_generated = 0
+        """Tokens accepted so far (the request's generated tokens)."""
         self.generator: torch.Generator | None = None
         if params.temperature != 0 and params.seed is not None:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
+        width = vocab_size if params.vocab_limit is None else min(vocab_size, params.vocab_limit)
+        self._stop_ids = self._bias_ids = self._bias_values = self._counts = self._seen = None
+        stops = sorted(t for t in params.stop_token_ids if t < width)
+        if params.min_tokens and not params.ignore_eos and stops:
+            self._stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
+        bias = [(t, b) for t, b in params.logit_bias if t < width and b != 0]
+        if bias:
+            self._bias_ids = torch.tensor([t for t, _ in bias], dtype=torch.long, device=device)
+            self._bias_values = torch.tensor([b for _, b in bias], dtype=torch.float32, device=device)
+        if params.frequency_penalty != 0 or params.presence_penalty != 0:
+            self._counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if params.repetition_penalty != 1:
+            self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            ids = torch.from_numpy(np.asarray(prompt_ids, dtype=np.int64)).to(device)
+            self._seen[ids] = True
+        self._adjusting = any(x is not None for x in (self._stop_ids, self._bias_ids, self._counts, self._seen))
+        self._filtering = params.min_p > 0 or params.top_k > 0
+
+    def accept(self, token_id: int) -> None:
+        """``token_id`` was appended to the request's generated tokens: count it.  O(1) (two scalar writes on the
+        device when penalties are asked for, none else)."""
+        self.num_generated += 1
+        if self._counts is not None:
+            self._counts[token_id] += 1
+        if self._seen is not None:
+            self._seen[token_id] = True
+
+    def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        """Stages 1-5 of the module docstring on ``logits[vocab_size]`` (any float dtype): ``[min(vocab_size,
+        vocab_limit)]``, float32 where a stage 2-5 applied, else the (sliced) row itself.  Never writes into
+        ``logits``.  O(vocab) per stage that applies."""
+        if self.params.vocab_limit is not None:
+            logits = logits[: self.params.vocab_limit]
+        return self._adjust(logits) if self._adjusting else logits
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution the next token is drawn from, ``[min(vocab_size, vocab_limit)]`` float32 summing to 1:
+        stages 1-9 on ``logits[vocab_size]``; greedy: one-hot on the argmax.  O(vocab log vocab) with top-p."""
+        row = self.adjusted(logits)
+        if self.params.temperature == 0:
+            return torch.zeros(row.shape, dtype=torch.float32, device=row.device).index_fill_(
+                0, torch.argmax(row).reshape(1), 1.0
+            )
+        weights, order = self._weights(row)
+        if order is not None:
+            weights = torch.zeros_like(weights).scatter_(0, order, weights)
+        return weights / weights.sum()
 
     def pick(self, logits: torch.Tensor) -> int:
-        """The next token id from ``logits[vocab_size]`` (any float dtype).  O(vocab) greedy; O(vocab log vocab)
-        with top-p (one sort)."""
+        """The next token id from ``logits[vocab_size]`` (any float dtype): the argmax of :meth:`adjusted` when
+        greedy, else a draw from :meth:`probabilities` with the request's generator.  Does not :meth:`accept` it.
+        O(vocab) greedy; O(vocab log vocab) with top-p (one sort) or top-k."""
         params = self.params
         if params.vocab_limit is not None:
             logits = logits[: params.vocab_limit]
+        if self._adjusting:
+            logits = self._adjust(logits)
         if params.temperature == 0:
             return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+        weights, order = self._weights(logits)
+        drawn = torch.multinomial(weights, 1, generator=self.generator)
+        return int(drawn if order is None else order[drawn])
+
+    def ends(self, token_id: int, num_generated: int, stop_requested: bool = False) -> str | None:
+        """Why the request ends with ``token_id``, its ``num_generated``-th token: ``"stop"`` (a stop token after
+        ``min_tokens`` tokens and without ``ignore_eos``, or the caller asked to stop there: a stop string matched on
+        the decoded text), ``"length"`` (``max_new_tokens`` reached), or None to go on."""
+        params = self.params
+        if stop_requested:
+            return "stop"
+        if token_id in params.stop_token_ids and not params.ignore_eos and num_generated > params.min_tokens:
+            return "stop"
+        if num_generated >= params.max_new_tokens:
+            return "length"
+        return None
+
+    def _adjust(self, row: torch.Tensor) -> torch.Tensor:
+        # Out of place throughout: the row may be a view of logits the request returns (return_logits).
+        params, width = self.params, row.shape[0]
+        row = row.float()
+        if self._stop_ids is not None and self.num_generated < params.min_tokens:
+            row = row.index_fill(0, self._stop_ids, float("-inf"))
+        if self._bias_ids is not None:
+            row = row.index_add(0, self._bias_ids, self._bias_values)
+        if self._seen is not None:
+            penalty = params.repetition_penalty
+            row = torch.where(self._seen[:width], torch.where(row > 0, row / penalty, row * penalty), row)
+        if self._counts is not None:
+            counts = self._counts[:width]
+            row = row - params.frequency_penalty * counts - params.presence_penalty * (counts > 0)
+        return row
+
+    def _weights(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stages 7-9: unnormalized draw weights, and the order they are in (None: token order)."""
+        params = self.params
+        scaled = row.float() / params.temperature
+        if self._filtering:
+            if params.min_p > 0:
+                probs = torch.softmax(scaled, dim=-1)
+                scaled = scaled.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
+            if 0 < params.top_k < scaled.shape[0]:
+                kth = torch.topk(scaled, params.top_k, sorted=False).values.min()
+                scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
         if params.top_p < 1:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
-            return int(order[torch.multinomial(sorted_probs * keep, 1, generator=self.generator)])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-    def ends(self, token_id: int, num_generated: int, stop_requested: bool = False) -> str | None:
-        """Why the request ends with ``token_id``, its ``num_generated``-th token: ``"stop"`` (a stop token, or the
-        caller asked to stop there: a stop string matched on the decoded text), ``"length"`` (``max_new_tokens``
-        reached), or None to go on."""
-        if stop_requested or token_id in self.params.stop_token_ids:
-            return "stop"
-        if num_generated >= self.params.max_new_tokens:
-            return "length"
-        return None
+            return sorted_probs * keep, order
+        return probs, None

@@ -363,7 +363,7 @@ def create_app(
     @route("/v1/chat/completions", "POST")
     async def chat_completions(request: Request) -> Response:
         namespace = authenticate(request)
-        chat = parse_chat_request(await read_json(request))
+        chat = parse_chat_request(await read_json(request), runner.tokenizer.vocab_size)
         check_model(chat.model)
         request_id = "chatcmpl-" + uuid.uuid4().hex
 

@@ -1,8 +1,12 @@
 """The OpenAI wire format: request bodies checked into typed records, and the response and chunk objects.
 
-Only what the server really does is accepted.  A field it cannot honour (``n`` > 1, ``logprobs``, penalties,
+Only what the server really does is accepted.  A field it cannot honour (``n`` > 1, ``logprobs``, ``echo``,
 ``response_format`` other than text, any unknown field) is a 400 in OpenAI's error shape naming the parameter, never
 silently ignored; fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``) pass.
+The sampling fields are OpenAI's (``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``,
+``logit_bias`` with string keys of token ids) and vLLM's extra ones (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``: the ``openai`` client sends them in ``extra_body``), each checked by
+:class:`~prefixcache.engine.sampling.SamplingParams`, the one definition of their ranges.
 Message content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined), as LangChain and
 smolagents send it.
 """
@@ -10,6 +14,7 @@ smolagents send it.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,6 +24,7 @@ from prefixcache.chat.stop import check_stop
 from prefixcache.chat.template import join_text_parts
 from prefixcache.engine.chat import ChatCompletion
 from prefixcache.engine.results import Usage
+from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError, TemplateError
 
 __all__ = [
@@ -41,8 +47,21 @@ DEFAULT_MAX_TOKENS = 256
 """Tokens generated when a request gives neither ``max_tokens`` nor ``max_completion_tokens``."""
 
 _IGNORED = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier"})
-_NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logprobs": False, "echo": False}
-_COMMON = frozenset({"model", "stream", "stream_options", "stop", "temperature", "top_p", "seed", "n", "max_tokens"})
+_NEUTRAL = {"logprobs": False, "echo": False}
+# Passed to SamplingParams as given (``logit_bias`` apart: its JSON keys are strings).
+_SAMPLING_OPTIONS = (
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+)
+_COMMON = frozenset(
+    {"model", "stream", "stream_options", "stop", "temperature", "top_p", "seed", "n", "max_tokens", "logit_bias"}
+) | frozenset(_SAMPLING_OPTIONS)
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 _CHAT = _COMMON | {"messages", "tools", "tool_choice", "max_completion_tokens", "response_format"}
 _COMPLETION = _COMMON | {"prompt"}
 _PREFILL = frozenset({"model", "messages", "tools", "prompt", "priority", "retain_s"})
@@ -107,7 +126,13 @@ def _number(body: Mapping[str, Any], name: str, default: float) -> float:
     return float(value)
 
 
-def _common(body: Any, allowed: frozenset[str], default_max_tokens: int, max_tokens_names: tuple[str, ...]) -> _Common:
+def _common(
+    body: Any,
+    allowed: frozenset[str],
+    default_max_tokens: int,
+    max_tokens_names: tuple[str, ...],
+    vocab_size: int | None = None,
+) -> _Common:
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
     for name in body:
@@ -151,7 +176,32 @@ def _common(body: Any, allowed: frozenset[str], default_max_tokens: int, max_tok
     if not 0 < top_p <= 1:
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
     sampling = {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    sampling.update(_sampling_options(body, max_tokens, vocab_size))
     return _Common(model, stream, bool(options.get("include_usage")), stop, sampling)
+
+
+def _sampling_options(body: Mapping[str, Any], max_tokens: int, vocab_size: int | None) -> dict[str, Any]:
+    """The penalty, filter and stop fields given (not null), as SamplingParams arguments; a value SamplingParams
+    refuses is a BadRequest naming its field.  ``logit_bias`` keys are token ids written as decimal strings (JSON
+    object keys), below ``vocab_size`` when given."""
+    options = {name: body[name] for name in _SAMPLING_OPTIONS if body.get(name) is not None}
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, Mapping):
+            raise BadRequest("logit_bias must be an object mapping token ids to biases", "logit_bias")
+        for key in bias:
+            if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):
+                raise BadRequest(f"logit_bias keys must be token ids (decimal strings), got {key!r}", "logit_bias")
+            if vocab_size is not None and int(key) >= vocab_size:
+                message = f"logit_bias: token id {key} is outside the vocabulary [0, {vocab_size})"
+                raise BadRequest(message, "logit_bias")
+        options["logit_bias"] = {int(key): value for key, value in bias.items()}
+    for name, value in options.items():
+        try:
+            SamplingParams(max_new_tokens=max_tokens, **{name: value})
+        except InvalidArgumentError as error:
+            raise BadRequest(str(error), name) from None
+    return options
 
 
 def _content_text(index: int, content: Any) -> Any:
@@ -161,12 +211,13 @@ def _content_text(index: int, content: Any) -> Any:
         raise BadRequest(f"message {index}: {error}", f"messages[{index}].content") from None
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
-    """Check a chat completions body.  Raises :class:`BadRequest` naming the parameter.
+def parse_chat_request(body: Any, vocab_size: int | None = None) -> ChatRequest:
+    """Check a chat completions body (``logit_bias`` ids below ``vocab_size`` when given).  Raises
+    :class:`BadRequest` naming the parameter.
 
     Message contents are validated by the chat template later (a :class:`TemplateError` is a 400 too).
     """
-    common = _common(body, _CHAT, DEFAULT_MAX_TOKENS, ("max_completion_tokens", "max_tokens"))
+    common = _common(body, _CHAT, DEFAULT_MAX_TOKENS, ("max_completion_tokens", "max_tokens"), vocab_size)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
@@ -209,8 +260,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
 
 def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
     """Check a completions body: ``prompt`` is a string, a list of token ids below ``vocab_size``, or a list of one
-    such.  Raises :class:`BadRequest`."""
-    common = _common(body, _COMPLETION, 16, ("max_tokens",))
+    such (``logit_bias`` ids below it too).  Raises :class:`BadRequest`."""
+    common = _common(body, _COMPLETION, 16, ("max_tokens",), vocab_size)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
