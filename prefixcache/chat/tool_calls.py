@@ -6,8 +6,10 @@ the model writes an optional text answer, then one block per call, each holding 
 ``function.name``, ``function.arguments`` as a JSON string) and :func:`render_tool_call` writes a call back as the
 templates render it, so a parsed call re-renders to the bytes the model produced and the next turn hits the cache.
 
-A block that is not valid JSON, lacks a string ``name``, has non-object ``arguments`` or is never closed makes the
-whole output plain text: the caller gets what the model wrote, never an exception.
+Each block is read as JSON from its open tag (:meth:`json.JSONDecoder.raw_decode`), and its end tag must follow the
+object, so arguments that hold the text ``</tool_call>`` (a tool that edits files writing about tool calls) stay
+inside their call.  A block that is not valid JSON, lacks a string ``name``, has non-object ``arguments`` or is
+never closed makes the whole output plain text: the caller gets what the model wrote, never an exception.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ __all__ = [
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
-_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+"""What JSON counts as whitespace, and so what may stand between a tag and its object."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,19 +91,18 @@ def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not JSON")
 
 
-def _strict_call(block: str) -> tuple[str, str] | None:
-    """``(name, arguments as JSON)`` of one block's JSON, or ``None`` when it is not a call in strict JSON.
+def _strict_call(obj: Any) -> tuple[str, str] | None:
+    """``(name, arguments as JSON)`` of one block's decoded object, or ``None`` when it is not a call in strict JSON.
 
     Python's json reads NaN and Infinity (and turns 1e999 into inf), which no other JSON parser a client runs
     accepts, and ``\\ud800`` escapes into a lone surrogate, which cannot be sent as UTF-8: all make the block text.
     """
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    arguments = obj.get("arguments", {})
+    if not isinstance(arguments, dict):
+        return None
     try:
-        obj = json.loads(block, parse_constant=_not_json)
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-            return None
-        arguments = obj.get("arguments", {})
-        if not isinstance(arguments, dict):
-            return None
         arguments_json = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
         (obj["name"] + arguments_json).encode()
     except (ValueError, RecursionError):  # UnicodeEncodeError is a ValueError
@@ -108,12 +110,33 @@ def _strict_call(block: str) -> tuple[str, str] | None:
     return obj["name"], arguments_json
 
 
+_DECODER = json.JSONDecoder(parse_constant=_not_json)
+
+
+def _read_block(text: str, at: int) -> tuple[tuple[str, str], int] | None:
+    """The call of the block opening at ``text[at:]`` and the index just past its end tag, or ``None``.
+
+    The object is decoded from the open tag on, so a ``</tool_call>`` inside one of its strings is part of the
+    arguments; only JSON whitespace may lie between the tags and the object.  O(length of the block).
+    """
+    start = _JSON_SPACE.match(text, at + len(TOOL_CALL_OPEN)).end()
+    try:
+        obj, end = _DECODER.raw_decode(text, start)
+    except (ValueError, RecursionError):
+        return None
+    end = _JSON_SPACE.match(text, end).end()
+    call = _strict_call(obj)
+    if call is None or not text.startswith(TOOL_CALL_CLOSE, end):
+        return None
+    return call, end + len(TOOL_CALL_CLOSE)
+
+
 def parse_tool_calls(text: str, *, id_salt: str = "") -> ParsedOutput:
     """Split generated ``text`` into content and OpenAI tool calls.  O(len(text)).
 
     Text before the first ``<tool_call>`` (stripped; ``None`` if empty) is the content; every block must hold a JSON
     object with a string ``name`` and object ``arguments`` (missing arguments count as ``{}``; strict JSON: no NaN or
-    Infinity, nothing that is not valid UTF-8 once decoded), and only whitespace
+    Infinity, nothing that is not valid UTF-8 once decoded) followed by ``</tool_call>``, and only whitespace
     may lie between and after blocks.  Otherwise the result is ``ParsedOutput(text, ())``.  Call ids are
     ``call_<xxh64>`` of ``id_salt``, the call's index, name and arguments.  Never raises.
     """
@@ -122,13 +145,16 @@ def parse_tool_calls(text: str, *, id_salt: str = "") -> ParsedOutput:
         return ParsedOutput(text, ())
     calls: list[dict[str, Any]] = []
     position = start
-    for match in _BLOCK.finditer(text, start):
-        if text[position : match.start()].strip():
+    while True:
+        at = text.find(TOOL_CALL_OPEN, position)
+        if at < 0:
+            break
+        if text[position:at].strip():
             return ParsedOutput(text, ())
-        call = _strict_call(match.group(1))
-        if call is None:
+        block = _read_block(text, at)
+        if block is None:
             return ParsedOutput(text, ())
-        name, arguments_json = call
+        (name, arguments_json), position = block
         calls.append(
             {
                 "id": _call_id(len(calls), name, arguments_json, id_salt),
@@ -136,8 +162,7 @@ def parse_tool_calls(text: str, *, id_salt: str = "") -> ParsedOutput:
                 "function": {"name": name, "arguments": arguments_json},
             }
         )
-        position = match.end()
-    if not calls or text[position:].strip():
+    if text[position:].strip():
         return ParsedOutput(text, ())
     content = text[:start].rstrip()
     return ParsedOutput(content or None, tuple(calls))

@@ -64,6 +64,42 @@ def test_a_malformed_call_comes_back_as_the_text_the_model_wrote(text: str) -> N
     assert parsed.finish_reason is None
 
 
+def test_arguments_holding_the_end_tag_stay_in_their_call() -> None:
+    # A file-editing tool writing docs about tool calls: the parser used to cut at the first </tool_call>.
+    arguments = {"path": "docs/tools.md", "text": "Wrap each call in <tool_call>...</tool_call> tags."}
+    text = "Editing.\n" + render_tool_call({"name": "write_file", "arguments": arguments}) + "\n" + CALL
+    parsed = parse_tool_calls(text)
+    assert parsed.content == "Editing."
+    assert [c["function"]["name"] for c in parsed.tool_calls] == ["write_file", "get_weather"]
+    assert json.loads(parsed.tool_calls[0]["function"]["arguments"]) == arguments
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>\n{"name": "f", "arguments": {}} trailing\n</tool_call>',  # text between object and end tag
+        '<tool_call>\n{"name": "f", "arguments": {"t": "</tool_call>"}}\n',  # the end tag only inside a string
+        '<tool_call>\n{"name": "f", "arguments": {"t": "</tool_call>"}\n</tool_call>',  # the object never closes
+    ],
+)
+def test_the_end_tag_must_follow_the_object(text: str) -> None:
+    assert parse_tool_calls(text) == ParsedOutput(text, ())
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from(["text", "old", "new"]),
+        st.lists(st.sampled_from(["</tool_call>", "<tool_call>", "x", '"', "\\", "\n", "}"]), max_size=6).map("".join),
+        max_size=3,
+    )
+)
+def test_any_string_in_the_arguments_parses_back(arguments: dict) -> None:
+    parsed = parse_tool_calls(render_tool_call({"name": "edit", "arguments": arguments}))
+    [call] = parsed.tool_calls
+    assert json.loads(call["function"]["arguments"]) == arguments
+
+
 def test_call_ids_are_deterministic_per_salt() -> None:
     assert parse_tool_calls(CALL, id_salt="a") == parse_tool_calls(CALL, id_salt="a")
     assert (

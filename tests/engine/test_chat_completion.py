@@ -63,6 +63,14 @@ def test_streamed_content_is_exactly_the_final_content(answer: str) -> None:
     assert "<tool_call>" not in "".join(pieces) or not done.tool_calls
 
 
+def test_a_call_whose_arguments_hold_the_end_tag_is_a_call_streamed_too() -> None:
+    call = '<tool_call>\n{"name": "search", "arguments": {"q": "</tool_call> in the docs"}}\n</tool_call>'
+    pieces, done = streamed(runner_for("Looking.\n" + call), ASK, TOOLS, max_new_tokens=300)
+    assert "".join(pieces) == done.content == "Looking."
+    assert done.finish_reason == "tool_calls"
+    assert json.loads(done.tool_calls[0]["function"]["arguments"]) == {"q": "</tool_call> in the docs"}
+
+
 def test_stop_string_and_length_finish_reasons() -> None:
     pieces, done = streamed(runner_for("abcdefgh"), ASK, stop=["ef"], max_new_tokens=100)
     assert ("".join(pieces), done.finish_reason) == ("abcd", "stop")
