@@ -67,8 +67,12 @@ def check_tool_choice(tool_choice: Any, tools: Sequence[Mapping[str, Any]] | Non
 
     ``None``, ``"auto"`` and ``"none"`` force nothing (``""``); ``"required"`` forces the start of a call,
     ``<tool_call>\\n{"name": "``; ``{"type": "function", "function": {"name": N}}`` forces the call up to its
-    arguments, ``<tool_call>\\n{"name": "N", "arguments": ``.  Raises :class:`InvalidArgumentError` for anything
-    else, ``"required"`` or a name without tools, or a name that is not a tool's.
+    arguments, ``<tool_call>\\n{"name": "N", "arguments":``.  Both end where the template's own rendering of the
+    finished call has a token boundary (a BPE pre-tokenizer keeps a space with what follows it: Qwen2.5 encodes the
+    template's ``"arguments": {"`` as ``":`` and `` {"``; a forced lone space was a token the template never writes),
+    so the forced ids are a prefix of the next turn's prompt and that turn hits all of them.
+    Raises :class:`InvalidArgumentError` for anything else, ``"required"`` or a name without tools, or a name that is
+    not a tool's.
     """
     if tool_choice is None or tool_choice in ("auto", "none"):
         return ""
@@ -83,7 +87,7 @@ def check_tool_choice(tool_choice: Any, tools: Sequence[Mapping[str, Any]] | Non
         if not isinstance(name, str) or name not in known:
             raise InvalidArgumentError(f"tool_choice names function {name!r}, which is not among the tools {known}")
         # As JSON, so that a name with a quote or a backslash still leaves a call the parser reads back.
-        return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": '
+        return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments":'
     raise InvalidArgumentError(
         "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}, "
         f"got {tool_choice!r}"
