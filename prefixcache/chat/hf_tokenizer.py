@@ -27,7 +27,7 @@ from typing import Any
 
 import xxhash
 
-from prefixcache.chat.template import validate_messages, validate_tools
+from prefixcache.chat.template import check_template_kwargs, validate_messages, validate_tools
 from prefixcache.chat.tool_calls import call_arguments, call_name
 from prefixcache.errors import InvalidArgumentError, InvalidTokensError, TemplateError
 
@@ -144,14 +144,21 @@ class HFTokenizer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Ids of the tokenizer's own chat-template rendering of ``messages`` and ``tools``.
+        """Ids of the tokenizer's own chat-template rendering of ``messages`` and ``tools``; ``template_kwargs`` are
+        extra template variables, as ``apply_chat_template(**kwargs)`` takes them (Qwen3's ``enable_thinking``,
+        gpt-oss's ``reasoning_effort``; a template that does not read one renders as without it).
 
         Cost: the whole history is rendered and tokenized, O(total characters).  Raises :class:`TemplateError` for
-        invalid messages or tools, a tokenizer without a chat template, or an error raised by the template.
+        invalid messages, tools or template variables (a reserved name:
+        :data:`~prefixcache.chat.template.RESERVED_TEMPLATE_VARIABLES`), a tokenizer without a chat template, or an
+        error raised by the template.
         """
         validate_messages(messages)
         validate_tools(tools)
+        variables = check_template_kwargs(template_kwargs)
         if not self.tokenizer.chat_template:
             raise TemplateError(
                 f"tokenizer {self._name} has no chat template (no chat_template in tokenizer_config.json, no "
@@ -166,6 +173,7 @@ class HFTokenizer:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=self._splitter is None,
                 return_dict=False,
+                **variables,
             )
         except (JinjaError, ValueError, TypeError) as error:
             _require_unicode(messages, tools)  # the likely cause of a TypeError, named (checked on failure only)

@@ -27,8 +27,10 @@ __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "IM_END",
     "IM_START",
+    "RESERVED_TEMPLATE_VARIABLES",
     "ROLES",
     "Segment",
+    "check_template_kwargs",
     "encode_segments",
     "join_text_parts",
     "message_text",
@@ -56,6 +58,50 @@ _TOOLS_FOOTER = (
     "<tool_call></tool_call> XML tags:\n"
     '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
+
+
+RESERVED_TEMPLATE_VARIABLES: frozenset[str] = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "conversation",
+        "chat_template",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+"""Names a caller's extra template variables may not take: those the renderer sets itself (``messages``, ``tools``,
+``add_generation_prompt``) and the options of transformers' ``apply_chat_template``, which would be taken as options
+(or fail as given twice) rather than reach the template."""
+
+
+def check_template_kwargs(template_kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``template_kwargs`` (extra variables for a chat template, such as Qwen3's ``enable_thinking`` or gpt-oss's
+    ``reasoning_effort``) as a new dict; ``None`` gives ``{}``.  O(len(template_kwargs)).
+
+    Raises :class:`TemplateError` for a non-mapping, a name that is not a string, or a reserved name
+    (:data:`RESERVED_TEMPLATE_VARIABLES`).
+    """
+    if template_kwargs is None:
+        return {}
+    if not isinstance(template_kwargs, Mapping):
+        raise TemplateError(f"template variables must be an object of names to values, got {template_kwargs!r}")
+    for name in template_kwargs:
+        if not isinstance(name, str) or not name:
+            raise TemplateError(f"template variable names must be non-empty strings, got {name!r}")
+        if name in RESERVED_TEMPLATE_VARIABLES:
+            raise TemplateError(f"{name!r} is set by the renderer, not a template variable a request can set")
+    return dict(template_kwargs)
 
 
 class Segment(NamedTuple):

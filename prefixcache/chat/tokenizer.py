@@ -13,7 +13,7 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from prefixcache.chat.template import encode_segments, render_segments
+from prefixcache.chat.template import check_template_kwargs, encode_segments, render_segments
 from prefixcache.errors import InvalidArgumentError, InvalidTokensError
 
 __all__ = ["BYTE_SPECIAL_TOKENS", "ByteTokenizer", "Tokenizer"]
@@ -53,8 +53,12 @@ class Tokenizer(Protocol):
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Ids of the chat-template rendering of ``messages`` and ``tools``; :class:`TemplateError` if invalid."""
+        """Ids of the chat-template rendering of ``messages`` and ``tools``, ``template_kwargs`` given to the template
+        as extra variables (a template may ignore them); :class:`TemplateError` if invalid.  Callers pass
+        ``template_kwargs`` only when there are some, so a tokenizer without the keyword still renders plain chats."""
         ...
 
 
@@ -139,12 +143,17 @@ class ByteTokenizer:
         messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        *,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Ids of the ChatML rendering (see :mod:`prefixcache.chat.template`); :class:`TemplateError` if invalid.
 
         O(total characters).  The result for ``messages[:i]`` with a generation prompt is a prefix of the result
-        for ``messages[:i + 1]`` without one whenever ``messages[i]`` is an assistant turn.
+        for ``messages[:i + 1]`` without one whenever ``messages[i]`` is an assistant turn.  The ChatML template
+        reads no variables: ``template_kwargs`` are checked (:func:`~prefixcache.chat.template.check_template_kwargs`)
+        and change nothing.
         """
+        check_template_kwargs(template_kwargs)
         segments = render_segments(messages, tools=tools, add_generation_prompt=add_generation_prompt)
         return encode_segments(segments, self.encode, self.special_token_id)
 

@@ -217,6 +217,7 @@ def prepare_chat(
     tool_choice: Any = None,
     stop: str | Sequence[str] | None = None,
     request_id: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
     **sampling: Any,
 ) -> PreparedChat:
     """Render ``messages`` and ``tools`` with ``tokenizer``'s chat template into a :class:`PreparedChat` (arguments as
@@ -228,7 +229,9 @@ def prepare_chat(
     forced_text = check_tool_choice(tool_choice, tools)
     parse_calls = bool(tools) and tool_choice != "none"
     params = _sampling_params(tokenizer, sampling)
-    prompt = tokenizer.render_chat(messages, tools, add_generation_prompt=True)
+    # Given only when there are some: a tokenizer written before the keyword still renders plain chats.
+    variables = {"template_kwargs": template_kwargs} if template_kwargs else {}
+    prompt = tokenizer.render_chat(messages, tools, add_generation_prompt=True, **variables)
     forced_ids = _encode_forced(tokenizer, forced_text)
     decoder = ChatDecoder(
         tokenizer,
@@ -297,6 +300,7 @@ def chat_stream(
     stop: str | Sequence[str] | None = None,
     namespace: str | None = None,
     request_id: str | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
     **sampling: Any,
 ) -> Generator[str, None, ChatCompletion]:
     """Generate an answer to ``messages``; yields content text deltas, returns the :class:`ChatCompletion`.
@@ -307,13 +311,22 @@ def chat_stream(
     shares the cached prefix) and returns text only; ``"required"`` and a named function are forced by appending the
     start of a call to the prompt (:func:`check_tool_choice`); ``usage.prompt_tokens`` counts those tokens.  ``stop``
     strings (any number) end the answer before them; the turn is cached as with a stop token.  Closing the generator
-    early releases the request's blocks and caches nothing of it.
+    early releases the request's blocks and caches nothing of it.  ``template_kwargs`` are extra chat-template
+    variables (``{"enable_thinking": False}`` for Qwen3; a template that does not read one ignores it).
 
-    Raises :class:`TemplateError` (bad messages or tools), :class:`InvalidArgumentError` (no messages, bad ``stop``,
-    ``tool_choice`` or sampling), and the errors of :meth:`PrefixCachingRunner.stream`, before yielding anything.
+    Raises :class:`TemplateError` (bad messages, tools or template variables), :class:`InvalidArgumentError` (no
+    messages, bad ``stop``, ``tool_choice`` or sampling), and the errors of :meth:`PrefixCachingRunner.stream`, before
+    yielding anything.
     """
     prepared = prepare_chat(
-        runner.tokenizer, messages, tools, tool_choice=tool_choice, stop=stop, request_id=request_id, **sampling
+        runner.tokenizer,
+        messages,
+        tools,
+        tool_choice=tool_choice,
+        stop=stop,
+        request_id=request_id,
+        template_kwargs=template_kwargs,
+        **sampling,
     )
     steps = runner.stream(prepared.prompt_ids, prepared.sampling, namespace=namespace, request_id=request_id)
     return _drive(steps, prepared.decoder)
