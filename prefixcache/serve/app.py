@@ -375,6 +375,7 @@ def create_app(
                 tool_choice=chat.tool_choice,
                 stop=chat.stop,
                 request_id=request_id,
+                template_kwargs=chat.template_kwargs,
                 **chat.sampling,
             )
             return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, on_delta=on_delta)

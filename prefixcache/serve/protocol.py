@@ -9,6 +9,13 @@ The sampling fields are OpenAI's (``temperature``, ``top_p``, ``seed``, ``presen
 :class:`~prefixcache.engine.sampling.SamplingParams`, the one definition of their ranges.
 Message content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined), as LangChain and
 smolagents send it.
+
+Chat fields that change no answer here are checked for their OpenAI shape and dropped: ``prompt_cache_key`` (a
+routing hint; one server is one cache, and the exact-prefix routers route on the prompt's own tokens),
+``safety_identifier``, ``verbosity``, ``modalities`` (``["text"]`` only) and ``prediction`` (a predicted output only
+speeds decoding up, never changes it).  ``reasoning_effort`` and vLLM's ``chat_template_kwargs`` reach the chat
+template as variables (``reasoning_effort`` for gpt-oss, ``enable_thinking`` for Qwen3; a template that does not
+read one renders as without it).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.chat.stop import check_stop
-from prefixcache.chat.template import join_text_parts
+from prefixcache.chat.template import RESERVED_TEMPLATE_VARIABLES, join_text_parts
 from prefixcache.engine.chat import ChatCompletion
 from prefixcache.engine.results import Usage
 from prefixcache.engine.sampling import SamplingParams
@@ -103,6 +110,8 @@ class ChatRequest:
     include_usage: bool
     stop: tuple[str, ...]
     sampling: dict[str, Any] = field(default_factory=dict)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra chat-template variables: ``reasoning_effort``, then ``chat_template_kwargs`` over it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +213,64 @@ def _sampling_options(body: Mapping[str, Any], max_tokens: int, vocab_size: int 
     return options
 
 
+_CHAT_HINTS = frozenset({"prompt_cache_key", "safety_identifier", "verbosity", "modalities", "prediction"})
+_CHAT_TEMPLATE = frozenset({"reasoning_effort", "chat_template_kwargs"})
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_VERBOSITIES = ("low", "medium", "high")
+_CHAT_ACCEPTED = _CHAT | _CHAT_HINTS | _CHAT_TEMPLATE
+
+
+def _check_hints(body: Mapping[str, Any]) -> None:
+    """Check the chat fields that change no answer here (see the module's docstring) for OpenAI's shapes; raises
+    :class:`BadRequest` naming the field, so a value the client got wrong is not silently dropped."""
+    for name in ("prompt_cache_key", "safety_identifier"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise BadRequest(f"{name} must be a string", name)
+    verbosity = body.get("verbosity")
+    if verbosity is not None and verbosity not in _VERBOSITIES:
+        raise BadRequest(f"verbosity must be one of {', '.join(_VERBOSITIES)}, got {verbosity!r}", "verbosity")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise BadRequest(f"only modalities ['text'] is supported, got {modalities!r}", "modalities")
+    prediction = body.get("prediction")
+    if prediction is not None:
+        if (
+            not isinstance(prediction, Mapping)
+            or prediction.get("type") != "content"
+            or set(prediction) - {"type", "content"}
+        ):
+            raise BadRequest("prediction must be {'type': 'content', 'content': ...}", "prediction")
+        try:
+            content = join_text_parts(prediction.get("content"))
+        except TemplateError as error:
+            raise BadRequest(f"prediction: {error}", "prediction") from None
+        if not isinstance(content, str):
+            raise BadRequest("prediction.content must be a string or a list of text parts", "prediction")
+
+
+def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The chat-template variables of a body: ``reasoning_effort`` (one of OpenAI's values), then vLLM's
+    ``chat_template_kwargs`` (an object; names the renderer sets itself are refused) over it, as vLLM merges them.
+    Raises :class:`BadRequest` naming the field."""
+    variables: dict[str, Any] = {}
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if effort not in _REASONING_EFFORTS:
+            message = f"reasoning_effort must be one of {', '.join(_REASONING_EFFORTS)}, got {effort!r}"
+            raise BadRequest(message, "reasoning_effort")
+        variables["reasoning_effort"] = effort
+    extra = body.get("chat_template_kwargs")
+    if extra is not None:
+        if not isinstance(extra, Mapping):
+            raise BadRequest("chat_template_kwargs must be an object of template variables", "chat_template_kwargs")
+        for name in extra:
+            if not name or name in RESERVED_TEMPLATE_VARIABLES:
+                message = f"chat_template_kwargs cannot set {name!r}: the server sets it, or it is no variable name"
+                raise BadRequest(message, "chat_template_kwargs")
+        variables.update(extra)
+    return variables
+
+
 def _content_text(index: int, content: Any) -> Any:
     try:
         return join_text_parts(content)
@@ -217,7 +284,8 @@ def parse_chat_request(body: Any, vocab_size: int | None = None) -> ChatRequest:
 
     Message contents are validated by the chat template later (a :class:`TemplateError` is a 400 too).
     """
-    common = _common(body, _CHAT, DEFAULT_MAX_TOKENS, ("max_completion_tokens", "max_tokens"), vocab_size)
+    common = _common(body, _CHAT_ACCEPTED, DEFAULT_MAX_TOKENS, ("max_completion_tokens", "max_tokens"), vocab_size)
+    _check_hints(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
@@ -255,6 +323,7 @@ def parse_chat_request(body: Any, vocab_size: int | None = None) -> ChatRequest:
         include_usage=common.include_usage,
         stop=common.stop,
         sampling=common.sampling,
+        template_kwargs=_template_kwargs(body),
     )
 
 
