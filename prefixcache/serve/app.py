@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): chat completions with tools, completions, models, health, metrics, and
-prefix warming.
+"""The OpenAI-compatible HTTP API (FastAPI): chat completions with tools, completions, models (the list and one by id),
+health, metrics, and prefix warming.
 
 Every ``/v1`` request is authenticated first (a 401 touches nothing: no body is parsed, no cache state read or
 changed), its namespace taken from its API key, and its model work submitted to one
@@ -331,11 +331,23 @@ def create_app(
     async def scrape(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "prefixcache"}
+
     @route("/v1/models", "GET")
     async def models(request: Request) -> Response:
         authenticate(request)
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "prefixcache"}
         return _json({"object": "list", "data": [card]})
+
+    @route("/v1/models/{model_id:path}", "GET")
+    async def model(request: Request) -> Response:
+        # ":path": an id may hold a slash ("org/name"), which the openai client sends escaped and uvicorn unescapes.
+        authenticate(request)
+        try:
+            check_model(request.path_params["model_id"])
+        except BadRequest as unknown:
+            # Answered here, not raised to the handler that counts failures by path: this path holds any id.
+            return _error_response(unknown)
+        return _json(card)
 
     def outcome(kind: str, value: Any, endpoint: str) -> ChatCompletion | Response:
         """A job's end: the finished completion, or the error response (either counted in metrics; a client that

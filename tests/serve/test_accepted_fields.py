@@ -1,5 +1,5 @@
-"""Chat fields that change nothing here are accepted (and checked), and template variables reach the template: a
-real server on 127.0.0.1 (a free port) and the real ``openai`` client."""
+"""Chat fields that change nothing here are accepted (and checked), template variables reach the template, and
+``GET /v1/models/{id}``: a real server on 127.0.0.1 (a free port) and the real ``openai`` client."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from pathlib import Path
 
 import httpx
 import openai
+import pytest
 
 from prefixcache import PrefixCachingRunner
-from prefixcache.serve import start_background
+from prefixcache.serve import ApiKeys, start_background
 from prefixcache.testing import ScriptedModel, assert_quiescent, snapshot
 
 MESSAGES = [{"role": "system", "content": "You answer briefly. " * 10}, {"role": "user", "content": "Hi?"}]
@@ -108,3 +109,36 @@ def test_reasoning_effort_and_chat_template_kwargs_reach_the_template(make_app, 
         both = prompt_tokens(reasoning_effort="medium", enable_thinking=False)
         assert sent(reasoning_effort="low", extra_body=override) == both
     assert_quiescent(runner.cache)
+
+
+def test_a_model_is_retrieved_by_its_id_and_an_unknown_id_is_a_404(make_app) -> None:
+    app = make_app(scripted("x"), model_name="org/model-a")  # a slash, as Hugging Face ids have
+    with start_background(app, "127.0.0.1", 0) as server:
+        client = client_for(server)
+        model = client.models.retrieve("org/model-a")
+        assert (model.id, model.object, model.owned_by) == ("org/model-a", "model", "prefixcache")
+        assert model.model_dump() == client.models.list().data[0].model_dump()
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.models.retrieve("gpt-4o")
+        response = httpx.get(server.url + "/v1/models/gpt-4o")
+    assert caught.value.status_code == 404
+    assert response.status_code == 404
+    assert response.json() == {
+        "error": {
+            "message": "the model 'gpt-4o' does not exist; this server serves 'org/model-a'",
+            "type": "not_found_error",
+            "param": "model",
+            "code": "model_not_found",
+        }
+    }
+
+
+def test_retrieving_a_model_needs_a_key_when_keys_are_set(make_app, tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("secret-1\n")
+    app = make_app(scripted("x"), api_keys=ApiKeys.from_file(keys))
+    with start_background(app, "127.0.0.1", 0) as server:
+        with pytest.raises(openai.AuthenticationError):
+            client_for(server).models.retrieve("scripted")
+        keyed = openai.OpenAI(base_url=server.url + "/v1", api_key="secret-1", max_retries=0)
+        assert keyed.models.retrieve("scripted").id == "scripted"
