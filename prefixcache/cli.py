@@ -88,9 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="prefixcache", description="Exact prefix caching for LLM inference.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+    # -v after the subcommand too; its own dest, since a subcommand's namespace would overwrite the one before it.
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument(
+        "-v", "--verbose", action="count", default=0, dest="verbose_after", help="log more (-v info, -vv debug)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    replay = commands.add_parser("replay", help="replay chat transcripts or traces and report prefill savings")
+    replay = commands.add_parser(
+        "replay", parents=[after], help="replay chat transcripts or traces and report prefill savings"
+    )
     replay.add_argument(
         "paths", nargs="+", metavar="PATH", help="scenario JSONL files (chat or Mooncake trace), or folders of them"
     )
@@ -146,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
         importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn", "httpx", "prometheus_client")
     )
     names = ", ".join([*BENCHMARKS, *(["serve"] if with_serve else [])])
-    bench = commands.add_parser("bench", help="run benchmarks and print figures")
+    bench = commands.add_parser("bench", parents=[after], help="run benchmarks and print figures")
     bench.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {names} (default all)")
     bench.add_argument("--quick", action="store_true", help="small sizes (seconds); figures are not judged")
     bench.add_argument("--json", metavar="OUT", help="write results as JSON")
@@ -154,11 +161,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", choices=["cpu", "cuda"], default="cpu", help="where the engine benchmark runs (default cpu)"
     )
 
-    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server over the prefix cache")
+    serve = commands.add_parser("serve", parents=[after], help="an OpenAI-compatible HTTP server over the prefix cache")
     serve.add_argument("--model", default="tiny", help="embedded preset tiny (default) or small, or hf:PATH")
     serve.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
+    serve.add_argument("--layers", type=int, help="with --model-config: keep only the first N layers")
     serve.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer folder (default: byte tokenizer)")
-    serve.add_argument("--served-model-name", help="the model id clients send (default: the --model value)")
+    serve.add_argument(
+        "--served-model-name",
+        help="the model id clients send (default: the preset, or the name of the hf:PATH or --model-config folder)",
+    )
     serve_size = serve.add_mutually_exclusive_group()
     serve_size.add_argument("--cache-tokens", type=parse_count, help="pool capacity in tokens (default 65,536)")
     serve_size.add_argument("--cache-memory", type=parse_size, help="pool capacity in bytes of KV, e.g. 512MiB")
@@ -196,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also save the snapshot every MIN minutes (needs --snapshot)",
     )
 
-    plan = commands.add_parser("plan", help="how many tokens and blocks of KV fit in a memory budget")
+    plan = commands.add_parser("plan", parents=[after], help="how many tokens and blocks of KV fit in a memory budget")
     plan.add_argument("--layers", type=int, required=True, help="transformer layers of the model")
     plan.add_argument("--kv-heads", type=int, required=True, help="KV heads per layer (GQA: fewer than query heads)")
     plan.add_argument("--head-dim", type=int, required=True, help="dimension of one attention head")
@@ -436,6 +447,19 @@ def _run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _default_model_name(args: argparse.Namespace) -> str:
+    """The id ``serve`` answers to without ``--served-model-name``: the preset, or the model folder's name (for a
+    ``--model-config`` file, its folder's name when it is a ``config.json``, else its stem)."""
+    if args.model_config:
+        path = Path(args.model_config).resolve()
+        if path.name == "config.json":
+            return path.parent.name
+        return path.stem if path.is_file() else path.name
+    if args.model.startswith("hf:"):
+        return Path(args.model[3:]).resolve().name
+    return args.model
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     try:
         from prefixcache.serve import ApiKeys, create_app, serve_forever
@@ -444,6 +468,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     from prefixcache.engine.runner import PrefixCachingRunner
     from prefixcache.models.llama import build_model
 
+    if args.layers is not None and not args.model_config:
+        raise InvalidArgumentError("--layers needs --model-config")
     if args.snapshot_every is not None and (args.snapshot is None or not args.snapshot_every > 0):
         raise InvalidArgumentError("--snapshot-every needs --snapshot and a positive number of minutes")
     if args.snapshot is not None and importlib.util.find_spec("safetensors") is None:
@@ -460,7 +486,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         if args.model_config:
             from prefixcache.models.hf import random_model_from_config
 
-            model = random_model_from_config(args.model_config)
+            model = random_model_from_config(args.model_config, layers=args.layers)
         elif args.model.startswith("hf:"):
             from prefixcache.models.hf import load_hf_model
 
@@ -474,7 +500,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     )
     # What was restored, or why the cache starts cold, is worth a line at the default verbosity.
     logging.getLogger("prefixcache.serve.snapshots").setLevel(logging.INFO)
-    name = args.served_model_name or args.model
+    name = args.served_model_name or _default_model_name(args)
     every_s = None if args.snapshot_every is None else 60.0 * args.snapshot_every
     app = create_app(
         runner,
@@ -519,6 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 1 verification failed, 2 bad input or other error, 130 Ctrl-C,
     141 stdout closed by its reader)."""
     args = build_parser().parse_args(argv)
+    args.verbose += args.verbose_after
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     handlers = {"replay": _run_replay, "bench": _run_bench, "plan": _run_plan, "serve": _run_serve}

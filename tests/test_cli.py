@@ -193,6 +193,12 @@ def test_plan_prints_bytes_per_token(capsys: pytest.CaptureFixture[str]) -> None
     assert "bytes per token: 131,072 " in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", [[*PLAN_8B, "-v"], [*PLAN_8B, "-vv"], ["-v", *PLAN_8B, "--verbose"]])
+def test_verbosity_is_taken_after_the_subcommand_too(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(command) == 0
+    assert "tokens that fit: 196,608\n" in capsys.readouterr().out
+
+
 def test_plan_prints_the_tokens_that_fit(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*PLAN_8B, "--dtype", "bf16"]) == 0
 

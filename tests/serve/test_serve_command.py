@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
 import sys
 
 import httpx
+import openai
+import pytest
 
 
 def test_serve_command_answers_and_stops_on_ctrl_c(tmp_path) -> None:
@@ -52,3 +55,99 @@ def test_batch_bounds_below_one_are_refused_before_anything_starts(capsys) -> No
             code = exit_.code
         assert code == 2
         assert option in capsys.readouterr().err
+
+
+MINI_QWEN = {
+    "model_type": "qwen2",
+    "vocab_size": 300,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 256,
+}
+
+
+def mini_qwen_config(folder) -> str:
+    folder.mkdir()
+    config = folder / "config.json"
+    config.write_text(json.dumps(MINI_QWEN))
+    return str(config)
+
+
+def test_serve_with_a_model_config_answers_to_its_folder_name_and_takes_layers_and_v_after_it(tmp_path) -> None:
+    pytest.importorskip("transformers", reason="needs: pip install 'prefixcache[hf]'")
+    config = mini_qwen_config(tmp_path / "mini-qwen")
+    command = [sys.executable, "-m", "prefixcache", "serve", "--model-config", config, "--layers", "1", "-v"]
+    command += ["--port", "0", "--cache-tokens", "1024"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("serving 'mini-qwen' at "), line
+        url = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line).group(1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["mini-qwen"]
+        assert client.models.retrieve("mini-qwen").id == "mini-qwen"
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("tiny")
+    finally:
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=30)
+    assert process.returncode == 0
+    assert "Application startup complete" in err  # uvicorn at info: -v after the subcommand was taken
+
+
+@pytest.fixture
+def served(monkeypatch) -> dict:
+    """``main(["serve", ...])`` without a socket: the app it would have served, its announcement and log level."""
+    import prefixcache.serve
+
+    seen: dict = {}
+
+    def serve_forever(app, host, port, *, log_level, announce) -> None:
+        announce("http://127.0.0.1:1")
+        seen.update(app=app, log_level=log_level)
+        app.state.engine.close()
+
+    monkeypatch.setattr(prefixcache.serve, "serve_forever", serve_forever)
+    return seen
+
+
+def test_layers_cut_the_model_of_a_model_config(served: dict, tmp_path, capsys) -> None:
+    pytest.importorskip("transformers", reason="needs: pip install 'prefixcache[hf]'")
+    from prefixcache.cli import main
+
+    assert main(["serve", "--model-config", mini_qwen_config(tmp_path / "mini"), "--layers", "2"]) == 0
+    assert served["app"].state.runner.model.name == "Qwen2ForCausalLM(2 layers)"
+    assert served["log_level"] == "warning"
+    assert capsys.readouterr().out.startswith("serving 'mini' at http://127.0.0.1:1/v1")
+
+
+def test_a_saved_model_folder_is_served_under_its_folder_name_unless_named(served: dict, tmp_path, capsys) -> None:
+    transformers = pytest.importorskip("transformers", reason="needs: pip install 'prefixcache[hf]'")
+    from prefixcache.cli import main
+
+    folder = tmp_path / "my-model"
+    config = transformers.AutoConfig.for_model(**MINI_QWEN)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for extra, name in (([], "my-model"), (["--served-model-name", "prod"], "prod")):
+        assert main(["serve", "--model", f"hf:{folder}/", "-vv", *extra]) == 0
+        assert capsys.readouterr().out.startswith(f"serving {name!r} at ")
+        assert served["log_level"] == "info"  # -vv after the subcommand
+
+
+def test_v_before_and_after_the_subcommand_add_up(served: dict) -> None:
+    from prefixcache.cli import build_parser, main
+
+    args = build_parser().parse_args(["-v", "serve", "-v"])
+    assert (args.verbose, args.verbose_after) == (1, 1)
+    assert main(["serve", "--verbose"]) == 0 and served["log_level"] == "info"
+    assert main(["serve"]) == 0 and served["log_level"] == "warning"
+
+
+def test_layers_without_a_model_config_are_refused(capsys) -> None:
+    from prefixcache.cli import main
+
+    assert main(["serve", "--layers", "2"]) == 2
+    assert "--layers needs --model-config" in capsys.readouterr().err
