@@ -7,8 +7,8 @@ One request path, its modules in the order a request meets them: ``checks`` (val
 serial calls), ``batching`` (the threaded continuous-batching service), ``chat`` (templates, stop strings, tool calls).
 """
 
-from prefixcache.engine.results import ChatResult, GenerationResult, Usage
+from prefixcache.engine.results import ChatResult, GenerationResult, TokenLogprob, Usage
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 
-__all__ = ["ChatResult", "GenerationResult", "PrefixCachingRunner", "SamplingParams", "Usage"]
+__all__ = ["ChatResult", "GenerationResult", "PrefixCachingRunner", "SamplingParams", "TokenLogprob", "Usage"]

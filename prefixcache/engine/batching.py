@@ -25,6 +25,7 @@ from typing import Any
 
 from prefixcache.cache.tokens import TokenIds
 from prefixcache.engine.request import EngineRequest, RequestHandle
+from prefixcache.engine.results import TokenLogprob
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.scheduler import POLICIES, admission_order
@@ -102,6 +103,7 @@ class BatchEngine:
         on_token: Callable[[int], bool] | None = None,
         forced_tokens: TokenIds | None = None,
         return_logits: bool = False,
+        on_logprob: Callable[[TokenLogprob], None] | None = None,
     ) -> RequestHandle:
         """Queue a request; thread-safe.  Checks it as :meth:`PrefixCachingRunner.generate` does
         (:meth:`~prefixcache.engine.checks.RequestChecks.request`) and raises the same errors at once
@@ -116,8 +118,11 @@ class BatchEngine:
         finish reason ``"stop"``, that token's K/V not computed, the prompt and the tokens before it cached.  An
         exception from it fails the request (its blocks freed, nothing cached); a KeyboardInterrupt or SystemExit
         does too, then reaches the caller of :meth:`run_until_idle` (the background thread logs it and serves on).
-        Raises InvalidArgumentError for an ``on_token`` that is not callable, a ``request_id`` that is not a str or
-        None, or a closed engine."""
+        With ``sampling.logprobs`` set, ``on_logprob(record)`` gets each sampled token's
+        :class:`~prefixcache.engine.results.TokenLogprob` on the engine thread, just before ``on_token`` gets the
+        token (its exception fails the request as ``on_token``'s does); the result's ``logprobs`` hold them all.
+        Raises InvalidArgumentError for an ``on_token`` or ``on_logprob`` that is not callable, a ``request_id`` that
+        is not a str or None, or a closed engine."""
         request = self.runner.checks.request(
             prompt_ids,
             sampling,
@@ -128,6 +133,7 @@ class BatchEngine:
             priority=priority,
             retain_s=retain_s,
             on_token=on_token,
+            on_logprob=on_logprob,
         )
         with self._lock:
             if self._closed:

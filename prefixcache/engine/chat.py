@@ -27,7 +27,7 @@ from prefixcache.cache.tokens import TokenIds
 from prefixcache.chat.stop import StopMatcher, TextStream, check_stop
 from prefixcache.chat.tool_calls import TOOL_CALL_OPEN, parse_tool_calls
 from prefixcache.engine.request import RequestHandle
-from prefixcache.engine.results import GenerationResult, Usage
+from prefixcache.engine.results import GenerationResult, TokenLogprob, Usage
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError
 
@@ -52,7 +52,11 @@ class ChatCompletion:
     ``content`` is the answer text (``None`` when the model only called tools), ``tool_calls`` the OpenAI calls
     (``{"id", "type": "function", "function": {"name", "arguments": JSON string}}``), ``finish_reason`` one of
     ``"stop"``, ``"length"``, ``"tool_calls"``; ``token_ids`` the generated ids (a named ``tool_choice`` includes the
-    ids it forced).
+    ids it forced).  ``logprobs`` (None unless the sampling asked for them) has a
+    :class:`~prefixcache.engine.results.TokenLogprob` for every generated token that is not a stop token, in order:
+    the tokens whose text is the answer, the text a stop string cut and a tool call's included (OpenAI gives the
+    logprobs of the content tokens; one entry per token kept, not per character shown, is simpler and says what the
+    model produced); the ids a ``tool_choice`` forced are prompt, not generated, and have none.
     """
 
     content: str | None
@@ -60,6 +64,7 @@ class ChatCompletion:
     finish_reason: str
     usage: Usage
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 def check_tool_choice(tool_choice: Any, tools: Sequence[Mapping[str, Any]] | None) -> str:
@@ -154,7 +159,7 @@ class ChatDecoder:
     as with a stop token.  Not thread-safe: one request, one thread.  Cost per token: the :class:`TextStream`'s
     decode of a window of at most 16 ids, plus O(held-back text)."""
 
-    __slots__ = ("_gate", "_parse_calls", "_pieces", "_request_id", "_stopper", "_text_stream", "forced_ids")
+    __slots__ = ("_gate", "_hidden", "_parse_calls", "_pieces", "_request_id", "_stopper", "_text_stream", "forced_ids")
 
     def __init__(
         self,
@@ -168,6 +173,7 @@ class ChatDecoder:
         request_id: str | None = None,
     ) -> None:
         self._text_stream = TextStream(tokenizer, skip=params.stop_token_ids)
+        self._hidden = params.stop_token_ids  # no text, and no logprobs entry
         self._stopper = StopMatcher(stops)
         self._gate = _ToolCallGate() if parse_calls else None
         if self._gate is not None and forced_text:
@@ -188,6 +194,10 @@ class ChatDecoder:
         self._pieces.append(text)
         return self._gate.feed(text) if self._gate is not None else text
 
+    def shows_logprob(self, record: TokenLogprob) -> bool:
+        """Whether ``record`` is an entry of :attr:`ChatCompletion.logprobs`: its token is not a stop token."""
+        return record.token_id not in self._hidden
+
     def finish(self, result: GenerationResult) -> tuple[str, ChatCompletion]:
         """``(the last text delta, the ChatCompletion)`` once generation ended with ``result``; the tail is ``""``
         when tool calls were parsed (their text is in ``tool_calls``, not in the stream)."""
@@ -206,7 +216,9 @@ class ChatDecoder:
             gate = self._gate
             content, calls = text, ()
             rest = (gate.feed(tail) + gate.rest()) if gate is not None else tail
-        return rest, ChatCompletion(content, calls, finish, result.usage, self.forced_ids + result.token_ids)
+        logprobs = None if result.logprobs is None else tuple(filter(self.shows_logprob, result.logprobs))
+        ids = self.forced_ids + result.token_ids
+        return rest, ChatCompletion(content, calls, finish, result.usage, ids, logprobs)
 
 
 def prepare_chat(
@@ -369,12 +381,14 @@ def submit_chat(
     namespace: str | None = None,
     request_id: str | None = None,
     on_delta: Callable[[str], None] | None = None,
+    on_logprob: Callable[[TokenLogprob], None] | None = None,
 ) -> tuple[RequestHandle, Future[ChatCompletion]]:
     """Run ``prepared`` on ``engine`` (continuous batching): a stop string ends the request inside the engine as a
     stop token would.  ``on_delta(text)`` gets each text delta on the engine thread (it must not block: the engine
-    steps every request); the future holds the :class:`ChatCompletion`, or the request's error
-    (``concurrent.futures.CancelledError`` once ``handle.cancel()`` took effect).  Raises as
-    :meth:`BatchEngine.submit`, at once."""
+    steps every request); when the sampling asks for logprobs, ``on_logprob(record)`` gets each entry of
+    :attr:`ChatCompletion.logprobs` there too, before the delta its token's text is part of (if any).  The future
+    holds the :class:`ChatCompletion`, or the request's error (``concurrent.futures.CancelledError`` once
+    ``handle.cancel()`` took effect).  Raises as :meth:`BatchEngine.submit`, at once."""
     decoder = prepared.decoder
     completed: Future[ChatCompletion] = Future()
 
@@ -398,8 +412,17 @@ def submit_chat(
         else:
             completed.set_exception(error)
 
+    def shown(record: TokenLogprob) -> None:
+        if decoder.shows_logprob(record):
+            on_logprob(record)
+
     handle = engine.submit(
-        prepared.prompt_ids, prepared.sampling, namespace=namespace, request_id=request_id, on_token=on_token
+        prepared.prompt_ids,
+        prepared.sampling,
+        namespace=namespace,
+        request_id=request_id,
+        on_token=on_token,
+        on_logprob=None if on_logprob is None else shown,
     )
     handle.future.add_done_callback(settle)
     return handle, completed

@@ -22,6 +22,7 @@ from prefixcache.cache.radix_cache import check_namespace
 from prefixcache.cache.stats import check_request_id
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.engine.request import EngineRequest, RequestHandle
+from prefixcache.engine.results import TokenLogprob
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidTokensError
 from prefixcache.models.base import CausalLM
@@ -62,10 +63,12 @@ class RequestChecks:
         priority: int | None = None,
         retain_s: float | None = None,
         on_token: Callable[[int], Any] | None = None,
+        on_logprob: Callable[[TokenLogprob], Any] | None = None,
     ) -> EngineRequest:
         """Check a request and make the engine's record of it (not yet queued).  ``forced_tokens`` (teacher forcing)
         replace sampling: the request computes them after its prompt and ends with finish reason ``"forced"``;
-        ``return_logits`` asks for the float32 logits of the prompt positions it prefills.
+        ``return_logits`` asks for the float32 logits of the prompt positions it prefills.  ``on_token`` and
+        ``on_logprob`` are the engine's callbacks (see :meth:`~prefixcache.engine.batching.BatchEngine.submit`).
 
         Raises:
             InvalidTokensError: prompt empty, not integers, or ids outside the model's vocabulary (forced tokens too,
@@ -73,14 +76,15 @@ class RequestChecks:
             CapacityError: prompt + new tokens exceed the model's positions or the whole pool.
             NamespaceError: a namespace that is not a str or None.
             InvalidArgumentError: ``sampling`` not SamplingParams or with a ``logit_bias`` id outside the model's
-                vocabulary, ``on_token`` not callable, ``request_id`` not a str or None, bad retention (see
-                :func:`check_retention`).
+                vocabulary, ``on_token`` or ``on_logprob`` not callable, ``request_id`` not a str or None, bad
+                retention (see :func:`check_retention`).
         """
         sampling = sampling if sampling is not None else SamplingParams()
         if not isinstance(sampling, SamplingParams):
             raise InvalidArgumentError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
-        if on_token is not None and not callable(on_token):
-            raise InvalidArgumentError(f"on_token must be callable or None, got {type(on_token).__name__}")
+        for name, callback in (("on_token", on_token), ("on_logprob", on_logprob)):
+            if callback is not None and not callable(callback):
+                raise InvalidArgumentError(f"{name} must be callable or None, got {type(callback).__name__}")
         if sampling.logit_bias and sampling.logit_bias[-1][0] >= self.model.vocab_size:
             raise InvalidArgumentError(
                 f"logit_bias: token id {sampling.logit_bias[-1][0]} is outside the model's vocabulary; allowed ids "
@@ -105,6 +109,7 @@ class RequestChecks:
             request_id=request_id,
             retention=retention,
             on_token=on_token,
+            on_logprob=on_logprob,
         )
 
     def tokens(self, token_ids: TokenIds, what: str, *, allow_empty: bool = False) -> array:

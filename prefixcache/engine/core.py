@@ -17,10 +17,13 @@ error, out of blocks, a callback's exception, a cancel) releases every lock and 
 it half-wrote is cached.
 
 Request options: teacher forcing (``forced``: the answer is given, computed in one pass after the prompt, finish
-reason ``"forced"``), prompt logits (``return_logits``), and who decides whether a sampled token ends the request:
-its ``on_token`` callback (returning True stops it there, as a stop token would, the token's K/V not computed) or,
-with ``external_verdict``, the caller, through :meth:`EngineCore.conclude` before the next step (the serial
-generator of :meth:`~prefixcache.engine.runner.PrefixCachingRunner.stream`, which yields the token first).
+reason ``"forced"``), prompt logits (``return_logits``), the log-probabilities of the sampled tokens
+(``sampling.logprobs``: one record per token, made when it is picked, by :meth:`LogitsPipeline.logprobs`; a resumed
+request recomputes the tokens it knows and records only the ones it picks anew), and who decides whether a sampled
+token ends the request: its ``on_token`` callback (returning True stops it there, as a stop token would, the token's
+K/V not computed) or, with ``external_verdict``, the caller, through :meth:`EngineCore.conclude` before the next step
+(the serial generator of :meth:`~prefixcache.engine.runner.PrefixCachingRunner.stream`, which yields the token
+first).
 
 With ``policy="lpm"`` a request's prompt is inserted into the cache as soon as its prefill ends
 (:meth:`RadixCache.insert_prefix`), not when it finishes: requests admitted while it decodes hit its prompt.
@@ -43,7 +46,9 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import CancelledError
+from typing import Any
 
 import numpy as np
 import torch
@@ -394,7 +399,7 @@ class EngineCore:
         request.generated = list(request.forced)
         for token in request.generated:
             request.handle.emit(token)
-            if request.on_token is not None and not self._call_on_token(request, token)[0]:
+            if request.on_token is not None and not self._call(request, request.on_token, token)[0]:
                 return
         request.awaiting_verdict = True
         if not request.external_verdict:
@@ -416,22 +421,30 @@ class EngineCore:
         token = request.picker.pick(logits)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
+        record = None
+        if sampling.logprobs is not None:
+            # Here, once per sampled token: a resumed request recomputes its known tokens and only then picks anew.
+            record = request.picker.logprobs(logits, token)
+            request.logprobs.append(record)
         request.generated.append(token)
         request.picker.accept(token)  # the penalties' history: kept by the pipeline, which outlives a preemption
         request.handle.emit(token)
+        if record is not None and request.on_logprob is not None:
+            if not self._call(request, request.on_logprob, record)[0]:
+                return
         stop = False
         if request.on_token is not None:
-            alive, stop = self._call_on_token(request, token)
+            alive, stop = self._call(request, request.on_token, token)
             if not alive:
                 return
         request.awaiting_verdict = True
         if not request.external_verdict:
             self.conclude(request, bool(stop))
 
-    def _call_on_token(self, request: EngineRequest, token: int) -> tuple[bool, object]:
-        """``(request still alive, the callback's answer)``; the callback's exception fails the request."""
+    def _call(self, request: EngineRequest, callback: Callable[[Any], Any], value: object) -> tuple[bool, object]:
+        """``(request still alive, callback(value))``; the callback's exception fails the request."""
         try:
-            return True, request.on_token(token)
+            return True, callback(value)
         except BaseException as error:  # noqa: BLE001 - the callback's error belongs to its request
             self._fail(request, error)
             if not isinstance(error, Exception):
@@ -461,7 +474,8 @@ class EngineCore:
             host_cached_tokens=request.host_cached,
         )
         logits = torch.cat(request.prompt_logits) if request.return_logits and request.prompt_logits else None
-        request.handle.settle(GenerationResult(tuple(request.generated), reason, usage, logits, insert))
+        logprobs = None if request.sampling.logprobs is None else tuple(request.logprobs)
+        request.handle.settle(GenerationResult(tuple(request.generated), reason, usage, logits, insert, logprobs))
 
     def _fail(self, request: EngineRequest, error: BaseException) -> None:
         if request.lease is not None and not request.lease.closed:

@@ -26,6 +26,10 @@ A request that sets none of stages 2-5 and 8 runs exactly the code it ran before
 same row (greedy: one argmax), so neither its speed nor a seeded request's tokens change.  The token history the
 penalties need is built once: the prompt's tokens as a ``[vocab]`` mask at creation (one scatter), the generated
 tokens' counts updated by :meth:`LogitsPipeline.accept` (O(1) per token), and only for the penalties asked for.
+
+Log-probabilities (``SamplingParams.logprobs``) are read beside the stages, not from them:
+:meth:`LogitsPipeline.logprobs` gives the log-softmax of the row after stage 1 alone, the model's own distribution over
+the ids the request may pick (vLLM's default ``logprobs_mode="raw_logprobs"``), and nothing else computes them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from prefixcache.engine.results import TokenLogprob
 from prefixcache.engine.sampling import SamplingParams
 
 __all__ = ["LogitsPipeline"]
@@ -135,6 +140,28 @@ class LogitsPipeline:
         weights, order = self._weights(logits)
         drawn = torch.multinomial(weights, 1, generator=self.generator)
         return int(drawn if order is None else order[drawn])
+
+    def logprobs(self, logits: torch.Tensor, token_id: int) -> TokenLogprob:
+        """The :class:`TokenLogprob` of ``token_id`` (the token :meth:`pick` chose from this row) and of the
+        ``params.logprobs`` most probable ids: ``log_softmax(logits[:vocab_limit])`` in float32, natural logs.
+
+        The distribution is the model's, before stages 2-10: not what the token was drawn from.  As vLLM's default
+        (``logprobs_mode="raw_logprobs"``; OpenAI documents the logprob of a token as the model's), so that the value
+        means one thing whatever the request's sampling asked: a greedy request's draw is one-hot (every other token
+        would read -inf), a temperature or a penalty would change the score of the same text, and a scorer (perplexity,
+        lm-eval's log-likelihoods) wants the model's.  Stage 1 does apply: ids at or above ``vocab_limit`` (a padded
+        embedding table's rows, which the tokenizer cannot decode) are outside the distribution and never named as
+        alternatives, as vLLM drops its vocabulary padding before it computes logprobs.  Ties among the top ids are
+        in ``torch.topk``'s order.  O(vocab) for the log-softmax and the top-k; one device-to-host copy of
+        ``1 + logprobs`` values and ``logprobs`` ids."""
+        row = logits if self.params.vocab_limit is None else logits[: self.params.vocab_limit]
+        logprobs = torch.log_softmax(row.float(), dim=-1)
+        count = min(self.params.logprobs or 0, logprobs.shape[0])
+        if count == 0:
+            return TokenLogprob(token_id, float(logprobs[token_id]))
+        top = torch.topk(logprobs, count)
+        values = torch.cat((logprobs[token_id].reshape(1), top.values)).tolist()
+        return TokenLogprob(token_id, values[0], tuple(zip(top.indices.tolist(), values[1:], strict=True)))
 
     def ends(self, token_id: int, num_generated: int, stop_requested: bool = False) -> str | None:
         """Why the request ends with ``token_id``, its ``num_generated``-th token: ``"stop"`` (a stop token after

@@ -16,7 +16,7 @@ import torch
 from prefixcache.cache.radix_cache import Lease
 from prefixcache.cache.tokens import as_token_array
 from prefixcache.engine.logits import LogitsPipeline
-from prefixcache.engine.results import GenerationResult
+from prefixcache.engine.results import GenerationResult, TokenLogprob
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.models.base import LiveKV
 
@@ -84,6 +84,7 @@ class EngineRequest:
     request_id: str | None = None
     retention: tuple[int, float | None] | None = None
     on_token: Callable[[int], Any] | None = None
+    on_logprob: Callable[[TokenLogprob], Any] | None = None  # called with each record, before on_token
     namespace: str = ""  # the tree namespace: the fingerprint at the latest admission and the user's namespace
     submitted_at: float = 0.0
     arrival: int = 0
@@ -100,6 +101,7 @@ class EngineRequest:
     preemptions: int = 0
     position: int = 0  # known tokens whose K/V are written
     generated: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per sampled token (sampling.logprobs set)
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [tokens, vocab] float32 on the CPU
     logits_until: int = 0  # prompt positions up to which prompt_logits hold rows
     awaiting_verdict: bool = False  # a token was sampled; its caller decides whether the request stops there

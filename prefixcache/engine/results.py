@@ -10,7 +10,7 @@ import torch
 
 from prefixcache.cache.radix_cache import InsertResult
 
-__all__ = ["ChatResult", "GenerationResult", "Usage"]
+__all__ = ["ChatResult", "GenerationResult", "TokenLogprob", "Usage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,25 +50,42 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """The log-probability of one sampled token (natural log, <= 0) and of the ``SamplingParams.logprobs`` most
+    probable tokens at its position, ``top``: ``(token_id, logprob)`` pairs, most probable first (empty when 0 were
+    asked for; the sampled token is among them only if it ranks there).  The distribution is the model's own at that
+    position (:meth:`~prefixcache.engine.logits.LogitsPipeline.logprobs`)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationResult:
     """Output of one request: the new token ids, why it stopped (``"stop"``, ``"length"``, ``"forced"`` for
     teacher forcing, ``"prefill"`` when nothing was generated), usage, and, when asked for, the float32 logits of
-    the prefilled prompt positions (``[prefilled_tokens, vocab_size]``, on the CPU)."""
+    the prefilled prompt positions (``[prefilled_tokens, vocab_size]``, on the CPU) and ``logprobs``: one
+    :class:`TokenLogprob` per sampled token, in order (``SamplingParams.logprobs`` set; None otherwise).  Forced
+    tokens are not sampled and get none: a forced or prefill-only request's ``logprobs`` is ``()``."""
 
     token_ids: tuple[int, ...]
     finish_reason: str
     usage: Usage
     prompt_logits: torch.Tensor | None = None
     insert: InsertResult | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class ChatResult:
     """Output of :meth:`PrefixCachingRunner.chat`: decoded text (stop tokens and strings removed), token ids, finish
-    reason (``"tool_calls"`` when calls were parsed), usage, and the OpenAI ``tool_calls``."""
+    reason (``"tool_calls"`` when calls were parsed), usage, the OpenAI ``tool_calls``, and with ``logprobs`` asked
+    for, a :class:`TokenLogprob` per generated token that is not a stop token (None otherwise)."""
 
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
     usage: Usage
     tool_calls: tuple[dict[str, Any], ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None

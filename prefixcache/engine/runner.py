@@ -329,7 +329,9 @@ class PrefixCachingRunner:
             tool_choice=tool_choice,
             **sampling,
         )
-        return ChatResult(done.content or "", done.token_ids, done.finish_reason, done.usage, done.tool_calls)
+        return ChatResult(
+            done.content or "", done.token_ids, done.finish_reason, done.usage, done.tool_calls, done.logprobs
+        )
 
 
 def _drive(core: EngineCore, request: EngineRequest) -> Generator[int, Any, GenerationResult]:

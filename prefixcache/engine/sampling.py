@@ -12,7 +12,9 @@ what it asks vLLM or OpenAI:
   far), ``repetition_penalty`` (Keskar et al., "CTRL", 2019, as Hugging Face and vLLM apply it, on the prompt and the
   tokens generated so far), ``logit_bias`` (OpenAI: a bias added to a token's logit, -100 .. 100);
 - ``min_tokens`` and ``ignore_eos`` (vLLM: the stop tokens are masked until ``min_tokens`` tokens are generated; with
-  ``ignore_eos`` a stop token does not end the request).
+  ``ignore_eos`` a stop token does not end the request);
+- ``logprobs`` (vLLM's ``SamplingParams.logprobs``, OpenAI's ``top_logprobs``: the log-probability of each sampled
+  token and of its ``logprobs`` most probable alternatives, at most 20 as both allow).
 """
 
 from __future__ import annotations
@@ -24,13 +26,24 @@ from dataclasses import dataclass, field
 
 from prefixcache.errors import InvalidArgumentError
 
-__all__ = ["MAX_LOGIT_BIAS", "MAX_OPENAI_PENALTY", "SamplingParams", "check_logit_bias", "check_stop_token_ids"]
+__all__ = [
+    "MAX_LOGIT_BIAS",
+    "MAX_LOGPROBS",
+    "MAX_OPENAI_PENALTY",
+    "SamplingParams",
+    "check_logit_bias",
+    "check_stop_token_ids",
+]
 
 MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a ``logit_bias`` value (either sign)."""
 
 MAX_OPENAI_PENALTY = 2.0
 """OpenAI's (and vLLM's) bound on ``presence_penalty`` and ``frequency_penalty`` (either sign)."""
+
+MAX_LOGPROBS = 20
+"""The most alternatives ``logprobs`` may ask for: OpenAI's bound on ``top_logprobs``, vLLM's default
+``max_logprobs``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +68,19 @@ class SamplingParams:
     given as a mapping or pairs and kept as a tuple of ``(token_id, bias)`` pairs in id order (so the record stays
     hashable); ids must be below the model's vocabulary (checked at submit).
 
+    ``logprobs`` (None: off, the default, and no work is done for it) asks for a record of every sampled token: its
+    log-probability and those of the ``logprobs`` most probable tokens (0: the sampled token's only; at most
+    ``MAX_LOGPROBS``), in ``GenerationResult.logprobs``.  They are of the model's own distribution at that position,
+    the log-softmax of its raw logits over the ids below ``vocab_limit``, before ``min_tokens``, the bias, the
+    penalties and temperature (see :meth:`~prefixcache.engine.logits.LogitsPipeline.logprobs` for why).
+
     Raises:
         InvalidArgumentError: ``max_new_tokens < 0``, ``temperature < 0``, ``top_p`` outside (0, 1], ``top_k`` not
             an int >= -1, ``min_p`` outside [0, 1], ``presence_penalty`` or ``frequency_penalty`` outside [-2, 2],
             ``repetition_penalty`` not a finite number > 0, ``logit_bias`` not a mapping of non-negative int ids to
             numbers in [-100, 100], ``min_tokens`` not an int in 0 .. ``max_new_tokens``, ``ignore_eos`` not a
-            bool, ``stop_token_ids`` not a collection of non-negative ints; a value of the wrong type.
+            bool, ``stop_token_ids`` not a collection of non-negative ints, ``logprobs`` not None or an int in
+            0 .. ``MAX_LOGPROBS``; a value of the wrong type.
     """
 
     max_new_tokens: int = 32
@@ -77,6 +97,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "top_k", "min_tokens"):
@@ -118,6 +139,14 @@ class SamplingParams:
             isinstance(self.vocab_limit, bool) or not isinstance(self.vocab_limit, int) or self.vocab_limit < 1
         ):
             raise InvalidArgumentError(f"vocab_limit must be a positive int or None, got {self.vocab_limit!r}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise InvalidArgumentError(
+                f"logprobs must be None (off) or an int in 0 .. {MAX_LOGPROBS}, got {self.logprobs!r}"
+            )
         object.__setattr__(self, "stop_token_ids", check_stop_token_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
 

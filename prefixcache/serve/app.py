@@ -40,6 +40,7 @@ from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import CapacityError, OutOfBlocksError, PoolBusyError, PrefixCacheError
 from prefixcache.serve.auth import ApiKeys, Unauthorized
+from prefixcache.serve.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from prefixcache.serve.metrics import CONTENT_TYPE, ServerMetrics
 from prefixcache.serve.protocol import (
     BadRequest,
@@ -99,8 +100,25 @@ async def _closing(lines: AsyncIterator[str], events: Any) -> AsyncIterator[str]
         await events.aclose()
 
 
-Submit = Callable[[Callable[[str], None] | None], tuple[RequestHandle, Future[Any]]]
+Submit = Callable[[Callable[[Any], None] | None], tuple[RequestHandle, Future[Any]]]
 """``submit(on_delta)``: start a request on the engine; its handle (to cancel it) and the future of its outcome."""
+
+
+def _deliveries(on_delta: Callable[[Any], None] | None, logprobs: int | None) -> dict[str, Any]:
+    """:func:`submit_chat`'s callbacks for a job whose events go to ``on_delta``: each text delta as ``(text, the
+    logprob records of the tokens since the previous delta)`` (``()`` when not asked).  On the engine thread."""
+    if on_delta is None:
+        return {}
+    if logprobs is None:
+        return {"on_delta": lambda text: on_delta((text, ()))}
+    pending: list[Any] = []
+
+    def delta(text: str) -> None:
+        records = tuple(pending)
+        pending.clear()
+        on_delta((text, records))
+
+    return {"on_delta": delta, "on_logprob": pending.append}
 
 
 def _ending(future: Future[Any]) -> tuple[str, Any]:
@@ -193,6 +211,7 @@ def create_app(
     keys = api_keys if api_keys is not None else ApiKeys.open()
     engine = BatchEngine(runner, max_batch_tokens=max_batch_tokens, max_running=max_running)
     metrics = ServerMetrics(runner.cache, engine)
+    strings = TokenStrings(runner.tokenizer)  # the logprobs' token strings
     snapshots = None if snapshot_dir is None else SnapshotKeeper(runner, engine, snapshot_dir, snapshot_every_s)
     engine.start()
 
@@ -222,13 +241,14 @@ def create_app(
     app.state.snapshots = snapshots
 
     async def run_job(submit: Submit) -> AsyncIterator[tuple[str, Any]]:
-        """A streamed request's events: its text deltas, then its end (see :func:`_ending`; a request refused at
-        submit ends with ``"error"`` at once).  Closing this cancels the request."""
+        """A streamed request's events: its deltas (what ``submit`` hands ``on_delta``: ``(text, logprob records)``),
+        then its end (see :func:`_ending`; a request refused at submit ends with ``"error"`` at once).  Closing this
+        cancels the request."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
-        def on_delta(text: str) -> None:  # on the engine thread
-            loop.call_soon_threadsafe(events.put_nowait, ("delta", text))
+        def on_delta(delta: Any) -> None:  # on the engine thread
+            loop.call_soon_threadsafe(events.put_nowait, ("delta", delta))
 
         def ended(future: Future[Any]) -> None:
             try:
@@ -379,7 +399,7 @@ def create_app(
         check_model(chat.model)
         request_id = "chatcmpl-" + uuid.uuid4().hex
 
-        def start(on_delta: Callable[[str], None] | None) -> tuple[RequestHandle, Future[ChatCompletion]]:
+        def start(on_delta: Callable[[Any], None] | None) -> tuple[RequestHandle, Future[ChatCompletion]]:
             prepared = prepare_chat(
                 runner.tokenizer,
                 chat.messages,
@@ -390,11 +410,17 @@ def create_app(
                 template_kwargs=chat.template_kwargs,
                 **chat.sampling,
             )
-            return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, on_delta=on_delta)
+            deliveries = _deliveries(on_delta, chat.logprobs)
+            return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, **deliveries)
+
+        def logprobs_of(records: Any) -> dict[str, Any] | None:
+            return None if chat.logprobs is None else chat_logprobs(records, strings)
 
         if not chat.stream:
             done = outcome(*await finish_job(start, request), "/v1/chat/completions")
-            return done if isinstance(done, Response) else _json(chat_response(request_id, model_name, done))
+            if isinstance(done, Response):
+                return done
+            return _json(chat_response(request_id, model_name, done, logprobs_of(done.logprobs)))
         events = run_job(start)
         answered, head = await _unless_gone(request, anext(events))  # a queued request waits here for its first token
         if not answered:
@@ -406,9 +432,12 @@ def create_app(
 
         async def chat_sse() -> AsyncIterator[str]:
             kind_, value = kind, first
+            sent = 0  # logprob entries streamed so far
             yield _sse(chat_chunk(request_id, model_name, {"role": "assistant", "content": ""}))
             while kind_ == "delta":
-                yield _sse(chat_chunk(request_id, model_name, {"content": value}))
+                text, records = value
+                sent += len(records)
+                yield _sse(chat_chunk(request_id, model_name, {"content": text}, logprobs=logprobs_of(records)))
                 kind_, value = await anext(events)
             if kind_ in ("error", "cancelled"):
                 yield stream_failure(kind_, value, "/v1/chat/completions")
@@ -419,7 +448,8 @@ def create_app(
                     calls = [{"index": i, **call} for i, call in enumerate(done.tool_calls)]
                     yield _sse(chat_chunk(request_id, model_name, {"tool_calls": calls}))
                 usage = None if chat.include_usage else done.usage
-                yield _sse(chat_chunk(request_id, model_name, {}, done.finish_reason, usage))
+                rest = logprobs_of(done.logprobs[sent:]) if done.logprobs and done.logprobs[sent:] else None
+                yield _sse(chat_chunk(request_id, model_name, {}, done.finish_reason, usage, rest))
                 if chat.include_usage:
                     yield _sse(chat_chunk(request_id, model_name, None, usage=done.usage))
             yield "data: [DONE]\n\n"
@@ -433,17 +463,22 @@ def create_app(
         check_model(body.model)
         request_id = "cmpl-" + uuid.uuid4().hex
 
-        def start(on_delta: Callable[[str], None] | None) -> tuple[RequestHandle, Future[ChatCompletion]]:
+        def start(on_delta: Callable[[Any], None] | None) -> tuple[RequestHandle, Future[ChatCompletion]]:
             ids = runner.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
             prepared = prepare_completion(runner.tokenizer, ids, stop=body.stop, request_id=request_id, **body.sampling)
-            return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, on_delta=on_delta)
+            deliveries = _deliveries(on_delta, body.logprobs)
+            return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, **deliveries)
+
+        def logprobs_of(records: Any, offset: int) -> tuple[dict[str, Any] | None, int]:
+            return (None, offset) if body.logprobs is None else completion_logprobs(records, strings, offset)
 
         if not body.stream:
             done = outcome(*await finish_job(start, request), "/v1/completions")
             if isinstance(done, Response):
                 return done
             text = done.content or ""
-            return _json(completion_response(request_id, model_name, text, done.finish_reason, done.usage))
+            logprobs = logprobs_of(done.logprobs, 0)[0]
+            return _json(completion_response(request_id, model_name, text, done.finish_reason, done.usage, logprobs))
         events = run_job(start)
         answered, head = await _unless_gone(request, anext(events))  # a queued request waits here for its first token
         if not answered:
@@ -455,15 +490,22 @@ def create_app(
 
         async def completion_sse() -> AsyncIterator[str]:
             kind_, value = kind, first
+            sent, offset = 0, 0  # logprob entries streamed so far, and where the next one's text starts
             while kind_ == "delta":
-                yield _sse(completion_response(request_id, model_name, value, None, None))
+                text, records = value
+                sent += len(records)
+                logprobs, offset = logprobs_of(records, offset)
+                yield _sse(completion_response(request_id, model_name, text, None, None, logprobs))
                 kind_, value = await anext(events)
             if kind_ in ("error", "cancelled"):
                 yield stream_failure(kind_, value, "/v1/completions")
             elif kind_ == "done":
                 metrics.observe("/v1/completions", value.usage)
                 usage = None if body.include_usage else value.usage
-                yield _sse(completion_response(request_id, model_name, "", value.finish_reason, usage))
+                rest = (
+                    logprobs_of(value.logprobs[sent:], offset)[0] if value.logprobs and value.logprobs[sent:] else None
+                )
+                yield _sse(completion_response(request_id, model_name, "", value.finish_reason, usage, rest))
                 if body.include_usage:
                     chunk = completion_response(request_id, model_name, "", None, value.usage)
                     chunk["choices"] = []

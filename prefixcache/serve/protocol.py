@@ -1,12 +1,15 @@
 """The OpenAI wire format: request bodies checked into typed records, and the response and chunk objects.
 
-Only what the server really does is accepted.  A field it cannot honour (``n`` > 1, ``logprobs``, ``echo``,
-``response_format`` other than text, any unknown field) is a 400 in OpenAI's error shape naming the parameter, never
-silently ignored; fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``) pass.
-The sampling fields are OpenAI's (``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``,
-``logit_bias`` with string keys of token ids) and vLLM's extra ones (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``: the ``openai`` client sends them in ``extra_body``), each checked by
-:class:`~prefixcache.engine.sampling.SamplingParams`, the one definition of their ranges.
+Only what the server really does is accepted.  A field it cannot honour (``n`` > 1, ``echo``, ``response_format``
+other than text, any unknown field) is a 400 in OpenAI's error shape naming the parameter, never silently ignored;
+fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``) pass.  The sampling
+fields are OpenAI's (``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``
+with string keys of token ids) and vLLM's extra ones (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
+``ignore_eos``: the ``openai`` client sends them in ``extra_body``), each checked by
+:class:`~prefixcache.engine.sampling.SamplingParams`, the one definition of their ranges.  Log-probabilities are
+asked for OpenAI's two ways: ``logprobs: true`` with ``top_logprobs: k`` on chat (``top_logprobs`` needs
+``logprobs``), ``logprobs: k`` on completions, ``k`` in 0 .. 20 (OpenAI's bound on chat, vLLM's default
+``max_logprobs``; OpenAI's legacy completions stop at 5); :mod:`prefixcache.serve.logprobs` builds their objects.
 Message content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined), as LangChain and
 smolagents send it.
 
@@ -31,7 +34,7 @@ from prefixcache.chat.stop import check_stop
 from prefixcache.chat.template import RESERVED_TEMPLATE_VARIABLES, join_text_parts
 from prefixcache.engine.chat import ChatCompletion
 from prefixcache.engine.results import Usage
-from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.sampling import MAX_LOGPROBS, SamplingParams
 from prefixcache.errors import InvalidArgumentError, TemplateError
 
 __all__ = [
@@ -54,7 +57,7 @@ DEFAULT_MAX_TOKENS = 256
 """Tokens generated when a request gives neither ``max_tokens`` nor ``max_completion_tokens``."""
 
 _IGNORED = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier"})
-_NEUTRAL = {"logprobs": False, "echo": False}
+_NEUTRAL = {"echo": False}
 # Passed to SamplingParams as given (``logit_bias`` apart: its JSON keys are strings).
 _SAMPLING_OPTIONS = (
     "top_k",
@@ -65,11 +68,15 @@ _SAMPLING_OPTIONS = (
     "min_tokens",
     "ignore_eos",
 )
-_COMMON = frozenset(
-    {"model", "stream", "stream_options", "stop", "temperature", "top_p", "seed", "n", "max_tokens", "logit_bias"}
-) | frozenset(_SAMPLING_OPTIONS)
+_COMMON = (
+    frozenset(
+        {"model", "stream", "stream_options", "stop", "temperature", "top_p", "seed", "n", "max_tokens", "logit_bias"}
+    )
+    | frozenset(_SAMPLING_OPTIONS)
+    | {"logprobs"}
+)
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
-_CHAT = _COMMON | {"messages", "tools", "tool_choice", "max_completion_tokens", "response_format"}
+_CHAT = _COMMON | {"messages", "tools", "tool_choice", "max_completion_tokens", "response_format", "top_logprobs"}
 _COMPLETION = _COMMON | {"prompt"}
 _PREFILL = frozenset({"model", "messages", "tools", "prompt", "priority", "retain_s"})
 
@@ -100,7 +107,8 @@ class _Common:
 
 @dataclass(frozen=True, slots=True)
 class ChatRequest:
-    """A checked ``POST /v1/chat/completions`` body."""
+    """A checked ``POST /v1/chat/completions`` body; ``logprobs`` is None (not asked) or ``top_logprobs`` (0 without
+    it), also in ``sampling``."""
 
     model: str
     messages: list[dict[str, Any]]
@@ -112,11 +120,13 @@ class ChatRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra chat-template variables: ``reasoning_effort``, then ``chat_template_kwargs`` over it."""
+    logprobs: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
-    """A checked ``POST /v1/completions`` body; ``prompt`` is text or token ids."""
+    """A checked ``POST /v1/completions`` body; ``prompt`` is text or token ids, ``logprobs`` None (not asked) or the
+    number of alternatives asked for (also in ``sampling``)."""
 
     model: str
     prompt: str | list[int]
@@ -124,6 +134,7 @@ class CompletionRequest:
     include_usage: bool
     stop: tuple[str, ...]
     sampling: dict[str, Any] = field(default_factory=dict)
+    logprobs: int | None = None
 
 
 def _number(body: Mapping[str, Any], name: str, default: float) -> float:
@@ -271,6 +282,35 @@ def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     return variables
 
 
+def _alternatives(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise BadRequest(f"{name} must be an integer in 0 .. {MAX_LOGPROBS}, got {value!r}", name)
+    return value
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """``top_logprobs`` (0 when not given) if ``logprobs`` is true, else None.  ``top_logprobs`` without
+    ``logprobs: true`` is refused, as OpenAI and vLLM refuse it."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise BadRequest(f"logprobs must be a boolean, got {wanted!r}", "logprobs")
+    if top is not None:
+        _alternatives(top, "top_logprobs")
+        if not wanted:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """The legacy ``logprobs: k`` (null or false: not asked)."""
+    value = body.get("logprobs")
+    return None if value is None or value is False else _alternatives(value, "logprobs")
+
+
+def _with_logprobs(sampling: dict[str, Any], logprobs: int | None) -> dict[str, Any]:
+    return sampling if logprobs is None else {**sampling, "logprobs": logprobs}
+
+
 def _content_text(index: int, content: Any) -> Any:
     try:
         return join_text_parts(content)
@@ -314,6 +354,7 @@ def parse_chat_request(body: Any, vocab_size: int | None = None) -> ChatRequest:
     format_ = body.get("response_format")
     if format_ is not None and format_ != {"type": "text"}:
         raise BadRequest("only response_format {'type': 'text'} is supported", "response_format")
+    logprobs = _chat_logprobs(body)
     return ChatRequest(
         model=common.model,
         messages=checked,
@@ -322,8 +363,9 @@ def parse_chat_request(body: Any, vocab_size: int | None = None) -> ChatRequest:
         stream=common.stream,
         include_usage=common.include_usage,
         stop=common.stop,
-        sampling=common.sampling,
+        sampling=_with_logprobs(common.sampling, logprobs),
         template_kwargs=_template_kwargs(body),
+        logprobs=logprobs,
     )
 
 
@@ -339,7 +381,9 @@ def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
             raise BadRequest(f"prompt token ids must be a non-empty list of integers in [0, {vocab_size})", "prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt must be a non-empty string or a list of token ids (one prompt only)", "prompt")
-    return CompletionRequest(common.model, prompt, common.stream, common.include_usage, common.stop, common.sampling)
+    logprobs = _completion_logprobs(body)
+    sampling = _with_logprobs(common.sampling, logprobs)
+    return CompletionRequest(common.model, prompt, common.stream, common.include_usage, common.stop, sampling, logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,8 +438,10 @@ def usage_json(usage: Usage) -> dict[str, Any]:
     return usage.to_openai()
 
 
-def chat_response(request_id: str, model: str, done: ChatCompletion) -> dict[str, Any]:
-    """A ``chat.completion`` object for a finished request."""
+def chat_response(
+    request_id: str, model: str, done: ChatCompletion, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A ``chat.completion`` object for a finished request (``logprobs``: the choice's, or None when not asked)."""
     message: dict[str, Any] = {"role": "assistant", "content": done.content}
     if done.tool_calls:
         message["tool_calls"] = [dict(call) for call in done.tool_calls]
@@ -404,7 +450,7 @@ def chat_response(request_id: str, model: str, done: ChatCompletion) -> dict[str
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": done.finish_reason, "logprobs": logprobs}],
         "usage": usage_json(done.usage),
     }
 
@@ -415,8 +461,10 @@ def chat_chunk(
     delta: dict[str, Any] | None,
     finish_reason: str | None = None,
     usage: Usage | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A ``chat.completion.chunk``; ``delta=None`` makes the usage-only chunk (no choices) of ``include_usage``."""
+    """A ``chat.completion.chunk``; ``delta=None`` makes the usage-only chunk (no choices) of ``include_usage``;
+    ``logprobs`` are the entries of the tokens since the previous chunk (None when not asked)."""
     chunk: dict[str, Any] = {
         "id": request_id,
         "object": "chat.completion.chunk",
@@ -424,7 +472,7 @@ def chat_chunk(
         "model": model,
         "choices": []
         if delta is None
-        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        else [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": logprobs}],
     }
     if usage is not None:
         chunk["usage"] = usage_json(usage)
@@ -432,15 +480,21 @@ def chat_chunk(
 
 
 def completion_response(
-    request_id: str, model: str, text: str, finish_reason: str | None, usage: Usage | None
+    request_id: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    usage: Usage | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A ``text_completion`` object (also each streamed chunk, with the text so far's delta)."""
+    """A ``text_completion`` object (also each streamed chunk, with the text so far's delta and its tokens'
+    ``logprobs``; None when not asked)."""
     body: dict[str, Any] = {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": logprobs}],
     }
     if usage is not None:
         body["usage"] = usage_json(usage)

@@ -215,7 +215,7 @@ def test_a_call_with_a_lone_surrogate_escape_comes_back_as_text_not_a_500(make_a
     ("extra", "param"),
     [
         ({"n": 2}, "n"),
-        ({"logprobs": True}, "logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"response_format": {"type": "json_object"}}, "response_format"),
         ({"stop": ["a", ""]}, "stop"),

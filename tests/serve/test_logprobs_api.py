@@ -1,0 +1,154 @@
+"""Logprobs over a real socket with the ``openai`` client: ``logprobs`` + ``top_logprobs`` on /v1/chat/completions and
+``logprobs: k`` on /v1/completions, whole and streamed, carry the in-process engine's records (one entry per
+generated token that is not a stop token, each token's string its id decoded alone, ``bytes`` that string's UTF-8);
+the chunks of a stream add up to the whole answer's entries; a bad value is a 400 naming it, the cache untouched."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from prefixcache import PrefixCachingRunner
+from prefixcache.engine.chat import completion_stream
+from prefixcache.models.llama import build_model
+from prefixcache.serve import start_background
+from prefixcache.testing import ScriptedModel, assert_quiescent, snapshot
+
+QUESTION = [
+    {"role": "system", "content": "You answer about the weather, briefly. " * 4},
+    {"role": "user", "content": "Weather in Paris?"},
+]
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return build_model("tiny", device="cpu")
+
+
+def complete(runner: PrefixCachingRunner, prompt_ids: list[int], **sampling):
+    steps = completion_stream(runner, prompt_ids, **sampling)
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        return done.value
+
+
+def assert_entry(entry, token_id: int, logprob: float, decode) -> None:
+    assert entry.token == decode([token_id])
+    assert entry.bytes == list(entry.token.encode("utf-8"))
+    assert abs(entry.logprob - logprob) <= TOLERANCE
+
+
+def assert_chat_logprobs(content, records, decode, k: int) -> None:
+    assert len(content) == len(records)
+    for entry, record in zip(content, records, strict=True):
+        assert_entry(entry, record.token_id, record.logprob, decode)
+        assert len(entry.top_logprobs) == k
+        for alternative, (token_id, logprob) in zip(entry.top_logprobs, record.top[:k], strict=True):
+            assert_entry(alternative, token_id, logprob, decode)
+
+
+def test_chat_logprobs_whole_and_streamed_are_the_engines(make_app, tiny_model) -> None:
+    reference = PrefixCachingRunner(tiny_model, cache_tokens=4096)
+    expected = reference.chat(QUESTION, max_new_tokens=12, logprobs=3)
+    decode = reference.tokenizer.decode
+    runner = PrefixCachingRunner(tiny_model, cache_tokens=4096)
+    with start_background(make_app(runner, model_name="tiny"), "127.0.0.1", 0) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        ask = dict(model="tiny", messages=QUESTION, max_tokens=12, logprobs=True)
+        answer = client.chat.completions.create(**ask, top_logprobs=3)
+        chunks = list(client.chat.completions.create(**ask, top_logprobs=3, stream=True))
+        plain = client.chat.completions.create(**ask)
+        without = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=12)
+    assert answer.choices[0].message.content == expected.text
+    assert_chat_logprobs(answer.choices[0].logprobs.content, expected.logprobs, decode, 3)
+    streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    assert sum(1 for c in chunks if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content) > 1
+    assert_chat_logprobs(streamed, expected.logprobs, decode, 3)
+    assert_chat_logprobs(plain.choices[0].logprobs.content, expected.logprobs, decode, 0)
+    assert without.choices[0].logprobs is None
+    assert_quiescent(runner.cache)
+
+
+def test_completion_logprobs_whole_and_streamed_are_the_engines(make_app, tiny_model) -> None:
+    reference = PrefixCachingRunner(tiny_model, cache_tokens=4096)
+    prompt = reference.tokenizer.encode("The weather in Paris is")
+    expected = complete(reference, prompt, max_new_tokens=10, logprobs=2)
+    decode = reference.tokenizer.decode
+    runner = PrefixCachingRunner(tiny_model, cache_tokens=4096)
+    with start_background(make_app(runner, model_name="tiny"), "127.0.0.1", 0) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, logprobs=2)
+        chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=10, logprobs=2, stream=True))
+    logprobs = whole.choices[0].logprobs
+    strings = [decode([r.token_id]) for r in expected.logprobs]
+    assert whole.choices[0].text == expected.content
+    assert logprobs.tokens == strings
+    assert all(abs(a - r.logprob) <= TOLERANCE for a, r in zip(logprobs.token_logprobs, expected.logprobs, strict=True))
+    for top, record in zip(logprobs.top_logprobs, expected.logprobs, strict=True):
+        wanted = {decode([record.token_id]): record.logprob}
+        for token_id, logprob in record.top:
+            wanted.setdefault(decode([token_id]), logprob)
+        assert top.keys() == wanted.keys()
+        assert all(abs(top[key] - wanted[key]) <= TOLERANCE for key in wanted)
+    assert logprobs.text_offset == [sum(len(s) for s in strings[:i]) for i in range(len(strings))]
+    pieces = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert [t for p in pieces for t in p.tokens] == logprobs.tokens
+    assert [t for p in pieces for t in p.text_offset] == logprobs.text_offset
+    streamed = [t for p in pieces for t in p.token_logprobs]
+    assert all(abs(a - b) <= TOLERANCE for a, b in zip(streamed, logprobs.token_logprobs, strict=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.content
+    assert_quiescent(runner.cache)
+
+
+BAD = [
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": 1}, "logprobs"),
+    ("completions", {"logprobs": 21}, "logprobs"),
+    ("completions", {"logprobs": True}, "logprobs"),
+    ("completions", {"logprobs": 1.5}, "logprobs"),
+    ("completions", {"echo": True, "logprobs": 1}, "echo"),
+]
+
+
+def test_bad_logprobs_values_are_400_naming_them_and_touch_nothing(make_app, tiny_model) -> None:
+    runner = PrefixCachingRunner(tiny_model, cache_tokens=4096)
+    runner.chat(QUESTION, max_new_tokens=2)
+    before = snapshot(runner.cache, [runner.namespace_key(None)])
+    with start_background(make_app(runner, model_name="tiny"), "127.0.0.1", 0) as server:
+        for endpoint, fields, param in BAD:
+            body = {"model": "tiny", "max_tokens": 4, **fields}
+            body.update({"messages": QUESTION} if endpoint == "chat" else {"prompt": "The weather"})
+            path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+            response = httpx.post(server.url + path, json=body, timeout=30)
+            assert response.status_code == 400, (fields, response.text)
+            assert response.json()["error"]["param"] == param, fields
+    assert snapshot(runner.cache, [runner.namespace_key(None)]) == before
+    assert_quiescent(runner.cache)
+
+
+def test_the_entries_of_text_a_stop_string_held_back_come_on_the_finishing_chunk(make_app) -> None:
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["hello there"]), cache_tokens=4096)
+    with start_background(make_app(runner), "127.0.0.1", 0) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        ask = dict(model="scripted", messages=QUESTION, max_tokens=20, logprobs=True, stop=["llo"])
+        whole = client.chat.completions.create(**ask)
+        chunks = [c for c in client.chat.completions.create(**ask, stream=True) if c.choices]
+    assert whole.choices[0].message.content == "he"
+    assert [e.token for e in whole.choices[0].logprobs.content] == list("hello")
+    assert [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in chunks] == [
+        ("", None),
+        ("h", None),
+        ("e", None),
+        (None, "stop"),
+    ]
+    assert [[e.token for e in c.choices[0].logprobs.content] for c in chunks[1:]] == [["h"], ["e"], ["l", "l", "o"]]
+    assert chunks[0].choices[0].logprobs is None
+    assert_quiescent(runner.cache)
