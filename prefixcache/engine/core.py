@@ -228,11 +228,16 @@ class EngineCore:
         """Acquire ``request``'s lease and move it to running (True), or fail it (False), or leave it waiting because
         the pool is held by running requests (None)."""
         cache = self.cache
-        # A first admission matches the prompt (never into forced tokens); a resumption all it knows.
+        # A first admission matches the prompt (never into forced tokens); a resumption all it knows, except that one
+        # owing prompt logits matches no further than its first missing row: what others cached meanwhile must not
+        # skip rows it has not returned yet.
         tokens = request.prompt_array if request.preemptions == 0 else request.known_tokens()
+        match = tokens
+        if request.preemptions and request.return_logits and request.logits_until < len(request.prompt):
+            match = tokens[: request.logits_until + 1]
         try:
             request.lease = cache.acquire(
-                tokens,
+                match,
                 request.namespace,
                 request_id=request.request_id,
                 num_tokens=len(tokens),
@@ -254,6 +259,7 @@ class EngineCore:
         if request.preemptions == 0:
             request.cached, request.copied = request.position, request.lease.num_copied_tokens
             request.host_cached = request.lease.num_host_tokens
+            request.logits_until = request.position  # the rows start at the first prefilled position, resumed or not
             request.live.capacity = len(request.prompt) + request.num_new_tokens()
             request.picker = LogitsPipeline(request.sampling, self.pool.kv.device)
         self.running.append(request)
