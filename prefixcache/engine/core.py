@@ -66,11 +66,11 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Steps requests through ``model`` and ``cache``; ``checks`` name their namespaces at each admission.
 
-    ``max_batch_tokens`` bounds the tokens of one step (decode rows first, one token each, then prefill chunks in
-    admission order; None: no bound, a prompt prefills in one forward); ``max_running`` the requests holding leases
-    at once.  ``policy`` is ``"lpm"`` (prefix-aware, see :mod:`prefixcache.engine.scheduler`) or ``"fcfs"``;
-    ``max_wait_steps`` is the fairness bound of ``"lpm"``.  Raises InvalidArgumentError for a bound below 1 or an
-    unknown policy.
+    ``max_batch_tokens`` bounds the tokens of one step (decode rows first, one token each, then chunks of prompts
+    and of forced answers in admission order; None: no bound, a prompt prefills in one forward); ``max_running``
+    the requests holding leases at once.  ``policy`` is ``"lpm"`` (prefix-aware, see
+    :mod:`prefixcache.engine.scheduler`) or ``"fcfs"``; ``max_wait_steps`` is the fairness bound of ``"lpm"``.
+    Raises InvalidArgumentError for a bound below 1 or an unknown policy.
     """
 
     def __init__(
@@ -270,9 +270,11 @@ class EngineCore:
     def _plan(self) -> tuple[list[BatchRow], list[EngineRequest]]:
         budget = self.max_batch_tokens if self.max_batch_tokens is not None else float("inf")
         rows, members = [], []
-        decoding = [r for r in self.running if r.position >= len(r.prompt)]
-        prefilling = [r for r in self.running if r.position < len(r.prompt)]
-        for request in decoding + prefilling:
+        # A forced answer is computed as a prompt is, in chunks: it takes what the decode rows leave of the budget,
+        # else one long answer admitted first would hold back every decode row for many steps.
+        decoding = [r for r in self.running if r.forced is None and r.position >= len(r.prompt)]
+        chunked = [r for r in self.running if r.forced is not None or r.position < len(r.prompt)]
+        for request in decoding + chunked:
             if budget <= 0:
                 break
             if request.awaiting_verdict or request not in self.running:

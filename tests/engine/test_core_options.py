@@ -159,3 +159,21 @@ def test_a_preempted_request_whose_cached_prefix_was_evicted_meanwhile_returns_o
     assert result.usage.cached_tokens == 8 and result.prompt_logits.shape == (8, tiny.vocab_size)
     torch.testing.assert_close(result.prompt_logits, _reference_logits(tiny, prompt, 8), atol=1e-4, rtol=1e-4)
     assert_quiescent(runner.cache)
+
+
+def test_a_long_forced_answer_is_chunked_after_the_decode_rows_and_stalls_no_other_request(tiny: LlamaModel) -> None:
+    """A forced answer is computed like a prompt, so it takes what the decode rows leave of the step's budget:
+    a request decoding beside a 1,200-token forced answer gets its next token at every step (it got none for 19
+    steps while the answer, admitted first, filled each step's budget)."""
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096, block_size=BLOCK)
+    engine = BatchEngine(runner, max_batch_tokens=64)
+    answer = _ids(1200, seed=2)
+    forced = engine.submit(_ids(8, seed=1), forced_tokens=answer)
+    token_steps: list[int] = []
+    decoding = engine.submit(
+        _ids(8, seed=3), SamplingParams(max_new_tokens=10), on_token=lambda _t: token_steps.append(engine.steps)
+    )
+    engine.run_until_idle()
+    assert token_steps == list(range(1, 11))
+    assert list(forced.result().token_ids) == answer and len(decoding.result().token_ids) == 10
+    assert_quiescent(runner.cache)
