@@ -465,7 +465,11 @@ class EngineCore:
             decode_s=now - first,
             host_cached_tokens=request.host_cached,
         )
-        logits = torch.cat(request.prompt_logits) if request.return_logits and request.prompt_logits else None
+        logits = None
+        if request.return_logits and request.prompt_logits:
+            # One chunk (a prompt prefilled in one forward) is returned as is: a copy of [n, vocab] doubles the peak.
+            chunks = request.prompt_logits
+            logits = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         request.handle.settle(GenerationResult(tuple(request.generated), reason, usage, logits, insert))
 
     def _fail(self, request: EngineRequest, error: BaseException) -> None:

@@ -177,3 +177,24 @@ def test_a_long_forced_answer_is_chunked_after_the_decode_rows_and_stalls_no_oth
     assert token_steps == list(range(1, 11))
     assert list(forced.result().token_ids) == answer and len(decoding.result().token_ids) == 10
     assert_quiescent(runner.cache)
+
+
+def test_prompt_logits_computed_in_one_forward_are_returned_without_a_copy(
+    tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prompt logits of a prefill in one forward are the forward's own tensor: a copy of ``[n, vocab]`` doubled
+    the peak memory of a request with ``return_logits`` (``replay --verify``: gigabytes per request on a
+    150k-token vocabulary)."""
+    outputs: list[torch.Tensor] = []
+    forward_cached = tiny.forward_cached
+
+    def kept(*args, **options):
+        logits = forward_cached(*args, **options)
+        outputs.append(logits)
+        return logits
+
+    monkeypatch.setattr(tiny, "forward_cached", kept)
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096, block_size=BLOCK)
+    result = runner.generate(_ids(40, seed=6), SamplingParams(max_new_tokens=2), return_logits=True)
+    assert result.prompt_logits.shape == (40, tiny.vocab_size)
+    assert result.prompt_logits.data_ptr() == outputs[0].data_ptr()
