@@ -39,11 +39,11 @@ logger = logging.getLogger(__name__)
 class BatchEngine:
     """Runs many requests together on ``runner``'s model and cache (continuous batching with chunked prefill).
 
-    ``max_batch_tokens`` bounds the tokens of one step (decode rows first, one token each, then prefill chunks in
-    admission order); ``max_running`` the requests holding leases at once.  ``policy`` is ``"lpm"`` (prefix-aware
-    scheduling, see :mod:`prefixcache.engine.scheduler`) or ``"fcfs"``; ``max_wait_steps`` is the fairness bound of
-    ``"lpm"``: steps a request may wait before no later arrival is admitted ahead of it.  Raises InvalidArgumentError
-    for a bound below 1 or an unknown policy.
+    ``max_batch_tokens`` bounds the tokens of one step (decode rows first, one token each, then chunks of prompts
+    and of forced answers in admission order); ``max_running`` the requests holding leases at once.  ``policy`` is
+    ``"lpm"`` (prefix-aware scheduling, see :mod:`prefixcache.engine.scheduler`) or ``"fcfs"``; ``max_wait_steps`` is
+    the fairness bound of ``"lpm"``: steps a request may wait before no later arrival is admitted ahead of it.
+    Raises InvalidArgumentError for a bound below 1 or an unknown policy.
     """
 
     def __init__(

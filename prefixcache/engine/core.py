@@ -71,11 +71,11 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """Steps requests through ``model`` and ``cache``; ``checks`` name their namespaces at each admission.
 
-    ``max_batch_tokens`` bounds the tokens of one step (decode rows first, one token each, then prefill chunks in
-    admission order; None: no bound, a prompt prefills in one forward); ``max_running`` the requests holding leases
-    at once.  ``policy`` is ``"lpm"`` (prefix-aware, see :mod:`prefixcache.engine.scheduler`) or ``"fcfs"``;
-    ``max_wait_steps`` is the fairness bound of ``"lpm"``.  Raises InvalidArgumentError for a bound below 1 or an
-    unknown policy.
+    ``max_batch_tokens`` bounds the tokens of one step (decode rows first, one token each, then chunks of prompts
+    and of forced answers in admission order; None: no bound, a prompt prefills in one forward); ``max_running``
+    the requests holding leases at once.  ``policy`` is ``"lpm"`` (prefix-aware, see
+    :mod:`prefixcache.engine.scheduler`) or ``"fcfs"``; ``max_wait_steps`` is the fairness bound of ``"lpm"``.
+    Raises InvalidArgumentError for a bound below 1 or an unknown policy.
     """
 
     def __init__(
@@ -233,11 +233,16 @@ class EngineCore:
         """Acquire ``request``'s lease and move it to running (True), or fail it (False), or leave it waiting because
         the pool is held by running requests (None)."""
         cache = self.cache
-        # A first admission matches the prompt (never into forced tokens); a resumption all it knows.
+        # A first admission matches the prompt (never into forced tokens); a resumption all it knows, except that one
+        # owing prompt logits matches no further than its first missing row: what others cached meanwhile must not
+        # skip rows it has not returned yet.
         tokens = request.prompt_array if request.preemptions == 0 else request.known_tokens()
+        match = tokens
+        if request.preemptions and request.return_logits and request.logits_until < len(request.prompt):
+            match = tokens[: request.logits_until + 1]
         try:
             request.lease = cache.acquire(
-                tokens,
+                match,
                 request.namespace,
                 request_id=request.request_id,
                 num_tokens=len(tokens),
@@ -259,6 +264,7 @@ class EngineCore:
         if request.preemptions == 0:
             request.cached, request.copied = request.position, request.lease.num_copied_tokens
             request.host_cached = request.lease.num_host_tokens
+            request.logits_until = request.position  # the rows start at the first prefilled position, resumed or not
             request.live.capacity = len(request.prompt) + request.num_new_tokens()
             request.picker = LogitsPipeline(
                 request.sampling, self.pool.kv.device, self.model.vocab_size, request.prompt_array
@@ -271,9 +277,11 @@ class EngineCore:
     def _plan(self) -> tuple[list[BatchRow], list[EngineRequest]]:
         budget = self.max_batch_tokens if self.max_batch_tokens is not None else float("inf")
         rows, members = [], []
-        decoding = [r for r in self.running if r.position >= len(r.prompt)]
-        prefilling = [r for r in self.running if r.position < len(r.prompt)]
-        for request in decoding + prefilling:
+        # A forced answer is computed as a prompt is, in chunks: it takes what the decode rows leave of the budget,
+        # else one long answer admitted first would hold back every decode row for many steps.
+        decoding = [r for r in self.running if r.forced is None and r.position >= len(r.prompt)]
+        chunked = [r for r in self.running if r.forced is not None or r.position < len(r.prompt)]
+        for request in decoding + chunked:
             if budget <= 0:
                 break
             if request.awaiting_verdict or request not in self.running:
@@ -473,7 +481,11 @@ class EngineCore:
             decode_s=now - first,
             host_cached_tokens=request.host_cached,
         )
-        logits = torch.cat(request.prompt_logits) if request.return_logits and request.prompt_logits else None
+        logits = None
+        if request.return_logits and request.prompt_logits:
+            # One chunk (a prompt prefilled in one forward) is returned as is: a copy of [n, vocab] doubles the peak.
+            chunks = request.prompt_logits
+            logits = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         logprobs = None if request.sampling.logprobs is None else tuple(request.logprobs)
         request.handle.settle(GenerationResult(tuple(request.generated), reason, usage, logits, insert, logprobs))
 

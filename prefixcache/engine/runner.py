@@ -236,14 +236,8 @@ class PrefixCachingRunner:
         (``steps.send("stop")``) after a decoded token ends generation there as a stop token would (finish reason
         ``"stop"``, the token's K/V not computed) and caches the prompt and the tokens before it: that is how a
         string stop sequence, matched on decoded text, ends a request."""
-        watch = None
-        if on_token is not None:
-            if not callable(on_token):
-                raise InvalidArgumentError(f"on_token must be callable or None, got {type(on_token).__name__}")
-
-            def watch(token: int) -> None:  # its return value never stops the request: send("stop") does
-                on_token(token)
-
+        if on_token is not None and not callable(on_token):
+            raise InvalidArgumentError(f"on_token must be callable or None, got {type(on_token).__name__}")
         request = self.checks.request(
             prompt_ids,
             sampling,
@@ -253,10 +247,9 @@ class PrefixCachingRunner:
             request_id=request_id,
             priority=priority,
             retain_s=retain_s,
-            on_token=watch,
         )
         request.external_verdict = True
-        return _drive(self.new_core(max_batch_tokens=None, policy="fcfs"), request)
+        return _drive(self.new_core(max_batch_tokens=None, policy="fcfs"), request, on_token)
 
     def new_core(self, **options: Any) -> EngineCore:
         """An :class:`~prefixcache.engine.core.EngineCore` on this runner's model, cache and checks (``options``:
@@ -334,10 +327,13 @@ class PrefixCachingRunner:
         )
 
 
-def _drive(core: EngineCore, request: EngineRequest) -> Generator[int, Any, GenerationResult]:
-    """Step ``core`` with ``request`` alone in it, yielding each token as the request produces it; a ``"stop"``
-    sent after a sampled token is the request's verdict (:meth:`EngineCore.conclude`).  Closing the generator, or
-    an exception thrown into it, releases everything the request holds and caches nothing of it."""
+def _drive(
+    core: EngineCore, request: EngineRequest, on_token: Callable[[int], Any] | None = None
+) -> Generator[int, Any, GenerationResult]:
+    """Step ``core`` with ``request`` alone in it, yielding each token as the request produces it, ``on_token``
+    called with it just before (its return value never stops the request); a ``"stop"`` sent after a sampled token
+    is the request's verdict (:meth:`EngineCore.conclude`).  Closing the generator, or an exception thrown into it
+    or raised by ``on_token``, releases everything the request holds and caches nothing of it."""
     core.add(request)
     seen = 0
     try:
@@ -349,8 +345,13 @@ def _drive(core: EngineCore, request: EngineRequest) -> Generator[int, Any, Gene
                 continue  # admitted, failed, or finished without a token to show
             command = None
             while seen < len(request.generated):
-                command = yield request.generated[seen]
+                token = request.generated[seen]
                 seen += 1
+                if on_token is not None:
+                    # Here, not in the core: forced tokens come all at once, and the caller may close the
+                    # stream before it sees the next one.
+                    on_token(token)
+                command = yield token
             core.conclude(request, stop=command == "stop")
     finally:
         if not request.handle.future.done():

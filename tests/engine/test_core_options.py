@@ -117,3 +117,84 @@ def test_a_serial_call_runs_on_an_engine_core_of_its_own(tiny: LlamaModel, monke
     assert core.max_batch_tokens is None and core.steps == 3 and not core.has_work()
     assert result.usage.generated_tokens == 3
     assert_quiescent(runner.cache)
+
+
+@pytest.mark.parametrize("budget", [6, 8, 12])
+def test_a_preempted_request_whose_prompt_got_cached_meanwhile_still_returns_every_prompt_logits_row(
+    tiny: LlamaModel, budget: int
+) -> None:
+    """Preempted part way through its prompt, a request with prompt logits resumes while another request has cached
+    the whole prompt: it must recompute the rows it has not returned yet, not skip to the cached length (it returned
+    a few rows for 16 prefilled positions)."""
+    runner = PrefixCachingRunner(tiny, num_blocks=8, block_size=BLOCK)
+    engine = BatchEngine(runner, max_batch_tokens=budget, policy="fcfs")
+    prompt = _ids(16, seed=1)
+    other = engine.submit(prompt, SamplingParams(max_new_tokens=3))
+    handle = engine.submit(prompt, SamplingParams(max_new_tokens=1), return_logits=True)
+    engine.run_until_idle()
+    assert engine.preempted_requests == 1
+    result = handle.result()
+    assert result.usage.prefilled_tokens == 16
+    torch.testing.assert_close(result.prompt_logits, _reference_logits(tiny, prompt, 0), atol=1e-4, rtol=1e-4)
+    assert result.token_ids == runner.generate(prompt, SamplingParams(max_new_tokens=1)).token_ids
+    assert len(other.result().token_ids) == 3
+    assert_quiescent(runner.cache)
+
+
+def test_a_preempted_request_whose_cached_prefix_was_evicted_meanwhile_returns_only_its_prefilled_rows(
+    tiny: LlamaModel,
+) -> None:
+    """Admitted with 8 prompt tokens cached, preempted before computing, the prefix evicted while it waits: it
+    recomputes from the start, but its prompt logits still cover its 8 prefilled positions only (it returned 12)."""
+    runner = PrefixCachingRunner(tiny, num_blocks=8, block_size=BLOCK)
+    system = _ids(8, seed=1)
+    runner.prefill(system)
+    engine = BatchEngine(runner, max_batch_tokens=16, policy="fcfs")
+    engine.submit(_ids(16, seed=3), SamplingParams(max_new_tokens=12))
+    prompt = system + _ids(8, seed=2)
+    handle = engine.submit(prompt, SamplingParams(max_new_tokens=1), return_logits=True)
+    engine.run_until_idle()
+    assert engine.preempted_requests == 1
+    result = handle.result()
+    assert result.usage.cached_tokens == 8 and result.prompt_logits.shape == (8, tiny.vocab_size)
+    torch.testing.assert_close(result.prompt_logits, _reference_logits(tiny, prompt, 8), atol=1e-4, rtol=1e-4)
+    assert_quiescent(runner.cache)
+
+
+def test_a_long_forced_answer_is_chunked_after_the_decode_rows_and_stalls_no_other_request(tiny: LlamaModel) -> None:
+    """A forced answer is computed like a prompt, so it takes what the decode rows leave of the step's budget:
+    a request decoding beside a 1,200-token forced answer gets its next token at every step (it got none for 19
+    steps while the answer, admitted first, filled each step's budget)."""
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096, block_size=BLOCK)
+    engine = BatchEngine(runner, max_batch_tokens=64)
+    answer = _ids(1200, seed=2)
+    forced = engine.submit(_ids(8, seed=1), forced_tokens=answer)
+    token_steps: list[int] = []
+    decoding = engine.submit(
+        _ids(8, seed=3), SamplingParams(max_new_tokens=10), on_token=lambda _t: token_steps.append(engine.steps)
+    )
+    engine.run_until_idle()
+    assert token_steps == list(range(1, 11))
+    assert list(forced.result().token_ids) == answer and len(decoding.result().token_ids) == 10
+    assert_quiescent(runner.cache)
+
+
+def test_prompt_logits_computed_in_one_forward_are_returned_without_a_copy(
+    tiny: LlamaModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prompt logits of a prefill in one forward are the forward's own tensor: a copy of ``[n, vocab]`` doubled
+    the peak memory of a request with ``return_logits`` (``replay --verify``: gigabytes per request on a
+    150k-token vocabulary)."""
+    outputs: list[torch.Tensor] = []
+    forward_cached = tiny.forward_cached
+
+    def kept(*args, **options):
+        logits = forward_cached(*args, **options)
+        outputs.append(logits)
+        return logits
+
+    monkeypatch.setattr(tiny, "forward_cached", kept)
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096, block_size=BLOCK)
+    result = runner.generate(_ids(40, seed=6), SamplingParams(max_new_tokens=2), return_logits=True)
+    assert result.prompt_logits.shape == (40, tiny.vocab_size)
+    assert result.prompt_logits.data_ptr() == outputs[0].data_ptr()

@@ -463,6 +463,26 @@ def test_on_token_sees_every_token_in_order(tiny: LlamaModel) -> None:
     assert seen == streamed and len(seen) == 5
 
 
+def test_on_token_sees_each_forced_token_as_it_is_yielded(tiny: LlamaModel) -> None:
+    """Teacher forcing streams its answer one token at a time: on_token runs for a token just before the stream
+    yields it, so a stream closed after its first token told on_token of that one only (it told all of them), and
+    an on_token error at the second token comes after the first was yielded (none was)."""
+    runner = PrefixCachingRunner(tiny, block_size=4)
+    answer = ids(4, seed=112)
+    seen: list[int] = []
+    stream = runner.stream(ids(12, seed=111), forced_tokens=answer, on_token=seen.append)
+    assert next(stream) == answer[0]
+    stream.close()
+    assert seen == answer[:1]
+
+    streamed: list[int] = []
+    with pytest.raises(Boom):
+        for token in runner.stream(ids(12, seed=111), forced_tokens=answer, on_token=fail_on_third_token()):
+            streamed.append(token)
+    assert streamed == answer[:2]
+    assert_nothing_held(runner)
+
+
 @pytest.fixture
 def cancelled(tiny: LlamaModel) -> tuple[PrefixCachingRunner, list[int]]:
     """A runner with an 8-token prefix cached, and a 15-token prompt extending it."""
