@@ -8,29 +8,29 @@ is much faster than prefill, so a host pool several times the device pool turns 
 Residency.  Only *full* blocks move to host (as vLLM caches only full blocks).  The device tree keeps only device
 blocks; what its evictor frees at once from a leaf's tail (blocks ``k .. k + n - 1`` of one sequence) lives on in
 :attr:`HostTier.runs` as one :class:`HostRun`, named by a digest (xxh3-128) of its namespace and every token up to the
-end of its first block, and holding its own tokens.  Block-granular eviction frees a leaf's tail first, so a run
-starts where the device prefix (or the next run) ends: a request's cached prefix is its device match followed by the
-runs found by digesting its own tokens at each run boundary and comparing the run's tokens with its own (both C-speed
-passes), with no tree walk and no per-block Python work.  Equal digests mean equal prefixes; the token comparison
-decides how far a run goes on.  The host LRU orders runs by demotion or promotion; when full it drops the least
-recent runs, and cuts the tail off the last one it needs (a tail first, so the blocks nearer the device prefix, the
-ones a promotion reaches, stay).
+end of its first block, and holding its own tokens.  Block-granular eviction frees a leaf's tail first, and a device
+insert over a run's head drops those host copies (:meth:`HostTier.cover`), so a run starts where the device prefix (or
+the next run) ends: a request's cached prefix is its device match followed by the runs found by digesting its own tokens
+at each run boundary and comparing the run's tokens with its own (both C-speed passes), with no tree walk and no
+per-block Python work.  Equal digests mean equal prefixes; the token comparison decides how far a run goes on.  The host
+LRU orders runs by demotion or promotion; when full it drops the least recent runs, and cuts the tail off the last one
+it needs (a tail first, so the blocks nearer the device prefix, the ones a promotion reaches, stay).
 
 Promotion (:meth:`HostTier.promote`, from admission, before the prompt is matched): the device match is locked, fresh
-device blocks are allocated (which may evict and demote other device blocks; feasibility first, as admission: nothing
-is evicted for a request that then cannot fit), the host blocks are copied in, and the tokens are inserted into the
-device tree as an ordinary leaf; the host copies are then freed, so a block lives in one tier at a time (except when
-the device recomputed a block the host still holds); what a prompt did not use of a run stays, as a run of its own.
-Any exception on the way gives back every block and the lock.
+device blocks are allocated (which may evict and demote other device blocks; feasibility first, as admission: nothing is
+evicted for a request that then cannot fit), the host blocks are copied in, and the tokens are inserted into the device
+tree as an ordinary leaf; the host copies are then freed, so a block lives in one tier at a time (as when the device
+recomputes it); what a prompt did not use of a run stays, as a run of its own.  Any exception on the way gives back
+every block and the lock.
 
 Events: with a host tier, the device tree's events carry ``medium="GPU"`` and the tier's own ``medium="CPU"`` (vLLM's
 names for its two media).  A demotion is ``BlockRemoved(GPU)`` followed by ``BlockStored(CPU)`` with the same block
 hashes (and before it the ``BlockRemoved(CPU)`` of any run dropped to make room, all in the order they happened); a
 promotion ``BlockStored(GPU)`` followed by ``BlockRemoved(CPU)`` (copied first, then freed); a drop
-``BlockRemoved(CPU)``.  A block the device recomputed while the host held it can be demoted again into a second,
-overlapping run: it is announced on host when its first copy arrives and removed when its last goes.  The device
-tree sends no ``AllCleared``: with two tiers the removals say it all.  Host blocks demoted while nobody listened, and
-runs restored from a snapshot, are never announced (so neither is their removal): their chained hashes need the
+``BlockRemoved(CPU)``, as is a host copy the device recomputed.  Should that drop fail, a block can be demoted again
+into a second, overlapping run: it is announced on host when its first copy arrives and removed when its last goes.  The
+device tree sends no ``AllCleared``: with two tiers the removals say it all.  Host blocks demoted while nobody listened,
+and runs restored from a snapshot, are never announced (so neither is their removal): their chained hashes need the
 tokens before the run, which the tier does not keep.
 
 With ``num_layers == 0`` on both pools (the ``--no-model`` replay) demotion and promotion move block ids only.
@@ -262,6 +262,28 @@ class HostTier:
         self.demoted_blocks += num
         if stored:
             self._announce(stored)
+
+    def cover(self, leaf: Node, path: array) -> list[KVEvent]:
+        """Called by :meth:`RadixTree.insert` on a new ``leaf`` (the end of ``path``): drop the host copies of its
+        full blocks, a run's rest filed under its new first block, where :meth:`_find` looks.  Best effort."""
+        if not self.runs:
+            return []
+        mark, bs, runs, num_full = len(self.pending), self.block_size, self.runs, len(path) // self.block_size
+        try:
+            data, step = memoryview(path).cast("B"), path.itemsize * bs
+            h = self._hasher(path, leaf.namespace, leaf.start // bs)
+            for j in range(leaf.start // bs, num_full):
+                h.update(data[j * step : (j + 1) * step])
+                run = runs.get(h.intdigest())
+                size = 0 if run is None else min(len(run.block_ids), num_full - j)
+                if size and (k := common_prefix_length(run.tokens, path, j * bs, size * bs) // bs):
+                    del runs[run.key]  # out of the LRU first, as a promoted run; the rest goes back in
+                    self._consume(run, k, path)
+        except Exception:
+            logger.exception("dropping the host copies of recomputed blocks failed; they stay on host")
+        events = self.pending[mark:]
+        del self.pending[mark:]
+        return events
 
     def _stored_events(self, leaf: Node, path: array, first_block: int, num: int) -> list[BlockStored] | None:
         # The chained event hashes of the leaf's full blocks are on the leaf while anyone listens.

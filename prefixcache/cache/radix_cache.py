@@ -134,6 +134,7 @@ class RadixCache:
         if host_pool is not None:
             self._host = HostTier(host_pool, pool, self._events)
             self._tree.demote = self._host.demote
+            self._tree.cover = self._host.cover
             self._admission.host = self._host
             self._events.medium = DEVICE_MEDIUM
         if event_listener is not None:

@@ -141,6 +141,9 @@ class RadixTree:
         # the leaf, first == 0), returning the host's events of it, sent after the leaf's own BlockRemoved; None
         # without a host tier, so eviction pays one test per leaf for it.
         self.demote: Callable[[Node, int, np.ndarray], list[KVEvent]] | None = None
+        # The host tier's cover(leaf, path), called once insert has linked a new leaf, returning the host's events of
+        # the copies it dropped (the device now holds those blocks); None without a host tier.
+        self.cover: Callable[[Node, array], list[KVEvent]] | None = None
         self._ids = itertools.count(1)
 
     @property
@@ -302,6 +305,10 @@ class RadixTree:
             self.evictor.add(leaf)
             if self.events.listeners:
                 self.events.announce_leaf(leaf, q)
+            if self.cover is not None:
+                covered = self.cover(leaf, q)
+                if covered:
+                    self.events.emit(covered)
             released = table[first_owned:first_new]
             if need < len(table):
                 released = np.concatenate((released, table[need:]))

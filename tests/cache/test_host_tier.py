@@ -229,3 +229,36 @@ def test_events_say_where_each_block_lives() -> None:
     late = BlockIndex()
     cache.subscribe(late)  # a new subscriber gets both tiers
     assert late.media == index.media
+
+
+def test_host_blocks_past_a_recomputed_head_are_found_again() -> None:
+    # The stateful test's case: [2, 1, 1, 1] is demoted as one run of 2 blocks keyed by its first, [2, 1]; a request
+    # sharing only [2, 1] cannot take its promotion (the pool is too small for it), recomputes [2, 1] on the device and
+    # commits it.  [2, 1, 1, 1] then matches [2, 1] on the device, and the host's [1, 1] must still be found from
+    # there: inserting the recomputed block drops its host copy and files the rest of the run under block 1.
+    pool = KVBlockPool(8, 2, device="cpu", num_layers=2, num_kv_heads=1, head_dim=3)
+    cache = RadixCache(pool, host_pool=make_host_pool(pool, 512))
+
+    def request(tokens: list[int], extra: int = 0):
+        full = tokens + [0] * extra
+        lease = cache.acquire(tokens, num_tokens=len(full))
+        rows = kv_rows(full)
+        for p in range(len(full)):
+            block = int(lease.block_table[p // 2])
+            if p < lease.num_cached_tokens:
+                assert torch.equal(pool.kv[:, :, block, p % 2], rows[:, :, p]), f"cached row {p} has the wrong K/V"
+            else:
+                pool.kv[:, :, block, p % 2] = rows[:, :, p]
+        cache.commit(lease, full)
+        cache.check_invariants()
+        return lease
+
+    request([2, 0])
+    for _ in range(13):
+        cache.match([0])
+    request([0, 0, 0])
+    request([2, 1, 1, 1])
+    request([0] * 11)  # evicts [2, 1, 1, 1]: its 2 full blocks go to host
+    assert request([2, 1] + [0] * 10, 3).num_host_tokens == 0  # 8 blocks: no room to promote [2, 1] first
+    lease = request([2, 1, 1, 1])
+    assert (lease.num_cached_tokens, lease.num_host_tokens) == (3, 1)

@@ -124,26 +124,31 @@ def test_restoring_over_a_listened_cache_keeps_the_index_in_step(tmp_path: Path)
     mirror.check(cache)
 
 
-def test_a_block_demoted_again_while_the_host_holds_it_is_announced_once_and_removed_with_its_last_copy() -> None:
+def test_a_block_the_device_recomputes_leaves_the_host_and_each_host_block_is_removed_once() -> None:
     mirror = Mirror()
     pool = KVBlockPool(8, 1, device="cpu", num_layers=0)
     cache = RadixCache(pool, host_pool=make_host_pool(pool, 64), event_listener=mirror)
     seq = [1, 2, 3, 4, 5]
     cache.insert(seq, cache.allocate(5))
     cache.evict(3)  # blocks 2..4 go to host as one run
-    cache.insert(seq, cache.allocate(5))  # the device computes them again (a request admitted before the demotion)
+    # The device computes them again (a request admitted before the demotion): the host's copies go, announced.
+    cache.insert(seq, cache.allocate(5))
+    assert cache.stats().host_used_blocks == 0
     mirror.check(cache)
-    cache.evict(2)  # blocks 3..4 go to host again, as a second run overlapping the first
-    assert cache.stats().host_used_blocks == 5
+    cache.evict(2)  # blocks 3..4 go to host again
+    assert cache.stats().host_used_blocks == 2
     mirror.check(cache)
     cache.evict_all()
     mirror.check(cache)
     hashes_on_host = {h for (_, h), media in mirror.index.media.items() if media == {"CPU"}}
     assert hashes_on_host == set(block_hashes(seq, 1))
-    cache.insert(seq[:4] + [9], cache.allocate(5))  # promotes nothing (no acquire), shares blocks 0..3 with the host
+    # Promotes nothing (no acquire): the device computes blocks 0..3 again, so only block 4 stays on host.
+    cache.insert(seq[:4] + [9], cache.allocate(5))
+    assert cache.stats().host_used_blocks == 1
     mirror.check(cache)
-    # Drop every host run: each block is removed from the host once, after its last copy went.
+    # Drop every host run: each block stored on host is removed from it once per time it was stored.
     cache._host.clear()
     mirror.check(cache)
     removed = [h for e in mirror.events if isinstance(e, BlockRemoved) and e.medium == "CPU" for h in e.block_hashes]
-    assert sorted(removed) == sorted(block_hashes(seq, 1))
+    stored = [h for e in mirror.events if isinstance(e, BlockStored) and e.medium == "CPU" for h in e.block_hashes]
+    assert sorted(removed) == sorted(stored) and set(removed) == set(block_hashes(seq, 1))
