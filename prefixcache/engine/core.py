@@ -312,16 +312,14 @@ class EngineCore:
     def _token_ids(self, request: EngineRequest, start: int, end: int) -> torch.Tensor:
         """Known tokens ``start .. end - 1`` of ``request`` as int64 on the model's device (a prompt slice without a
         Python loop: prompts run to tens of thousands of tokens)."""
-        if start >= len(request.prompt):
-            rest = request.forced if request.forced is not None else request.generated
-            offset = len(request.prompt)
-            return torch.tensor(rest[start - offset : end - offset], dtype=torch.long, device=self.model.device)
-        prompt_end = min(end, len(request.prompt))
-        ids = np.frombuffer(request.prompt_array, dtype=np.uint32)[start:prompt_end].astype(np.int64)
-        if end > len(request.prompt):
-            rest = request.forced if request.forced is not None else request.generated
-            tail = np.asarray(rest[max(start, len(request.prompt)) - len(request.prompt) : end - len(request.prompt)])
-            ids = np.concatenate([ids, tail.astype(np.int64)])
+        prompt_length = len(request.prompt)
+        if start >= prompt_length:  # a decode step: one token, no numpy round trip
+            answer = request.answer[start - prompt_length : end - prompt_length]
+            return torch.tensor(answer, dtype=torch.long, device=self.model.device)
+        ids = np.frombuffer(request.prompt_array, dtype=np.uint32)[start : min(end, prompt_length)].astype(np.int64)
+        if end > prompt_length:  # a resumed request recomputes its prompt and answer in one chunk
+            answer = np.asarray(request.answer[: end - prompt_length], dtype=np.int64)
+            ids = np.concatenate([ids, answer])
         return torch.from_numpy(ids).to(self.model.device)
 
     def _reserve(self, request: EngineRequest, end: int, members: list[EngineRequest]) -> bool:
@@ -387,11 +385,15 @@ class EngineCore:
         """A forced request's prompt is computed: its first token's time, and under ``"lpm"`` its prompt cached for
         others while its forced answer runs."""
         if request.first_token_at is None:
-            if self.model.device.type == "cuda":
-                torch.cuda.synchronize(self.model.device)
+            self._synchronize()
             request.first_token_at = time.perf_counter()
         if self.policy == "lpm" and not request.prompt_inserted and request.forced:
             self._insert_prompt(request)
+
+    def _synchronize(self) -> None:
+        """Wait for the device's queued work, so a time read next is the time of the work, not of its launch."""
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
 
     def _insert_prompt(self, request: EngineRequest) -> bool:
         try:
@@ -417,8 +419,7 @@ class EngineCore:
         """All known tokens of ``request`` are computed: pick the next one, or finish."""
         sampling = request.sampling
         if sampling.max_new_tokens == 0:
-            if self.model.device.type == "cuda":
-                torch.cuda.synchronize(self.model.device)  # the prefill time is the time of the work, not its launch
+            self._synchronize()
             self._finish(request, "prefill")
             return
         # A request that ends with this token commits its prompt in this same step, before anyone else is admitted:

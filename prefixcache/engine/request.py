@@ -108,19 +108,19 @@ class EngineRequest:
     external_verdict: bool = False  # the caller, not on_token, decides after each sampled token (serial streams)
     first_token_at: float | None = None
 
-    def sequence_length(self) -> int:
-        """Known tokens: the prompt and the forced or generated ones."""
-        return len(self.prompt) + len(self.forced if self.forced is not None else self.generated)
+    @property
+    def answer(self) -> list[int]:
+        """The known tokens after the prompt: the forced ones, or those generated so far."""
+        return self.forced if self.forced is not None else self.generated
 
-    def token_at(self, index: int) -> int:
-        if index < len(self.prompt):
-            return self.prompt[index]
-        return (self.forced if self.forced is not None else self.generated)[index - len(self.prompt)]
+    def sequence_length(self) -> int:
+        """Known tokens: the prompt and :attr:`answer`."""
+        return len(self.prompt) + len(self.answer)
 
     def known_tokens(self) -> array:
         """The known tokens (see :meth:`sequence_length`), as the cache stores them."""
-        rest = self.forced if self.forced is not None else self.generated
-        return self.prompt_array + as_token_array(rest) if rest else self.prompt_array
+        answer = self.answer
+        return self.prompt_array + as_token_array(answer) if answer else self.prompt_array
 
     def num_new_tokens(self) -> int:
         """Tokens the request may add after its prompt: its forced tokens, or ``max_new_tokens``."""
