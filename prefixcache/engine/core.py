@@ -148,7 +148,12 @@ class EngineCore:
                     raise
                 logits = []
             for request, row, row_logits in zip(members, rows, logits, strict=False):
-                self._computed(request, row.token_ids.numel(), row_logits)
+                try:
+                    self._computed(request, row.token_ids.numel(), row_logits)
+                except BaseException as error:  # noqa: BLE001 - a pick's error fails its request, the others go on
+                    self._fail(request, error)
+                    if not isinstance(error, Exception):
+                        raise
         return self.has_work()
 
     def conclude(self, request: EngineRequest, stop: bool = False) -> None:

@@ -196,6 +196,11 @@ class LogitsPipeline:
         """Stages 7-9: unnormalized draw weights, and the order they are in (None: token order)."""
         params = self.params
         scaled = row.float() / params.temperature
+        if self._adjusting:
+            # A penalty or a bias can overflow a logit to +inf (repetition_penalty 1e-300), where softmax is NaN:
+            # the limit of the distribution is uniform over the overflowed ids.  No sync: one where on the device.
+            overflowed = torch.isposinf(scaled)
+            scaled = torch.where(overflowed.any(), torch.where(overflowed, 0.0, float("-inf")), scaled)
         if self._filtering:
             if params.min_p > 0:
                 probs = torch.softmax(scaled, dim=-1)
@@ -207,5 +212,6 @@ class LogitsPipeline:
         if params.top_p < 1:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < params.top_p
+            keep[0] = True  # a top_p below float32's smallest (5e-324 rounds to 0) still keeps the top token
             return sorted_probs * keep, order
         return probs, None
