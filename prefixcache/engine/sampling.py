@@ -75,9 +75,9 @@ class SamplingParams:
     penalties and temperature (see :meth:`~prefixcache.engine.logits.LogitsPipeline.logprobs` for why).
 
     Raises:
-        InvalidArgumentError: ``max_new_tokens < 0``, ``temperature`` negative or infinite, ``top_p`` outside (0, 1], ``top_k`` not
-            an int >= -1, ``min_p`` outside [0, 1], ``presence_penalty`` or ``frequency_penalty`` outside [-2, 2],
-            ``repetition_penalty`` not a finite number > 0, ``logit_bias`` not a mapping of non-negative int ids to
+        InvalidArgumentError: ``max_new_tokens < 0``, ``temperature`` negative or infinite, ``top_p`` outside (0, 1],
+            ``top_k`` not an int >= -1, ``min_p`` outside [0, 1], ``presence_penalty`` or ``frequency_penalty``
+            outside [-2, 2], ``repetition_penalty`` not a finite number > 0, ``logit_bias`` not a mapping of non-negative int ids to
             numbers in [-100, 100], ``min_tokens`` not an int in 0 .. ``max_new_tokens``, ``ignore_eos`` not a
             bool, ``stop_token_ids`` not a collection of non-negative ints, ``logprobs`` not None or an int in
             0 .. ``MAX_LOGPROBS``; a value of the wrong type.

@@ -45,9 +45,7 @@ def test_a_tiny_top_p_keeps_the_most_probable_token(tiny: LlamaModel) -> None:
 
 
 def test_a_penalty_that_overflows_a_logit_samples_among_the_overflowed(tiny: LlamaModel) -> None:
-    serial, batched = _both(
-        tiny, SamplingParams(max_new_tokens=3, temperature=1.0, repetition_penalty=1e-300, seed=2)
-    )
+    serial, batched = _both(tiny, SamplingParams(max_new_tokens=3, temperature=1.0, repetition_penalty=1e-300, seed=2))
     assert serial == batched
     assert all(t in PROMPT or t in serial for t in serial)  # only seen tokens' logits overflowed to +inf
 
