@@ -77,10 +77,10 @@ class SamplingParams:
     Raises:
         InvalidArgumentError: ``max_new_tokens < 0``, ``temperature`` negative or infinite, ``top_p`` outside (0, 1],
             ``top_k`` not an int >= -1, ``min_p`` outside [0, 1], ``presence_penalty`` or ``frequency_penalty``
-            outside [-2, 2], ``repetition_penalty`` not a finite number > 0, ``logit_bias`` not a mapping of non-negative int ids to
-            numbers in [-100, 100], ``min_tokens`` not an int in 0 .. ``max_new_tokens``, ``ignore_eos`` not a
-            bool, ``stop_token_ids`` not a collection of non-negative ints, ``logprobs`` not None or an int in
-            0 .. ``MAX_LOGPROBS``; a value of the wrong type.
+            outside [-2, 2], ``repetition_penalty`` not a finite number > 0, ``logit_bias`` not a mapping of
+            non-negative int ids to numbers in [-100, 100], ``min_tokens`` not an int in 0 .. ``max_new_tokens``,
+            ``ignore_eos`` not a bool, ``stop_token_ids`` not a collection of non-negative ints, ``logprobs`` not None
+            or an int in 0 .. ``MAX_LOGPROBS``; a value of the wrong type.
     """
 
     max_new_tokens: int = 32
@@ -112,8 +112,10 @@ class SamplingParams:
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
         ):
             raise InvalidArgumentError(f"seed must be None or an int in 0 .. 2**63 - 1, got {self.seed!r}")
-        if not 0 <= self.temperature < math.inf:  # inf: -inf / inf is NaN (min_tokens' masked stop tokens)
-            raise InvalidArgumentError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not self.temperature >= 0:
+            raise InvalidArgumentError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature == math.inf:  # -inf / inf is NaN (min_tokens' masked stop tokens)
+            raise InvalidArgumentError("temperature must be finite, got inf")
         if self.temperature != 0 and self.temperature < 1e-4:
             raise InvalidArgumentError(f"temperature must be 0 (greedy) or at least 1e-4, got {self.temperature}")
         if not 0 < self.top_p <= 1:
