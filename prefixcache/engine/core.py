@@ -98,6 +98,14 @@ class EngineCore:
         if policy not in POLICIES:
             raise InvalidArgumentError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.model, self.cache, self.pool, self.checks = model, cache, cache.pool, checks
+        self.recurrent = bool(getattr(model, "recurrent", False))
+        """The model has recurrent layers: its state is snapshot at the end of every prompt and every answer and
+        kept by the cache beside the K/V (:mod:`prefixcache.cache.resume`), and requests resume only there."""
+        if self.recurrent and not cache.resume_states:
+            raise InvalidArgumentError(
+                f"{getattr(model, 'name', type(model).__name__)} has recurrent layers: serve it with a "
+                "RadixCache(resume_states=True), which keeps their state snapshots"
+            )
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.policy = policy
@@ -266,8 +274,11 @@ class EngineCore:
             self._fail(request, error)
             return False
         request.position = request.lease.num_cached_tokens
+        if self.recurrent:
+            request.live.start_state = request.lease.resume_state
         if request.preemptions == 0:
             request.cached, request.copied = request.position, request.lease.num_copied_tokens
+            request.unresumed = request.lease.num_matched_tokens - request.position if self.recurrent else 0
             request.host_cached = request.lease.num_host_tokens
             request.logits_until = request.position  # the rows start at the first prefilled position, resumed or not
             request.live.capacity = len(request.prompt) + request.num_new_tokens()
@@ -347,7 +358,9 @@ class EngineCore:
         """Cache the tokens ``request`` has computed, free its blocks and queue it first, due, to resume."""
         try:
             if request.position:
-                self.cache.commit(request.lease, request.known_tokens()[: request.position])
+                self.cache.commit(
+                    request.lease, request.known_tokens()[: request.position], state=self._state_at(request)
+                )
             else:
                 self.cache.release(request.lease)
         except Exception:  # noqa: BLE001 - the tokens are only a cache hit to come: recompute them instead
@@ -392,7 +405,7 @@ class EngineCore:
         if request.first_token_at is None:
             self._synchronize()
             request.first_token_at = time.perf_counter()
-        if self.policy == "lpm" and not request.prompt_inserted and request.forced:
+        if (self.policy == "lpm" or self.recurrent) and not request.prompt_inserted and request.forced:
             self._insert_prompt(request)
 
     def _synchronize(self) -> None:
@@ -400,9 +413,17 @@ class EngineCore:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
 
+    def _state_at(self, request: EngineRequest) -> Any:
+        """A recurrent model's state after ``request.position`` tokens, for the cache to keep (a copy), else None:
+        the model has no recurrent layers, or the request's live state stands elsewhere."""
+        live = request.live
+        if not self.recurrent or live.data is None or live.num_tokens != request.position:
+            return None
+        return self.model.take_state(live)
+
     def _insert_prompt(self, request: EngineRequest) -> bool:
         try:
-            self.cache.insert_prefix(request.lease, request.prompt_array)
+            self.cache.insert_prefix(request.lease, request.prompt_array, state=self._state_at(request))
         except Exception as error:  # noqa: BLE001
             self._fail(request, error)
             return False
@@ -429,7 +450,9 @@ class EngineCore:
             return
         # A request that ends with this token commits its prompt in this same step, before anyone else is admitted:
         # inserting it first would only copy its partial block for nothing.
-        if self.policy == "lpm" and not request.prompt_inserted and sampling.max_new_tokens > 1:
+        # A recurrent model's state at the end of the prompt is a resume point worth keeping under any policy.
+        inserts = self.policy == "lpm" or self.recurrent
+        if inserts and not request.prompt_inserted and sampling.max_new_tokens > 1:
             if not self._insert_prompt(request):
                 return
         token = request.picker.pick(logits)
@@ -467,7 +490,9 @@ class EngineCore:
 
     def _finish(self, request: EngineRequest, reason: str) -> None:
         try:
-            insert = self.cache.commit(request.lease, request.known_tokens()[: request.position])
+            insert = self.cache.commit(
+                request.lease, request.known_tokens()[: request.position], state=self._state_at(request)
+            )
             if request.retention is not None:
                 priority, retain_s = request.retention
                 self.cache.retain(request.prompt_array, request.namespace, priority=priority, retain_s=retain_s)
@@ -486,6 +511,7 @@ class EngineCore:
             ttft_s=first - request.submitted_at,
             decode_s=now - first,
             host_cached_tokens=request.host_cached,
+            unresumed_tokens=request.unresumed,
         )
         logits = None
         if request.return_logits and request.prompt_logits:

@@ -98,6 +98,7 @@ class EngineRequest:
     cached: int = 0  # prompt tokens found cached at first admission (a resumption's hits are not the prompt's)
     copied: int = 0
     host_cached: int = 0
+    unresumed: int = 0  # prompt tokens matched but not resumable (a recurrent model's state was not kept there)
     preemptions: int = 0
     position: int = 0  # known tokens whose K/V are written
     generated: list[int] = field(default_factory=list)

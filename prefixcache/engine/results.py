@@ -21,7 +21,8 @@ class Usage:
     copied part), so ``cached_tokens + prefilled_tokens == prompt_tokens``.  ``ttft_s`` is the prefill time up to
     the first token's logits; ``decode_s`` the time after it (decode steps, or the teacher-forced tokens).
     ``host_cached_tokens`` of the cached tokens were promoted from the host-memory tier (0 without one); the rest
-    were on the device.
+    were on the device.  ``unresumed_tokens`` prompt tokens past ``cached_tokens`` matched the cache but could not
+    be resumed: a model with recurrent layers resumes only where a state snapshot was kept (0 for other models).
     """
 
     prompt_tokens: int
@@ -32,6 +33,7 @@ class Usage:
     ttft_s: float
     decode_s: float
     host_cached_tokens: int = 0
+    unresumed_tokens: int = 0
 
     def to_openai(self) -> dict[str, Any]:
         """OpenAI-style usage: ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
@@ -44,6 +46,7 @@ class Usage:
             "prefilled_tokens": self.prefilled_tokens,
             "copied_tokens": self.copied_tokens,
             "host_cached_tokens": self.host_cached_tokens,
+            "unresumed_tokens": self.unresumed_tokens,
             "ttft_s": self.ttft_s,
             "decode_s": self.decode_s,
         }

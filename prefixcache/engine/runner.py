@@ -38,6 +38,21 @@ __all__ = ["DEFAULT_CACHE_TOKENS", "ChatResult", "GenerationResult", "PrefixCach
 
 DEFAULT_CACHE_TOKENS = 1 << 16
 
+MIN_STATES = 16
+"""Recurrent-state snapshots the default state budget holds at least (:func:`state_budget`)."""
+
+
+def state_budget(model: CausalLM, pool: KVBlockPool, state_cache_memory: int | None) -> int:
+    """Bytes the cache may spend on a recurrent model's state snapshots: ``state_cache_memory`` when given, else a
+    quarter of the KV pool's bytes and at least ``MIN_STATES`` snapshots of ``model.state_bytes`` each.  SGLang sizes
+    its Mamba state pool apart from the KV pool the same way.  Raises InvalidArgumentError for a size that is not a
+    positive int."""
+    if state_cache_memory is not None:
+        if isinstance(state_cache_memory, bool) or not isinstance(state_cache_memory, int) or state_cache_memory < 1:
+            raise InvalidArgumentError(f"state_cache_memory must be a positive int (bytes), got {state_cache_memory!r}")
+        return state_cache_memory
+    return max(pool.nbytes // 4, MIN_STATES * int(getattr(model, "state_bytes", 0)), 1)
+
 
 class PrefixCachingRunner:
     """Runs a :class:`~prefixcache.models.base.CausalLM` through a :class:`~prefixcache.cache.radix_cache.RadixCache`.
@@ -57,6 +72,11 @@ class PrefixCachingRunner:
     ``host_cache_tokens`` or ``host_cache_memory`` (bytes) the cache gets a host-memory tier of that size
     (:mod:`prefixcache.cache.host_tier`): evicted blocks move there and come back when a prompt matches them.
 
+    A model with recurrent layers (``model.recurrent``: Qwen3-Next, Nemotron-H, Granite-4.0-H, MiniMax, Mamba-2
+    through :class:`~prefixcache.models.hf.HFCausalLM`) gets a cache that also keeps state snapshots at the end of
+    every prompt and answer (``RadixCache(resume_states=True)``), within ``state_cache_memory`` bytes
+    (:func:`state_budget`); a prompt resumes at the deepest kept snapshot of its match.
+
     Raises:
         InvalidArgumentError: more than one size given, or a bad size.
     """
@@ -75,6 +95,7 @@ class PrefixCachingRunner:
         max_retained_fraction: float = 0.5,
         host_cache_tokens: int | None = None,
         host_cache_memory: int | None = None,
+        state_cache_memory: int | None = None,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise InvalidArgumentError(f"model must implement the CausalLM protocol, got {type(model).__name__}")
@@ -99,12 +120,15 @@ class PrefixCachingRunner:
                     raise InvalidArgumentError(f"cache_tokens must be a positive int, got {tokens!r}")
                 num_blocks = -(-tokens // block_size) if isinstance(block_size, int) and block_size > 0 else 0
             self.pool = KVBlockPool(num_blocks, block_size, dtype=model.dtype, device=model.device, **shape)
+        recurrent = bool(getattr(model, "recurrent", False))
         self.cache = RadixCache(
             self.pool,
             policy,
             eviction_granularity=eviction_granularity,
             max_retained_fraction=max_retained_fraction,
             host_pool=host_pool_for(self.pool, host_cache_tokens, host_cache_memory),
+            resume_states=recurrent,
+            max_state_bytes=state_budget(model, self.pool, state_cache_memory) if recurrent else None,
         )
         self.checks = RequestChecks(model, self.tokenizer.name, self.pool)
         """Every request's checks and the fingerprint of its namespaces (see :class:`RequestChecks`)."""

@@ -150,19 +150,22 @@ class LiveKV:
     (copy) a buffer sized to the prompt.  Not thread-safe: one request, one thread.
     """
 
-    __slots__ = ("capacity", "data", "num_tokens")
+    __slots__ = ("capacity", "data", "num_tokens", "start_state")
 
     def __init__(self, capacity: int = 0) -> None:
         self.num_tokens = 0
         self.capacity = capacity
         self.data: Any = None
+        # A recurrent model's state snapshot at the position the next fill from the pool starts at (the cache's
+        # resume point, from the lease); None: the initial state.  Models without recurrent layers ignore it.
+        self.start_state: Any = None
 
     def room(self, end_pos: int) -> int:
         """Positions to allocate when a fill must hold ``end_pos``: ``capacity``, within ``end_pos .. 2 * end_pos``."""
         return max(end_pos, min(self.capacity, 2 * end_pos))
 
     def reset(self) -> None:
-        """Forget the live K/V (the next call refills from the pool)."""
+        """Forget the live K/V and recurrent state (the next call refills from the pool and ``start_state``)."""
         self.num_tokens = 0
         self.data = None
 

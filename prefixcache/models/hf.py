@@ -37,6 +37,7 @@ from prefixcache.models.base import (
     weights_version_of,
 )
 from prefixcache.models.hf_cache import PaddedBatch, growing_layer_class
+from prefixcache.models.hf_state import RecurrentState, StateLayout, restore_state, take_state
 from prefixcache.models.hf_support import check_supported, probe_kv_layout
 from prefixcache.models.linear import WeightPacks, large_cpu_linears, project, tall_skinny_linears
 
@@ -46,6 +47,9 @@ __all__ = ["TESTED_MODEL_TYPES", "HFCausalLM", "load_hf_model", "random_model_fr
 
 TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "gpt2"})
 """``config.model_type`` values whose exactness ``tests/models/test_hf.py`` checks; others log a warning."""
+
+UNBOUNDED_POSITIONS = 1 << 20
+"""``max_position`` of a model whose config sets none (no attention layers, no positions): a bound for checks."""
 
 # Elements sampled per parameter for the weight checksum of the fingerprint.
 _WEIGHT_SAMPLES = 64
@@ -77,7 +81,9 @@ class HFCausalLM:
             raise InvalidArgumentError(f"expected a transformers *ForCausalLM model, got {type(model).__name__}")
         self.model = model.eval()
         self.config = config
-        self._cache_kwarg = check_supported(model)
+        self.layout = StateLayout.of(model)
+        self._cache_kwarg = check_supported(model, self.layout)
+        self._takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         if _output_embeddings(model) is None:
             raise UnsupportedModelError(
                 f"{type(model).__name__} has no LM head (get_output_embeddings() is None); wrap the *ForCausalLM "
@@ -87,9 +93,18 @@ class HFCausalLM:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._resolve_head()
         self._head_packs = WeightPacks() if pack_head else None  # the LM head's oneDNN copy, batched CPU decode
-        self.num_layers = int(config.num_hidden_layers)
-        self.num_kv_heads, self.head_dim = probe_kv_layout(model, self._cache_kwarg)
-        self.max_position = int(config.max_position_embeddings)
+        # The pool holds the K/V layers only (layout.kv_layers[i] in pool layer i); a model with none (pure Mamba-2)
+        # gets a one-element placeholder per token that nothing reads.
+        self.num_layers = len(self.layout.kv_layers) or 1
+        if self.layout.kv_layers:
+            self.num_kv_heads, self.head_dim = probe_kv_layout(
+                model, self._cache_kwarg, self.layout.kv_layers, self._new_cache(1)
+            )
+        else:
+            self.num_kv_heads, self.head_dim = 1, 1
+        self.state_bytes = self._probe_state_bytes() if self.layout.recurrent else 0
+        # A model without attention (pure Mamba-2) has no position limit of its own: 2**20 tokens then.
+        self.max_position = int(getattr(config, "max_position_embeddings", None) or UNBOUNDED_POSITIONS)
         self._fingerprint: str | None = None
         self._droppers: list[torch.nn.Module] = []  # the modules _check_eval watches (see there)
         self._droppers_version: int | None = None
@@ -145,7 +160,34 @@ class HFCausalLM:
     @property
     def name(self) -> str:
         """Class name and size, for reports: ``"Qwen2ForCausalLM(4 layers)"``."""
-        return f"{type(self.model).__name__}({self.num_layers} layers)"
+        return f"{type(self.model).__name__}({self.config.num_hidden_layers} layers)"
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether some layers carry a recurrent state (linear attention, SSM): a cached prefix then resumes only at
+        a position where a :class:`~prefixcache.models.hf_state.RecurrentState` was kept (:meth:`take_state`)."""
+        return self.layout.recurrent
+
+    def take_state(self, live: LiveKV) -> RecurrentState:
+        """A snapshot (copies) of the recurrent layers' state in ``live``, standing after ``live.num_tokens`` tokens;
+        what the cache keeps on a tree node for later requests to resume from.  ``nbytes`` of it equals
+        :attr:`state_bytes`.  Raises InvalidArgumentError when the model has no recurrent layers or ``live`` holds
+        no cache."""
+        if not self.layout.recurrent:
+            raise InvalidArgumentError(f"{self.name} has no recurrent layers: there is no state to take")
+        if not isinstance(live, LiveKV) or live.data is None:
+            raise InvalidArgumentError("take_state needs the LiveKV of a request whose forward has run")
+        return take_state(live.data, self.layout, live.num_tokens)
+
+    def _probe_state_bytes(self) -> int:
+        """Bytes of one state snapshot, from a one-token forward into a fresh live cache (one forward of one token)."""
+        live = LiveKV()
+        with torch.inference_mode():
+            cache = self._cache_from_pool(live, None, None, 0, 1)
+            ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+            self.model(**self._inputs(input_ids=ids, position_ids=ids), use_cache=True, **{self._cache_kwarg: cache})
+        live.num_tokens = 1
+        return take_state(cache, self.layout, 1).nbytes
 
     def weights_version(self) -> int:
         """Sum of the version counters and storage addresses of the parameters and buffers: moves on every in-place
@@ -231,7 +273,9 @@ class HFCausalLM:
         flat = _flat(kv)
         cache = live.data if reuse else self._cache_from_pool(live, kv, table, start_pos, end_pos)
         try:
-            logits = self._logits(cache, return_logits, input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0))
+            logits = self._logits(
+                cache, return_logits, **self._inputs(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0))
+            )
             new_slots = table[positions // block_size] * block_size + positions % block_size
             flat.index_copy_(2, new_slots, self._new_kv(cache, start_pos, end_pos))
         except BaseException:
@@ -264,11 +308,14 @@ class HFCausalLM:
             groups.setdefault(ids.numel(), []).append(index)
         logits: list[torch.Tensor] = [torch.empty(0)] * len(rows)
         for members in groups.values():
-            if len(members) == 1:
-                row = rows[members[0]]
-                logits[members[0]] = self.forward_cached(
-                    row.token_ids, row.start_pos, kv, row.block_table, live=row.live
-                )
+            if len(members) == 1 or self.layout.recurrent:
+                # A recurrent model's rows run one by one: their states are per row, and the padded batch's gap
+                # would run through the recurrent layers.
+                for index in members:
+                    row = rows[index]
+                    logits[index] = self.forward_cached(
+                        row.token_ids, row.start_pos, kv, row.block_table, live=row.live
+                    )
                 continue
             group_rows = [rows[i] for i in members]
             try:
@@ -356,24 +403,45 @@ class HFCausalLM:
         positions = torch.arange(ids.numel(), device=self.device)
         keep = ids.numel() - logits_from if return_logits else 1
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
-        out = self.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False, **kwargs)
+        inputs = self._inputs(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0))
+        out = self.model(**inputs, use_cache=False, **kwargs)
         # A model without logits_to_keep returns every position: keep the asked ones.
         return out.logits[0, -keep:].float()
 
+    def _inputs(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``inputs`` less ``position_ids`` for a forward that takes none (Mamba-2: no attention, no positions)."""
+        if not self._takes_positions:
+            inputs.pop("position_ids", None)
+        return inputs
+
     def _cache_from_pool(
-        self, live: LiveKV | None, kv: torch.Tensor, table: torch.Tensor, start_pos: int, end_pos: int
+        self, live: LiveKV | None, kv: torch.Tensor | None, table: torch.Tensor | None, start_pos: int, end_pos: int
     ) -> Any:
         """A new cache (capacity ``end_pos``, or ``live.room(end_pos)``) holding positions
-        ``0 .. start_pos - 1`` gathered from the pool (a copy); it becomes ``live``'s cache when ``live`` is given."""
+        ``0 .. start_pos - 1`` gathered from the pool (a copy); it becomes ``live``'s cache when ``live`` is given.
+        A recurrent model's state layers start from ``live.start_state``, which must stand at ``start_pos``
+        (InvalidArgumentError otherwise: K/V alone cannot resume a recurrent layer)."""
+        layout = self.layout
+        state = None
+        if layout.recurrent and start_pos:
+            state = live.start_state if live is not None else None
+            if not isinstance(state, RecurrentState) or state.position != start_pos:
+                where = "none" if state is None else f"one at {getattr(state, 'position', '?')}"
+                raise InvalidArgumentError(
+                    f"{self.name} has recurrent layers: resuming at position {start_pos} needs their state snapshot "
+                    f"there (LiveKV.start_state), got {where}"
+                )
         cache = self._new_cache(live.room(end_pos) if live is not None else end_pos)
-        if start_pos:
+        if start_pos and layout.kv_layers:
             prefix = torch.arange(start_pos, device=self.device)
             block_size = kv.shape[3]
             slots = table[prefix // block_size] * block_size + prefix % block_size
             # index_select copies; [L, 2, start_pos, H_kv, D] -> per layer [1, H_kv, start_pos, D] (HF layout).
             rows = _flat(kv).index_select(2, slots).transpose(2, 3).unsqueeze(2)
-            for layer in range(self.num_layers):
-                cache.update(rows[layer, 0], rows[layer, 1], layer)
+            for pool_layer, layer in enumerate(layout.kv_layers):
+                cache.update(rows[pool_layer, 0], rows[pool_layer, 1], layer)
+        if state is not None:
+            restore_state(cache, layout, state)
         if live is not None:
             live.data, live.num_tokens = cache, start_pos
         return cache
@@ -400,19 +468,37 @@ class HFCausalLM:
         return {"logits_to_keep": 0 if return_logits else 1} if self._keeps_logits else {}
 
     def _new_cache(self, capacity: int) -> Any:
-        """A ``DynamicCache`` whose layers append into buffers of ``capacity`` positions, grown by doubling."""
+        """A ``DynamicCache`` whose K/V layers append into buffers of ``capacity`` positions, grown by doubling; a
+        recurrent model's state layers are the fresh ones transformers builds for its config (MiniMax: its own
+        ``MiniMaxCache``, lightning-attention layers kept in ``linear_cache``)."""
         from transformers import DynamicCache
+        from transformers.cache_utils import DummyLayer
 
-        cache = DynamicCache(config=self.config)
-        cache.layers = [growing_layer_class()(capacity) for _ in cache.layers]
+        layout = self.layout
+        if layout.minimax_layers:
+            from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+            cache = MiniMaxCache()
+            cache.layer_class_to_replicate = None
+            cache.layers = [DummyLayer() for _ in range(layout.num_layers)]
+            cache.linear_cache = [None] * layout.num_layers
+        else:
+            cache = DynamicCache(config=self.config)
+        grow = growing_layer_class()
+        for index in layout.kv_layers:
+            cache.layers[index] = grow(capacity)
         return cache
 
     def _new_kv(self, cache: Any, start_pos: int, end_pos: int, batch: int | None = None) -> torch.Tensor:
         """K/V of positions ``start_pos .. end_pos - 1`` from ``cache`` as ``[num_layers, 2, n, H_kv, D]``, or with
         ``batch`` rows as ``[num_layers, 2, batch, n, H_kv, D]``."""
         want = (batch or 1, self.num_kv_heads, end_pos, self.head_dim)
+        if not self.layout.kv_layers:  # the placeholder pool of a model without attention layers
+            shape = (1, 2, end_pos - start_pos, 1, 1) if batch is None else (1, 2, batch, end_pos - start_pos, 1, 1)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
         rows = []
-        for index, layer in enumerate(cache.layers):
+        for index in self.layout.kv_layers:
+            layer = cache.layers[index]
             if tuple(layer.keys.shape) != want or tuple(layer.values.shape) != want:
                 raise UnsupportedModelError(
                     f"{type(self.model).__name__} layer {index} cached K {tuple(layer.keys.shape)} and V "

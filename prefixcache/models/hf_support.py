@@ -8,23 +8,27 @@ depend on the call's length, forwards without a cache or ``position_ids`` argume
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from prefixcache.errors import UnsupportedModelError
 
+if TYPE_CHECKING:
+    from prefixcache.models.hf_state import StateLayout
+
 __all__ = ["check_supported", "probe_kv_layout"]
 
 # Model types whose state is not (only) per-token K/V, for a clear message even where DynamicCache cannot say so.
-_RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma"})
+_RECURRENT_MODEL_TYPES = frozenset({"mamba", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma"})
 
 # Rotary scalings that pick frequencies from the longest position of each forward call (not prefix-stable).
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
-def check_supported(model: Any) -> str:
-    """Raise UnsupportedModelError unless every layer is full attention with a plain K/V cache.
+def check_supported(model: Any, layout: StateLayout) -> str:
+    """Raise UnsupportedModelError unless every layer is full attention with a plain K/V cache, a recurrent layer
+    whose state ``layout`` can snapshot, or a layer that keeps nothing.
 
     Returns the name of the forward's cache argument (``cache`` in transformers >= 5.x, else ``past_key_values``).
     """
@@ -64,7 +68,8 @@ def check_supported(model: Any) -> str:
             f"{'...' if len(sliding) > 8 else ''} (layer types {sorted(set(layer_types))}); a prefix cache of "
             "full per-token K/V would attend beyond the window, so cached logits would not be exact"
         )
-    other = [i for i, layer in enumerate(probe.layers) if type(layer) is not DynamicLayer]
+    # The layout refused layers of unknown kinds; its K/V layers must keep plain per-token K/V.
+    other = [i for i in layout.kv_layers if type(probe.layers[i]) is not DynamicLayer]
     if other:
         kinds = sorted({type(probe.layers[i]).__name__ for i in other})
         raise UnsupportedModelError(
@@ -78,14 +83,16 @@ def check_supported(model: Any) -> str:
         )
     params = inspect.signature(model.forward).parameters
     cache_kwarg = next((name for name in ("cache", "past_key_values") if name in params), None)
-    if cache_kwarg is None or "position_ids" not in params:
+    if cache_kwarg is None or ("position_ids" not in params and layout.kv_layers):
         raise UnsupportedModelError(f"{arch}.forward takes no cache or no position_ids; cannot prefill a suffix")
-    if getattr(config, "max_position_embeddings", None) is None:
+    if getattr(config, "max_position_embeddings", None) is None and layout.kv_layers:
         raise UnsupportedModelError(f"{arch} config has no max_position_embeddings")
     return cache_kwarg
 
 
-def probe_kv_layout(model: Any, cache_kwarg: str) -> tuple[int, int]:
+def probe_kv_layout(
+    model: Any, cache_kwarg: str, kv_layers: tuple[int, ...] | None = None, cache: Any = None
+) -> tuple[int, int]:
     """``(num_kv_heads, head_dim)`` the model's layers really store, read from a one-token forward into a fresh cache.
 
     The config cannot always say: Falcon's multi-query attention keeps one K/V head whatever its config fields are,
@@ -95,7 +102,8 @@ def probe_kv_layout(model: Any, cache_kwarg: str) -> tuple[int, int]:
     """
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    if cache is None:
+        cache = DynamicCache(config=model.config)
     ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     try:
@@ -105,9 +113,10 @@ def probe_kv_layout(model: Any, cache_kwarg: str) -> tuple[int, int]:
         raise UnsupportedModelError(
             f"{type(model).__name__} failed a one-token forward with a cache: {type(error).__name__}: {error}"
         ) from error
+    layers = cache.layers if kv_layers is None else [cache.layers[i] for i in kv_layers]
     shapes = {
         (tuple(layer.keys.shape), tuple(layer.values.shape)) if getattr(layer, "keys", None) is not None else None
-        for layer in cache.layers
+        for layer in layers
     }
     if len(shapes) != 1 or None in shapes:
         raise UnsupportedModelError(

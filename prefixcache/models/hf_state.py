@@ -1,0 +1,163 @@
+"""Recurrent state of hybrid Hugging Face models: which layers keep per-token K/V, which keep a fixed-size state, and
+snapshots of that state a later request resumes from (extra ``prefixcache[hf]``).
+
+Hybrid decoders (Qwen3-Next's Gated DeltaNet, Nemotron-H's and Granite-4.0-H's Mamba-2 mixers, MiniMax's lightning
+attention, pure Mamba-2) carry, in their linear-attention / SSM layers, a state of fixed size that sums up every
+token so far: a convolution window (``[batch, channels, kernel]``) and a recurrent state (e.g. ``[batch, heads,
+head_k_dim, head_v_dim]``).  Unlike K/V it cannot be cut at an arbitrary position, so a cached prefix resumes only
+where a snapshot of every such layer was kept (SGLang's MambaRadixCache keeps them on radix-tree nodes; vLLM caches
+them at block boundaries).  :class:`StateLayout` reads the model's layer kinds from the cache transformers builds
+for its config; :class:`RecurrentState` is one snapshot (cloned tensors, immutable once taken); :func:`take_state`
+and :func:`restore_state` move states between a live transformers cache and a snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prefixcache.errors import UnsupportedModelError
+
+__all__ = ["RecurrentState", "StateLayout", "restore_state", "take_state"]
+
+
+@dataclass(frozen=True, slots=True)
+class StateLayout:
+    """The kinds of a model's cache layers, by layer index.
+
+    ``kv_layers``: layers that keep per-token K/V (full, sliding or chunked attention), in order; the pool's layer
+    ``i`` holds layer ``kv_layers[i]``.  ``state_layers``: linear-attention / SSM layers (a transformers
+    ``LinearAttentionLayer``), whose conv and recurrent states a snapshot holds.  ``minimax_layers``: MiniMax's
+    lightning-attention layers, whose state lives in ``MiniMaxCache.linear_cache``.  Layers in none of them keep
+    nothing (an MLP-only layer of Nemotron-H: transformers' ``DummyLayer``).
+    """
+
+    num_layers: int
+    kv_layers: tuple[int, ...]
+    state_layers: tuple[int, ...]
+    minimax_layers: tuple[int, ...] = ()
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether any layer keeps a recurrent state (the model resumes only where a snapshot was kept)."""
+        return bool(self.state_layers or self.minimax_layers)
+
+    @staticmethod
+    def of(model: Any) -> StateLayout:
+        """Read the layout from the cache transformers builds for ``model.config`` (``DynamicCache(config=...)``).
+
+        Raises UnsupportedModelError for a layer that keeps both a linear-attention state and K/V (transformers'
+        ``hybrid`` layer type, Zamba / Falcon-H1) or any other kind of cache layer.
+        """
+        from transformers import DynamicCache
+        from transformers.cache_utils import DummyLayer, DynamicLayer, LinearAttentionCacheLayerMixin
+
+        config = model.config
+        arch = type(model).__name__
+        try:
+            probe = DynamicCache(config=config)
+        except Exception as error:  # noqa: BLE001 - any failure here means the cache layout is not one we understand
+            raise UnsupportedModelError(f"cannot build a KV cache for {arch}: {error}") from None
+        kv, state, minimax, other = [], [], [], []
+        for index, layer in enumerate(probe.layers):
+            linear = isinstance(layer, LinearAttentionCacheLayerMixin)
+            if linear and isinstance(layer, DynamicLayer):
+                other.append(index)
+            elif linear:
+                (minimax if config.model_type == "minimax" else state).append(index)
+            elif isinstance(layer, DynamicLayer):
+                kv.append(index)
+            elif not isinstance(layer, DummyLayer):
+                other.append(index)
+        if other:
+            kinds = sorted({type(probe.layers[i]).__name__ for i in other})
+            raise UnsupportedModelError(
+                f"{arch} has cache layers of kinds {kinds} (layers {other[:8]}{'...' if len(other) > 8 else ''}) "
+                "that keep both a recurrent state and K/V, or neither in a form prefixcache knows; they cannot be "
+                "restored from a KV pool and state snapshots"
+            )
+        if probe.layers and len(probe.layers) != config.num_hidden_layers:
+            raise UnsupportedModelError(
+                f"{arch} has {config.num_hidden_layers} layers but {len(probe.layers)} cache layers; cannot map them"
+            )
+        return StateLayout(len(probe.layers), tuple(kv), tuple(state), tuple(minimax))
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class RecurrentState:
+    """The recurrent state of every state layer after the first ``position`` tokens of a sequence; read-only.
+
+    ``layers`` maps a cache layer index to that layer's tensors: for a transformers ``LinearAttentionLayer``, a pair
+    of tuples ``(conv states, recurrent states)`` (one entry per state index, None where the layer keeps none); for
+    MiniMax, ``(linear_cache,)``.  Shapes are the model's, batch 1 (Qwen3-Next: conv ``[1, conv_dim, kernel]``,
+    recurrent ``[1, v_heads, head_k_dim, head_v_dim]``).  ``nbytes`` is their total size in bytes, what the cache's
+    state budget counts.  Resuming copies the tensors (the live cache updates its states in place).
+    """
+
+    position: int
+    layers: dict[int, tuple[Any, ...]]
+    nbytes: int
+
+    def __repr__(self) -> str:
+        return f"RecurrentState(position={self.position}, layers={len(self.layers)}, nbytes={self.nbytes})"
+
+
+def _clone(tensors: dict[int, torch.Tensor | None], initialized: dict[int, bool]) -> tuple[torch.Tensor | None, ...]:
+    return tuple(
+        tensors[i].detach().clone() if initialized[i] and tensors[i] is not None else None for i in sorted(tensors)
+    )
+
+
+def take_state(cache: Any, layout: StateLayout, position: int) -> RecurrentState:
+    """A snapshot (copies) of the state layers of the live transformers ``cache``, standing after ``position`` tokens.
+
+    Raises UnsupportedModelError when a state layer holds no state yet (its forward has not run) while
+    ``position > 0``: a snapshot would not resume the sequence.
+    """
+    layers: dict[int, tuple[Any, ...]] = {}
+    nbytes = 0
+    for index in layout.state_layers:
+        layer = cache.layers[index]
+        if position and not any(layer.has_previous_state.values()):
+            raise UnsupportedModelError(f"state layer {index} holds no state after {position} tokens")
+        conv = _clone(layer.conv_states, layer.is_conv_states_initialized)
+        recurrent = _clone(layer.recurrent_states, layer.is_recurrent_states_initialized)
+        layers[index] = (conv, recurrent)
+        nbytes += sum(t.numel() * t.element_size() for t in (*conv, *recurrent) if t is not None)
+    for index in layout.minimax_layers:
+        linear = cache.linear_cache[index] if index < len(cache.linear_cache) else []
+        if not isinstance(linear, torch.Tensor):
+            if position:
+                raise UnsupportedModelError(f"MiniMax layer {index} holds no state after {position} tokens")
+            layers[index] = (None,)
+            continue
+        layers[index] = (linear.detach().clone(),)
+        nbytes += linear.numel() * linear.element_size()
+    return RecurrentState(position, layers, nbytes)
+
+
+def restore_state(cache: Any, layout: StateLayout, state: RecurrentState) -> None:
+    """Load copies of ``state``'s tensors into the state layers of the fresh live transformers ``cache``, so that its
+    next forward continues from ``state.position`` exactly as the cache that was snapshot would have."""
+    for index in layout.state_layers:
+        layer = cache.layers[index]
+        conv, recurrent = state.layers[index]
+        for i, tensor in enumerate(conv):
+            if tensor is not None:
+                layer.conv_states[i] = tensor.clone()
+                layer.conv_kernel_size[i] = tensor.shape[-1]
+                layer.is_conv_states_initialized[i] = True
+                layer.has_previous_state[i] = True
+                layer.dtype, layer.device = tensor.dtype, tensor.device
+        for i, tensor in enumerate(recurrent):
+            if tensor is not None:
+                layer.recurrent_states[i] = tensor.clone()
+                layer.is_recurrent_states_initialized[i] = True
+                layer.has_previous_state[i] = True
+                layer.dtype, layer.device = tensor.dtype, tensor.device
+    for index in layout.minimax_layers:
+        (linear,) = state.layers[index]
+        if linear is not None:
+            cache.set_linear_cache(index, linear.clone())
