@@ -15,6 +15,10 @@ layers, measured side by side in one process, repeats interleaved, medians:
   :class:`~prefixcache.engine.batching.BatchEngine` with ``policy="lpm"`` (the system prompt prefilled once) and with
   ``policy="fcfs"`` (every session prefills it): prefilled tokens and wall time.
 
+- a hybrid model (Qwen3-Next's layout: Gated DeltaNet layers beside softmax attention, random weights): warm TTFT
+  resuming the cached prefix from its recurrent-state snapshot, against the model's own uncached forward of the
+  whole prompt and against its own forward of the suffix on a copy of a cache that holds the prefix.
+
 - paged attention (:mod:`prefixcache.models.paged_attention`) on the embedded model: decode time per token reading
   the pool through the block table against the gather of the prefix out of the pool, logits checked equal.
 
@@ -132,6 +136,27 @@ class EngineSetup:
     batch_new_tokens: int = 32
     cold_repeats: tuple[int, ...] = (2, 2)
     batch_repeats: int = 2
+    hybrid_tokens: int = 2048
+    hybrid_sizes: tuple[tuple[str, object], ...] = (
+        ("hidden_size", 512),
+        ("num_hidden_layers", 8),
+        (
+            "layer_types",
+            ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + ("full_attention",),
+        ),
+        ("linear_num_value_heads", 8),
+        ("linear_num_key_heads", 4),
+        ("linear_key_head_dim", 64),
+        ("linear_value_head_dim", 64),
+        ("num_attention_heads", 8),
+        ("num_key_value_heads", 2),
+        ("head_dim", 64),
+        ("num_experts", 8),
+        ("moe_intermediate_size", 256),
+        ("shared_expert_intermediate_size", 256),
+        ("vocab_size", 4096),
+        ("max_position_embeddings", 4096),
+    )
 
 
 FULL = EngineSetup(
@@ -154,6 +179,8 @@ QUICK = EngineSetup(
     batch_preset="tiny",
     batch_system_tokens=200,
     batch_new_tokens=8,
+    hybrid_tokens=256,
+    hybrid_sizes=(),
 )
 
 
@@ -237,6 +264,51 @@ def measure_cold(model, length: int, repeats: int) -> dict:
         "ours_s": statistics.median(ours),
         "model_s": statistics.median(theirs),
         **_ratio_spread([a / b for a, b in zip(ours, theirs, strict=True)]),
+    }
+
+
+@torch.inference_mode()
+def measure_hybrid(setup: EngineSetup, device: torch.device | str = "cpu") -> dict:
+    """Warm TTFT of a hybrid model (Qwen3-Next layout) through the runner, which resumes the cached prefix from its
+    recurrent-state snapshot, against the model's own uncached forward of the whole prompt and its own forward of
+    the suffix on a copy of a transformers cache holding the prefix; seconds, medians, greedy tokens checked equal."""
+    from transformers import AutoModelForCausalLM
+
+    from prefixcache.models.hf import HFCausalLM
+    from prefixcache.models.hf_tiny import tiny_hf_config
+
+    sizes = {key: list(value) if isinstance(value, tuple) else value for key, value in setup.hybrid_sizes}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = HFCausalLM(AutoModelForCausalLM.from_config(tiny_hf_config("qwen3_next", **sizes)).eval().to(device))
+    prefix = _ids(model, setup.hybrid_tokens - WARM_SUFFIX_TOKENS, seed=300)
+    runner = _runner(model, setup.hybrid_tokens + setup.repeats * WARM_SUFFIX_TOKENS)
+    runner.prefill(prefix)
+    prefilled = model._new_cache(setup.hybrid_tokens)
+    _own_forward(model, prefix, prefilled)
+    ours, uncached, suffix_only = [], [], []
+    for rep in range(setup.repeats):
+        suffix = _ids(model, WARM_SUFFIX_TOKENS, seed=400 + rep)
+        cache = copy.deepcopy(prefilled)
+        ttft, _, result = timed_runner_call(runner, prefix + suffix, SamplingParams(max_new_tokens=1))
+        seconds, token = _own_forward(model, prefix + suffix)
+        own_seconds, own_token = _own_forward(model, suffix, cache)
+        if result.usage.cached_tokens != len(prefix):
+            raise AssertionError(f"hybrid warm run resumed {result.usage.cached_tokens} tokens, expected {len(prefix)}")
+        if not token == own_token == result.token_ids[0]:
+            raise AssertionError(f"hybrid warm prefill: runner {result.token_ids[0]}, model {token} / {own_token}")
+        ours.append(ttft)
+        uncached.append(seconds)
+        suffix_only.append(own_seconds)
+    return {
+        "model": model.name,
+        "tokens": setup.hybrid_tokens,
+        "suffix": WARM_SUFFIX_TOKENS,
+        "state_bytes": model.state_bytes,
+        "kv_bytes_per_token": 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4,
+        "ours_s": statistics.median(ours),
+        "uncached_s": statistics.median(uncached),
+        "suffix_s": statistics.median(suffix_only),
     }
 
 
@@ -487,6 +559,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
         batching = [measure_batching(setup, device=where), measure_batching(setup, model)]
         shared = measure_shared_prefill(setup)
         paged = [measure_paged(setup, c, where) for c in setup.decode_contexts]
+        hybrid = measure_hybrid(setup, where)
     rows = []
     for c in cold:
         rows.append(
@@ -552,6 +625,16 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
                 *_cells(p["paged_s"], p["gather_s"]),
             )
         )
+    tokens = f"{hybrid['tokens']:,} ({hybrid['suffix']} new)"
+    for key, baseline in (("uncached_s", "model forward, no cache"), ("suffix_s", "model forward of the suffix")):
+        rows.append(
+            (
+                "hybrid warm TTFT (ms)",
+                tokens,
+                f"{baseline} ({hybrid['model']}, Qwen3-Next layout)",
+                *_cells(hybrid["ours_s"], hybrid[key]),
+            )
+        )
     shape = f"{model.name}, hidden {model.config.hidden_size}, vocab {model.vocab_size:,}"
     table = Table(
         title=(
@@ -571,6 +654,9 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
             "shared uncached prefix prefilled once) vs fcfs; wall time, not thread CPU time",
             "'paged attention': forward_cached reading the pool through the block table (flex_attention; eager, "
             "unfused on the CPU), logits checked equal to the gather path's",
+            f"'hybrid': the prefix resumes from a {hybrid['state_bytes']:,}-byte recurrent-state snapshot kept at its "
+            f"end plus {hybrid['kv_bytes_per_token']:,} bytes of K/V per token (attention layers only); transformers' "
+            "linear-attention kernels fall back to PyTorch here",
         ),
     )
     data = {
@@ -582,6 +668,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
         "batching": batching,
         "shared_prefill": shared,
         "paged": paged,
+        "hybrid": hybrid,
     }
     return BenchResult("engine", (table,), data)
 
