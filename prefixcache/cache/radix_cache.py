@@ -532,9 +532,9 @@ class RadixCache:
 
         ``identity`` (e.g. model and tokenizer fingerprints) is stored for :meth:`restore` to check;
         ``keep_namespace`` picks the namespaces saved (all when None).  With a host tier its runs are saved too
-        (:mod:`prefixcache.cache.host_snapshot`).  Recurrent states are not saved.  Changes nothing in the cache (no access time,
-        counter or block moves); the mutex is held while the tree and its K/V are copied, not while files are written.
-        O(cached tokens) plus the copy and the write of the saved blocks.
+        (:mod:`prefixcache.cache.host_snapshot`); recurrent states are not.  Changes nothing in the cache (no access
+        time, counter or block moves); the mutex is held while the tree and its K/V are copied, not while files are
+        written.  O(cached tokens) plus the copy and the write of the saved blocks.
 
         Raises:
             SnapshotWriteError: a write failed (also an OSError; the previous snapshot stays current).
@@ -721,11 +721,7 @@ def _check_resume_options(resume_states: object, max_state_bytes: object, host_p
         if max_state_bytes is not None:
             raise InvalidArgumentError("max_state_bytes is the budget of recurrent states: give resume_states=True")
         return
-    if (
-        isinstance(max_state_bytes, bool)
-        or not isinstance(max_state_bytes, (int, np.integer))
-        or max_state_bytes < 0
-    ):
+    if isinstance(max_state_bytes, bool) or not isinstance(max_state_bytes, (int, np.integer)) or max_state_bytes < 0:
         raise InvalidArgumentError(
             f"resume_states=True needs max_state_bytes, a non-negative int of bytes, got {max_state_bytes!r}"
         )
