@@ -18,6 +18,7 @@ from prefixcache.cache import (
     MatchResult,
     RadixCache,
     SnapshotSummary,
+    StateMarker,
 )
 from prefixcache.engine import ChatResult, GenerationResult, PrefixCachingRunner, SamplingParams, Usage
 from prefixcache.errors import (
@@ -72,6 +73,7 @@ __all__ = [
     "SnapshotNotFoundError",
     "SnapshotWriteError",
     "SnapshotSummary",
+    "StateMarker",
     "TemplateError",
     "UnsupportedModelError",
     "Usage",

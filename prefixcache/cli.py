@@ -120,6 +120,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-cache-tokens", type=parse_count, help="host-memory tier in tokens for evicted blocks (default none)"
     )
     host.add_argument("--host-cache-memory", type=parse_size, help="host-memory tier in bytes of KV, e.g. 4GiB")
+    recurrent = replay.add_argument_group("recurrent models (with --no-model)")
+    recurrent.add_argument(
+        "--state-bytes",
+        type=parse_size,
+        metavar="BYTES",
+        help="model a hybrid/recurrent model whose state snapshot costs BYTES: a prefix resumes only where a state "
+        "is kept (the end of every prompt and answer), e.g. 145MiB",
+    )
+    recurrent.add_argument(
+        "--state-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --state-bytes: also keep a state every N blocks inside prompts (default 0: none)",
+    )
+    recurrent.add_argument(
+        "--max-state-bytes",
+        type=parse_size,
+        metavar="BYTES",
+        help="with --state-bytes: budget of the kept states, least recently used evicted (default: unlimited)",
+    )
     replay.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="eviction policy (default lru)")
     replay.add_argument("--verify", action="store_true", help="check every request against the no-cache reference")
     replay.add_argument(
@@ -321,6 +342,10 @@ def _run_replay(args: argparse.Namespace) -> int:
         cache_memory=args.cache_memory,
         verify=args.verify,
         host_cache_memory=args.host_cache_memory,
+        state_bytes=args.state_bytes,
+        state_every=args.state_every,
+        max_state_bytes=args.max_state_bytes,
+        host_tier=args.host_cache_tokens is not None or args.host_cache_memory is not None,
     )
     _check_outputs(args)
     try:
@@ -339,6 +364,9 @@ def _run_replay(args: argparse.Namespace) -> int:
         explain=args.explain,
         host_cache_tokens=args.host_cache_tokens,
         host_cache_memory=args.host_cache_memory,
+        state_bytes=args.state_bytes,
+        state_every=args.state_every,
+        max_state_bytes=args.max_state_bytes,
     )
     replayer.check_pool_memory()
     try:

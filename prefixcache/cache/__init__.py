@@ -12,6 +12,7 @@ from prefixcache.cache.host_tier import make_host_pool
 from prefixcache.cache.locks import LockHandle
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.cache.resume import StateMarker
 from prefixcache.cache.snapshot import SnapshotSummary
 from prefixcache.cache.stats import CacheStats
 from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult
@@ -32,5 +33,6 @@ __all__ = [
     "MatchResult",
     "RadixCache",
     "SnapshotSummary",
+    "StateMarker",
     "make_host_pool",
 ]

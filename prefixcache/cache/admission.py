@@ -27,6 +27,11 @@ allocates, counts such blocked seams as blocks it can get back, and when only th
 every unlocked node first (allocation would have evicted them all anyway).  A seam is left only while another
 running request locks the parent's copy or the sibling sharing it; then that request is running, and the guarantee
 is for a pool with nothing else running.
+
+Resume points.  A cache of a recurrent (hybrid or state-space) model resumes a prefix only where a state is kept
+(:mod:`prefixcache.cache.resume`): with ``states`` set, :meth:`Admission.acquire` ends the match at the deepest kept
+state at or before the longest token match, and :meth:`Admission.commit`, :meth:`Admission.insert_prefix` and
+:meth:`Admission.put_state` keep the states a request hands over.  Without, each of them pays one test.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidToken
 
 if TYPE_CHECKING:
     from prefixcache.cache.host_tier import HostTier
+    from prefixcache.cache.node import Node
+    from prefixcache.cache.resume import StateStore
 
 
 @dataclass(slots=True, eq=False)
@@ -58,6 +65,13 @@ class Lease:
     a block, then the blocks for the tokens it computes).  ``num_cached_tokens`` prompt tokens need no prefill;
     ``num_copied_tokens`` of them were copied rather than shared, ``num_host_tokens`` of them were promoted from the
     host-memory tier (:mod:`prefixcache.cache.host_tier`) for this request.
+
+    ``num_matched_tokens`` is the longest token match (at most ``len - 1`` prompt tokens).  In a cache that resumes
+    recurrent states (:mod:`prefixcache.cache.resume`) the request resumes from ``resume_state``, the state kept at
+    position ``num_cached_tokens`` (None at 0: the initial state), and ``resume_shortfall_tokens`` of the matched
+    tokens could not be resumed (no state kept at or after them).  Then ``num_cached_tokens == num_matched_tokens -
+    resume_shortfall_tokens``, except where copy-on-write found no block: the request then resumes at the deepest
+    state at a block boundary.  Without resume states ``resume_state`` is None and the shortfall 0.
     """
 
     token_ids: array
@@ -73,6 +87,9 @@ class Lease:
     # False once the blocks from first_owned_block on are handed to the tree or freed; the lock may still be held.
     owns_blocks: bool = True
     num_host_tokens: int = 0
+    num_matched_tokens: int = 0
+    resume_state: object | None = None
+    resume_shortfall_tokens: int = 0
 
     @property
     def capacity_tokens(self) -> int:
@@ -94,6 +111,7 @@ class Admission:
         self.owner = owner
         self.block_size = tree.block_size
         self.host: HostTier | None = None
+        self.states: StateStore | None = None  # set by a cache that resumes recurrent states
 
     def acquire(
         self,
@@ -133,9 +151,17 @@ class Admission:
         if self.host is not None:
             promotion = self.host.promote(tree, self.blocks, self.locks, q, namespace, num_tokens, self.owner)
         match = tree.match(q, namespace, len(q) - 1, self.owner)
+        num_matched = match.num_tokens
+        states = self.states
+        resume_state = None
+        if states is not None:
+            resume_at, resume_state = states.deepest(match.node, num_matched)
+            if resume_at < num_matched:
+                match = tree.match(q, namespace, resume_at, self.owner, touch=False)
         self._heal_path(match.node)
         table = match.block_table.copy()
         num_cached = match.num_tokens
+        shortfall = num_matched - num_cached
         copied = num_cached % bs
         aligned = num_cached - copied
         own = tree.own_tokens(match.node, num_cached, request_id) if request_id is not None else 0
@@ -177,8 +203,15 @@ class Admission:
                     pool.decref([source])
                     borrowed = None
                     table = table[:-1]
-                    own = tree.own_tokens(end, aligned, request_id) if request_id is not None else 0
                     num_cached, copied = aligned, 0
+                    if states is not None:
+                        # The state at the match is of no use without its last rows: back to one on a boundary.
+                        num_cached, resume_state = _block_boundary_state(states, end, aligned, bs)
+                        table = table[: num_cached // bs]
+                        first_owned = len(table)
+                    own = 0
+                    if request_id is not None:
+                        own = tree.own_tokens(_holding(end, num_cached), num_cached, request_id)
             if num_tokens is not None and -(-num_tokens // bs) > len(table):
                 count = -(-num_tokens // bs) - len(table)
                 self._make_room(end, count)
@@ -189,6 +222,12 @@ class Admission:
                 self._heal_path(end)
             lease = Lease(q, namespace, num_cached, copied, table, first_owned, handle, bs)
             lease.request_id = request_id
+            lease.num_matched_tokens = num_matched
+            if states is not None:
+                lease.resume_state = resume_state
+                lease.resume_shortfall_tokens = shortfall
+                if counted:
+                    self.counters.resume_shortfall_tokens += shortfall
             if promotion is not None:
                 lease.num_host_tokens = promotion.host_tokens(num_cached)
             if counted:
@@ -271,9 +310,10 @@ class Admission:
             lease.block_table = np.concatenate((lease.block_table, self.blocks.allocate(need, "reserve")))
         return lease.block_table
 
-    def commit(self, lease: Lease, q: array) -> InsertResult:
+    def commit(self, lease: Lease, q: array, state: object = None, nbytes: int = 0) -> InsertResult:
         """Insert the request's tokens ``q`` (prompt and anything generated after it, all with KV written) and close
-        the lease: the new suffix is cached, duplicate blocks released, the lock dropped.
+        the lease: the new suffix is cached, duplicate blocks released, the lock dropped.  ``state`` (``nbytes``
+        bytes, checked by the caller), when not None, is kept at position ``len(q)``.
 
         Raises:
             InvalidTokensError: ``q`` does not start with the lease's matched prefix (the lease stays open).
@@ -286,19 +326,23 @@ class Admission:
         result = self.blocks.insert(q, table, lease.first_owned_block, lease.namespace, lease.request_id)
         # The lease owns nothing now; should the unlock fail, release() only has the lock left to drop.
         lease.owns_blocks = False
+        if state is not None:
+            self.keep_state(q, lease.namespace, len(q), state, nbytes)
         self.locks.unlock(lease.lock)
         lease.closed = True
         # Eviction during this request may have left a seam that only this request's lock kept from healing.
         self._heal_path(lease.lock.node)
         return result
 
-    def insert_prefix(self, lease: Lease, q: array) -> InsertResult:
+    def insert_prefix(self, lease: Lease, q: array, state: object = None, nbytes: int = 0) -> InsertResult:
         """Insert the request's tokens ``q`` (KV written) and keep the lease open: the tree takes the request's
         whole blocks of ``q``, the lease switches to the tree's blocks for them under a lock on the new path, so
         other requests hit ``q`` while this one goes on (SGLang caches a request's prompt when its prefill ends,
         not when it finishes).  The block the request goes on writing, where ``q`` ends inside one, stays the
         request's: the tree gets a copy of its first ``len(q) % block_size`` rows, or (no block to be had for the
         copy) only the whole blocks of ``q``.  :meth:`commit` or :meth:`release` closes the lease as before.
+        ``state`` (``nbytes`` bytes, checked by the caller), when not None, is kept at position ``len(q)`` if the tree
+        now holds all of ``q``, and dropped (counted) if it holds only the whole blocks of it.
 
         Raises:
             InvalidTokensError: ``q`` does not start with the lease's matched prefix and agree with its prompt.
@@ -327,7 +371,10 @@ class Admission:
                 table = np.concatenate((table, copy.astype(np.intp)))
         n = full * bs + rows
         if n <= first_owned * bs:
-            return InsertResult(0, n, 0)  # nothing beyond the locked prefix that a whole block could hold
+            # Nothing beyond the locked prefix that a whole block could hold.
+            if state is not None:
+                self.keep_state(q, lease.namespace, len(q), state, nbytes)
+            return InsertResult(0, n, 0)
         try:
             result = self.blocks.insert(q[:n], table, first_owned, lease.namespace, lease.request_id)
         except BaseException:
@@ -343,7 +390,37 @@ class Admission:
         lease.lock = handle
         lease.block_table[:full] = match.block_table
         lease.first_owned_block = full
+        if state is not None:
+            self.keep_state(q, lease.namespace, len(q), state, nbytes)
         return result
+
+    def put_state(self, lease: Lease, num_tokens: int, state: object, nbytes: int) -> bool:
+        """Keep ``state`` (``nbytes`` bytes, checked by the caller) at position ``num_tokens`` of the lease's prompt,
+        if the tree holds the prompt's first ``num_tokens`` tokens (else it is dropped and counted).  Returns whether
+        it was kept.  O(depth) plus the O(log n) of the store.
+
+        Raises:
+            LockError: the lease is closed.
+            InvalidArgumentError: ``num_tokens`` is not an int in ``1 .. len(prompt)``.
+        """
+        self.check_lease(lease, "put_state")
+        prompt = lease.token_ids
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise InvalidArgumentError(f"num_tokens must be an int, got {num_tokens!r}")
+        if not 1 <= num_tokens <= len(prompt):
+            raise InvalidArgumentError(f"num_tokens must be in 1..{len(prompt)} (the prompt), got {num_tokens}")
+        return self.keep_state(prompt, lease.namespace, int(num_tokens), state, nbytes)
+
+    def keep_state(self, q: array, namespace: str | None, num_tokens: int, state: object, nbytes: int) -> bool:
+        """Keep ``state`` at position ``num_tokens`` of ``q`` if the tree holds ``q[:num_tokens]`` in ``namespace``,
+        else count it dropped; a state at 0 (the initial one) is ignored.  Returns whether it was kept.  O(depth)."""
+        if num_tokens == 0:
+            return False
+        match = self.tree.match(q, namespace, num_tokens, self.owner, touch=False)
+        if match.num_tokens != num_tokens:
+            self.states.drop()
+            return False
+        return self.states.put(match.node, num_tokens, state, nbytes)
 
     def _check_committed(self, lease: Lease, q: array) -> None:
         prompt = lease.token_ids
@@ -387,3 +464,19 @@ class Admission:
             raise LockError(closed_message or f"{what} on a closed lease")
         if lease.lock.released:
             raise LockError(f"{what} on a lease whose lock was released directly; release() it")
+
+
+def _holding(node: Node, num_tokens: int) -> Node:
+    """The node on the path to ``node`` that holds token ``num_tokens - 1`` (the root when ``num_tokens == 0``)."""
+    while node.parent is not None and node.start >= num_tokens:
+        node = node.parent
+    return node
+
+
+def _block_boundary_state(states: StateStore, node: Node, limit: int, block_size: int) -> tuple[int, object]:
+    """The deepest kept state at a block boundary at or before ``limit`` on the path to ``node``: ``(0, None)``
+    when there is none.  O(depth + states) per state passed over."""
+    pos, state = states.deepest(node, limit)
+    while pos % block_size:
+        pos, state = states.deepest(node, pos - 1)
+    return pos, state

@@ -6,7 +6,9 @@ non-empty, keyed by first token, at the right positions, with the right number o
 live handles through each node; locked and evictable token totals; the eviction candidates are exactly the
 unlocked leaves, filed under their current priority (retention priority first); the node count; block hashes while
 events are listened to; ``shares_first`` exactly where a node's first block is its parent's last; the evictable
-block total (own blocks of unlocked nodes); retained token and block totals, within the cap.
+block total (own blocks of unlocked nodes); retained token and block totals, within the cap; recurrent states
+(:mod:`prefixcache.cache.resume`) only at positions their node covers, filed once in the LRU order, their byte total
+the sum and within the budget, and none at all in a cache that does not resume states.
 
 :func:`check_mirror` checks an event consumer against the cache: a :class:`~prefixcache.cache.events.BlockIndex` fed
 every event holds exactly the device tree's full blocks (hashes recomputed from the tokens) and the host blocks that
@@ -57,6 +59,7 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
     held: list[np.ndarray] = []
     locked = evictable = evictable_blocks = count = retained_tokens = retained_blocks = 0
     candidates = set()
+    all_nodes = []
     for namespace, root in tree.roots.items():
         if root.parent is not None or root.namespace != namespace or len(root.tokens) or root.start:
             fail("malformed root")
@@ -111,6 +114,9 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
                 fail(f"node {node.node_id} keeps {len(node.block_hashes or ())} block hashes")
             if node.evict_key is not None and node.evict_key != tree.evictor.key(node):
                 fail(f"node {node.node_id} is filed under a stale eviction key")
+            if node.states is not None and tree.states is None:
+                fail(f"node {node.node_id} keeps states in a cache that does not resume them")
+            all_nodes.append(node)
             held.append(node.blocks)
             stack.extend(node.children.values())
     all_blocks = np.concatenate(held) if held else EMPTY_BLOCKS
@@ -145,6 +151,8 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
     ranks = [(node.priority, *policy.priority(node), node.node_id) for node in members]
     if ranks != sorted(ranks):
         fail("eviction order is not (retention priority, policy priority, node id)")
+    if tree.states is not None:
+        tree.states.check(all_nodes)
 
 
 def device_block_hashes(tree: RadixTree, seed: int) -> set[tuple[str | None, int]]:

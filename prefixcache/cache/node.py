@@ -28,6 +28,8 @@ class Node:
     node's *own* blocks, the ones evicting it frees, are ``num_own_blocks == len(blocks) - shares_first``, kept as a
     field wherever either changes because lock and unlock add it up on every node they pass.  ``priority`` and
     ``retain_until`` are its retention (:mod:`prefixcache.cache.retention`): 0 and None when not retained.
+    ``states`` maps positions ``start < p <= end`` to the recurrent states kept there (:mod:`prefixcache.cache.resume`),
+    None when it keeps none.
     """
 
     __slots__ = (
@@ -51,6 +53,7 @@ class Node:
         "sharing_child",
         "priority",
         "retain_until",
+        "states",
     )
 
     def __init__(self, node_id: int, parent: Node | None, tokens: array, start: int, blocks: np.ndarray) -> None:
@@ -76,6 +79,8 @@ class Node:
         self.sharing_child: Node | None = None  # the child whose first block is this node's last, if any
         self.priority = 0
         self.retain_until: float | None = None
+        # Recurrent states kept at positions start < p <= end (prefixcache.cache.resume); None when there are none.
+        self.states: dict[int, object] | None = None
 
 
 def new_root(namespace: str | None) -> Node:

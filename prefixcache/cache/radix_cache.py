@@ -45,6 +45,7 @@ from prefixcache.cache.host_tier import HostTier
 from prefixcache.cache.invariants import check_invariants, check_mirror
 from prefixcache.cache.locks import ChangeGuard, LockHandle, LockRegistry
 from prefixcache.cache.pool import BlockIds, KVBlockPool, check_count
+from prefixcache.cache.resume import StateMarker, StateStore, check_state
 from prefixcache.cache.retention import Retention
 from prefixcache.cache.stats import CacheStats, HitCounters, check_request_id
 from prefixcache.cache.tokens import TokenIds, as_token_array
@@ -59,6 +60,7 @@ __all__ = [
     "LockHandle",
     "MatchResult",
     "RadixCache",
+    "StateMarker",
     "check_namespace",
 ]
 
@@ -92,11 +94,24 @@ class RadixCache:
     dropped, and :meth:`acquire` promotes them back into device blocks when a prompt matches them
     (:mod:`prefixcache.cache.host_tier`).  Without one, nothing on the lookup, lock or eviction path changes.
 
+    Recurrent models: with ``resume_states=True`` the cache serves a hybrid or state-space model (Qwen3-Next,
+    Nemotron-H, Mamba-2), whose layers' recurrent state must be resumed along with the KV
+    (:mod:`prefixcache.cache.resume`, after SGLang's MambaRadixCache and vLLM's hybrid KV-cache manager).
+    :meth:`insert`, :meth:`insert_prefix`, :meth:`commit` and :meth:`put_state` take an opaque state (anything with
+    ``nbytes``, e.g. a :class:`~prefixcache.cache.resume.StateMarker`) to keep at a position; :meth:`acquire`,
+    :meth:`match` and :meth:`cached_length` end at the deepest kept state (or 0), and the lease carries the state to
+    resume from.  States are kept outside the pool within ``max_state_bytes`` (required then, in bytes, over all
+    namespaces; least recently used states go first), are neither saved in snapshots (a restored cache resumes from
+    position 0 until states are put back) nor demoted to a host tier (the combination is refused).  With
+    ``resume_states=False`` (the default) passing a state is an error and each lookup or insert pays one test.
+
     Raises:
         InvalidArgumentError: ``host_pool`` is not a CPU pool with the device pool's block size, KV shape and dtype;
             ``pool`` is not a KVBlockPool, ``hit_rate_window`` not a positive int, ``hash_seed``
             not an int in ``[0, 2**64)``, an unknown policy or granularity, ``max_retained_fraction`` outside
-            ``[0, 1]``, or ``clock`` or ``event_listener`` not callable.
+            ``[0, 1]``, or ``clock`` or ``event_listener`` not callable; ``resume_states`` not a bool,
+            ``max_state_bytes`` not a non-negative int with ``resume_states`` (or given without it), or both
+            ``resume_states`` and ``host_pool``.
     """
 
     def __init__(
@@ -111,9 +126,12 @@ class RadixCache:
         max_retained_fraction: float = 0.5,
         clock: Callable[[], float] = time.monotonic,
         host_pool: KVBlockPool | None = None,
+        resume_states: bool = False,
+        max_state_bytes: int | None = None,
     ) -> None:
         if not isinstance(pool, KVBlockPool):
             raise InvalidArgumentError(f"pool must be a KVBlockPool, got {type(pool).__name__}")
+        _check_resume_options(resume_states, max_state_bytes, host_pool)
         if isinstance(hit_rate_window, bool) or not isinstance(hit_rate_window, int) or hit_rate_window < 1:
             raise InvalidArgumentError(f"hit_rate_window must be a positive int, got {hit_rate_window!r}")
         check_hash_seed(hash_seed)
@@ -137,12 +155,27 @@ class RadixCache:
             self._tree.cover = self._host.cover
             self._admission.host = self._host
             self._events.medium = DEVICE_MEDIUM
+        self._states: StateStore | None = None
+        if resume_states:
+            self._states = StateStore(int(max_state_bytes))
+            self._tree.states = self._states
+            self._admission.states = self._states
         if event_listener is not None:
             self.subscribe(event_listener)
 
     @property
     def policy(self) -> EvictionPolicy:
         return self._tree.evictor.policy
+
+    @property
+    def resume_states(self) -> bool:
+        """Whether the cache resumes recurrent states (see the class docstring)."""
+        return self._states is not None
+
+    @property
+    def max_state_bytes(self) -> int | None:
+        """The byte budget of the kept recurrent states, None when the cache does not keep them."""
+        return None if self._states is None else self._states.max_bytes
 
     # ---- lookup and locks ---------------------------------------------------------------------------------
 
@@ -160,7 +193,8 @@ class RadixCache:
         least its last token to get logits.  With ``for_prefill=False`` (pure lookup) a fully cached sequence
         matches in full.  Does not change the tree's shape; refreshes the access time (and LFU hit count) of the
         matched path; counts the query in :meth:`stats` (tokens on nodes inserted under ``request_id`` as
-        self-hits).
+        self-hits).  When the cache resumes recurrent states, the match ends at the deepest kept state (the tokens
+        beyond count in :attr:`CacheStats.resume_shortfall_tokens`).
 
         Raises:
             InvalidTokensError, NamespaceError, InvalidArgumentError: bad input (``request_id`` not a str or None);
@@ -171,9 +205,20 @@ class RadixCache:
         check_request_id(request_id)
         with self._mutex:
             result = self._tree.match(q, namespace, len(q) - 1 if for_prefill else len(q), self)
+            if self._states is not None:
+                result = self._resumable(q, namespace, result)
             own = self._tree.own_tokens(result.node, result.num_tokens, request_id) if request_id is not None else 0
             self._counters.record_query(len(q), result.num_tokens, own)
             return result
+
+    def _resumable(self, q, namespace: str | None, result: MatchResult, touch: bool = True) -> MatchResult:
+        """``result`` cut back to the deepest kept state (counting the shortfall when ``touch``)."""
+        resume_at = self._states.deepest(result.node, result.num_tokens)[0]
+        if resume_at == result.num_tokens:
+            return result
+        if touch:
+            self._counters.resume_shortfall_tokens += result.num_tokens - resume_at
+        return self._tree.match(q, namespace, resume_at, self, touch=False)
 
     def lock(self, match: MatchResult) -> LockHandle:
         """Lock the matched path so none of its nodes (the match's node and every ancestor) can be evicted.
@@ -220,7 +265,13 @@ class RadixCache:
             return self._blocks.free(block_ids)
 
     def insert(
-        self, token_ids: TokenIds, block_ids: BlockIds, namespace: str | None = None, *, request_id: str | None = None
+        self,
+        token_ids: TokenIds,
+        block_ids: BlockIds,
+        namespace: str | None = None,
+        *,
+        request_id: str | None = None,
+        state: object = None,
     ) -> InsertResult:
         """Cache ``token_ids`` whose KV the caller has written into ``block_ids`` (its block table).
 
@@ -229,17 +280,32 @@ class RadixCache:
         rest must be owned by the caller (from :meth:`allocate`).  Insert takes over the caller's ownership: the
         blocks of the new suffix move into a new leaf (splitting a node where the sequences diverge); owned blocks
         of the part that was already cached, and any beyond the sequence, are released.  The new leaf remembers
-        ``request_id`` (see :attr:`CacheStats.self_hit_tokens`).
+        ``request_id`` (see :attr:`CacheStats.self_hit_tokens`).  ``state`` (a recurrent state after all of
+        ``token_ids``, only when the cache resumes states) is kept at position ``len(token_ids)``.
 
         Raises:
-            InvalidTokensError, NamespaceError, InvalidArgumentError, LockError: bad input; the cache is unchanged.
+            InvalidTokensError, NamespaceError, InvalidArgumentError, LockError: bad input (a bad ``state`` included);
+                the cache is unchanged.
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
         check_request_id(request_id)
+        nbytes = self._check_state(state)
         with self._change:
             blocks = self._blocks
-            return blocks.insert(q, blocks.as_block_ids(block_ids), None, namespace, request_id)
+            result = blocks.insert(q, blocks.as_block_ids(block_ids), None, namespace, request_id)
+            if state is not None:
+                self._admission.keep_state(q, namespace, len(q), state, nbytes)
+            return result
+
+    def _check_state(self, state: object) -> int:
+        """The bytes of ``state`` (0 for None).  Raises InvalidArgumentError: a state in a cache that does not resume
+        states, or one without a non-negative int ``nbytes``."""
+        if state is None:
+            return 0
+        if self._states is None:
+            raise InvalidArgumentError("a recurrent state was passed to a cache made without resume_states=True")
+        return check_state(state)
 
     def evict(self, num_blocks: int) -> EvictResult:
         """Free ``num_blocks`` blocks of unlocked nodes in policy order (fewer when fewer are unlocked).
@@ -288,6 +354,12 @@ class RadixCache:
             CapacityError: ``num_tokens`` exceed the pool.  PoolBusyError: running requests hold what it needs.
         Without ``num_tokens`` it never runs out of blocks: the copy falls back to recomputation as said above.
         Whatever raises, the cache is left as before (no lock, no block of this request).
+
+        When the cache resumes recurrent states the match ends at the deepest position, at or before the longest
+        token match, where a state is kept (or at 0): the lease's ``resume_state`` is the state there (None at 0),
+        ``num_matched_tokens`` the longest token match and ``resume_shortfall_tokens`` the difference, counted in
+        :attr:`CacheStats.resume_shortfall_tokens`; only the resumed tokens count as hits.  O(depth + states on the
+        deepest node with one) more.
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
@@ -313,9 +385,10 @@ class RadixCache:
         with self._change:
             return self._admission.reserve(lease, num_tokens)
 
-    def commit(self, lease: Lease, token_ids: TokenIds) -> InsertResult:
+    def commit(self, lease: Lease, token_ids: TokenIds, state: object = None) -> InsertResult:
         """Insert the request's tokens (prompt and anything generated after it, all with KV written) and close the
-        lease: the new suffix is cached, duplicate blocks released, the lock dropped.
+        lease: the new suffix is cached, duplicate blocks released, the lock dropped.  ``state`` (the recurrent state
+        after all of ``token_ids``, only when the cache resumes states) is kept at position ``len(token_ids)``.
 
         Raises:
             InvalidTokensError: ``token_ids`` do not start with the lease's matched prefix (the lease stays open:
@@ -323,32 +396,68 @@ class RadixCache:
             InvalidArgumentError: the tokens need more blocks than the lease holds (call :meth:`reserve` first;
                 the lease stays open).
             LockError: the lease is closed.
+            InvalidArgumentError: a bad ``state`` (see :meth:`insert`); the lease stays open.
         """
         q = as_token_array(token_ids)
+        nbytes = self._check_state(state)
         with self._change:
-            return self._admission.commit(lease, q)
+            return self._admission.commit(lease, q, state, nbytes)
 
-    def insert_prefix(self, lease: Lease, token_ids: TokenIds) -> InsertResult:
+    def insert_prefix(self, lease: Lease, token_ids: TokenIds, state: object = None) -> InsertResult:
         """Insert tokens of a request that is still running (its prompt, once prefilled) and keep its lease open, so
         that other requests hit them while it decodes; :meth:`commit` or :meth:`release` later closes the lease as
         usual.  The lease's whole blocks of ``token_ids`` pass to the tree and its lock moves onto the new path;
         where ``token_ids`` end inside a block, the tree gets a copy of that block's rows and the request keeps
         writing its own.  O(len(token_ids)) plus one block copy.
 
+        ``state`` (the recurrent state after all of ``token_ids``, only when the cache resumes states) is kept at
+        position ``len(token_ids)`` if the tree then holds all of them; when no block could be had for the copy of
+        the last partial block, the tree holds only the whole blocks and the state is dropped
+        (:attr:`CacheStats.dropped_states`).
+
         Raises:
             InvalidTokensError: ``token_ids`` do not start with the lease's matched prefix and agree with its prompt.
-            InvalidArgumentError: the tokens need more blocks than the lease holds.
+            InvalidArgumentError: the tokens need more blocks than the lease holds; a bad ``state``.
             LockError: the lease is closed.
         Nothing changes when it raises (the lease stays open).
         """
         q = as_token_array(token_ids)
+        nbytes = self._check_state(state)
         with self._change:
-            return self._admission.insert_prefix(lease, q)
+            return self._admission.insert_prefix(lease, q, state, nbytes)
+
+    def put_state(self, lease: Lease, num_tokens: int, state: object) -> bool:
+        """Keep ``state``, the recurrent state after the first ``num_tokens`` tokens of the lease's prompt (e.g. one
+        taken at a block boundary during a chunked prefill), if the tree holds those tokens (after
+        :meth:`insert_prefix`); else it is dropped and counted.  Returns whether it was kept.  O(depth + log n).
+
+        Raises:
+            InvalidArgumentError: the cache does not resume states, a bad ``state``, or ``num_tokens`` not in
+                ``1 .. len(prompt)``.  LockError: the lease is closed.  Nothing changes when it raises.
+        """
+        if self._states is None:
+            raise InvalidArgumentError("put_state needs a cache made with resume_states=True")
+        nbytes = check_state(state)
+        with self._change:
+            return self._admission.put_state(lease, num_tokens, state, nbytes)
+
+    def state_positions(self, token_ids: TokenIds, namespace: str | None = None) -> list[int]:
+        """The positions along the cached prefix of ``token_ids`` where a recurrent state is kept, ascending (empty
+        when the cache does not resume states).  A pure look-ahead like :meth:`cached_length`, for tests and
+        debugging.  O(depth + states on the path)."""
+        q = as_token_array(token_ids)
+        namespace = check_namespace(namespace)
+        with self._mutex:
+            if self._states is None:
+                return []
+            result = self._tree.match(q, namespace, len(q), self, touch=False)
+            return self._states.positions(result.node, result.num_tokens)
 
     def cached_length(self, token_ids: TokenIds, namespace: str | None = None, *, for_prefill: bool = False) -> int:
         """Tokens of ``token_ids`` that :meth:`match` would find cached (at most ``len - 1`` with ``for_prefill``),
         as a pure look-ahead: nothing is counted in :meth:`stats` and no access time or hit count changes, so a
-        scheduler may ask every step for every waiting request.  O(depth) plus O(n) C-speed comparison.
+        scheduler may ask every step for every waiting request.  O(depth) plus O(n) C-speed comparison.  When the cache
+        resumes recurrent states it is the resumable length, as :meth:`acquire` would find it.
 
         Raises:
             InvalidTokensError, NamespaceError: bad input.
@@ -356,7 +465,10 @@ class RadixCache:
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
         with self._mutex:
-            return self._tree.match(q, namespace, len(q) - 1 if for_prefill else len(q), self, touch=False).num_tokens
+            result = self._tree.match(q, namespace, len(q) - 1 if for_prefill else len(q), self, touch=False)
+            if self._states is not None:
+                return self._states.deepest(result.node, result.num_tokens)[0]
+            return result.num_tokens
 
     def release(self, lease: Lease) -> None:
         """Drop a lease without caching anything: free its own blocks and unlock its prefix.
@@ -420,9 +532,9 @@ class RadixCache:
 
         ``identity`` (e.g. model and tokenizer fingerprints) is stored for :meth:`restore` to check;
         ``keep_namespace`` picks the namespaces saved (all when None).  With a host tier its runs are saved too
-        (:mod:`prefixcache.cache.host_snapshot`).  Changes nothing in the cache (no access time,
-        counter or block moves); the mutex is held while the tree and its K/V are copied, not while files are written.
-        O(cached tokens) plus the copy and the write of the saved blocks.
+        (:mod:`prefixcache.cache.host_snapshot`); recurrent states are not.  Changes nothing in the cache (no access
+        time, counter or block moves); the mutex is held while the tree and its K/V are copied, not while files are
+        written.  O(cached tokens) plus the copy and the write of the saved blocks.
 
         Raises:
             SnapshotWriteError: a write failed (also an OSError; the previous snapshot stays current).
@@ -444,7 +556,8 @@ class RadixCache:
         everything first, once the snapshot has been read and checked).  When the snapshot holds more than the pool,
         the most recently used whole prefixes that fit are loaded; saved host runs go back into this cache's host tier
         (the most recently used that fit; dropped and counted when it has none).  Every checksum is verified before
-        the cache is touched; on any error the cache is left as it was.
+        the cache is touched; on any error the cache is left as it was.  A cache that resumes recurrent states gets
+        the KV back but no states (snapshots hold none): it resumes from position 0 until states are put back.
 
         Raises:
             SnapshotNotFoundError: no snapshot there.  SnapshotCorruptError: truncated, edited or damaged files.
@@ -520,7 +633,22 @@ class RadixCache:
                 retained_blocks=tree.retention.retained_blocks,
                 evictable_blocks=tree.evictable_blocks,
                 **self._host_stats(),
+                **self._state_stats(),
             )
+
+    def _state_stats(self) -> dict[str, int]:
+        states = self._states
+        if states is None:
+            return {}
+        return {
+            "resume_shortfall_tokens": self._counters.resume_shortfall_tokens,
+            "num_states": len(states),
+            "state_bytes": states.num_bytes,
+            "max_state_bytes": states.max_bytes,
+            "evicted_states": states.evicted,
+            "dropped_states": states.dropped,
+            "kv_evicted_states": states.kv_freed,
+        }
 
     def _host_stats(self) -> dict[str, int]:
         host = self._host
@@ -584,3 +712,20 @@ class RadixCache:
                 self._host.check_invariants()
             if index is not None:
                 check_mirror(self._tree, self._host, index, self.hash_seed)
+
+
+def _check_resume_options(resume_states: object, max_state_bytes: object, host_pool: object) -> None:
+    if not isinstance(resume_states, bool):
+        raise InvalidArgumentError(f"resume_states must be a bool, got {resume_states!r}")
+    if not resume_states:
+        if max_state_bytes is not None:
+            raise InvalidArgumentError("max_state_bytes is the budget of recurrent states: give resume_states=True")
+        return
+    if isinstance(max_state_bytes, bool) or not isinstance(max_state_bytes, (int, np.integer)) or max_state_bytes < 0:
+        raise InvalidArgumentError(
+            f"resume_states=True needs max_state_bytes, a non-negative int of bytes, got {max_state_bytes!r}"
+        )
+    if host_pool is not None:
+        raise InvalidArgumentError(
+            "resume_states cannot be combined with a host tier: a prefix promoted from host memory has no state"
+        )

@@ -31,6 +31,14 @@ class CacheStats:
     from host memory (the rest, ``device_hit_tokens``, were on the device already); ``host_num_blocks`` /
     ``host_used_blocks`` size the host pool; ``demoted_blocks``, ``promoted_blocks`` and ``host_dropped_blocks``
     count blocks moved to host, brought back, and dropped by the host LRU.  All 0 without a host tier.
+
+    In a cache that resumes recurrent states (``resume_states=True``, :mod:`prefixcache.cache.resume`): hits count
+    only the tokens resumed (what the request really skips); ``resume_shortfall_tokens`` the tokens that matched but
+    could not be resumed, no state being kept at or after them.  ``num_states`` / ``state_bytes`` are the states kept
+    and their bytes, within ``max_state_bytes``; ``evicted_states`` counts states evicted to stay within it (their
+    KV stays), ``dropped_states`` states not kept (larger than the whole budget, or handed over at a position the
+    tree does not hold), ``kv_evicted_states`` states freed because KV eviction took their position.  All 0 when
+    the cache does not resume states.
     """
 
     num_blocks: int
@@ -60,6 +68,13 @@ class CacheStats:
     demoted_blocks: int = 0
     promoted_blocks: int = 0
     host_dropped_blocks: int = 0
+    resume_shortfall_tokens: int = 0
+    num_states: int = 0
+    state_bytes: int = 0
+    max_state_bytes: int = 0
+    evicted_states: int = 0
+    dropped_states: int = 0
+    kv_evicted_states: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -93,6 +108,7 @@ class HitCounters:
         self.self_hit_tokens = 0
         self.host_hit_tokens = 0  # of hit_tokens, those promoted from the host-memory tier
         self.rejected_requests = 0
+        self.resume_shortfall_tokens = 0  # matched tokens that no kept recurrent state let a request resume
         self.window: deque[tuple[int, int]] = deque(maxlen=window)
         self.window_query_tokens = 0
         self.window_hit_tokens = 0

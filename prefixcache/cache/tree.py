@@ -53,6 +53,7 @@ from prefixcache.cache.events import AllCleared, BlockRemoved, EventPublisher, K
 from prefixcache.cache.evictor import Evictor
 from prefixcache.cache.node import EMPTY_BLOCKS, Node, common_prefix_length, new_root
 from prefixcache.cache.pool import BLOCK_ID_DTYPE, KVBlockPool
+from prefixcache.cache.resume import StateStore
 from prefixcache.cache.retention import Retention
 from prefixcache.errors import InvalidArgumentError
 
@@ -144,6 +145,9 @@ class RadixTree:
         # The host tier's cover(leaf, path), called once insert has linked a new leaf, returning the host's events of
         # the copies it dropped (the device now holds those blocks); None without a host tier.
         self.cover: Callable[[Node, array], list[KVEvent]] | None = None
+        # The recurrent states kept on nodes (prefixcache.cache.resume), None unless the cache resumes states; split
+        # and eviction pay one test of node.states for it.
+        self.states: StateStore | None = None
         self._ids = itertools.count(1)
 
     @property
@@ -365,6 +369,8 @@ class RadixTree:
         node.tokens = node.tokens[at:]
         node.start = new_start
         node.blocks = lower_blocks
+        if node.states is not None:
+            self.states.split(node, upper)
         self.num_nodes += 1
         return upper
 
@@ -420,6 +426,8 @@ class RadixTree:
                         leaf.num_own_blocks = own - want
                         del leaf.tokens[new_end - leaf.start :]
                         leaf.end = new_end
+                        if leaf.states is not None:
+                            self.states.trim(leaf)
                         if leaf.priority:
                             self.retention.removed(leaf, cut, want)
                         expected += want
@@ -452,6 +460,8 @@ class RadixTree:
                     own_blocks += own
                     nodes += 1
                     leaf.evicted = True
+                    if leaf.states is not None:
+                        self.states.remove(leaf)
                     if parent.parent is not None:
                         if not parent.children and parent.lock_count == 0:
                             evictor.add(parent)

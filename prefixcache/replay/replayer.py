@@ -11,6 +11,13 @@ runs the no-cache reference (whose time then is the uncached prefill time) and r
 :class:`~prefixcache.errors.VerificationError` if any logit differs by more than ``atol`` or any greedy token differs.
 Without a model (``--no-model``) only the cache accounting runs, on a metadata-only pool, which takes seconds for
 millions of tokens.
+
+Recurrent models (``state_bytes``, cache-only): the cache then models a hybrid or state-space model (Qwen3-Next,
+Nemotron-H, Mamba-2) whose recurrent state snapshot costs ``state_bytes`` bytes (:mod:`prefixcache.cache.resume`):
+a request resumes only at a kept state, and the replay keeps one at the end of every prompt (when its prefill
+ends) and of every answer (a chat's next turn resumes there), and with ``state_every`` also at every
+``state_every``-th block boundary the prefill passes inside the prompt (as vLLM caches Mamba state at block
+boundaries).  The hit rate then counts resumed tokens only; the shortfall is reported beside it.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 from prefixcache.cache.host_tier import host_pool_for
 from prefixcache.cache.pool import KVBlockPool, check_block_size, kv_bytes_per_token
 from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.cache.resume import StateMarker
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.errors import CapacityError, InvalidArgumentError, VerificationError
@@ -65,13 +73,38 @@ class ReplayInterrupted(KeyboardInterrupt):
 
 
 def check_options(
-    *, has_model: bool, cache_memory: int | None, verify: bool, host_cache_memory: int | None = None
+    *,
+    has_model: bool,
+    cache_memory: int | None,
+    verify: bool,
+    host_cache_memory: int | None = None,
+    state_bytes: int | None = None,
+    state_every: int = 0,
+    max_state_bytes: int | None = None,
+    host_tier: bool = False,
 ) -> None:
-    """Refuse option combinations that need a model, before one is loaded.
+    """Refuse option combinations that need a model (or, for recurrent-state modelling, none), before one is loaded.
 
     Raises:
-        InvalidArgumentError: ``cache_memory``, ``host_cache_memory`` or ``verify`` without a model.
+        InvalidArgumentError: ``cache_memory``, ``host_cache_memory`` or ``verify`` without a model;
+            ``state_bytes`` with a model or a host tier, or not a non-negative int; ``state_every`` or
+            ``max_state_bytes`` without ``state_bytes``, or negative.
     """
+    if state_bytes is None:
+        if state_every:
+            raise InvalidArgumentError("--state-every needs --state-bytes (recurrent-state modelling)")
+        if max_state_bytes is not None:
+            raise InvalidArgumentError("--max-state-bytes needs --state-bytes (recurrent-state modelling)")
+    else:
+        if has_model:
+            raise InvalidArgumentError("--state-bytes models a recurrent model's cache without one: add --no-model")
+        if host_tier:
+            raise InvalidArgumentError("--state-bytes cannot be combined with a host tier (host blocks keep no state)")
+        for name, value in (("--state-bytes", state_bytes), ("--max-state-bytes", max_state_bytes)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise InvalidArgumentError(f"{name} must be a non-negative number of bytes, got {value!r}")
+        if isinstance(state_every, bool) or not isinstance(state_every, int) or state_every < 0:
+            raise InvalidArgumentError(f"--state-every must be a non-negative number of blocks, got {state_every!r}")
     if not has_model and cache_memory is not None:
         raise InvalidArgumentError("--cache-memory needs a model (bytes per token); use --cache-tokens")
     if not has_model and host_cache_memory is not None:
@@ -89,6 +122,9 @@ class Replayer:
     (:mod:`prefixcache.cache.host_tier`); the report then says how many cached tokens came from it.
     With ``explain``, each request is explained against the cache just before it runs
     (:func:`~prefixcache.replay.explain.explain`) and the report keeps the most frequent divergence points.
+    ``state_bytes`` (cache-only) models a recurrent model (see the module docstring): states of that many bytes,
+    also every ``state_every`` blocks inside prompts when not 0, within ``max_state_bytes`` (default: enough that
+    the budget evicts no state, an infinite state cache for this replay, as for the pool).
     """
 
     def __init__(
@@ -106,9 +142,19 @@ class Replayer:
         explain: bool = False,
         host_cache_tokens: int | None = None,
         host_cache_memory: int | None = None,
+        state_bytes: int | None = None,
+        state_every: int = 0,
+        max_state_bytes: int | None = None,
     ) -> None:
         check_options(
-            has_model=model is not None, cache_memory=cache_memory, verify=verify, host_cache_memory=host_cache_memory
+            has_model=model is not None,
+            cache_memory=cache_memory,
+            verify=verify,
+            host_cache_memory=host_cache_memory,
+            state_bytes=state_bytes,
+            state_every=state_every,
+            max_state_bytes=max_state_bytes,
+            host_tier=host_cache_tokens is not None or host_cache_memory is not None,
         )
         check_block_size(block_size)
         self.model = model
@@ -123,6 +169,9 @@ class Replayer:
         self.explain = explain
         self.host_cache_tokens = host_cache_tokens
         self.host_cache_memory = host_cache_memory
+        self.state_bytes = state_bytes
+        self.state_every = state_every
+        self.max_state_bytes = max_state_bytes
 
     def replay(
         self,
@@ -217,13 +266,32 @@ class Replayer:
         # Admitted as the runner admits (the prompt's blocks at once), so both count the same evictions.
         lease = cache.acquire(request.prompt, namespace, num_tokens=len(request.prompt))
         try:
+            state = None
+            if self.state_bytes is not None:
+                # As the engine core does: the prompt is inserted once prefilled, with the state after it.
+                state = StateMarker(self.state_bytes)
+                cache.insert_prefix(lease, request.prompt, state=state)
+                for length in self._inner_state_positions(lease.num_cached_tokens, len(request.prompt)):
+                    cache.put_state(lease, length, state)
             cache.reserve(lease, len(request.prompt) + len(request.answer))
-            cache.commit(lease, request.prompt + request.answer)
+            cache.commit(lease, request.prompt + request.answer, state=state)
         except BaseException:
             if not lease.closed:
                 cache.release(lease)
             raise
         return lease.num_cached_tokens, lease.num_copied_tokens, None
+
+    def _inner_state_positions(self, resumed: int, prompt_tokens: int) -> range:
+        """The block boundaries strictly between the resume point and the prompt's end at which a prefill from
+        ``resumed`` keeps a state: every ``state_every``-th block (none when 0)."""
+        if not self.state_every:
+            return range(0)
+        step = self.state_every * self.block_size
+        return range((resumed // step + 1) * step, prompt_tokens, step)
+
+    def _states_per_request(self, request: ReplayRequest) -> int:
+        """States a request may put at most: the end of its prompt and answer, and the inner block boundaries."""
+        return 2 + len(self._inner_state_positions(0, len(request.prompt)))
 
     def _drift(self, request: ReplayRequest, before_end: int, name_message: bool) -> DriftRecord:
         span = None
@@ -243,6 +311,13 @@ class Replayer:
         report.evictions = stats.evictions
         report.evicted_tokens = stats.evicted_tokens
         report.host_cached_tokens = stats.host_hit_tokens
+        report.resume_shortfall_tokens = stats.resume_shortfall_tokens
+        report.num_states = stats.num_states
+        report.state_bytes = stats.state_bytes
+        report.max_state_bytes = stats.max_state_bytes
+        report.evicted_states = stats.evicted_states
+        report.dropped_states = stats.dropped_states
+        report.kv_evicted_states = stats.kv_evicted_states
         report.num_blocks = cache.pool.num_blocks
         report.verified = True if self.verify else None
         if tally is not None:
@@ -283,6 +358,11 @@ class Replayer:
             num_blocks = None
         if self.model is None:
             pool = KVBlockPool(num_blocks, bs)
+            if self.state_bytes is not None:
+                budget = self.max_state_bytes
+                if budget is None:  # enough for every state the replay puts: the budget evicts none
+                    budget = self.state_bytes * sum(self._states_per_request(r) for r in requests)
+                return None, RadixCache(pool, self.policy, resume_states=True, max_state_bytes=budget)
             cache = RadixCache(pool, self.policy, host_pool=host_pool_for(pool, self.host_cache_tokens))
             return None, cache
         if num_blocks is not None:
@@ -450,6 +530,8 @@ def replay_paths(
         ReplayInterrupted: Ctrl-C; its ``report`` has the files and requests completed before it, marked partial.
     """
     report = ReplayReport(block_size=replayer.block_size)
+    report.state_bytes = replayer.state_bytes
+    report.state_every = replayer.state_every
     report.host_tier = replayer.host_cache_tokens is not None or replayer.host_cache_memory is not None
     if replayer.model is not None:
         report.model = getattr(getattr(replayer.model, "config", None), "name", type(replayer.model).__name__)

@@ -14,7 +14,11 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
-def _row(s: ScenarioReport, with_model: bool, host_tier: bool = False) -> list:
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.1f}"
+
+
+def _row(s: ScenarioReport, with_model: bool, host_tier: bool = False, recurrent: bool = False) -> list:
     row = [
         f"{s.scenario} (partial)" if s.partial else s.scenario,
         s.requests,
@@ -31,6 +35,8 @@ def _row(s: ScenarioReport, with_model: bool, host_tier: bool = False) -> list:
     ]
     if host_tier:
         row += [_pct(s.device_hit_rate), _pct(s.host_hit_rate)]
+    if recurrent:
+        row += [s.resume_shortfall_tokens, s.num_states, _mib(s.state_bytes), s.evicted_states]
     if with_model:
         speedup = s.speedup
         row += [
@@ -61,12 +67,21 @@ def format_replay(report: ReplayReport) -> str:
     ]
     if report.host_tier:
         headers += ["device rate", "host rate"]
+    recurrent = report.state_bytes is not None
+    if recurrent:
+        headers += ["shortfall", "states kept", "state MiB", "states evicted"]
     if with_model:
         headers += ["prefill s (cache)", "prefill s (none)", "speed-up", "verified"]
-    rows = [_row(s, with_model, report.host_tier) for s in report.scenarios]
+    rows = [_row(s, with_model, report.host_tier, recurrent) for s in report.scenarios]
     if len(report.scenarios) > 1:
-        rows.append(_row(report.total, with_model, report.host_tier))
+        rows.append(_row(report.total, with_model, report.host_tier, recurrent))
     title = f"model: {report.model or 'none (cache accounting only)'}, block size {report.block_size}"
+    if recurrent:
+        every = f", also every {report.state_every} blocks in prompts" if report.state_every else ""
+        title += (
+            f"; recurrent model: states of {report.state_bytes:,} bytes at the end of prompts and answers{every} "
+            "(cached = resumed tokens; shortfall = matched but not resumable)"
+        )
     if report.partial:
         title = (
             f"PARTIAL: interrupted; the table covers the {report.total.requests:,} requests completed before it\n"

@@ -60,7 +60,14 @@ class ReplaySeries:
 
 @dataclass(slots=True)
 class ScenarioReport:
-    """Totals of one replayed file (or of all, for the ``total`` row).  Tokens are token counts, times seconds."""
+    """Totals of one replayed file (or of all, for the ``total`` row).  Tokens are token counts, times seconds.
+
+    Recurrent-state modelling (``--state-bytes``, :mod:`prefixcache.cache.resume`): ``cached_tokens`` counts resumed
+    tokens only, ``resume_shortfall_tokens`` those that matched but had no kept state to resume from;
+    ``num_states`` / ``state_bytes`` are the states kept at the end (within ``max_state_bytes``), ``evicted_states``
+    the states the budget evicted, ``dropped_states`` those not kept, ``kv_evicted_states`` those freed with their
+    KV.  All 0 otherwise.
+    """
 
     scenario: str
     requests: int = 0
@@ -75,6 +82,13 @@ class ScenarioReport:
     peak_blocks_used: int = 0
     num_blocks: int = 0
     drift_requests: int = 0
+    resume_shortfall_tokens: int = 0
+    num_states: int = 0
+    state_bytes: int = 0
+    max_state_bytes: int = 0
+    evicted_states: int = 0
+    dropped_states: int = 0
+    kv_evicted_states: int = 0
     prefill_s_cached: float | None = None
     prefill_s_uncached: float | None = None
     verified: bool | None = None
@@ -131,6 +145,8 @@ class ReplayReport:
     requests_log: list[dict[str, Any]] = field(default_factory=list)
     partial: bool = False
     host_tier: bool = False  # the replay had a host-memory tier: the table gives hit rates per tier
+    state_bytes: int | None = None  # recurrent-state modelling: bytes per state (the table gives the shortfall)
+    state_every: int = 0
 
     @property
     def total(self) -> ScenarioReport:
@@ -150,6 +166,13 @@ class ReplayReport:
                 "drift_requests",
                 "skipped_lines",
                 "num_blocks",
+                "resume_shortfall_tokens",
+                "num_states",
+                "state_bytes",
+                "max_state_bytes",
+                "evicted_states",
+                "dropped_states",
+                "kv_evicted_states",
             ):
                 setattr(total, name, getattr(total, name) + getattr(s, name))
             total.peak_blocks_used = max(total.peak_blocks_used, s.peak_blocks_used)
@@ -169,5 +192,7 @@ class ReplayReport:
         out["model"] = self.model
         out["block_size"] = self.block_size
         out["partial"] = self.partial
+        out["recurrent_state_bytes"] = self.state_bytes
+        out["state_every_blocks"] = self.state_every
         out["scenarios"] = {s.scenario: s.to_json() for s in self.scenarios}
         return out

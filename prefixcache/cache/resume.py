@@ -1,0 +1,246 @@
+"""Resume points: where a cached prefix can be resumed by a model whose layers carry a recurrent state.
+
+Hybrid models (Qwen3-Next, Nemotron-H, Granite-4.0-H, MiniMax) and pure state-space models (Mamba-2) have layers
+that carry a fixed-size state (linear attention, SSM) instead of per-token K/V.  Their KV of a cached prefix is
+useless on its own: a request can skip the first ``p`` tokens only if the state of every recurrent layer after those
+``p`` tokens was kept.  So the cache keeps opaque *states* at absolute positions of the tree, and a match ends at the
+deepest position with a kept state (or at 0, where the initial state needs nothing).  The design follows SGLang's
+MambaRadixCache (mamba states on radix nodes, with an LRU list of their own) and vLLM's hybrid KV-cache manager
+(Mamba state cached at block boundaries).
+
+A state is any object with an ``nbytes: int`` attribute, immutable once handed over: a resuming request copies it,
+so states take no locks.  :class:`StateMarker` stands in for callers without tensors (replay, tests).
+
+Layout.  A state at position ``p`` (the state after tokens ``0 .. p - 1``) lives in ``node.states[p]`` of the node
+whose edge covers it, ``node.start < p <= node.end``: it needs exactly the KV of that node's tokens up to ``p - 1``
+and of the path above.  Splitting a node re-files its states by position, cutting blocks off a leaf's tail drops the
+states beyond its new end, removing a node drops its states (:meth:`StateStore.split`, :meth:`StateStore.trim`,
+:meth:`StateStore.remove`, called by the tree).  Freeing states never frees KV: after a state is evicted the KV up to
+it stays until the KV eviction takes it (as in SGLang), and a later insert may put the state back.
+
+Budget.  States live outside the KV pool (the model keeps them on its device), within ``max_bytes`` over all
+namespaces.  Putting a state that would exceed it evicts the least recently used states first: by the owning node's
+last access (the tree's logical clock), then position (shallower first), then node id.  The order is kept in a
+``SortedList`` whose entries are filed under the access time their node had when they were filed; a node touched
+since is noticed when its entry comes first and re-filed then, so each operation costs O(log n) amortized in the
+number ``n`` of states, and a match costs no work here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import numpy as np
+from sortedcontainers import SortedList
+
+from prefixcache.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from prefixcache.cache.node import Node
+
+__all__ = ["RecurrentState", "StateMarker", "StateStore", "check_state"]
+
+
+@runtime_checkable
+class RecurrentState(Protocol):
+    """What the cache reads from a state: its size in bytes (for the budget)."""
+
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateMarker:
+    """A state without tensors: only its size, ``nbytes`` bytes (replay modelling, tests)."""
+
+    nbytes: int
+
+
+def check_state(state: Any) -> int:
+    """The size in bytes of ``state``.
+
+    Raises:
+        InvalidArgumentError: ``state`` has no ``nbytes`` attribute, or it is not a non-negative int.
+    """
+    nbytes = getattr(state, "nbytes", None)
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
+        raise InvalidArgumentError(
+            f"a recurrent state needs an nbytes attribute holding a non-negative int, got {type(state).__name__} "
+            f"with nbytes={nbytes!r}"
+        )
+    return int(nbytes)
+
+
+class StateStore:
+    """The states kept on the tree's nodes, their byte total within ``max_bytes`` and their LRU order.
+
+    Counters: ``num_bytes`` (bytes of the states kept), ``evicted`` (states evicted by the budget), ``dropped`` (states
+    not kept: larger than the whole budget, or at a position the tree does not hold), ``kv_freed`` (states freed with
+    their node's KV), ``shortfall_tokens`` (tokens that matched but could not be resumed, counted by admission).
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+        self.evicted = 0
+        self.dropped = 0
+        self.kv_freed = 0
+        self.shortfall_tokens = 0
+        # (tick, position, node id) for each state; tick <= its node's last_access (see the module docstring).
+        self._order: SortedList = SortedList()
+        # (node id, position) -> (tick it is filed under, nbytes measured when it was put)
+        self._filed: dict[tuple[int, int], tuple[int, int]] = {}
+        self._nodes: dict[int, Node] = {}  # the nodes holding states, by id
+
+    def __len__(self) -> int:
+        return len(self._filed)
+
+    # ---- put and find -------------------------------------------------------------------------------------
+
+    def put(self, node: Node, pos: int, state: Any, nbytes: int) -> bool:
+        """Keep ``state`` (``nbytes`` bytes) at position ``pos`` of ``node`` (``node.start < pos <= node.end``),
+        replacing a state kept there, after evicting least recently used states until it fits.  A state larger than
+        the whole budget is not kept (counted in ``dropped``).  Returns whether it was kept.  O(log n) amortized per
+        state stored or evicted."""
+        if nbytes > self.max_bytes:
+            self.dropped += 1
+            return False
+        if node.states is not None and pos in node.states:
+            self._discard(node, pos)
+        while self.num_bytes + nbytes > self.max_bytes:
+            self._evict_one()
+        if node.states is None:
+            node.states = {}
+            self._nodes[node.node_id] = node
+        node.states[pos] = state
+        tick = node.last_access
+        self._filed[(node.node_id, pos)] = (tick, nbytes)
+        self._order.add((tick, pos, node.node_id))
+        self.num_bytes += nbytes
+        return True
+
+    def drop(self) -> None:
+        """Count a state that was not kept because the tree does not hold its position."""
+        self.dropped += 1
+
+    @staticmethod
+    def deepest(node: Node, limit: int) -> tuple[int, Any]:
+        """``(p, state)``: the deepest position ``p <= limit`` with a kept state on the path from the root to
+        ``node``, or ``(0, None)``.  O(depth) plus the states on the first node from the bottom that has one at or
+        below ``limit``."""
+        while node.parent is not None:
+            states = node.states
+            if states is not None:
+                best = max((p for p in states if p <= limit), default=0)
+                if best:
+                    return best, states[best]
+            node = node.parent
+        return 0, None
+
+    @staticmethod
+    def positions(node: Node, limit: int) -> list[int]:
+        """Every position ``<= limit`` with a kept state on the path to ``node``, ascending.  O(depth + states)."""
+        out: list[int] = []
+        while node.parent is not None:
+            if node.states is not None:
+                out.extend(p for p in node.states if p <= limit)
+            node = node.parent
+        return sorted(out)
+
+    # ---- the tree's hooks ---------------------------------------------------------------------------------
+
+    def split(self, lower: Node, upper: Node) -> None:
+        """``upper`` was cut off the top of ``lower``: move the states it now covers (``p <= upper.end``) to it,
+        filed under the same access time.  O(k log n) for the k states moved."""
+        moving = [p for p in lower.states if p <= upper.end]
+        if not moving:
+            return
+        for pos in moving:
+            state = lower.states[pos]
+            tick, nbytes = self._unfile(lower, pos)
+            if upper.states is None:
+                upper.states = {}
+                self._nodes[upper.node_id] = upper
+            upper.states[pos] = state
+            self._filed[(upper.node_id, pos)] = (tick, nbytes)
+            self._order.add((tick, pos, upper.node_id))
+
+    def trim(self, node: Node) -> None:
+        """``node``'s edge was shortened: free the states beyond its new end (``kv_freed``)."""
+        for pos in [p for p in node.states if p > node.end]:
+            self._discard(node, pos)
+            self.kv_freed += 1
+
+    def remove(self, node: Node) -> None:
+        """``node`` left the tree: free all its states (``kv_freed``)."""
+        for pos in list(node.states):
+            self._discard(node, pos)
+            self.kv_freed += 1
+
+    # ---- internals ----------------------------------------------------------------------------------------
+
+    def _unfile(self, node: Node, pos: int) -> tuple[int, int]:
+        tick, nbytes = self._filed.pop((node.node_id, pos))
+        self._order.remove((tick, pos, node.node_id))
+        del node.states[pos]
+        if not node.states:
+            node.states = None
+            del self._nodes[node.node_id]
+        return tick, nbytes
+
+    def _discard(self, node: Node, pos: int) -> None:
+        self.num_bytes -= self._unfile(node, pos)[1]
+
+    def _evict_one(self) -> None:
+        # The first entry is the true least recently used one once its tick is its node's access time: every other
+        # entry's tick is at least as large, and no tick exceeds its node's access time.
+        order = self._order
+        while True:
+            tick, pos, node_id = order[0]
+            node = self._nodes[node_id]
+            if tick == node.last_access:
+                break
+            order.pop(0)
+            fresh = node.last_access
+            self._filed[(node_id, pos)] = (fresh, self._filed[(node_id, pos)][1])
+            order.add((fresh, pos, node_id))
+        self._discard(node, pos)
+        self.evicted += 1
+
+    # ---- checks -------------------------------------------------------------------------------------------
+
+    def check(self, nodes: list[Node]) -> None:
+        """``nodes`` are all the tree's nodes: every state sits at a position its node covers, each is filed once
+        under a tick no later than its node's access time, and the byte total is the sum.  O(n log n).
+
+        Raises:
+            AssertionError: naming the first broken invariant.
+        """
+        seen: set[tuple[int, int]] = set()
+        total = 0
+        for node in nodes:
+            if node.states is None:
+                if node.node_id in self._nodes and self._nodes[node.node_id] is node:
+                    raise AssertionError(f"node {node.node_id} holds no states but the store lists it")
+                continue
+            if not node.states or self._nodes.get(node.node_id) is not node:
+                raise AssertionError(f"node {node.node_id} holds states the store does not list (or an empty dict)")
+            for pos in node.states:
+                if not node.start < pos <= node.end:
+                    raise AssertionError(f"node {node.node_id} ({node.start}..{node.end}) keeps a state at {pos}")
+                filed = self._filed.get((node.node_id, pos))
+                if filed is None:
+                    raise AssertionError(f"the state at {pos} on node {node.node_id} is not filed")
+                tick, nbytes = filed
+                if tick > node.last_access or (tick, pos, node.node_id) not in self._order:
+                    raise AssertionError(f"the state at {pos} on node {node.node_id} is filed under a wrong key")
+                seen.add((node.node_id, pos))
+                total += nbytes
+        if len(seen) != len(self._filed) or len(self._order) != len(self._filed):
+            raise AssertionError(f"{len(self._filed)} states filed, {len(seen)} on the tree's nodes")
+        if len(self._nodes) != len({node_id for node_id, _ in seen}):
+            raise AssertionError("the store lists nodes that are not in the tree")
+        if total != self.num_bytes:
+            raise AssertionError(f"state bytes {self.num_bytes} != {total}, the sum of the states kept")
+        if total > self.max_bytes:
+            raise AssertionError(f"{total} state bytes exceed the budget of {self.max_bytes}")
