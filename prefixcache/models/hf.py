@@ -185,7 +185,14 @@ class HFCausalLM:
         with torch.inference_mode():
             cache = self._cache_from_pool(live, None, None, 0, 1)
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-            self.model(**self._inputs(input_ids=ids, position_ids=ids), use_cache=True, **{self._cache_kwarg: cache})
+            inputs = self._inputs(input_ids=ids, position_ids=ids)
+            try:
+                self.model(**inputs, use_cache=True, **{self._cache_kwarg: cache})
+            except Exception as error:  # noqa: BLE001 - a model that cannot run one token cannot be served at all
+                raise UnsupportedModelError(
+                    f"{type(self.model).__name__} failed a one-token forward into a cache of its recurrent and "
+                    f"attention layers: {type(error).__name__}: {error}"
+                ) from error
         live.num_tokens = 1
         return take_state(cache, self.layout, 1).nbytes
 

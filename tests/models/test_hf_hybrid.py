@@ -10,10 +10,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from prefixcache.cache.pool import KVBlockPool  # noqa: E402
+from prefixcache.engine.batching import BatchEngine  # noqa: E402
+from prefixcache.engine.runner import PrefixCachingRunner, SamplingParams  # noqa: E402
 from prefixcache.errors import InvalidArgumentError  # noqa: E402
 from prefixcache.models.base import LiveKV  # noqa: E402
 from prefixcache.models.hf import HFCausalLM  # noqa: E402
 from prefixcache.models.hf_tiny import HYBRID_MODEL_TYPES, tiny_hf_config  # noqa: E402
+from prefixcache.testing import assert_quiescent  # noqa: E402
 
 BLOCK_SIZE = 16
 SPLIT, LENGTH = 41, 70  # a prefix ending inside a block, and the whole sequence
@@ -128,3 +131,68 @@ def test_take_state_needs_a_recurrent_model_and_a_live_cache(hybrid):
     assert not plain.recurrent and plain.state_bytes == 0
     with pytest.raises(InvalidArgumentError, match="no recurrent layers"):
         plain.take_state(LiveKV())
+
+
+# ---- through the runner and the batching engine ------------------------------------------------------------------
+
+PROMPT_LENGTH, NEW_TOKENS = 50, 6
+
+
+def _hf_generate(model: HFCausalLM, prompt: list[int], new_tokens: int) -> list[int]:
+    out = model.model.generate(
+        torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _prompt(seed: int, length: int = PROMPT_LENGTH) -> list[int]:
+    return torch.randint(1, 300, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_chats_next_turn_resumes_at_the_last_answers_state_and_equals_generate(hybrid):
+    runner = PrefixCachingRunner(hybrid, cache_tokens=1024, block_size=BLOCK_SIZE)
+    assert runner.cache.resume_states
+    first_prompt = _prompt(1)
+    first = runner.generate(first_prompt, SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert list(first.token_ids) == _hf_generate(hybrid, first_prompt, NEW_TOKENS)
+    # The next turn: the whole first exchange and a new question.  The answer's last token has no K/V yet, so the
+    # deepest state is the one kept when the answer ended, one token short of the exchange.
+    second_prompt = first_prompt + list(first.token_ids) + _prompt(2, 9)
+    second = runner.generate(second_prompt, SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert second.usage.cached_tokens == PROMPT_LENGTH + NEW_TOKENS - 1
+    assert second.usage.unresumed_tokens == 0
+    assert list(second.token_ids) == _hf_generate(hybrid, second_prompt, NEW_TOKENS)
+    stats = runner.cache.stats()
+    assert stats.num_states >= 2 and stats.state_bytes == stats.num_states * hybrid.state_bytes
+
+
+def test_a_prompt_matching_past_every_kept_state_resumes_at_the_deepest_and_says_how_many_it_could_not(hybrid):
+    runner = PrefixCachingRunner(hybrid, cache_tokens=1024, block_size=BLOCK_SIZE)
+    long_prompt = _prompt(3, 60)
+    runner.generate(long_prompt, SamplingParams(max_new_tokens=0))  # a state at 60 only
+    # Shares 40 tokens with the cached prompt: their K/V are cached, but no state stands inside them.
+    shorter = long_prompt[:40] + _prompt(4, 10)
+    result = runner.generate(shorter, SamplingParams(max_new_tokens=3), return_logits=True)
+    assert result.usage.cached_tokens == 0 and result.usage.unresumed_tokens == 40
+    torch.testing.assert_close(
+        result.prompt_logits, hybrid.forward_reference(torch.tensor(shorter), return_logits=True), atol=1e-5, rtol=0
+    )
+    again = runner.generate(long_prompt + _prompt(5, 7), SamplingParams(max_new_tokens=0))
+    assert again.usage.cached_tokens == 60 and again.usage.unresumed_tokens == 0
+
+
+def test_the_batching_engine_serves_hybrid_rows_as_serial_calls_do(hybrid):
+    system = _prompt(6, 40)
+    prompts = [system + _prompt(10 + i, 3 + 5 * i) for i in range(3)]
+    serial = PrefixCachingRunner(hybrid, cache_tokens=2048, block_size=BLOCK_SIZE)
+    serial.generate(system, SamplingParams(max_new_tokens=0))
+    expected = [serial.generate(p, SamplingParams(max_new_tokens=NEW_TOKENS)).token_ids for p in prompts]
+    runner = PrefixCachingRunner(hybrid, cache_tokens=2048, block_size=BLOCK_SIZE)
+    runner.generate(system, SamplingParams(max_new_tokens=0))
+    engine = BatchEngine(runner, max_batch_tokens=24)  # prompts in chunks, decode rows beside them
+    handles = [engine.submit(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
+    engine.run_until_idle()
+    results = [h.result() for h in handles]
+    assert [r.token_ids for r in results] == expected
+    assert all(r.usage.cached_tokens == len(system) for r in results)
+    assert_quiescent(runner.cache)
