@@ -568,6 +568,18 @@ def _plain_head(model: Any) -> tuple[Any, str, Any] | None:
     return base, cache_kwarg, head
 
 
+def _special_floats(value: Any) -> Any:
+    """``value`` (parsed JSON) with transformers' tagged floats (``{"__float__": "Infinity"}``, as ``save_pretrained``
+    writes an infinite ``time_step_limit``) turned back into floats."""
+    if isinstance(value, dict):
+        if value.keys() == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(value["__float__"].lower().replace("infinity", "inf"))
+        return {key: _special_floats(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(item) for item in value]
+    return value
+
+
 def _resolve_device(device: torch.device | str | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -615,7 +627,7 @@ def random_model_from_config(
     path = Path(config_path)
     path = path / "config.json" if path.is_dir() else path
     try:
-        values = json.loads(path.read_text(encoding="utf-8"))
+        values = _special_floats(json.loads(path.read_text(encoding="utf-8")))
         model_type = values.pop("model_type")
     except (OSError, ValueError, KeyError, AttributeError) as error:
         raise InvalidArgumentError(f"cannot read a model config from {str(path)!r}: {error}") from None
