@@ -37,15 +37,18 @@ from prefixcache.models.base import (
     weights_version_of,
 )
 from prefixcache.models.hf_cache import PaddedBatch, growing_layer_class
-from prefixcache.models.hf_support import check_supported, probe_kv_layout
+from prefixcache.models.hf_support import (
+    TESTED_MODEL_TYPES,
+    check_supported,
+    output_embeddings,
+    plain_head,
+    probe_kv_layout,
+)
 from prefixcache.models.linear import WeightPacks, large_cpu_linears, project, tall_skinny_linears
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TESTED_MODEL_TYPES", "HFCausalLM", "load_hf_model", "random_model_from_config"]
-
-TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "gpt2"})
-"""``config.model_type`` values whose exactness ``tests/models/test_hf.py`` checks; others log a warning."""
 
 # Elements sampled per parameter for the weight checksum of the fingerprint.
 _WEIGHT_SAMPLES = 64
@@ -77,8 +80,9 @@ class HFCausalLM:
             raise InvalidArgumentError(f"expected a transformers *ForCausalLM model, got {type(model).__name__}")
         self.model = model.eval()
         self.config = config
-        self._cache_kwarg = check_supported(model)
-        if _output_embeddings(model) is None:
+        self.support = check_supported(model)
+        self._cache_kwarg = self.support.cache_kwarg
+        if output_embeddings(model) is None:
             raise UnsupportedModelError(
                 f"{type(model).__name__} has no LM head (get_output_embeddings() is None); wrap the *ForCausalLM "
                 "model, not its base model"
@@ -88,7 +92,8 @@ class HFCausalLM:
         self._resolve_head()
         self._head_packs = WeightPacks() if pack_head else None  # the LM head's oneDNN copy, batched CPU decode
         self.num_layers = int(config.num_hidden_layers)
-        self.num_kv_heads, self.head_dim = probe_kv_layout(model, self._cache_kwarg)
+        self.kv_layout = probe_kv_layout(model, self._cache_kwarg)
+        self.num_kv_heads, self.head_dim = self.kv_layout.num_kv_heads, self.kv_layout.head_dim
         self.max_position = int(config.max_position_embeddings)
         self._fingerprint: str | None = None
         self._droppers: list[torch.nn.Module] = []  # the modules _check_eval watches (see there)
@@ -131,9 +136,10 @@ class HFCausalLM:
         return int(self.config.vocab_size)
 
     def _resolve_head(self) -> None:
-        """Find the head and base this adapter runs itself (:func:`_plain_head`), noted against the head module."""
-        self._head_module = _output_embeddings(self.model)
-        self._head = _plain_head(self.model)
+        """Find the head and base this adapter runs itself (:func:`.hf_support.plain_head`), noted against the head
+        module."""
+        self._head_module = output_embeddings(self.model)
+        self._head = plain_head(self.model)
         self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
 
     @property
@@ -259,9 +265,11 @@ class HFCausalLM:
         """
         self._check_eval()
         checked = [check_cached_call(self, r.token_ids, r.start_pos, kv, r.block_table) for r in rows]
-        groups: dict[int, list[int]] = {}
-        for index, (ids, _) in enumerate(checked):
-            groups.setdefault(ids.numel(), []).append(index)
+        # Rows of windowed models group only with rows at the same start: no gap, so cache index = position.
+        equal_starts = self.support.needs_equal_starts
+        groups: dict[tuple[int, int], list[int]] = {}
+        for index, (row, (ids, _)) in enumerate(zip(rows, checked, strict=True)):
+            groups.setdefault((ids.numel(), row.start_pos if equal_starts else 0), []).append(index)
         logits: list[torch.Tensor] = [torch.empty(0)] * len(rows)
         for members in groups.values():
             if len(members) == 1:
@@ -313,8 +321,15 @@ class HFCausalLM:
                 values = [
                     cache.layers[index].values if start else None for cache, start in zip(caches, starts, strict=True)
                 ]
+                layout = self.kv_layout
                 layer.fill_padded(
-                    keys, values, starts, longest, (self.num_kv_heads, self.head_dim), self.dtype, self.device
+                    keys,
+                    values,
+                    starts,
+                    longest,
+                    (layout.num_kv_heads, layout.key_dim, layout.value_dim),
+                    self.dtype,
+                    self.device,
                 )
             state = PaddedBatch.attach(caches, mask, batch_cache)
         width = mask.shape[1] - n
@@ -332,9 +347,10 @@ class HFCausalLM:
         for b, (row, (_, table)) in enumerate(zip(rows, checked, strict=True)):
             row_positions = offsets + row.start_pos
             slots.append(table[row_positions // kv.shape[3]] * kv.shape[3] + row_positions % kv.shape[3])
+            keys, values = self.kv_layout.unpack(new[:, :, b])  # [L, n, H_kv, D_k], [L, n, H_kv, D_v]
             for layer_index, layer in enumerate(caches[b].layers):
                 # [1, H_kv, n, D], the layout the model appends in.
-                layer.update(new[layer_index, 0, b].transpose(0, 1)[None], new[layer_index, 1, b].transpose(0, 1)[None])
+                layer.update(keys[layer_index].transpose(0, 1)[None], values[layer_index].transpose(0, 1)[None])
             row.live.num_tokens = row.start_pos + n
         _flat(kv).index_copy_(2, torch.cat(slots), new.flatten(2, 3))
         return list(logits[:, -1].float().split(1))
@@ -370,10 +386,10 @@ class HFCausalLM:
             prefix = torch.arange(start_pos, device=self.device)
             block_size = kv.shape[3]
             slots = table[prefix // block_size] * block_size + prefix % block_size
-            # index_select copies; [L, 2, start_pos, H_kv, D] -> per layer [1, H_kv, start_pos, D] (HF layout).
-            rows = _flat(kv).index_select(2, slots).transpose(2, 3).unsqueeze(2)
+            # index_select copies; [L, 2, start_pos, H_kv, D] -> per layer [1, H_kv, start_pos, D_k or D_v] (HF layout).
+            keys, values = self.kv_layout.unpack(_flat(kv).index_select(2, slots))
             for layer in range(self.num_layers):
-                cache.update(rows[layer, 0], rows[layer, 1], layer)
+                cache.update(keys[layer].transpose(0, 1)[None], values[layer].transpose(0, 1)[None], layer)
         if live is not None:
             live.data, live.num_tokens = cache, start_pos
         return cache
@@ -381,9 +397,9 @@ class HFCausalLM:
     def _logits(self, cache: Any, return_logits: bool, **inputs: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, n or 1, vocab]`` (model dtype) of one cached forward of ``inputs``: every position with
         ``return_logits``, else the last.  Where the model's logits are its LM head on the base model's last hidden
-        state (:func:`_plain_head`), runs the two itself, a forward of few tokens with tall-skinny products
+        state (:func:`.hf_support.plain_head`), runs the two itself, a forward of few tokens with tall-skinny products
         (:mod:`~prefixcache.models.linear`); else the model's own forward with ``logits_to_keep``."""
-        if _output_embeddings(self.model) is not self._head_module:
+        if output_embeddings(self.model) is not self._head_module:
             self._resolve_head()  # replaced since we looked (resize_token_embeddings, a new lm_head)
         if self._head is None:
             out = self.model(
@@ -408,26 +424,29 @@ class HFCausalLM:
         return cache
 
     def _new_kv(self, cache: Any, start_pos: int, end_pos: int, batch: int | None = None) -> torch.Tensor:
-        """K/V of positions ``start_pos .. end_pos - 1`` from ``cache`` as ``[num_layers, 2, n, H_kv, D]``, or with
-        ``batch`` rows as ``[num_layers, 2, batch, n, H_kv, D]``."""
-        want = (batch or 1, self.num_kv_heads, end_pos, self.head_dim)
-        rows = []
+        """K/V of positions ``start_pos .. end_pos - 1`` from ``cache`` as pool rows ``[num_layers, 2, n, H_kv, D]``
+        (packed by :attr:`kv_layout` where K and V differ in size), or with ``batch`` rows as ``[num_layers, 2,
+        batch, n, H_kv, D]``."""
+        layout = self.kv_layout
+        want_k = (batch or 1, layout.num_kv_heads, end_pos, layout.key_dim)
+        want_v = (*want_k[:3], layout.value_dim)
+        keys, values = [], []
         for index, layer in enumerate(cache.layers):
-            if tuple(layer.keys.shape) != want or tuple(layer.values.shape) != want:
+            if tuple(layer.keys.shape) != want_k or tuple(layer.values.shape) != want_v:
                 raise UnsupportedModelError(
                     f"{type(self.model).__name__} layer {index} cached K {tuple(layer.keys.shape)} and V "
-                    f"{tuple(layer.values.shape)}, expected {want} [batch, kv_heads, positions, head_dim] from its "
-                    "config; its attention does not keep plain per-token K/V"
+                    f"{tuple(layer.values.shape)}, expected {want_k} and {want_v} [batch, kv_heads, positions, size] "
+                    "as after its one-token probe; its attention does not keep plain per-token K/V"
                 )
-            rows.append(torch.stack([layer.keys[..., start_pos:, :], layer.values[..., start_pos:, :]]))
-        if len(rows) != self.num_layers:
+            keys.append(layer.keys[..., start_pos:, :])
+            values.append(layer.values[..., start_pos:, :])
+        if len(keys) != self.num_layers:
             raise UnsupportedModelError(
-                f"{type(self.model).__name__} filled {len(rows)} cache layers, expected {self.num_layers}"
+                f"{type(self.model).__name__} filled {len(keys)} cache layers, expected {self.num_layers}"
             )
-        stacked = torch.stack(rows)  # [L, 2, B, H_kv, n, D]
-        if batch is None:
-            return stacked[:, :, 0].transpose(2, 3)  # [L, 2, n, H_kv, D]
-        return stacked.transpose(3, 4)  # [L, 2, B, n, H_kv, D]
+        # [L, B, H_kv, n, D_k or D_v] -> [L, B, n, H_kv, D_k or D_v] -> pool rows [2, L, B, n, H_kv, D].
+        rows = layout.pack(torch.stack(keys).transpose(2, 3), torch.stack(values).transpose(2, 3)).transpose(0, 1)
+        return rows[:, :, 0] if batch is None else rows
 
     def __repr__(self) -> str:
         return f"HFCausalLM({self.name}, dtype={self.dtype}, device={self.device})"
@@ -447,32 +466,6 @@ def _drops(module: torch.nn.Module) -> bool:
         return module.p > 0
     rates = (getattr(module, name, None) for name in ("attention_dropout", "dropout", "attn_pdrop"))
     return isinstance(module, PreTrainedModel) or any(isinstance(r, float) and r > 0 for r in rates)
-
-
-def _output_embeddings(model: Any) -> Any:
-    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-
-
-def _plain_head(model: Any) -> tuple[Any, str, Any] | None:
-    """``(base model, its cache argument, LM head)`` when ``model``'s logits are exactly its ``nn.Linear`` LM head
-    applied to the base model's last hidden state (the tested model types, no logit scaling or soft-capping); else
-    None, and the model's own forward computes the logits."""
-    from torch import nn
-
-    config = model.config
-    if config.model_type not in TESTED_MODEL_TYPES:
-        return None
-    if any(getattr(config, name, None) not in (None, 1.0) for name in ("final_logit_softcapping", "logit_scale")):
-        return None
-    head = _output_embeddings(model)
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    if not isinstance(head, nn.Linear) or not isinstance(base, nn.Module) or base is model:
-        return None
-    params = inspect.signature(base.forward).parameters
-    cache_kwarg = next((name for name in ("cache", "past_key_values") if name in params), None)
-    if cache_kwarg is None or "position_ids" not in params:
-        return None
-    return base, cache_kwarg, head
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

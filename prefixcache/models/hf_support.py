@@ -1,20 +1,43 @@
 """Which Hugging Face causal LMs a pool of per-token K/V can serve exactly (extra ``prefixcache[hf]``).
 
 :func:`check_supported` refuses, with a reason, what a prefix cache of full per-token K/V cannot reproduce: encoder-
-decoders, recurrent or linear-attention state, sliding-window or chunked attention, rotary scalings whose frequencies
-depend on the call's length, forwards without a cache or ``position_ids`` argument.
+decoders, recurrent or linear-attention state, rotary scalings whose frequencies depend on the call's length,
+forwards without a cache or ``position_ids`` argument.  It accepts sliding-window and chunked layers (their window
+is a mask over absolute cache indices, which a full cache keeps exact) and names them in its :class:`Support`.
+:func:`probe_kv_layout` reads what the layers really keep per token (:class:`KVLayout`), K and V sizes apart: a
+multi-head latent attention layer keeps a latent and a rotary key of different sizes, which the pool packs.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from prefixcache.errors import UnsupportedModelError
 
-__all__ = ["check_supported", "probe_kv_layout"]
+__all__ = [
+    "TESTED_MODEL_TYPES",
+    "KVLayout",
+    "Support",
+    "check_supported",
+    "output_embeddings",
+    "plain_head",
+    "probe_kv_layout",
+]
+
+TESTED_MODEL_TYPES = frozenset(
+    "cohere2 deepseek_v3 exaone4 gemma gemma2 gemma3_text glm4_moe gpt2 gpt_oss llama llama4_text mistral olmo2 phi3 "
+    "qwen2 qwen3 qwen3_moe".split()
+)
+"""``config.model_type`` values whose exactness ``tests/models/test_hf.py`` and ``test_architectures.py`` check;
+others log a warning."""
+
+# Tested types whose *ForCausalLM.forward does more than its LM head on the base's last hidden state: Gemma 2/3
+# soft-cap the logits (final_logit_softcapping), Cohere scales them (logit_scale).  They keep the model's own forward.
+_OWN_HEAD_MODEL_TYPES = frozenset({"cohere", "cohere2", "gemma2", "gemma3_text"})
 
 # Model types whose state is not (only) per-token K/V, for a clear message even where DynamicCache cannot say so.
 _RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma"})
@@ -23,11 +46,31 @@ _RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
-def check_supported(model: Any) -> str:
-    """Raise UnsupportedModelError unless every layer is full attention with a plain K/V cache.
+# Model types whose forward reads the cache's length itself (not only position_ids): Llama 4 scales the queries of
+# its no-RoPE layers by a function of ``cache.get_seq_length()``, which a padded batch would set to its width.
+_READS_CACHE_LENGTH = frozenset({"llama4_text"})
 
-    Returns the name of the forward's cache argument (``cache`` in transformers >= 5.x, else ``past_key_values``).
+
+@dataclass(frozen=True, slots=True)
+class Support:
+    """What :func:`check_supported` found: the forward's cache argument and the layers whose attention is windowed.
+
+    ``cache_kwarg`` is ``"cache"`` (transformers >= 5.x releases that renamed it) or ``"past_key_values"``.
+    ``windowed_layers`` are the sliding-window or chunked layers (transformers' ``DynamicSlidingWindowLayer``),
+    ``window`` their ``sliding_window`` or ``attention_chunk_size``.  ``needs_equal_starts``: a padded batch may
+    only group rows that start at the same position (no gap between a row's prefix and its new tokens), because
+    the model's masks or scales read cache indices as absolute positions.
     """
+
+    cache_kwarg: str
+    windowed_layers: tuple[int, ...] = ()
+    window: int | None = None
+    needs_equal_starts: bool = False
+
+
+def check_supported(model: Any) -> Support:
+    """Raise UnsupportedModelError unless every layer is attention (full, sliding-window or chunked) over a plain
+    per-token K/V cache.  Builds one empty ``DynamicCache``; runs no forward."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
@@ -56,15 +99,10 @@ def check_supported(model: Any) -> str:
     except Exception as error:  # noqa: BLE001 - any failure here means the cache layout is not one we understand
         raise UnsupportedModelError(f"cannot build a KV cache for {arch}: {error}") from None
     layer_types = list(getattr(config, "layer_types", None) or [type(layer).__name__ for layer in probe.layers])
-    sliding = [i for i, layer in enumerate(probe.layers) if isinstance(layer, DynamicSlidingWindowLayer)]
-    if sliding:
-        window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
-        raise UnsupportedModelError(
-            f"{arch} uses sliding-window or chunked attention (window {window}) in layers {sliding[:8]}"
-            f"{'...' if len(sliding) > 8 else ''} (layer types {sorted(set(layer_types))}); a prefix cache of "
-            "full per-token K/V would attend beyond the window, so cached logits would not be exact"
-        )
-    other = [i for i, layer in enumerate(probe.layers) if type(layer) is not DynamicLayer]
+    # Sliding and chunked layers keep every position in prefixcache's live cache (a full layer); the model's own
+    # masks (masking_utils' sliding and chunked overlays) then cut the window out of absolute cache indices.
+    windowed = tuple(i for i, layer in enumerate(probe.layers) if type(layer) is DynamicSlidingWindowLayer)
+    other = [i for i, layer in enumerate(probe.layers) if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)]
     if other:
         kinds = sorted({type(probe.layers[i]).__name__ for i in other})
         raise UnsupportedModelError(
@@ -82,14 +120,73 @@ def check_supported(model: Any) -> str:
         raise UnsupportedModelError(f"{arch}.forward takes no cache or no position_ids; cannot prefill a suffix")
     if getattr(config, "max_position_embeddings", None) is None:
         raise UnsupportedModelError(f"{arch} config has no max_position_embeddings")
-    return cache_kwarg
+    window = (
+        (getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)) if windowed else None
+    )
+    return Support(
+        cache_kwarg,
+        windowed,
+        window,
+        needs_equal_starts=bool(windowed) or config.model_type in _READS_CACHE_LENGTH,
+    )
 
 
-def probe_kv_layout(model: Any, cache_kwarg: str) -> tuple[int, int]:
-    """``(num_kv_heads, head_dim)`` the model's layers really store, read from a one-token forward into a fresh cache.
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What every layer's cache keeps per token: ``num_kv_heads`` heads of a ``key_dim`` K and a ``value_dim`` V.
+
+    Where the two sizes agree the pool holds them as they are (``head_dim = key_dim``).  Where they differ
+    (multi-head latent attention: DeepSeek-V2/V3 keep one head of a ``kv_lora_rank`` latent as K and a
+    ``qk_rope_head_dim`` rotary key as V) the pool keeps its geometry with ``head_dim = ceil((key_dim + value_dim)
+    / 2)`` and packs each token's K elements then V elements across its two ``[num_kv_heads, head_dim]`` slots
+    (:meth:`pack`, :meth:`unpack`): no padding when ``key_dim + value_dim`` is even, else one element a head.
+    """
+
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def packed(self) -> bool:
+        """Whether K and V differ in size, so the pool packs them."""
+        return self.key_dim != self.value_dim
+
+    @property
+    def head_dim(self) -> int:
+        """The pool's last dimension."""
+        return -(-(self.key_dim + self.value_dim) // 2) if self.packed else self.key_dim
+
+    def pack(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``keys [..., H, key_dim]`` and ``values [..., H, value_dim]`` as pool rows ``[2, ..., H, head_dim]``.
+        A copy when packed, else a stack."""
+        if not self.packed:
+            return torch.stack([keys, values])
+        lead = keys.shape[:-2]
+        flat = torch.cat([keys.reshape(*lead, -1), values.reshape(*lead, -1)], dim=-1)
+        spare = 2 * self.num_kv_heads * self.head_dim - flat.shape[-1]
+        if spare:
+            flat = torch.nn.functional.pad(flat, (0, spare))
+        rows = flat.view(*lead, 2, self.num_kv_heads, self.head_dim)
+        return rows.movedim(-3, 0)
+
+    def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool rows ``[..., 2, n, H, head_dim]`` back to ``keys [..., n, H, key_dim]`` and ``values [..., n, H,
+        value_dim]`` (views where not packed)."""
+        if not self.packed:
+            return rows.select(-4, 0), rows.select(-4, 1)
+        heads = self.num_kv_heads
+        flat = rows.movedim(-4, -3).flatten(-3)  # [..., n, 2 * H * head_dim]
+        keys = flat[..., : heads * self.key_dim].unflatten(-1, (heads, self.key_dim))
+        values = flat[..., heads * self.key_dim : heads * (self.key_dim + self.value_dim)]
+        return keys, values.unflatten(-1, (heads, self.value_dim))
+
+
+def probe_kv_layout(model: Any, cache_kwarg: str) -> KVLayout:
+    """The :class:`KVLayout` the model's layers really store, read from a one-token forward into a fresh cache.
 
     The config cannot always say: Falcon's multi-query attention keeps one K/V head whatever its config fields are,
-    and a config may carry keys its architecture never reads (``num_key_value_heads`` on GPT-2).  Costs one forward
+    and a config may carry keys its architecture never reads (``num_key_value_heads`` on GPT-2); DeepSeek's latent
+    attention caches a latent and a rotary key, not the per-head K/V its config sizes.  Costs one forward
     of one token.  Raises UnsupportedModelError when that forward fails (a config the model cannot run, such as more
     K/V heads than query heads), a layer keeps no K/V or the layers disagree on the layout.
     """
@@ -115,8 +212,36 @@ def probe_kv_layout(model: Any, cache_kwarg: str) -> tuple[int, int]:
             "needs every layer to keep one [1, kv_heads, 1, head_dim] K and V"
         )
     ((keys, values),) = shapes
-    if keys != values or len(keys) != 4 or keys[0] != 1 or keys[2] != 1:
+    if len(keys) != 4 or len(values) != 4 or keys[:3] != values[:3] or keys[0] != 1 or keys[2] != 1:
         raise UnsupportedModelError(
-            f"{type(model).__name__} keeps K {keys} and V {values} after one token; expected [1, kv_heads, 1, head_dim]"
+            f"{type(model).__name__} keeps K {keys} and V {values} after one token; expected [1, kv_heads, 1, K size] "
+            "and [1, kv_heads, 1, V size]"
         )
-    return keys[1], keys[3]
+    return KVLayout(num_kv_heads=keys[1], key_dim=keys[3], value_dim=values[3])
+
+
+def output_embeddings(model: Any) -> Any:
+    """The model's LM head module (``get_output_embeddings()``), or None."""
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
+def plain_head(model: Any) -> tuple[Any, str, Any] | None:
+    """``(base model, its cache argument, LM head)`` when ``model``'s logits are exactly its ``nn.Linear`` LM head
+    applied to the base model's last hidden state (the tested model types, no logit scaling or soft-capping); else
+    None, and the model's own forward computes the logits."""
+    from torch import nn
+
+    config = model.config
+    if config.model_type not in TESTED_MODEL_TYPES or config.model_type in _OWN_HEAD_MODEL_TYPES:
+        return None
+    if any(getattr(config, name, None) not in (None, 1.0) for name in ("final_logit_softcapping", "logit_scale")):
+        return None
+    head = output_embeddings(model)
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if not isinstance(head, nn.Linear) or not isinstance(base, nn.Module) or base is model:
+        return None
+    params = inspect.signature(base.forward).parameters
+    cache_kwarg = next((name for name in ("cache", "past_key_values") if name in params), None)
+    if cache_kwarg is None or "position_ids" not in params:
+        return None
+    return base, cache_kwarg, head
