@@ -5,12 +5,17 @@ paged pool (a copy: the model never holds a view of the pool), hands them to the
 only the new tokens with explicit ``position_ids`` starting at the cached length, and scatters the new tokens' K/V
 from the cache back into their pool slots.  The reference path is the model's own forward with no cache.
 
-Supported: decoders whose every layer is full causal attention with a plain per-token K/V cache.  Tested with
-transformers 5.24 on Llama, Qwen2 and GPT-2 (learned absolute positions).  Sliding-window or chunked attention
-(Mistral with a window, Gemma-2/3), recurrent or linear-attention state (Mamba, hybrids), rotary scalings that depend
-on the call's length (dynamic NTK, LongRoPE) and encoder-decoders raise
-:class:`~prefixcache.errors.UnsupportedModelError`: a pool of per-token K/V cannot reproduce them exactly.  Other
-full-attention architectures pass the checks but are untested; replay them with ``--verify``.
+Served exactly (tested with transformers 5.24, ``TESTED_MODEL_TYPES``): full attention (Llama, Qwen2/3, Qwen3-MoE,
+Gemma, GLM-4-MoE, Phi-3, OLMo2, GPT-2), sliding-window or chunked attention (Mistral with a window, Qwen2 with
+``use_sliding_window``, Gemma 2/3, gpt-oss with its sinks, Cohere2, EXAONE 4, Llama 4 text) and DeepSeek-V2/V3's
+latent attention.  The pool keeps every position's K/V in every layer, sliding ones included, and the live cache is
+a full layer, so the model's own window and chunk masks (on absolute cache indices) cut the window exactly; SGLang's
+SWARadixCache instead frees a sliding layer's K/V outside the window of every live path (bytes this costs:
+:mod:`~prefixcache.models.hf_support`).  Latent attention caches a latent (K) and a rotary key (V) of different
+sizes, packed across the pool's two slots (:class:`~prefixcache.models.hf_support.KVLayout`).  Refused with
+:class:`~prefixcache.errors.UnsupportedModelError`: recurrent or linear-attention state (Mamba, Qwen3-Next,
+Nemotron-H, Granite-4.0-H, MiniMax), rotary scalings that depend on the call's length (dynamic NTK, LongRoPE),
+encoder-decoders.  Other architectures that pass the checks are untested; replay them with ``--verify``.
 """
 
 from __future__ import annotations
@@ -69,8 +74,8 @@ class HFCausalLM:
     size in memory once more (544 MB for a 151,936 x 896 float32 head); ``pack_head=False`` keeps to ``W @ h.T``.
 
     Raises:
-        UnsupportedModelError: the architecture has layers a per-token K/V pool cannot serve exactly (sliding or
-            chunked attention, recurrent/linear state), is an encoder-decoder, or its forward takes no cache or
+        UnsupportedModelError: the architecture has layers a per-token K/V pool cannot serve exactly (recurrent or
+            linear state), is an encoder-decoder, or its forward takes no cache or
             ``position_ids``, or it has no LM head (a base model); the layers disagree on their K/V layout.
     """
 
@@ -260,6 +265,8 @@ class HFCausalLM:
         to (:class:`~prefixcache.models.hf_cache.PaddedBatch`), so a decode step copies no context.  The new K/V are
         also appended to each row's live cache and written into its pool slots.  A group of one row is a plain
         :meth:`forward_cached`.  (Padded batching with per-row positions, as Hugging Face ``generate`` batches.)
+        Models whose masks read cache indices as positions (windowed layers, ``Support.needs_equal_starts``) group
+        only rows of equal ``start_pos``, so that no row has a gap.
         Rows must belong to different requests and write disjoint pool slots.  Raises as :meth:`forward_cached`,
         every row checked before anything runs; the rows of a failed group have their live K/V reset.
         """

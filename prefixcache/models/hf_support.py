@@ -6,6 +6,24 @@ forwards without a cache or ``position_ids`` argument.  It accepts sliding-windo
 is a mask over absolute cache indices, which a full cache keeps exact) and names them in its :class:`Support`.
 :func:`probe_kv_layout` reads what the layers really keep per token (:class:`KVLayout`), K and V sizes apart: a
 multi-head latent attention layer keeps a latent and a rotary key of different sizes, which the pool packs.
+
+What keeping every position of a sliding layer costs, bf16, against a cache that frees a sliding layer's K/V outside
+the window of every live path (SGLang's SWARadixCache): per cached token, K+V of one layer is ``2 * H_kv * D * 2``
+bytes; a window-freeing cache holds asymptotically only the full layers per token, plus ``window`` tokens of the
+sliding layers per live path.
+
+=============  ====================  ========  ======  ==============  ===================================  =====
+shape          layers sliding+full   H_kv x D  window  all layers      window-freeing                       ratio
+=============  ====================  ========  ======  ==============  ===================================  =====
+Gemma 3 1B     22 + 4                1 x 256   512     26,624 B/token  4,096 B/token + 11 MiB a live path   6.5
+Gemma 3 4B     29 + 5                4 x 256   1024    139,264         20,480 + 116 MiB                     6.8
+Gemma 3 27B    52 + 10               16 x 128  1024    507,904         81,920 + 416 MiB                     6.2
+gpt-oss-20b    12 + 12               8 x 64    128     49,152          24,576 + 3 MiB                       2.0
+gpt-oss-120b   18 + 18               8 x 64    128     73,728          36,864 + 4.5 MiB                     2.0
+=============  ====================  ========  ======  ==============  ===================================  =====
+
+(Gemma 3 puts a full layer after every five sliding ones; gpt-oss alternates.)  DeepSeek-V3's latent attention (61
+layers, a 512 latent and a 64 rotary key, one head) packs into ``head_dim`` 288: 70,272 B/token, no padding.
 """
 
 from __future__ import annotations
@@ -29,8 +47,8 @@ __all__ = [
 ]
 
 TESTED_MODEL_TYPES = frozenset(
-    "cohere2 deepseek_v3 exaone4 gemma gemma2 gemma3_text glm4_moe gpt2 gpt_oss llama llama4_text mistral olmo2 phi3 "
-    "qwen2 qwen3 qwen3_moe".split()
+    "cohere2 deepseek_v2 deepseek_v3 exaone4 gemma gemma2 gemma3_text glm4_moe gpt2 gpt_oss llama llama4_text "
+    "mistral olmo2 phi3 qwen2 qwen3 qwen3_moe".split()
 )
 """``config.model_type`` values whose exactness ``tests/models/test_hf.py`` and ``test_architectures.py`` check;
 others log a warning."""

@@ -46,6 +46,15 @@ _BASE = {
 }
 _SLIDING_THEN_FULL = ["sliding_attention", "full_attention"]
 _MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# Latent attention: transformers caches one head of the kv_lora_rank latent (as K) and the rotary key (as V).
+_LATENT = {
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 12,
+}
 
 # model type -> (config overrides, served).  Served ones must be exact; the others must be refused.
 ARCHITECTURES: dict[str, tuple[dict, bool]] = {
@@ -96,14 +105,10 @@ ARCHITECTURES: dict[str, tuple[dict, bool]] = {
         },
         True,
     ),
+    "deepseek_v2": ({**_LATENT, "n_routed_experts": 4, "first_k_dense_replace": 1, **_MOE}, True),
     "deepseek_v3": (
         {
-            "num_key_value_heads": 4,
-            "q_lora_rank": 32,
-            "kv_lora_rank": 16,
-            "qk_rope_head_dim": 8,
-            "qk_nope_head_dim": 16,
-            "v_head_dim": 12,
+            **_LATENT,
             "n_routed_experts": 4,
             "first_k_dense_replace": 1,
             "n_group": 1,
@@ -302,9 +307,9 @@ def test_windowed_batch_rows_past_the_window_equal_their_references() -> None:
             assert lives[b].num_tokens == len(contexts[b])
 
 
-def test_latent_attention_pool_holds_the_latent_and_rotary_key_packed() -> None:
-    model = _WRAPPED.get("deepseek_v3") or HFCausalLM(_hf_model("deepseek_v3"))
-    # transformers caches, per token and layer, one head of the kv_lora_rank latent (as K) and of the rotary key.
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_latent_attention_pool_holds_the_latent_and_rotary_key_packed(model_type: str) -> None:
+    model = _WRAPPED.get(model_type) or HFCausalLM(_hf_model(model_type))
     assert model.kv_layout == KVLayout(num_kv_heads=1, key_dim=16, value_dim=8)
     assert (model.num_kv_heads, model.head_dim) == (1, 12)
     per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
