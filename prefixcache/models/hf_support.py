@@ -1,9 +1,10 @@
 """Which Hugging Face causal LMs a pool of per-token K/V can serve exactly (extra ``prefixcache[hf]``).
 
 :func:`check_supported` refuses, with a reason, what a prefix cache of full per-token K/V cannot reproduce: encoder-
-decoders, recurrent or linear-attention state, rotary scalings whose frequencies depend on the call's length,
-forwards without a cache or ``position_ids`` argument.  It accepts sliding-window and chunked layers (their window
-is a mask over absolute cache indices, which a full cache keeps exact) and names them in its :class:`Support`.
+decoders, bidirectional attention, recurrent or linear-attention state, rotary scalings whose frequencies depend on
+the call's length, forwards without a cache or ``position_ids`` argument.  It accepts sliding-window and chunked
+layers (their window is a mask over absolute cache indices, which a full cache keeps exact) and names them in its
+:class:`Support`.
 :func:`probe_kv_layout` reads what the layers really keep per token (:class:`KVLayout`), K and V sizes apart: a
 multi-head latent attention layer keeps a latent and a rotary key of different sizes, which the pool packs.
 
@@ -96,6 +97,9 @@ def check_supported(model: Any) -> Support:
     arch = type(model).__name__
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{arch} is an encoder-decoder; prefix caching needs a decoder-only model")
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        # A token's K/V would then depend on the tokens after it: a cached prefix would go stale as the request grows.
+        raise UnsupportedModelError(f"{arch} attends bidirectionally; prefix caching needs causal attention")
     if config.model_type in _RECURRENT_MODEL_TYPES:
         raise UnsupportedModelError(
             f"{arch} ({config.model_type}) carries recurrent state, not per-token K/V; a prefix cannot be resumed "

@@ -340,6 +340,14 @@ def test_hybrid_and_recurrent_models_are_refused_with_a_reason(model_type: str) 
         HFCausalLM(model)
 
 
+def test_bidirectional_gemma3_is_refused() -> None:
+    config = _config("gemma3_text")
+    config.use_bidirectional_attention = True
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedModelError, match="bidirectional"):
+        HFCausalLM(model)
+
+
 def test_cli_replays_a_gemma3_config_sliced_to_fewer_layers(tmp_path: Path) -> None:
     from prefixcache.cli import main
 
