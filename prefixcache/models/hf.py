@@ -5,12 +5,20 @@ paged pool (a copy: the model never holds a view of the pool), hands them to the
 only the new tokens with explicit ``position_ids`` starting at the cached length, and scatters the new tokens' K/V
 from the cache back into their pool slots.  The reference path is the model's own forward with no cache.
 
-Supported: decoders whose every layer is full causal attention with a plain per-token K/V cache.  Tested with
-transformers 5.24 on Llama, Qwen2 and GPT-2 (learned absolute positions).  Sliding-window or chunked attention
-(Mistral with a window, Gemma-2/3), recurrent or linear-attention state (Mamba, hybrids), rotary scalings that depend
-on the call's length (dynamic NTK, LongRoPE) and encoder-decoders raise
-:class:`~prefixcache.errors.UnsupportedModelError`: a pool of per-token K/V cannot reproduce them exactly.  Other
-full-attention architectures pass the checks but are untested; replay them with ``--verify``.
+Served exactly (tested with transformers 5.24, ``TESTED_MODEL_TYPES``): full attention (Llama, Qwen2/3, Qwen3-MoE,
+Gemma, GLM-4-MoE, Phi-3, OLMo2, GPT-2), sliding-window or chunked attention (Mistral with a window, Qwen2 with
+``use_sliding_window``, Gemma 2/3, gpt-oss with its sinks, Cohere2, EXAONE 4, Llama 4 text) and DeepSeek-V2/V3's
+latent attention; hybrid and recurrent models (Qwen3-Next, Nemotron-H, Granite-4.0-H, MiniMax, Mamba-2), whose
+linear-attention / SSM layers carry a fixed-size state kept in snapshots (:mod:`~prefixcache.models.hf_state`) while
+the pool holds their attention layers' K/V only.  The pool keeps every position's K/V in every layer, sliding ones included, and the live cache is
+a full layer, so the model's own window and chunk masks (on absolute cache indices) cut the window exactly; SGLang's
+SWARadixCache instead frees a sliding layer's K/V outside the window of every live path (bytes this costs:
+:mod:`~prefixcache.models.hf_support`).  Latent attention caches a latent (K) and a rotary key (V) of different
+sizes, packed across the pool's two slots (:class:`~prefixcache.models.hf_support.KVLayout`).  Refused with
+:class:`~prefixcache.errors.UnsupportedModelError`: recurrent state of other kinds (Mamba-1, RWKV, xLSTM,
+RecurrentGemma; layers keeping both a state and K/V, as Zamba's and Falcon-H1's), rotary scalings that depend on the
+call's length (dynamic NTK, LongRoPE),
+encoder-decoders.  Other architectures that pass the checks are untested; replay them with ``--verify``.
 """
 
 from __future__ import annotations
@@ -34,19 +42,24 @@ from prefixcache.models.base import (
     check_live,
     check_logits_from,
     check_reference_call,
+    kv_pool_shape,
     weights_version_of,
 )
 from prefixcache.models.hf_cache import PaddedBatch, growing_layer_class
 from prefixcache.models.hf_state import RecurrentState, StateLayout, restore_state, take_state
-from prefixcache.models.hf_support import check_supported, probe_kv_layout
+from prefixcache.models.hf_support import (
+    TESTED_MODEL_TYPES,
+    KVLayout,
+    check_supported,
+    output_embeddings,
+    plain_head,
+    probe_kv_layout,
+)
 from prefixcache.models.linear import WeightPacks, large_cpu_linears, project, tall_skinny_linears
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["TESTED_MODEL_TYPES", "HFCausalLM", "load_hf_model", "random_model_from_config"]
-
-TESTED_MODEL_TYPES = frozenset({"llama", "qwen2", "gpt2"})
-"""``config.model_type`` values whose exactness ``tests/models/test_hf.py`` checks; others log a warning."""
 
 UNBOUNDED_POSITIONS = 1 << 20
 """``max_position`` of a model whose config sets none (no attention layers, no positions): a bound for checks."""
@@ -70,8 +83,8 @@ class HFCausalLM:
     size in memory once more (544 MB for a 151,936 x 896 float32 head); ``pack_head=False`` keeps to ``W @ h.T``.
 
     Raises:
-        UnsupportedModelError: the architecture has layers a per-token K/V pool cannot serve exactly (sliding or
-            chunked attention, recurrent/linear state), is an encoder-decoder, or its forward takes no cache or
+        UnsupportedModelError: the architecture has layers a per-token K/V pool cannot serve exactly (recurrent or
+            linear state), is an encoder-decoder, or its forward takes no cache or
             ``position_ids``, or it has no LM head (a base model); the layers disagree on their K/V layout.
     """
 
@@ -82,9 +95,10 @@ class HFCausalLM:
         self.model = model.eval()
         self.config = config
         self.layout = StateLayout.of(model)
-        self._cache_kwarg = check_supported(model, self.layout)
+        self.support = check_supported(model, self.layout)
+        self._cache_kwarg = self.support.cache_kwarg
         self._takes_positions = "position_ids" in inspect.signature(model.forward).parameters
-        if _output_embeddings(model) is None:
+        if output_embeddings(model) is None:
             raise UnsupportedModelError(
                 f"{type(model).__name__} has no LM head (get_output_embeddings() is None); wrap the *ForCausalLM "
                 "model, not its base model"
@@ -97,12 +111,12 @@ class HFCausalLM:
         # gets a one-element placeholder per token that nothing reads.
         self.num_layers = len(self.layout.kv_layers) or 1
         if self.layout.kv_layers:
-            self.num_kv_heads, self.head_dim = probe_kv_layout(
-                model, self._cache_kwarg, self.layout.kv_layers, self._new_cache(1)
-            )
+            self.kv_layout = probe_kv_layout(model, self._cache_kwarg, self.layout.kv_layers, self._new_cache(1))
         else:
-            self.num_kv_heads, self.head_dim = 1, 1
+            self.kv_layout = KVLayout(num_kv_heads=1, key_dim=1, value_dim=1)
+        self.num_kv_heads, self.head_dim = self.kv_layout.num_kv_heads, self.kv_layout.head_dim
         self.state_bytes = self._probe_state_bytes() if self.layout.recurrent else 0
+        """Bytes of one recurrent-state snapshot (:meth:`take_state`); 0 for a model without recurrent layers."""
         # A model without attention (pure Mamba-2) has no position limit of its own: 2**20 tokens then.
         self.max_position = int(getattr(config, "max_position_embeddings", None) or UNBOUNDED_POSITIONS)
         self._fingerprint: str | None = None
@@ -110,6 +124,8 @@ class HFCausalLM:
         self._droppers_version: int | None = None
         self.weights_version()  # makes the list
         self._fingerprint_version: int | None = None
+        if self.layout.recurrent:
+            self._check_resume()
         if config.model_type not in TESTED_MODEL_TYPES:
             logger.warning(
                 "%s (model_type %r) passes the support checks but its cached prefill is untested; replay with "
@@ -146,9 +162,10 @@ class HFCausalLM:
         return int(self.config.vocab_size)
 
     def _resolve_head(self) -> None:
-        """Find the head and base this adapter runs itself (:func:`_plain_head`), noted against the head module."""
-        self._head_module = _output_embeddings(self.model)
-        self._head = _plain_head(self.model)
+        """Find the head and base this adapter runs itself (:func:`.hf_support.plain_head`), noted against the head
+        module."""
+        self._head_module = output_embeddings(self.model)
+        self._head = plain_head(self.model)
         self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
 
     @property
@@ -170,7 +187,7 @@ class HFCausalLM:
 
     def take_state(self, live: LiveKV) -> RecurrentState:
         """A snapshot (copies) of the recurrent layers' state in ``live``, standing after ``live.num_tokens`` tokens;
-        what the cache keeps on a tree node for later requests to resume from.  ``nbytes`` of it equals
+        what the cache keeps on a tree node for later requests to resume from.  Its ``nbytes`` is
         :attr:`state_bytes`.  Raises InvalidArgumentError when the model has no recurrent layers or ``live`` holds
         no cache."""
         if not self.layout.recurrent:
@@ -179,8 +196,30 @@ class HFCausalLM:
             raise InvalidArgumentError("take_state needs the LiveKV of a request whose forward has run")
         return take_state(live.data, self.layout, live.num_tokens)
 
+    def _check_resume(self) -> None:
+        """Raise UnsupportedModelError unless a forward resumed from a snapshot continues the sequence: 12 tokens,
+        the last 5 resumed from the state after 7, against the uncached forward, within 5% of the largest logit (a
+        resumed scan rounds differently, by about 1e-5 of it; transformers' Mamba-1 prefill ignores a kept state and
+        misses by tens of percent).  Two forwards of a few tokens, at wrap time."""
+        ids = torch.arange(1, 13, device=self.device) % self.vocab_size
+        kv = torch.zeros(kv_pool_shape(self, 1, 16), dtype=self.dtype, device=self.device)
+        table = torch.zeros(1, dtype=torch.int32, device=self.device)
+        live = LiveKV()
+        self.forward_cached(ids[:7], 0, kv, table, live=live)
+        resumed = LiveKV()
+        resumed.start_state = self.take_state(live)
+        logits = self.forward_cached(ids[7:], 7, kv, table, return_logits=True, live=resumed)
+        reference = self.forward_reference(ids, return_logits=True, logits_from=7)
+        miss = float((logits - reference).abs().max())
+        if not miss <= 0.05 * float(reference.abs().max()):
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}'s forward of several tokens does not continue a kept recurrent state "
+                f"(resumed logits miss the uncached ones by {miss:.3g}): its scan restarts from zeros"
+            )
+
     def _probe_state_bytes(self) -> int:
-        """Bytes of one state snapshot, from a one-token forward into a fresh live cache (one forward of one token)."""
+        """Bytes of one state snapshot, from a one-token forward into a fresh live cache (one forward of one token).
+        Raises UnsupportedModelError when that forward fails."""
         live = LiveKV()
         with torch.inference_mode():
             cache = self._cache_from_pool(live, None, None, 0, 1)
@@ -193,7 +232,6 @@ class HFCausalLM:
                     f"{type(self.model).__name__} failed a one-token forward into a cache of its recurrent and "
                     f"attention layers: {type(error).__name__}: {error}"
                 ) from error
-        live.num_tokens = 1
         return take_state(cache, self.layout, 1).nbytes
 
     def weights_version(self) -> int:
@@ -305,14 +343,18 @@ class HFCausalLM:
         to (:class:`~prefixcache.models.hf_cache.PaddedBatch`), so a decode step copies no context.  The new K/V are
         also appended to each row's live cache and written into its pool slots.  A group of one row is a plain
         :meth:`forward_cached`.  (Padded batching with per-row positions, as Hugging Face ``generate`` batches.)
+        Models whose masks read cache indices as positions (windowed layers, ``Support.needs_equal_starts``) group
+        only rows of equal ``start_pos``, so that no row has a gap.
         Rows must belong to different requests and write disjoint pool slots.  Raises as :meth:`forward_cached`,
         every row checked before anything runs; the rows of a failed group have their live K/V reset.
         """
         self._check_eval()
         checked = [check_cached_call(self, r.token_ids, r.start_pos, kv, r.block_table) for r in rows]
-        groups: dict[int, list[int]] = {}
-        for index, (ids, _) in enumerate(checked):
-            groups.setdefault(ids.numel(), []).append(index)
+        # Rows of windowed models group only with rows at the same start: no gap, so cache index = position.
+        equal_starts = self.support.needs_equal_starts
+        groups: dict[tuple[int, int], list[int]] = {}
+        for index, (row, (ids, _)) in enumerate(zip(rows, checked, strict=True)):
+            groups.setdefault((ids.numel(), row.start_pos if equal_starts else 0), []).append(index)
         logits: list[torch.Tensor] = [torch.empty(0)] * len(rows)
         for members in groups.values():
             if len(members) == 1 or self.layout.recurrent:
@@ -367,8 +409,15 @@ class HFCausalLM:
                 values = [
                     cache.layers[index].values if start else None for cache, start in zip(caches, starts, strict=True)
                 ]
+                layout = self.kv_layout
                 layer.fill_padded(
-                    keys, values, starts, longest, (self.num_kv_heads, self.head_dim), self.dtype, self.device
+                    keys,
+                    values,
+                    starts,
+                    longest,
+                    (layout.num_kv_heads, layout.key_dim, layout.value_dim),
+                    self.dtype,
+                    self.device,
                 )
             state = PaddedBatch.attach(caches, mask, batch_cache)
         width = mask.shape[1] - n
@@ -386,9 +435,10 @@ class HFCausalLM:
         for b, (row, (_, table)) in enumerate(zip(rows, checked, strict=True)):
             row_positions = offsets + row.start_pos
             slots.append(table[row_positions // kv.shape[3]] * kv.shape[3] + row_positions % kv.shape[3])
+            keys, values = self.kv_layout.unpack(new[:, :, b])  # [L, n, H_kv, D_k], [L, n, H_kv, D_v]
             for layer_index, layer in enumerate(caches[b].layers):
                 # [1, H_kv, n, D], the layout the model appends in.
-                layer.update(new[layer_index, 0, b].transpose(0, 1)[None], new[layer_index, 1, b].transpose(0, 1)[None])
+                layer.update(keys[layer_index].transpose(0, 1)[None], values[layer_index].transpose(0, 1)[None])
             row.live.num_tokens = row.start_pos + n
         _flat(kv).index_copy_(2, torch.cat(slots), new.flatten(2, 3))
         return list(logits[:, -1].float().split(1))
@@ -443,10 +493,10 @@ class HFCausalLM:
             prefix = torch.arange(start_pos, device=self.device)
             block_size = kv.shape[3]
             slots = table[prefix // block_size] * block_size + prefix % block_size
-            # index_select copies; [L, 2, start_pos, H_kv, D] -> per layer [1, H_kv, start_pos, D] (HF layout).
-            rows = _flat(kv).index_select(2, slots).transpose(2, 3).unsqueeze(2)
+            # index_select copies; [L, 2, start_pos, H_kv, D] -> per layer [1, H_kv, start_pos, D_k or D_v] (HF layout).
+            keys, values = self.kv_layout.unpack(_flat(kv).index_select(2, slots))
             for pool_layer, layer in enumerate(layout.kv_layers):
-                cache.update(rows[pool_layer, 0], rows[pool_layer, 1], layer)
+                cache.update(keys[pool_layer].transpose(0, 1)[None], values[pool_layer].transpose(0, 1)[None], layer)
         if state is not None:
             restore_state(cache, layout, state)
         if live is not None:
@@ -456,9 +506,9 @@ class HFCausalLM:
     def _logits(self, cache: Any, return_logits: bool, **inputs: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, n or 1, vocab]`` (model dtype) of one cached forward of ``inputs``: every position with
         ``return_logits``, else the last.  Where the model's logits are its LM head on the base model's last hidden
-        state (:func:`_plain_head`), runs the two itself, a forward of few tokens with tall-skinny products
+        state (:func:`.hf_support.plain_head`), runs the two itself, a forward of few tokens with tall-skinny products
         (:mod:`~prefixcache.models.linear`); else the model's own forward with ``logits_to_keep``."""
-        if _output_embeddings(self.model) is not self._head_module:
+        if output_embeddings(self.model) is not self._head_module:
             self._resolve_head()  # replaced since we looked (resize_token_embeddings, a new lm_head)
         if self._head is None:
             out = self.model(
@@ -475,9 +525,9 @@ class HFCausalLM:
         return {"logits_to_keep": 0 if return_logits else 1} if self._keeps_logits else {}
 
     def _new_cache(self, capacity: int) -> Any:
-        """A ``DynamicCache`` whose K/V layers append into buffers of ``capacity`` positions, grown by doubling; a
-        recurrent model's state layers are the fresh ones transformers builds for its config (MiniMax: its own
-        ``MiniMaxCache``, lightning-attention layers kept in ``linear_cache``)."""
+        """A ``DynamicCache`` whose K/V layers (sliding ones too: they keep every position) append into buffers of
+        ``capacity`` positions, grown by doubling; a recurrent model's state layers are the fresh ones transformers
+        builds for its config (MiniMax: its own ``MiniMaxCache``, lightning-attention state in ``linear_cache``)."""
         from transformers import DynamicCache
         from transformers.cache_utils import DummyLayer
 
@@ -497,30 +547,33 @@ class HFCausalLM:
         return cache
 
     def _new_kv(self, cache: Any, start_pos: int, end_pos: int, batch: int | None = None) -> torch.Tensor:
-        """K/V of positions ``start_pos .. end_pos - 1`` from ``cache`` as ``[num_layers, 2, n, H_kv, D]``, or with
-        ``batch`` rows as ``[num_layers, 2, batch, n, H_kv, D]``."""
-        want = (batch or 1, self.num_kv_heads, end_pos, self.head_dim)
+        """K/V of positions ``start_pos .. end_pos - 1`` from ``cache`` as pool rows ``[num_layers, 2, n, H_kv, D]``
+        (packed by :attr:`kv_layout` where K and V differ in size), or with ``batch`` rows as ``[num_layers, 2,
+        batch, n, H_kv, D]``."""
+        layout = self.kv_layout
         if not self.layout.kv_layers:  # the placeholder pool of a model without attention layers
             shape = (1, 2, end_pos - start_pos, 1, 1) if batch is None else (1, 2, batch, end_pos - start_pos, 1, 1)
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        rows = []
+        want_k = (batch or 1, layout.num_kv_heads, end_pos, layout.key_dim)
+        want_v = (*want_k[:3], layout.value_dim)
+        keys, values = [], []
         for index in self.layout.kv_layers:
             layer = cache.layers[index]
-            if tuple(layer.keys.shape) != want or tuple(layer.values.shape) != want:
+            if tuple(layer.keys.shape) != want_k or tuple(layer.values.shape) != want_v:
                 raise UnsupportedModelError(
                     f"{type(self.model).__name__} layer {index} cached K {tuple(layer.keys.shape)} and V "
-                    f"{tuple(layer.values.shape)}, expected {want} [batch, kv_heads, positions, head_dim] from its "
-                    "config; its attention does not keep plain per-token K/V"
+                    f"{tuple(layer.values.shape)}, expected {want_k} and {want_v} [batch, kv_heads, positions, size] "
+                    "as after its one-token probe; its attention does not keep plain per-token K/V"
                 )
-            rows.append(torch.stack([layer.keys[..., start_pos:, :], layer.values[..., start_pos:, :]]))
-        if len(rows) != self.num_layers:
+            keys.append(layer.keys[..., start_pos:, :])
+            values.append(layer.values[..., start_pos:, :])
+        if len(keys) != self.num_layers:
             raise UnsupportedModelError(
-                f"{type(self.model).__name__} filled {len(rows)} cache layers, expected {self.num_layers}"
+                f"{type(self.model).__name__} filled {len(keys)} cache layers, expected {self.num_layers}"
             )
-        stacked = torch.stack(rows)  # [L, 2, B, H_kv, n, D]
-        if batch is None:
-            return stacked[:, :, 0].transpose(2, 3)  # [L, 2, n, H_kv, D]
-        return stacked.transpose(3, 4)  # [L, 2, B, n, H_kv, D]
+        # [L, B, H_kv, n, D_k or D_v] -> [L, B, n, H_kv, D_k or D_v] -> pool rows [2, L, B, n, H_kv, D].
+        rows = layout.pack(torch.stack(keys).transpose(2, 3), torch.stack(values).transpose(2, 3)).transpose(0, 1)
+        return rows[:, :, 0] if batch is None else rows
 
     def __repr__(self) -> str:
         return f"HFCausalLM({self.name}, dtype={self.dtype}, device={self.device})"
@@ -540,32 +593,6 @@ def _drops(module: torch.nn.Module) -> bool:
         return module.p > 0
     rates = (getattr(module, name, None) for name in ("attention_dropout", "dropout", "attn_pdrop"))
     return isinstance(module, PreTrainedModel) or any(isinstance(r, float) and r > 0 for r in rates)
-
-
-def _output_embeddings(model: Any) -> Any:
-    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-
-
-def _plain_head(model: Any) -> tuple[Any, str, Any] | None:
-    """``(base model, its cache argument, LM head)`` when ``model``'s logits are exactly its ``nn.Linear`` LM head
-    applied to the base model's last hidden state (the tested model types, no logit scaling or soft-capping); else
-    None, and the model's own forward computes the logits."""
-    from torch import nn
-
-    config = model.config
-    if config.model_type not in TESTED_MODEL_TYPES:
-        return None
-    if any(getattr(config, name, None) not in (None, 1.0) for name in ("final_logit_softcapping", "logit_scale")):
-        return None
-    head = _output_embeddings(model)
-    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    if not isinstance(head, nn.Linear) or not isinstance(base, nn.Module) or base is model:
-        return None
-    params = inspect.signature(base.forward).parameters
-    cache_kwarg = next((name for name in ("cache", "past_key_values") if name in params), None)
-    if cache_kwarg is None or "position_ids" not in params:
-        return None
-    return base, cache_kwarg, head
 
 
 def _special_floats(value: Any) -> Any:

@@ -52,16 +52,17 @@ def growing_layer_class() -> type:
             values: list[torch.Tensor | None],
             lengths: list[int],
             width: int,
-            heads_dim: tuple[int, int],
+            sizes: tuple[int, int, int],
             dtype: torch.dtype,
             device: torch.device,
         ) -> None:
-            """Hold ``len(keys)`` rows, row b's ``[1, H_kv, lengths[b], D]`` K/V at positions ``0 .. lengths[b] - 1``
-            and zeros up to ``width`` (finite, so that masked-out positions add exactly nothing)."""
-            heads, dim = heads_dim
-            shape = (len(keys), heads, max(self.capacity_hint, width), dim)
-            self.key_buffer = torch.empty(shape, dtype=dtype, device=device)
-            self.value_buffer = torch.empty(shape, dtype=dtype, device=device)
+            """Hold ``len(keys)`` rows, row b's ``[1, H_kv, lengths[b], D_k]`` K and ``[.., D_v]`` V at positions
+            ``0 .. lengths[b] - 1`` and zeros up to ``width`` (finite, so that masked-out positions add exactly
+            nothing); ``sizes`` is ``(H_kv, D_k, D_v)``."""
+            heads, key_dim, value_dim = sizes
+            rows = (len(keys), heads, max(self.capacity_hint, width))
+            self.key_buffer = torch.empty((*rows, key_dim), dtype=dtype, device=device)
+            self.value_buffer = torch.empty((*rows, value_dim), dtype=dtype, device=device)
             for b, (k, v, length) in enumerate(zip(keys, values, lengths, strict=True)):
                 if length:
                     self.key_buffer[b, :, :length] = k[0, :, :length]

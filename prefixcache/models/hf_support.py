@@ -1,13 +1,37 @@
 """Which Hugging Face causal LMs a pool of per-token K/V can serve exactly (extra ``prefixcache[hf]``).
 
 :func:`check_supported` refuses, with a reason, what a prefix cache of full per-token K/V cannot reproduce: encoder-
-decoders, recurrent or linear-attention state, sliding-window or chunked attention, rotary scalings whose frequencies
-depend on the call's length, forwards without a cache or ``position_ids`` argument.
+decoders, bidirectional attention, recurrent state of kinds :mod:`~prefixcache.models.hf_state` cannot snapshot
+(Mamba-1, RWKV, xLSTM, RecurrentGemma), rotary scalings whose frequencies depend on the call's length, forwards
+without a cache or ``position_ids`` argument.  It accepts sliding-window and chunked
+layers (their window is a mask over absolute cache indices, which a full cache keeps exact) and names them in its
+:class:`Support`.
+:func:`probe_kv_layout` reads what the layers really keep per token (:class:`KVLayout`), K and V sizes apart: a
+multi-head latent attention layer keeps a latent and a rotary key of different sizes, which the pool packs.
+
+What keeping every position of a sliding layer costs, bf16, against a cache that frees a sliding layer's K/V outside
+the window of every live path (SGLang's SWARadixCache): per cached token, K+V of one layer is ``2 * H_kv * D * 2``
+bytes; a window-freeing cache holds asymptotically only the full layers per token, plus ``window`` tokens of the
+sliding layers per live path.
+
+=============  ====================  ========  ======  ==============  ===================================  =====
+shape          layers sliding+full   H_kv x D  window  all layers      window-freeing                       ratio
+=============  ====================  ========  ======  ==============  ===================================  =====
+Gemma 3 1B     22 + 4                1 x 256   512     26,624 B/token  4,096 B/token + 11 MiB a live path   6.5
+Gemma 3 4B     29 + 5                4 x 256   1024    139,264         20,480 + 116 MiB                     6.8
+Gemma 3 27B    52 + 10               16 x 128  1024    507,904         81,920 + 416 MiB                     6.2
+gpt-oss-20b    12 + 12               8 x 64    128     49,152          24,576 + 3 MiB                       2.0
+gpt-oss-120b   18 + 18               8 x 64    128     73,728          36,864 + 4.5 MiB                     2.0
+=============  ====================  ========  ======  ==============  ===================================  =====
+
+(Gemma 3 puts a full layer after every five sliding ones; gpt-oss alternates.)  DeepSeek-V3's latent attention (61
+layers, a 512 latent and a 64 rotary key, one head) packs into ``head_dim`` 288: 70,272 B/token, no padding.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,21 +41,61 @@ from prefixcache.errors import UnsupportedModelError
 if TYPE_CHECKING:
     from prefixcache.models.hf_state import StateLayout
 
-__all__ = ["check_supported", "probe_kv_layout"]
+__all__ = [
+    "TESTED_MODEL_TYPES",
+    "KVLayout",
+    "Support",
+    "check_supported",
+    "output_embeddings",
+    "plain_head",
+    "probe_kv_layout",
+]
+
+TESTED_MODEL_TYPES = frozenset(
+    "cohere2 deepseek_v2 deepseek_v3 exaone4 gemma gemma2 gemma3_text glm4_moe gpt2 gpt_oss llama llama4_text "
+    "mistral olmo2 phi3 qwen2 qwen3 qwen3_moe".split()
+)
+"""``config.model_type`` values whose exactness ``tests/models/test_hf.py`` and ``test_architectures.py`` check;
+others log a warning."""
+
+# Tested types whose *ForCausalLM.forward does more than its LM head on the base's last hidden state: Gemma 2/3
+# soft-cap the logits (final_logit_softcapping), Cohere scales them (logit_scale).  They keep the model's own forward.
+_OWN_HEAD_MODEL_TYPES = frozenset({"cohere", "cohere2", "gemma2", "gemma3_text"})
 
 # Model types whose state is not (only) per-token K/V, for a clear message even where DynamicCache cannot say so.
-_RECURRENT_MODEL_TYPES = frozenset({"mamba", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma"})
+_RECURRENT_MODEL_TYPES = frozenset({"rwkv", "xlstm", "recurrent_gemma"})
 
 # Rotary scalings that pick frequencies from the longest position of each forward call (not prefix-stable).
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
-def check_supported(model: Any, layout: StateLayout) -> str:
-    """Raise UnsupportedModelError unless every layer is full attention with a plain K/V cache, a recurrent layer
-    whose state ``layout`` can snapshot, or a layer that keeps nothing.
+# Model types whose forward reads the cache's length itself (not only position_ids): Llama 4 scales the queries of
+# its no-RoPE layers by a function of ``cache.get_seq_length()``, which a padded batch would set to its width.
+_READS_CACHE_LENGTH = frozenset({"llama4_text"})
 
-    Returns the name of the forward's cache argument (``cache`` in transformers >= 5.x, else ``past_key_values``).
+
+@dataclass(frozen=True, slots=True)
+class Support:
+    """What :func:`check_supported` found: the forward's cache argument and the layers whose attention is windowed.
+
+    ``cache_kwarg`` is ``"cache"`` (transformers >= 5.x releases that renamed it) or ``"past_key_values"``.
+    ``windowed_layers`` are the sliding-window or chunked layers (transformers' ``DynamicSlidingWindowLayer``),
+    ``window`` their ``sliding_window`` or ``attention_chunk_size``.  ``needs_equal_starts``: a padded batch may
+    only group rows that start at the same position (no gap between a row's prefix and its new tokens), because
+    the model's masks or scales read cache indices as absolute positions.
     """
+
+    cache_kwarg: str
+    windowed_layers: tuple[int, ...] = ()
+    window: int | None = None
+    needs_equal_starts: bool = False
+
+
+def check_supported(model: Any, layout: StateLayout) -> Support:
+    """Raise UnsupportedModelError unless every layer ``layout`` counts as a K/V layer is attention (full,
+    sliding-window or chunked) over a plain per-token K/V cache; its recurrent layers (linear attention, SSM) and
+    layers that keep nothing were classified by :meth:`~prefixcache.models.hf_state.StateLayout.of`.  Builds one
+    empty ``DynamicCache``; runs no forward."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
@@ -39,6 +103,9 @@ def check_supported(model: Any, layout: StateLayout) -> str:
     arch = type(model).__name__
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"{arch} is an encoder-decoder; prefix caching needs a decoder-only model")
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        # A token's K/V would then depend on the tokens after it: a cached prefix would go stale as the request grows.
+        raise UnsupportedModelError(f"{arch} attends bidirectionally; prefix caching needs causal attention")
     if config.model_type in _RECURRENT_MODEL_TYPES:
         raise UnsupportedModelError(
             f"{arch} ({config.model_type}) carries recurrent state, not per-token K/V; a prefix cannot be resumed "
@@ -60,16 +127,11 @@ def check_supported(model: Any, layout: StateLayout) -> str:
     except Exception as error:  # noqa: BLE001 - any failure here means the cache layout is not one we understand
         raise UnsupportedModelError(f"cannot build a KV cache for {arch}: {error}") from None
     layer_types = list(getattr(config, "layer_types", None) or [type(layer).__name__ for layer in probe.layers])
-    sliding = [i for i, layer in enumerate(probe.layers) if isinstance(layer, DynamicSlidingWindowLayer)]
-    if sliding:
-        window = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)
-        raise UnsupportedModelError(
-            f"{arch} uses sliding-window or chunked attention (window {window}) in layers {sliding[:8]}"
-            f"{'...' if len(sliding) > 8 else ''} (layer types {sorted(set(layer_types))}); a prefix cache of "
-            "full per-token K/V would attend beyond the window, so cached logits would not be exact"
-        )
-    # The layout refused layers of unknown kinds; its K/V layers must keep plain per-token K/V.
-    other = [i for i in layout.kv_layers if type(probe.layers[i]) is not DynamicLayer]
+    # Sliding and chunked layers keep every position in prefixcache's live cache (a full layer); the model's own
+    # masks (masking_utils' sliding and chunked overlays) then cut the window out of absolute cache indices.
+    windowed = tuple(i for i, layer in enumerate(probe.layers) if type(layer) is DynamicSlidingWindowLayer)
+    kinds_served = (DynamicLayer, DynamicSlidingWindowLayer)
+    other = [i for i in layout.kv_layers if type(probe.layers[i]) not in kinds_served]
     if other:
         kinds = sorted({type(probe.layers[i]).__name__ for i in other})
         raise UnsupportedModelError(
@@ -87,18 +149,79 @@ def check_supported(model: Any, layout: StateLayout) -> str:
         raise UnsupportedModelError(f"{arch}.forward takes no cache or no position_ids; cannot prefill a suffix")
     if getattr(config, "max_position_embeddings", None) is None and layout.kv_layers:
         raise UnsupportedModelError(f"{arch} config has no max_position_embeddings")
-    return cache_kwarg
+    window = (
+        (getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None)) if windowed else None
+    )
+    return Support(
+        cache_kwarg,
+        windowed,
+        window,
+        needs_equal_starts=bool(windowed) or config.model_type in _READS_CACHE_LENGTH,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What every layer's cache keeps per token: ``num_kv_heads`` heads of a ``key_dim`` K and a ``value_dim`` V.
+
+    Where the two sizes agree the pool holds them as they are (``head_dim = key_dim``).  Where they differ
+    (multi-head latent attention: DeepSeek-V2/V3 keep one head of a ``kv_lora_rank`` latent as K and a
+    ``qk_rope_head_dim`` rotary key as V) the pool keeps its geometry with ``head_dim = ceil((key_dim + value_dim)
+    / 2)`` and packs each token's K elements then V elements across its two ``[num_kv_heads, head_dim]`` slots
+    (:meth:`pack`, :meth:`unpack`): no padding when ``key_dim + value_dim`` is even, else one element a head.
+    """
+
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int
+
+    @property
+    def packed(self) -> bool:
+        """Whether K and V differ in size, so the pool packs them."""
+        return self.key_dim != self.value_dim
+
+    @property
+    def head_dim(self) -> int:
+        """The pool's last dimension."""
+        return -(-(self.key_dim + self.value_dim) // 2) if self.packed else self.key_dim
+
+    def pack(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``keys [..., H, key_dim]`` and ``values [..., H, value_dim]`` as pool rows ``[2, ..., H, head_dim]``.
+        A copy when packed, else a stack."""
+        if not self.packed:
+            return torch.stack([keys, values])
+        lead = keys.shape[:-2]
+        flat = torch.cat([keys.reshape(*lead, -1), values.reshape(*lead, -1)], dim=-1)
+        spare = 2 * self.num_kv_heads * self.head_dim - flat.shape[-1]
+        if spare:
+            flat = torch.nn.functional.pad(flat, (0, spare))
+        rows = flat.view(*lead, 2, self.num_kv_heads, self.head_dim)
+        return rows.movedim(-3, 0)
+
+    def unpack(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool rows ``[..., 2, n, H, head_dim]`` back to ``keys [..., n, H, key_dim]`` and ``values [..., n, H,
+        value_dim]`` (views where not packed)."""
+        if not self.packed:
+            return rows.select(-4, 0), rows.select(-4, 1)
+        heads = self.num_kv_heads
+        flat = rows.movedim(-4, -3).flatten(-3)  # [..., n, 2 * H * head_dim]
+        keys = flat[..., : heads * self.key_dim].unflatten(-1, (heads, self.key_dim))
+        values = flat[..., heads * self.key_dim : heads * (self.key_dim + self.value_dim)]
+        return keys, values.unflatten(-1, (heads, self.value_dim))
 
 
 def probe_kv_layout(
     model: Any, cache_kwarg: str, kv_layers: tuple[int, ...] | None = None, cache: Any = None
-) -> tuple[int, int]:
-    """``(num_kv_heads, head_dim)`` the model's layers really store, read from a one-token forward into a fresh cache.
+) -> KVLayout:
+    """The :class:`KVLayout` the model's layers really store, read from a one-token forward into a fresh cache.
 
     The config cannot always say: Falcon's multi-query attention keeps one K/V head whatever its config fields are,
-    and a config may carry keys its architecture never reads (``num_key_value_heads`` on GPT-2).  Costs one forward
+    and a config may carry keys its architecture never reads (``num_key_value_heads`` on GPT-2); DeepSeek's latent
+    attention caches a latent and a rotary key, not the per-head K/V its config sizes.  Costs one forward
     of one token.  Raises UnsupportedModelError when that forward fails (a config the model cannot run, such as more
-    K/V heads than query heads), a layer keeps no K/V or the layers disagree on the layout.
+    K/V heads than query heads), a layer keeps no K/V or the layers disagree on the layout.  ``kv_layers``: the
+    layers to read (default all; a hybrid model's attention layers); ``cache``: the fresh cache to run into (default
+    ``DynamicCache(config=...)``; MiniMax needs its own).
     """
     from transformers import DynamicCache
 
@@ -124,8 +247,36 @@ def probe_kv_layout(
             "needs every layer to keep one [1, kv_heads, 1, head_dim] K and V"
         )
     ((keys, values),) = shapes
-    if keys != values or len(keys) != 4 or keys[0] != 1 or keys[2] != 1:
+    if len(keys) != 4 or len(values) != 4 or keys[:3] != values[:3] or keys[0] != 1 or keys[2] != 1:
         raise UnsupportedModelError(
-            f"{type(model).__name__} keeps K {keys} and V {values} after one token; expected [1, kv_heads, 1, head_dim]"
+            f"{type(model).__name__} keeps K {keys} and V {values} after one token; expected [1, kv_heads, 1, K size] "
+            "and [1, kv_heads, 1, V size]"
         )
-    return keys[1], keys[3]
+    return KVLayout(num_kv_heads=keys[1], key_dim=keys[3], value_dim=values[3])
+
+
+def output_embeddings(model: Any) -> Any:
+    """The model's LM head module (``get_output_embeddings()``), or None."""
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
+def plain_head(model: Any) -> tuple[Any, str, Any] | None:
+    """``(base model, its cache argument, LM head)`` when ``model``'s logits are exactly its ``nn.Linear`` LM head
+    applied to the base model's last hidden state (the tested model types, no logit scaling or soft-capping); else
+    None, and the model's own forward computes the logits."""
+    from torch import nn
+
+    config = model.config
+    if config.model_type not in TESTED_MODEL_TYPES or config.model_type in _OWN_HEAD_MODEL_TYPES:
+        return None
+    if any(getattr(config, name, None) not in (None, 1.0) for name in ("final_logit_softcapping", "logit_scale")):
+        return None
+    head = output_embeddings(model)
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if not isinstance(head, nn.Linear) or not isinstance(base, nn.Module) or base is model:
+        return None
+    params = inspect.signature(base.forward).parameters
+    cache_kwarg = next((name for name in ("cache", "past_key_values") if name in params), None)
+    if cache_kwarg is None or "position_ids" not in params:
+        return None
+    return base, cache_kwarg, head

@@ -147,9 +147,6 @@ def test_fingerprint_is_stable_and_tells_weights_and_dtype_apart() -> None:
 
 
 UNSUPPORTED = {
-    "mistral_with_sliding_window": ("mistral", {"sliding_window": 32}),
-    "gemma2": ("gemma2", {"head_dim": 16}),
-    "gemma3_text": ("gemma3_text", {"head_dim": 16}),
     "mamba": ("mamba", {"hidden_size": 64, "num_hidden_layers": 2, "state_size": 4}),
     "llama_with_dynamic_rope": ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}),
     "qwen3_next_hybrid": (
