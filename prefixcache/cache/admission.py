@@ -227,7 +227,7 @@ class Admission:
                 lease.resume_state = resume_state
                 lease.resume_shortfall_tokens = shortfall
                 if counted:
-                    self.counters.resume_shortfall_tokens += shortfall
+                    states.shortfall_tokens += shortfall
             if promotion is not None:
                 lease.num_host_tokens = promotion.host_tokens(num_cached)
             if counted:

@@ -45,9 +45,9 @@ from prefixcache.cache.host_tier import HostTier
 from prefixcache.cache.invariants import check_invariants, check_mirror
 from prefixcache.cache.locks import ChangeGuard, LockHandle, LockRegistry
 from prefixcache.cache.pool import BlockIds, KVBlockPool, check_count
-from prefixcache.cache.resume import StateMarker, StateStore, check_state
-from prefixcache.cache.retention import Retention
-from prefixcache.cache.stats import CacheStats, HitCounters, check_request_id
+from prefixcache.cache.resume import StateMarker, StateStore, check_resume_options, check_state, state_bytes
+from prefixcache.cache.retention import Retention, check_retain, path_to
+from prefixcache.cache.stats import CacheStats, HitCounters, check_request_id, collect_stats
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult, RadixTree
 from prefixcache.errors import InvalidArgumentError, LockError, SnapshotError
@@ -94,24 +94,17 @@ class RadixCache:
     dropped, and :meth:`acquire` promotes them back into device blocks when a prompt matches them
     (:mod:`prefixcache.cache.host_tier`).  Without one, nothing on the lookup, lock or eviction path changes.
 
-    Recurrent models: with ``resume_states=True`` the cache serves a hybrid or state-space model (Qwen3-Next,
-    Nemotron-H, Mamba-2), whose layers' recurrent state must be resumed along with the KV
-    (:mod:`prefixcache.cache.resume`, after SGLang's MambaRadixCache and vLLM's hybrid KV-cache manager).
-    :meth:`insert`, :meth:`insert_prefix`, :meth:`commit` and :meth:`put_state` take an opaque state (anything with
-    ``nbytes``, e.g. a :class:`~prefixcache.cache.resume.StateMarker`) to keep at a position; :meth:`acquire`,
-    :meth:`match` and :meth:`cached_length` end at the deepest kept state (or 0), and the lease carries the state to
-    resume from.  States are kept outside the pool within ``max_state_bytes`` (required then, in bytes, over all
-    namespaces; least recently used states go first), are neither saved in snapshots (a restored cache resumes from
-    position 0 until states are put back) nor demoted to a host tier (the combination is refused).  With
-    ``resume_states=False`` (the default) passing a state is an error and each lookup or insert pays one test.
+    Recurrent models (``resume_states=True``, :mod:`prefixcache.cache.resume`): inserts take an opaque state (with
+    ``nbytes``) to keep at a position, lookups end at the deepest kept state, within ``max_state_bytes`` (required).
+    States are not saved in snapshots (a restored cache resumes from 0 until states are put back); a host tier is
+    refused.  Off (the default), passing a state is an error and each lookup or insert pays one test.
 
     Raises:
         InvalidArgumentError: ``host_pool`` is not a CPU pool with the device pool's block size, KV shape and dtype;
             ``pool`` is not a KVBlockPool, ``hit_rate_window`` not a positive int, ``hash_seed``
             not an int in ``[0, 2**64)``, an unknown policy or granularity, ``max_retained_fraction`` outside
-            ``[0, 1]``, or ``clock`` or ``event_listener`` not callable; ``resume_states`` not a bool,
-            ``max_state_bytes`` not a non-negative int with ``resume_states`` (or given without it), or both
-            ``resume_states`` and ``host_pool``.
+            ``[0, 1]``, or ``clock`` or ``event_listener`` not callable; bad resume options
+            (:func:`~prefixcache.cache.resume.check_resume_options`).
     """
 
     def __init__(
@@ -131,7 +124,7 @@ class RadixCache:
     ) -> None:
         if not isinstance(pool, KVBlockPool):
             raise InvalidArgumentError(f"pool must be a KVBlockPool, got {type(pool).__name__}")
-        _check_resume_options(resume_states, max_state_bytes, host_pool)
+        check_resume_options(resume_states, max_state_bytes, host_pool is not None)
         if isinstance(hit_rate_window, bool) or not isinstance(hit_rate_window, int) or hit_rate_window < 1:
             raise InvalidArgumentError(f"hit_rate_window must be a positive int, got {hit_rate_window!r}")
         check_hash_seed(hash_seed)
@@ -168,13 +161,8 @@ class RadixCache:
         return self._tree.evictor.policy
 
     @property
-    def resume_states(self) -> bool:
-        """Whether the cache resumes recurrent states (see the class docstring)."""
-        return self._states is not None
-
-    @property
     def max_state_bytes(self) -> int | None:
-        """The byte budget of the kept recurrent states, None when the cache does not keep them."""
+        """The byte budget of the kept recurrent states, None when the cache does not resume states."""
         return None if self._states is None else self._states.max_bytes
 
     # ---- lookup and locks ---------------------------------------------------------------------------------
@@ -193,8 +181,7 @@ class RadixCache:
         least its last token to get logits.  With ``for_prefill=False`` (pure lookup) a fully cached sequence
         matches in full.  Does not change the tree's shape; refreshes the access time (and LFU hit count) of the
         matched path; counts the query in :meth:`stats` (tokens on nodes inserted under ``request_id`` as
-        self-hits).  When the cache resumes recurrent states, the match ends at the deepest kept state (the tokens
-        beyond count in :attr:`CacheStats.resume_shortfall_tokens`).
+        self-hits).  With resume states it ends at the deepest kept state (counting the shortfall).
 
         Raises:
             InvalidTokensError, NamespaceError, InvalidArgumentError: bad input (``request_id`` not a str or None);
@@ -206,19 +193,10 @@ class RadixCache:
         with self._mutex:
             result = self._tree.match(q, namespace, len(q) - 1 if for_prefill else len(q), self)
             if self._states is not None:
-                result = self._resumable(q, namespace, result)
+                result = self._states.resumable(self._tree, q, namespace, result, self)
             own = self._tree.own_tokens(result.node, result.num_tokens, request_id) if request_id is not None else 0
             self._counters.record_query(len(q), result.num_tokens, own)
             return result
-
-    def _resumable(self, q, namespace: str | None, result: MatchResult, touch: bool = True) -> MatchResult:
-        """``result`` cut back to the deepest kept state (counting the shortfall when ``touch``)."""
-        resume_at = self._states.deepest(result.node, result.num_tokens)[0]
-        if resume_at == result.num_tokens:
-            return result
-        if touch:
-            self._counters.resume_shortfall_tokens += result.num_tokens - resume_at
-        return self._tree.match(q, namespace, resume_at, self, touch=False)
 
     def lock(self, match: MatchResult) -> LockHandle:
         """Lock the matched path so none of its nodes (the match's node and every ancestor) can be evicted.
@@ -280,32 +258,22 @@ class RadixCache:
         rest must be owned by the caller (from :meth:`allocate`).  Insert takes over the caller's ownership: the
         blocks of the new suffix move into a new leaf (splitting a node where the sequences diverge); owned blocks
         of the part that was already cached, and any beyond the sequence, are released.  The new leaf remembers
-        ``request_id`` (see :attr:`CacheStats.self_hit_tokens`).  ``state`` (a recurrent state after all of
-        ``token_ids``, only when the cache resumes states) is kept at position ``len(token_ids)``.
+        ``request_id`` (see :attr:`CacheStats.self_hit_tokens`).  ``state`` (after all of ``token_ids``, resume
+        states only) is kept at position ``len(token_ids)``.
 
         Raises:
-            InvalidTokensError, NamespaceError, InvalidArgumentError, LockError: bad input (a bad ``state`` included);
-                the cache is unchanged.
+            InvalidTokensError, NamespaceError, InvalidArgumentError, LockError: bad input; the cache is unchanged.
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
         check_request_id(request_id)
-        nbytes = self._check_state(state)
+        nbytes = state_bytes(self._states, state)
         with self._change:
             blocks = self._blocks
             result = blocks.insert(q, blocks.as_block_ids(block_ids), None, namespace, request_id)
             if state is not None:
                 self._admission.keep_state(q, namespace, len(q), state, nbytes)
             return result
-
-    def _check_state(self, state: object) -> int:
-        """The bytes of ``state`` (0 for None).  Raises InvalidArgumentError: a state in a cache that does not resume
-        states, or one without a non-negative int ``nbytes``."""
-        if state is None:
-            return 0
-        if self._states is None:
-            raise InvalidArgumentError("a recurrent state was passed to a cache made without resume_states=True")
-        return check_state(state)
 
     def evict(self, num_blocks: int) -> EvictResult:
         """Free ``num_blocks`` blocks of unlocked nodes in policy order (fewer when fewer are unlocked).
@@ -354,12 +322,7 @@ class RadixCache:
             CapacityError: ``num_tokens`` exceed the pool.  PoolBusyError: running requests hold what it needs.
         Without ``num_tokens`` it never runs out of blocks: the copy falls back to recomputation as said above.
         Whatever raises, the cache is left as before (no lock, no block of this request).
-
-        When the cache resumes recurrent states the match ends at the deepest position, at or before the longest
-        token match, where a state is kept (or at 0): the lease's ``resume_state`` is the state there (None at 0),
-        ``num_matched_tokens`` the longest token match and ``resume_shortfall_tokens`` the difference, counted in
-        :attr:`CacheStats.resume_shortfall_tokens`; only the resumed tokens count as hits.  O(depth + states on the
-        deepest node with one) more.
+        With resume states the match ends at the deepest kept state (see :class:`Lease`); only resumed tokens are hits.
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
@@ -387,8 +350,7 @@ class RadixCache:
 
     def commit(self, lease: Lease, token_ids: TokenIds, state: object = None) -> InsertResult:
         """Insert the request's tokens (prompt and anything generated after it, all with KV written) and close the
-        lease: the new suffix is cached, duplicate blocks released, the lock dropped.  ``state`` (the recurrent state
-        after all of ``token_ids``, only when the cache resumes states) is kept at position ``len(token_ids)``.
+        lease: the new suffix is cached, duplicate blocks released, the lock dropped; ``state`` as for :meth:`insert`.
 
         Raises:
             InvalidTokensError: ``token_ids`` do not start with the lease's matched prefix (the lease stays open:
@@ -396,10 +358,9 @@ class RadixCache:
             InvalidArgumentError: the tokens need more blocks than the lease holds (call :meth:`reserve` first;
                 the lease stays open).
             LockError: the lease is closed.
-            InvalidArgumentError: a bad ``state`` (see :meth:`insert`); the lease stays open.
         """
         q = as_token_array(token_ids)
-        nbytes = self._check_state(state)
+        nbytes = state_bytes(self._states, state)
         with self._change:
             return self._admission.commit(lease, q, state, nbytes)
 
@@ -409,11 +370,7 @@ class RadixCache:
         usual.  The lease's whole blocks of ``token_ids`` pass to the tree and its lock moves onto the new path;
         where ``token_ids`` end inside a block, the tree gets a copy of that block's rows and the request keeps
         writing its own.  O(len(token_ids)) plus one block copy.
-
-        ``state`` (the recurrent state after all of ``token_ids``, only when the cache resumes states) is kept at
-        position ``len(token_ids)`` if the tree then holds all of them; when no block could be had for the copy of
-        the last partial block, the tree holds only the whole blocks and the state is dropped
-        (:attr:`CacheStats.dropped_states`).
+        ``state`` as for :meth:`insert`, dropped (counted) if no block could be had for that copy.
 
         Raises:
             InvalidTokensError: ``token_ids`` do not start with the lease's matched prefix and agree with its prompt.
@@ -422,18 +379,15 @@ class RadixCache:
         Nothing changes when it raises (the lease stays open).
         """
         q = as_token_array(token_ids)
-        nbytes = self._check_state(state)
+        nbytes = state_bytes(self._states, state)
         with self._change:
             return self._admission.insert_prefix(lease, q, state, nbytes)
 
     def put_state(self, lease: Lease, num_tokens: int, state: object) -> bool:
-        """Keep ``state``, the recurrent state after the first ``num_tokens`` tokens of the lease's prompt (e.g. one
-        taken at a block boundary during a chunked prefill), if the tree holds those tokens (after
-        :meth:`insert_prefix`); else it is dropped and counted.  Returns whether it was kept.  O(depth + log n).
+        """Keep ``state``, taken after the lease prompt's first ``num_tokens`` tokens (e.g. at a block boundary of a
+        chunked prefill), if the tree holds them (after :meth:`insert_prefix`), else drop it; returns whether kept.
 
-        Raises:
-            InvalidArgumentError: the cache does not resume states, a bad ``state``, or ``num_tokens`` not in
-                ``1 .. len(prompt)``.  LockError: the lease is closed.  Nothing changes when it raises.
+        Raises: InvalidArgumentError: no resume states, a bad ``state`` or ``num_tokens``.  LockError: closed lease.
         """
         if self._states is None:
             raise InvalidArgumentError("put_state needs a cache made with resume_states=True")
@@ -442,9 +396,7 @@ class RadixCache:
             return self._admission.put_state(lease, num_tokens, state, nbytes)
 
     def state_positions(self, token_ids: TokenIds, namespace: str | None = None) -> list[int]:
-        """The positions along the cached prefix of ``token_ids`` where a recurrent state is kept, ascending (empty
-        when the cache does not resume states).  A pure look-ahead like :meth:`cached_length`, for tests and
-        debugging.  O(depth + states on the path)."""
+        """Positions along the cached prefix of ``token_ids`` with a kept state, ascending; touches nothing."""
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
         with self._mutex:
@@ -456,8 +408,8 @@ class RadixCache:
     def cached_length(self, token_ids: TokenIds, namespace: str | None = None, *, for_prefill: bool = False) -> int:
         """Tokens of ``token_ids`` that :meth:`match` would find cached (at most ``len - 1`` with ``for_prefill``),
         as a pure look-ahead: nothing is counted in :meth:`stats` and no access time or hit count changes, so a
-        scheduler may ask every step for every waiting request.  O(depth) plus O(n) C-speed comparison.  When the cache
-        resumes recurrent states it is the resumable length, as :meth:`acquire` would find it.
+        scheduler may ask every step for every waiting request (with resume states, the resumable length).  O(depth)
+        plus O(n) C-speed comparison.
 
         Raises:
             InvalidTokensError, NamespaceError: bad input.
@@ -499,24 +451,13 @@ class RadixCache:
         """
         q = as_token_array(token_ids)
         namespace = check_namespace(namespace)
-        if isinstance(priority, bool) or not isinstance(priority, int) or priority < 1:
-            raise InvalidArgumentError(f"priority must be a positive int, got {priority!r}")
-        if retain_s is not None and (
-            isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not retain_s > 0
-        ):
-            raise InvalidArgumentError(f"retain_s must be a positive number of seconds or None, got {retain_s!r}")
+        check_retain(priority, retain_s)
         with self._change:
             tree = self._tree
             match = tree.match(q, namespace, len(q), self)
             if match.num_tokens == 0:
                 return 0
-            node = tree.lock_point(match.node, match.num_tokens)
-            path = []
-            while node.parent is not None:
-                path.append(node)
-                node = node.parent
-            path.reverse()
-            return tree.retention.retain(path, priority, retain_s)
+            return tree.retention.retain(path_to(tree.lock_point(match.node, match.num_tokens)), priority, retain_s)
 
     # ---- snapshots ----------------------------------------------------------------------------------------
 
@@ -556,8 +497,7 @@ class RadixCache:
         everything first, once the snapshot has been read and checked).  When the snapshot holds more than the pool,
         the most recently used whole prefixes that fit are loaded; saved host runs go back into this cache's host tier
         (the most recently used that fit; dropped and counted when it has none).  Every checksum is verified before
-        the cache is touched; on any error the cache is left as it was.  A cache that resumes recurrent states gets
-        the KV back but no states (snapshots hold none): it resumes from position 0 until states are put back.
+        the cache is touched; on any error the cache is left as it was.  Snapshots hold no recurrent states.
 
         Raises:
             SnapshotNotFoundError: no snapshot there.  SnapshotCorruptError: truncated, edited or damaged files.
@@ -607,61 +547,7 @@ class RadixCache:
     def stats(self) -> CacheStats:
         """A consistent snapshot of sizes and counters.  O(1)."""
         with self._mutex:
-            pool, tree, counters = self.pool, self._tree, self._counters
-            if tree.retention.deadlines:
-                tree.retention.expire()
-            return CacheStats(
-                num_blocks=pool.num_blocks,
-                block_size=self.block_size,
-                free_blocks=pool.num_free_blocks,
-                used_blocks=pool.num_used_blocks,
-                cached_tokens=tree.cached_tokens,
-                evictable_tokens=tree.evictable_tokens,
-                locked_tokens=tree.locked_tokens,
-                num_nodes=tree.num_nodes,
-                query_tokens=counters.query_tokens,
-                hit_tokens=counters.hit_tokens,
-                evictions=tree.evictions,
-                evicted_tokens=tree.evicted_tokens,
-                evicted_blocks=tree.evicted_blocks,
-                self_hit_tokens=counters.self_hit_tokens,
-                window_requests=len(counters.window),
-                window_query_tokens=counters.window_query_tokens,
-                window_hit_tokens=counters.window_hit_tokens,
-                rejected_requests=counters.rejected_requests,
-                retained_tokens=tree.retention.retained_tokens,
-                retained_blocks=tree.retention.retained_blocks,
-                evictable_blocks=tree.evictable_blocks,
-                **self._host_stats(),
-                **self._state_stats(),
-            )
-
-    def _state_stats(self) -> dict[str, int]:
-        states = self._states
-        if states is None:
-            return {}
-        return {
-            "resume_shortfall_tokens": self._counters.resume_shortfall_tokens,
-            "num_states": len(states),
-            "state_bytes": states.num_bytes,
-            "max_state_bytes": states.max_bytes,
-            "evicted_states": states.evicted,
-            "dropped_states": states.dropped,
-            "kv_evicted_states": states.kv_freed,
-        }
-
-    def _host_stats(self) -> dict[str, int]:
-        host = self._host
-        if host is None:
-            return {}
-        return {
-            "host_hit_tokens": self._counters.host_hit_tokens,
-            "host_num_blocks": host.pool.num_blocks,
-            "host_used_blocks": host.pool.num_used_blocks,
-            "demoted_blocks": host.demoted_blocks,
-            "promoted_blocks": host.promoted_blocks,
-            "host_dropped_blocks": host.dropped_blocks,
-        }
+            return collect_stats(self.pool, self._tree, self._counters, self._host, self._states)
 
     @property
     def host_pool(self) -> KVBlockPool | None:
@@ -712,20 +598,3 @@ class RadixCache:
                 self._host.check_invariants()
             if index is not None:
                 check_mirror(self._tree, self._host, index, self.hash_seed)
-
-
-def _check_resume_options(resume_states: object, max_state_bytes: object, host_pool: object) -> None:
-    if not isinstance(resume_states, bool):
-        raise InvalidArgumentError(f"resume_states must be a bool, got {resume_states!r}")
-    if not resume_states:
-        if max_state_bytes is not None:
-            raise InvalidArgumentError("max_state_bytes is the budget of recurrent states: give resume_states=True")
-        return
-    if isinstance(max_state_bytes, bool) or not isinstance(max_state_bytes, (int, np.integer)) or max_state_bytes < 0:
-        raise InvalidArgumentError(
-            f"resume_states=True needs max_state_bytes, a non-negative int of bytes, got {max_state_bytes!r}"
-        )
-    if host_pool is not None:
-        raise InvalidArgumentError(
-            "resume_states cannot be combined with a host tier: a prefix promoted from host memory has no state"
-        )

@@ -37,9 +37,11 @@ from sortedcontainers import SortedList
 from prefixcache.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
+    from array import array
+
     from prefixcache.cache.node import Node
 
-__all__ = ["RecurrentState", "StateMarker", "StateStore", "check_state"]
+__all__ = ["RecurrentState", "StateMarker", "StateStore", "check_resume_options", "check_state", "state_bytes"]
 
 
 @runtime_checkable
@@ -69,6 +71,39 @@ def check_state(state: Any) -> int:
             f"with nbytes={nbytes!r}"
         )
     return int(nbytes)
+
+
+def state_bytes(store: StateStore | None, state: Any) -> int:
+    """The bytes of ``state`` handed to a cache keeping states in ``store`` (None: it keeps none); 0 for no state.
+
+    Raises:
+        InvalidArgumentError: a state given to a cache that keeps none, or a bad one (see :func:`check_state`).
+    """
+    if state is None:
+        return 0
+    if store is None:
+        raise InvalidArgumentError("a recurrent state was passed to a cache made without resume_states=True")
+    return check_state(state)
+
+
+def check_resume_options(resume_states: object, max_state_bytes: object, host_tier: bool) -> None:
+    """Raises InvalidArgumentError unless the cache options are consistent: ``resume_states`` a bool,
+    ``max_state_bytes`` a non-negative int exactly when it is True (there is no unbounded default: the states live on
+    the model's device, so the caller sizes them), and no host tier with it (a promoted prefix has no state)."""
+    if not isinstance(resume_states, bool):
+        raise InvalidArgumentError(f"resume_states must be a bool, got {resume_states!r}")
+    if not resume_states:
+        if max_state_bytes is not None:
+            raise InvalidArgumentError("max_state_bytes is the budget of recurrent states: give resume_states=True")
+        return
+    if isinstance(max_state_bytes, bool) or not isinstance(max_state_bytes, (int, np.integer)) or max_state_bytes < 0:
+        raise InvalidArgumentError(
+            f"resume_states=True needs max_state_bytes, a non-negative int of bytes, got {max_state_bytes!r}"
+        )
+    if host_tier:
+        raise InvalidArgumentError(
+            "resume_states cannot be combined with a host tier: a prefix promoted from host memory has no state"
+        )
 
 
 class StateStore:
@@ -118,6 +153,28 @@ class StateStore:
         self._order.add((tick, pos, node.node_id))
         self.num_bytes += nbytes
         return True
+
+    def resumable(self, tree: Any, q: array, namespace: str | None, match: Any, owner: object) -> Any:
+        """``match`` (a :class:`~prefixcache.cache.tree.MatchResult` of ``tree``) cut back to the deepest kept
+        state on its path (a new, untouching match), counting the tokens cut off in ``shortfall_tokens``.  O(depth)
+        plus a second match when it is cut."""
+        resume_at = self.deepest(match.node, match.num_tokens)[0]
+        if resume_at == match.num_tokens:
+            return match
+        self.shortfall_tokens += match.num_tokens - resume_at
+        return tree.match(q, namespace, resume_at, owner, touch=False)
+
+    def stats(self) -> dict[str, int]:
+        """The :class:`~prefixcache.cache.stats.CacheStats` fields of the states.  O(1)."""
+        return {
+            "resume_shortfall_tokens": self.shortfall_tokens,
+            "num_states": len(self._filed),
+            "state_bytes": self.num_bytes,
+            "max_state_bytes": self.max_bytes,
+            "evicted_states": self.evicted,
+            "dropped_states": self.dropped,
+            "kv_evicted_states": self.kv_freed,
+        }
 
     def drop(self) -> None:
         """Count a state that was not kept because the tree does not hold its position."""

@@ -30,6 +30,26 @@ if TYPE_CHECKING:
     from prefixcache.cache.node import Node
 
 
+def check_retain(priority: object, retain_s: object) -> None:
+    """Raises InvalidArgumentError unless ``priority`` is a positive int and ``retain_s`` a positive number or None."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 1:
+        raise InvalidArgumentError(f"priority must be a positive int, got {priority!r}")
+    if retain_s is not None and (
+        isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not retain_s > 0
+    ):
+        raise InvalidArgumentError(f"retain_s must be a positive number of seconds or None, got {retain_s!r}")
+
+
+def path_to(node: Node) -> list[Node]:
+    """The nodes from the root's child down to ``node``, root side first (empty for a root).  O(depth)."""
+    path = []
+    while node.parent is not None:
+        path.append(node)
+        node = node.parent
+    path.reverse()
+    return path
+
+
 def check_fraction(fraction: object) -> float:
     """``fraction`` as a float in ``[0, 1]``.
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from prefixcache.errors import InvalidArgumentError
 
@@ -108,7 +109,6 @@ class HitCounters:
         self.self_hit_tokens = 0
         self.host_hit_tokens = 0  # of hit_tokens, those promoted from the host-memory tier
         self.rejected_requests = 0
-        self.resume_shortfall_tokens = 0  # matched tokens that no kept recurrent state let a request resume
         self.window: deque[tuple[int, int]] = deque(maxlen=window)
         self.window_query_tokens = 0
         self.window_hit_tokens = 0
@@ -129,6 +129,47 @@ class HitCounters:
         window.append((query_tokens, hit_tokens))
         self.window_query_tokens += query_tokens
         self.window_hit_tokens += hit_tokens
+
+
+def collect_stats(pool: Any, tree: Any, counters: HitCounters, host: Any, states: Any) -> CacheStats:
+    """The :class:`CacheStats` of a cache made of ``pool``, ``tree`` (a :class:`~prefixcache.cache.tree.RadixTree`),
+    ``counters``, its host tier and its state store (each None when absent).  Expired retentions are dropped first.
+    O(1)."""
+    if tree.retention.deadlines:
+        tree.retention.expire()
+    fields = {
+        "num_blocks": pool.num_blocks,
+        "block_size": pool.block_size,
+        "free_blocks": pool.num_free_blocks,
+        "used_blocks": pool.num_used_blocks,
+        "cached_tokens": tree.cached_tokens,
+        "evictable_tokens": tree.evictable_tokens,
+        "locked_tokens": tree.locked_tokens,
+        "num_nodes": tree.num_nodes,
+        "query_tokens": counters.query_tokens,
+        "hit_tokens": counters.hit_tokens,
+        "evictions": tree.evictions,
+        "evicted_tokens": tree.evicted_tokens,
+        "evicted_blocks": tree.evicted_blocks,
+        "self_hit_tokens": counters.self_hit_tokens,
+        "window_requests": len(counters.window),
+        "window_query_tokens": counters.window_query_tokens,
+        "window_hit_tokens": counters.window_hit_tokens,
+        "rejected_requests": counters.rejected_requests,
+        "retained_tokens": tree.retention.retained_tokens,
+        "retained_blocks": tree.retention.retained_blocks,
+        "evictable_blocks": tree.evictable_blocks,
+    }
+    if host is not None:
+        fields["host_hit_tokens"] = counters.host_hit_tokens
+        fields["host_num_blocks"] = host.pool.num_blocks
+        fields["host_used_blocks"] = host.pool.num_used_blocks
+        fields["demoted_blocks"] = host.demoted_blocks
+        fields["promoted_blocks"] = host.promoted_blocks
+        fields["host_dropped_blocks"] = host.dropped_blocks
+    if states is not None:
+        fields.update(states.stats())
+    return CacheStats(**fields)
 
 
 def check_request_id(request_id: object) -> None:

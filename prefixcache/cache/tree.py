@@ -104,8 +104,8 @@ class RadixTree:
 
     Sizes kept incrementally (O(1) to read): ``num_nodes``, ``cached_tokens``, ``evictable_tokens`` (on unlocked
     nodes), ``evictable_blocks`` (what evicting every unlocked node would free), ``locked_tokens`` (the difference of
-    the first two), and the eviction totals
-    ``evictions`` (leaves evicted, whole or in part), ``evicted_tokens``, ``evicted_blocks``.
+    the first two), and the eviction totals ``evictions`` (leaves evicted, whole or in part), ``evicted_tokens``,
+    ``evicted_blocks``.  ``states`` keeps recurrent states when the cache resumes them (split and eviction test it).
     Complexities: :meth:`match` and :meth:`insert` cost O(depth) dict lookups plus O(n) C-speed token comparison;
     each block evicted costs O(log c) in the number ``c`` of eviction candidates.
 
@@ -145,9 +145,7 @@ class RadixTree:
         # The host tier's cover(leaf, path), called once insert has linked a new leaf, returning the host's events of
         # the copies it dropped (the device now holds those blocks); None without a host tier.
         self.cover: Callable[[Node, array], list[KVEvent]] | None = None
-        # The recurrent states kept on nodes (prefixcache.cache.resume), None unless the cache resumes states; split
-        # and eviction pay one test of node.states for it.
-        self.states: StateStore | None = None
+        self.states: StateStore | None = None  # recurrent states on nodes (cache.resume), None when not kept
         self._ids = itertools.count(1)
 
     @property
@@ -377,12 +375,10 @@ class RadixTree:
     # ---- eviction -----------------------------------------------------------------------------------------
 
     def evict(self, num_blocks: int) -> EvictResult:
-        """Free ``num_blocks`` blocks in policy order, or as many as unlocked nodes hold.
-
-        Block granularity (the default) cuts whole blocks off the tail of the first candidate leaf and removes it
-        only when nothing of it is left; leaf granularity removes whole leaves.  A parent whose last child goes
-        becomes a candidate in turn.  Expired retentions are dropped first.  O(log c) per block freed.
-        """
+        """Free ``num_blocks`` blocks in policy order, or as many as unlocked nodes hold.  Block granularity (the
+        default) cuts whole blocks off the tail of the first candidate leaf and removes it only when nothing of it is
+        left; leaf granularity removes whole leaves.  A parent whose last child goes becomes a candidate in turn.
+        Expired retentions are dropped first; recurrent states go with their positions.  O(log c) per block freed."""
         if self.retention.deadlines:
             self.retention.expire()
         freed = nodes = trims = tokens = own_blocks = 0  # own_blocks: the unlocked blocks that left the tree

@@ -353,6 +353,10 @@ class Replayer:
             # Enough that nothing is evicted: every request's new tokens, plus the partial blocks at its seams.
             new_tokens = (len(r.prompt) + len(r.answer) - hit for r, hit in zip(requests, ideal_hits, strict=True))
             num_blocks = sum(-(-n // bs) + 2 for n in new_tokens)
+            if self.state_bytes is not None and requests:
+                # A request that cannot resume a cached prefix holds blocks for all of it until commit releases the
+                # duplicates: room for the longest request on top, so that nothing is evicted still.
+                num_blocks += max(-(-(len(r.prompt) + len(r.answer)) // bs) + 1 for r in requests)
             num_blocks = max(num_blocks, 1)
         else:
             num_blocks = None

@@ -45,7 +45,7 @@ SEQ = list(range(100, 120))  # 20 distinct tokens
 
 def test_a_default_cache_refuses_states_and_reports_zero() -> None:
     cache = RadixCache(KVBlockPool(16, BS))
-    assert not cache.resume_states and cache.max_state_bytes is None
+    assert cache.max_state_bytes is None
     blocks = cache.allocate(2)
     with pytest.raises(InvalidArgumentError, match="resume_states"):
         cache.insert(SEQ[:8], blocks, state=StateMarker(10))
