@@ -88,7 +88,14 @@ class EngineCore:
         max_running: int = 32,
         policy: str = "lpm",
         max_wait_steps: int = 32,
+        state_interval: int = 0,
     ) -> None:
+        if isinstance(state_interval, bool) or not isinstance(state_interval, int) or state_interval < 0:
+            raise InvalidArgumentError(f"state_interval must be a non-negative int (tokens), got {state_interval!r}")
+        if state_interval % cache.block_size:
+            raise InvalidArgumentError(
+                f"state_interval ({state_interval} tokens) must be a multiple of the block size ({cache.block_size})"
+            )
         bounds = [("max_running", max_running), ("max_wait_steps", max_wait_steps)]
         if max_batch_tokens is not None:
             bounds.insert(0, ("max_batch_tokens", max_batch_tokens))
@@ -99,9 +106,13 @@ class EngineCore:
             raise InvalidArgumentError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.model, self.cache, self.pool, self.checks = model, cache, cache.pool, checks
         self.recurrent = bool(getattr(model, "recurrent", False))
-        """The model has recurrent layers: its state is snapshot at the end of every prompt and every answer and
-        kept by the cache beside the K/V (:mod:`prefixcache.cache.resume`), and requests resume only there."""
-        if self.recurrent and not cache.resume_states:
+        """The model has recurrent layers: its state is snapshot at the end of every prompt and every answer, before
+        a prompt's last token (a repeated prompt recomputes that one) and every ``state_interval`` tokens of a
+        prompt (0: never), and kept by the cache beside the K/V (:mod:`prefixcache.cache.resume`); requests resume
+        only there.  Prefill chunks of such a model end at those positions (vLLM caches Mamba states at block
+        boundaries, SGLang's MambaRadixCache on tree nodes)."""
+        self.state_interval = state_interval if self.recurrent else 0
+        if self.recurrent and cache.max_state_bytes is None:
             raise InvalidArgumentError(
                 f"{getattr(model, 'name', type(model).__name__)} has recurrent layers: serve it with a "
                 "RadixCache(resume_states=True), which keeps their state snapshots"
@@ -306,6 +317,8 @@ class EngineCore:
             if request.forced is not None and request.position < len(request.prompt):
                 known = len(request.prompt)  # the prompt in one pass, its forced answer in the next (as served alone)
             end = int(min(known, request.position + budget))
+            if self.recurrent and request.position < len(request.prompt):
+                end = min(end, self._next_state_point(request))
             if end > request.lease.capacity_tokens and not self._reserve(request, end, members):
                 continue
             table = self._block_table(request)
@@ -315,6 +328,18 @@ class EngineCore:
             members.append(request)
             budget -= end - request.position
         return rows, members
+
+    def _next_state_point(self, request: EngineRequest) -> int:
+        """The first position after ``request.position`` where a recurrent model's prefill stops to keep its state:
+        the next multiple of ``state_interval`` inside the prompt, else the position before the prompt's last token,
+        else the prompt's end."""
+        prompt_length = len(request.prompt)
+        stops = [prompt_length]
+        if request.position < prompt_length - 1:
+            stops.append(prompt_length - 1)
+        if self.state_interval:
+            stops.append((request.position // self.state_interval + 1) * self.state_interval)
+        return min(stop for stop in stops if stop > request.position)
 
     def _block_table(self, request: EngineRequest) -> torch.Tensor:
         """The lease's block table on the device, made again only when the lease's table changed: a reserve makes a
@@ -370,6 +395,7 @@ class EngineCore:
         self.running.remove(request)
         request.lease = request.table = request.table_source = None
         request.live.reset()
+        request.pending_state = None
         request.preemptions += 1
         request.prompt_inserted = request.position >= len(request.prompt)
         request.waited_steps = self.max_wait_steps
@@ -390,6 +416,8 @@ class EngineCore:
             if hi > lo:
                 request.prompt_logits.append(logits[lo - start : hi - start].float().cpu())
                 request.logits_until = hi
+        if self.recurrent and end < prompt_length and not self._keep_inner_state(request):
+            return
         if request.forced is None:
             if end == request.sequence_length():
                 self._advance(request, logits[-1])
@@ -413,6 +441,25 @@ class EngineCore:
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
 
+    def _keep_inner_state(self, request: EngineRequest) -> bool:
+        """A recurrent model's prefill stopped inside the prompt: keep the state there.  At a multiple of
+        ``state_interval`` (a block boundary) the tree takes the prompt so far with it at once; the state before the
+        prompt's last token waits for the whole prompt's insert (:meth:`_insert_prompt`), as its block is the one
+        the request goes on writing.  False when the insert failed the request."""
+        position = request.position
+        if position == len(request.prompt) - 1:
+            request.pending_state = self._state_at(request)
+            return True
+        if not self.state_interval or position % self.state_interval:
+            return True
+        try:
+            self.cache.insert_prefix(request.lease, request.prompt_array[:position], state=self._state_at(request))
+        except Exception as error:  # noqa: BLE001
+            self._fail(request, error)
+            return False
+        request.table = None  # the insert rewrote the lease's table in place
+        return True
+
     def _state_at(self, request: EngineRequest) -> Any:
         """A recurrent model's state after ``request.position`` tokens, for the cache to keep (a copy), else None:
         the model has no recurrent layers, or the request's live state stands elsewhere."""
@@ -429,6 +476,13 @@ class EngineCore:
             return False
         request.table = None  # the insert may have rewritten the lease's table in place (blocks shared with the tree)
         request.prompt_inserted = True
+        pending, request.pending_state = request.pending_state, None
+        if pending is not None:
+            try:
+                self.cache.put_state(request.lease, len(request.prompt) - 1, pending)
+            except Exception as error:  # noqa: BLE001
+                self._fail(request, error)
+                return False
         return True
 
     def _emit_forced(self, request: EngineRequest) -> None:
@@ -489,6 +543,8 @@ class EngineCore:
             return False, None
 
     def _finish(self, request: EngineRequest, reason: str) -> None:
+        if request.pending_state is not None and not request.prompt_inserted and not self._insert_prompt(request):
+            return  # the state before the prompt's last token needs the prompt in the tree before the commit
         try:
             insert = self.cache.commit(
                 request.lease, request.known_tokens()[: request.position], state=self._state_at(request)

@@ -99,6 +99,7 @@ class EngineRequest:
     copied: int = 0
     host_cached: int = 0
     unresumed: int = 0  # prompt tokens matched but not resumable (a recurrent model's state was not kept there)
+    pending_state: Any = None  # a recurrent model's state before the prompt's last token, until the prompt is inserted
     preemptions: int = 0
     position: int = 0  # known tokens whose K/V are written
     generated: list[int] = field(default_factory=list)

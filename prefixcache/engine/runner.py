@@ -74,7 +74,8 @@ class PrefixCachingRunner:
 
     A model with recurrent layers (``model.recurrent``: Qwen3-Next, Nemotron-H, Granite-4.0-H, MiniMax, Mamba-2
     through :class:`~prefixcache.models.hf.HFCausalLM`) gets a cache that also keeps state snapshots at the end of
-    every prompt and answer (``RadixCache(resume_states=True)``), within ``state_cache_memory`` bytes
+    every prompt and answer, before every prompt's last token and every ``state_interval_blocks`` blocks of a prompt
+    (0: not inside prompts) (``RadixCache(resume_states=True)``), within ``state_cache_memory`` bytes
     (:func:`state_budget`); a prompt resumes at the deepest kept snapshot of its match.
 
     Raises:
@@ -96,6 +97,7 @@ class PrefixCachingRunner:
         host_cache_tokens: int | None = None,
         host_cache_memory: int | None = None,
         state_cache_memory: int | None = None,
+        state_interval_blocks: int = 16,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise InvalidArgumentError(f"model must implement the CausalLM protocol, got {type(model).__name__}")
@@ -130,6 +132,12 @@ class PrefixCachingRunner:
             resume_states=recurrent,
             max_state_bytes=state_budget(model, self.pool, state_cache_memory) if recurrent else None,
         )
+        if isinstance(state_interval_blocks, bool) or not isinstance(state_interval_blocks, int):
+            raise InvalidArgumentError(f"state_interval_blocks must be an int, got {state_interval_blocks!r}")
+        if state_interval_blocks < 0:
+            raise InvalidArgumentError(f"state_interval_blocks must be >= 0, got {state_interval_blocks}")
+        self.state_interval = state_interval_blocks * block_size if recurrent else 0
+        """Tokens between the state snapshots a recurrent model's prefill keeps inside a prompt (0: none)."""
         self.checks = RequestChecks(model, self.tokenizer.name, self.pool)
         """Every request's checks and the fingerprint of its namespaces (see :class:`RequestChecks`)."""
 
@@ -279,6 +287,7 @@ class PrefixCachingRunner:
         """An :class:`~prefixcache.engine.core.EngineCore` on this runner's model, cache and checks (``options``:
         ``max_batch_tokens``, ``max_running``, ``policy``, ``max_wait_steps``).  Raises InvalidArgumentError for bad
         options."""
+        options.setdefault("state_interval", self.state_interval)
         return EngineCore(self.model, self.cache, self.checks, **options)
 
     def generate_many(

@@ -7,18 +7,19 @@ from the cache back into their pool slots.  The reference path is the model's ow
 
 Served exactly (tested with transformers 5.24, ``TESTED_MODEL_TYPES``): full attention (Llama, Qwen2/3, Qwen3-MoE,
 Gemma, GLM-4-MoE, Phi-3, OLMo2, GPT-2), sliding-window or chunked attention (Mistral with a window, Qwen2 with
-``use_sliding_window``, Gemma 2/3, gpt-oss with its sinks, Cohere2, EXAONE 4, Llama 4 text) and DeepSeek-V2/V3's
-latent attention; hybrid and recurrent models (Qwen3-Next, Nemotron-H, Granite-4.0-H, MiniMax, Mamba-2), whose
+``use_sliding_window``, Gemma 2/3, gpt-oss with its sinks, Cohere2, EXAONE 4, Llama 4 text), DeepSeek-V2/V3's latent
+attention, and hybrid and recurrent models (Qwen3-Next, Nemotron-H, Granite-4.0-H, MiniMax, Mamba-2), whose
 linear-attention / SSM layers carry a fixed-size state kept in snapshots (:mod:`~prefixcache.models.hf_state`) while
-the pool holds their attention layers' K/V only.  The pool keeps every position's K/V in every layer, sliding ones included, and the live cache is
-a full layer, so the model's own window and chunk masks (on absolute cache indices) cut the window exactly; SGLang's
-SWARadixCache instead frees a sliding layer's K/V outside the window of every live path (bytes this costs:
-:mod:`~prefixcache.models.hf_support`).  Latent attention caches a latent (K) and a rotary key (V) of different
-sizes, packed across the pool's two slots (:class:`~prefixcache.models.hf_support.KVLayout`).  Refused with
-:class:`~prefixcache.errors.UnsupportedModelError`: recurrent state of other kinds (Mamba-1, RWKV, xLSTM,
-RecurrentGemma; layers keeping both a state and K/V, as Zamba's and Falcon-H1's), rotary scalings that depend on the
-call's length (dynamic NTK, LongRoPE),
-encoder-decoders.  Other architectures that pass the checks are untested; replay them with ``--verify``.
+the pool holds their attention layers' K/V only.  The pool keeps every position's K/V in every attention layer,
+sliding ones included, and the live cache is a full layer, so the model's own window and chunk masks (on absolute
+cache indices) cut the window exactly; SGLang's SWARadixCache instead frees a sliding layer's K/V outside the window
+of every live path (bytes this costs: :mod:`~prefixcache.models.hf_support`).  Latent attention caches a latent (K)
+and a rotary key (V) of different sizes, packed across the pool's two slots
+(:class:`~prefixcache.models.hf_support.KVLayout`).  Refused with :class:`~prefixcache.errors.UnsupportedModelError`:
+recurrent state of other kinds (Mamba-1, whose prefill does not continue a kept state; RWKV, xLSTM, RecurrentGemma;
+layers keeping both a state and K/V, as Zamba's and Falcon-H1's), rotary scalings that depend on the call's length
+(dynamic NTK, LongRoPE), encoder-decoders.  Other architectures that pass the checks are untested; replay them with
+``--verify``.
 """
 
 from __future__ import annotations

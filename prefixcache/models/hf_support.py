@@ -53,7 +53,7 @@ __all__ = [
 
 TESTED_MODEL_TYPES = frozenset(
     "cohere2 deepseek_v2 deepseek_v3 exaone4 gemma gemma2 gemma3_text glm4_moe gpt2 gpt_oss llama llama4_text "
-    "mistral olmo2 phi3 qwen2 qwen3 qwen3_moe".split()
+    "mistral olmo2 phi3 qwen2 qwen3 qwen3_moe qwen3_next nemotron_h granitemoehybrid minimax mamba2".split()
 )
 """``config.model_type`` values whose exactness ``tests/models/test_hf.py`` and ``test_architectures.py`` check;
 others log a warning."""
