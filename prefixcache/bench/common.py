@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import statistics
 import time
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
@@ -159,3 +160,18 @@ def format_table(table: Table) -> str:
     out.extend(line(row) for row in cells)
     out.extend(table.notes)
     return "\n".join(out)
+
+
+def ratio_spread(ratios: list[float]) -> dict[str, float]:
+    """The median, lowest and highest of paired per-repeat ratios: ``ratio``, ``ratio_min``, ``ratio_max``."""
+    return {"ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+
+
+def spread_text(measure: dict) -> str:
+    """The median per-repeat ratio with its range: ``"1.02 (0.98-1.05)"``."""
+    return f"{measure['ratio']:.2f} ({measure['ratio_min']:.2f}-{measure['ratio_max']:.2f})"
+
+
+def ms_cells(ours: float, baseline: float) -> tuple[str, str, str]:
+    """Table cells of two times in seconds: both in milliseconds, then their ratio."""
+    return f"{ours * 1e3:.1f}", f"{baseline * 1e3:.1f}", f"{ours / baseline:.2f}"

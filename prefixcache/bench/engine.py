@@ -15,9 +15,7 @@ layers, measured side by side in one process, repeats interleaved, medians:
   :class:`~prefixcache.engine.batching.BatchEngine` with ``policy="lpm"`` (the system prompt prefilled once) and with
   ``policy="fcfs"`` (every session prefills it): prefilled tokens and wall time.
 
-- a hybrid model (Qwen3-Next's layout: Gated DeltaNet layers beside softmax attention, random weights): warm TTFT
-  resuming the cached prefix from its recurrent-state snapshot, against the model's own uncached forward of the
-  whole prompt and against its own forward of the suffix on a copy of a cache that holds the prefix.
+- a hybrid model's warm TTFT, resumed from its recurrent-state snapshot (:mod:`prefixcache.bench.hybrid`).
 
 - paged attention (:mod:`prefixcache.models.paged_attention`) on the embedded model: decode time per token reading
   the pool through the block table against the gather of the prefix out of the pool, logits checked equal.
@@ -41,7 +39,8 @@ from pathlib import Path
 
 import torch
 
-from prefixcache.bench.common import BenchResult, Table
+from prefixcache.bench.common import BenchResult, Table, ms_cells, ratio_spread, spread_text
+from prefixcache.bench.hybrid import hybrid_note, hybrid_rows, measure_hybrid
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError
@@ -137,26 +136,6 @@ class EngineSetup:
     cold_repeats: tuple[int, ...] = (2, 2)
     batch_repeats: int = 2
     hybrid_tokens: int = 2048
-    hybrid_sizes: tuple[tuple[str, object], ...] = (
-        ("hidden_size", 512),
-        ("num_hidden_layers", 8),
-        (
-            "layer_types",
-            ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + ("full_attention",),
-        ),
-        ("linear_num_value_heads", 8),
-        ("linear_num_key_heads", 4),
-        ("linear_key_head_dim", 64),
-        ("linear_value_head_dim", 64),
-        ("num_attention_heads", 8),
-        ("num_key_value_heads", 2),
-        ("head_dim", 64),
-        ("num_experts", 8),
-        ("moe_intermediate_size", 256),
-        ("shared_expert_intermediate_size", 256),
-        ("vocab_size", 4096),
-        ("max_position_embeddings", 4096),
-    )
 
 
 FULL = EngineSetup(
@@ -180,7 +159,6 @@ QUICK = EngineSetup(
     batch_system_tokens=200,
     batch_new_tokens=8,
     hybrid_tokens=256,
-    hybrid_sizes=(),
 )
 
 
@@ -194,7 +172,8 @@ def build_bench_model(quick: bool, layers: int, device: torch.device | str = "cp
         import transformers  # noqa: F401 - only to say which extra is missing
     except ImportError:
         raise InvalidArgumentError("this benchmark needs transformers: pip install 'prefixcache[hf]'") from None
-    from prefixcache.models.hf import random_model_from_config, tiny_random_model
+    from prefixcache.models.hf import random_model_from_config
+    from prefixcache.models.hf_tiny import tiny_random_model
 
     if not quick:
         if not (QWEN_DIR / "config.json").is_file():
@@ -263,58 +242,8 @@ def measure_cold(model, length: int, repeats: int) -> dict:
         "repeats": repeats,
         "ours_s": statistics.median(ours),
         "model_s": statistics.median(theirs),
-        **_ratio_spread([a / b for a, b in zip(ours, theirs, strict=True)]),
+        **ratio_spread([a / b for a, b in zip(ours, theirs, strict=True)]),
     }
-
-
-@torch.inference_mode()
-def measure_hybrid(setup: EngineSetup, device: torch.device | str = "cpu") -> dict:
-    """Warm TTFT of a hybrid model (Qwen3-Next layout) through the runner, which resumes the cached prefix from its
-    recurrent-state snapshot, against the model's own uncached forward of the whole prompt and its own forward of
-    the suffix on a copy of a transformers cache holding the prefix; seconds, medians, greedy tokens checked equal."""
-    from transformers import AutoModelForCausalLM
-
-    from prefixcache.models.hf import HFCausalLM
-    from prefixcache.models.hf_tiny import tiny_hf_config
-
-    sizes = {key: list(value) if isinstance(value, tuple) else value for key, value in setup.hybrid_sizes}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = HFCausalLM(AutoModelForCausalLM.from_config(tiny_hf_config("qwen3_next", **sizes)).eval().to(device))
-    prefix = _ids(model, setup.hybrid_tokens - WARM_SUFFIX_TOKENS, seed=300)
-    runner = _runner(model, setup.hybrid_tokens + setup.repeats * WARM_SUFFIX_TOKENS)
-    runner.prefill(prefix)
-    prefilled = model._new_cache(setup.hybrid_tokens)
-    _own_forward(model, prefix, prefilled)
-    ours, uncached, suffix_only = [], [], []
-    for rep in range(setup.repeats):
-        suffix = _ids(model, WARM_SUFFIX_TOKENS, seed=400 + rep)
-        cache = copy.deepcopy(prefilled)
-        ttft, _, result = timed_runner_call(runner, prefix + suffix, SamplingParams(max_new_tokens=1))
-        seconds, token = _own_forward(model, prefix + suffix)
-        own_seconds, own_token = _own_forward(model, suffix, cache)
-        if result.usage.cached_tokens != len(prefix):
-            raise AssertionError(f"hybrid warm run resumed {result.usage.cached_tokens} tokens, expected {len(prefix)}")
-        if not token == own_token == result.token_ids[0]:
-            raise AssertionError(f"hybrid warm prefill: runner {result.token_ids[0]}, model {token} / {own_token}")
-        ours.append(ttft)
-        uncached.append(seconds)
-        suffix_only.append(own_seconds)
-    return {
-        "model": model.name,
-        "tokens": setup.hybrid_tokens,
-        "suffix": WARM_SUFFIX_TOKENS,
-        "state_bytes": model.state_bytes,
-        "kv_bytes_per_token": 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4,
-        "ours_s": statistics.median(ours),
-        "uncached_s": statistics.median(uncached),
-        "suffix_s": statistics.median(suffix_only),
-    }
-
-
-def _ratio_spread(ratios: list[float]) -> dict:
-    """The median, lowest and highest of paired per-repeat ratios."""
-    return {"ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
 
 
 @torch.inference_mode()
@@ -462,7 +391,7 @@ def measure_batching(setup: EngineSetup, model=None, device: torch.device | str 
         "repeats": setup.batch_repeats,
         "serial_tokens_per_s": generated / statistics.median(serial_s),
         "batched_tokens_per_s": generated / statistics.median(batched_s),
-        **_ratio_spread([s / b for s, b in zip(serial_s, batched_s, strict=True)]),
+        **ratio_spread([s / b for s, b in zip(serial_s, batched_s, strict=True)]),
     }
 
 
@@ -559,7 +488,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
         batching = [measure_batching(setup, device=where), measure_batching(setup, model)]
         shared = measure_shared_prefill(setup)
         paged = [measure_paged(setup, c, where) for c in setup.decode_contexts]
-        hybrid = measure_hybrid(setup, where)
+        hybrid = measure_hybrid(setup.hybrid_tokens, setup.repeats, setup.quick, where)
     rows = []
     for c in cold:
         rows.append(
@@ -567,8 +496,8 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
                 f"cold TTFT (ms, {c['repeats']} repeats)",
                 f"{c['tokens']:,}",
                 "model forward, keep 1 logit",
-                *_cells(c["ours_s"], c["model_s"])[:2],
-                _spread(c),
+                *ms_cells(c["ours_s"], c["model_s"])[:2],
+                spread_text(c),
             )
         )
     for w in warm:
@@ -577,7 +506,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
                 "warm TTFT (ms)",
                 f"{w['tokens']:,} ({w['suffix']} new)",
                 "model forward of the suffix",
-                *_cells(w["ours_s"], w["model_s"]),
+                *ms_cells(w["ours_s"], w["model_s"]),
             )
         )
     for d in decode:
@@ -586,7 +515,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
                 "decode (ms/token)",
                 f"{d['context']:,}",
                 "model.generate, own DynamicCache",
-                *_cells(d["ours_s"], d["generate_s"]),
+                *ms_cells(d["ours_s"], d["generate_s"]),
             )
         )
         rows.append(
@@ -594,7 +523,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
                 "  old: gather (ms/token)",
                 f"{d['context']:,}",
                 "model.generate, own DynamicCache",
-                *_cells(d["gather_s"], d["generate_s"]),
+                *ms_cells(d["gather_s"], d["generate_s"]),
             )
         )
     for b in batching:
@@ -605,7 +534,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
                 f"one session at a time ({b['model']})",
                 f"{b['batched_tokens_per_s']:.1f}",
                 f"{b['serial_tokens_per_s']:.1f}",
-                _spread(b),
+                spread_text(b),
             )
         )
     lpm, fcfs = shared["lpm"], shared["fcfs"]
@@ -622,19 +551,10 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
                 "paged attention (ms/token)",
                 f"{p['context']:,}",
                 f"gather from the pool ({p['model']}, embedded)",
-                *_cells(p["paged_s"], p["gather_s"]),
+                *ms_cells(p["paged_s"], p["gather_s"]),
             )
         )
-    tokens = f"{hybrid['tokens']:,} ({hybrid['suffix']} new)"
-    for key, baseline in (("uncached_s", "model forward, no cache"), ("suffix_s", "model forward of the suffix")):
-        rows.append(
-            (
-                "hybrid warm TTFT (ms)",
-                tokens,
-                f"{baseline} ({hybrid['model']}, Qwen3-Next layout)",
-                *_cells(hybrid["ours_s"], hybrid[key]),
-            )
-        )
+    rows += hybrid_rows(hybrid)
     shape = f"{model.name}, hidden {model.config.hidden_size}, vocab {model.vocab_size:,}"
     table = Table(
         title=(
@@ -654,9 +574,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
             "shared uncached prefix prefilled once) vs fcfs; wall time, not thread CPU time",
             "'paged attention': forward_cached reading the pool through the block table (flex_attention; eager, "
             "unfused on the CPU), logits checked equal to the gather path's",
-            f"'hybrid': the prefix resumes from a {hybrid['state_bytes']:,}-byte recurrent-state snapshot kept at its "
-            f"end plus {hybrid['kv_bytes_per_token']:,} bytes of K/V per token (attention layers only); transformers' "
-            "linear-attention kernels fall back to PyTorch here",
+            hybrid_note(hybrid),
         ),
     )
     data = {
@@ -675,12 +593,3 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
 
 def _setup_dict(setup: EngineSetup) -> dict:
     return {name: getattr(setup, name) for name in EngineSetup.__slots__}
-
-
-def _spread(measure: dict) -> str:
-    """The median per-repeat ratio with its range: ``"1.02 (0.98-1.05)"``."""
-    return f"{measure['ratio']:.2f} ({measure['ratio_min']:.2f}-{measure['ratio_max']:.2f})"
-
-
-def _cells(ours: float, baseline: float) -> tuple[str, str, str]:
-    return f"{ours * 1e3:.1f}", f"{baseline * 1e3:.1f}", f"{ours / baseline:.2f}"

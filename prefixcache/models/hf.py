@@ -43,11 +43,19 @@ from prefixcache.models.base import (
     check_live,
     check_logits_from,
     check_reference_call,
-    kv_pool_shape,
     weights_version_of,
 )
-from prefixcache.models.hf_cache import PaddedBatch, growing_layer_class
-from prefixcache.models.hf_state import RecurrentState, StateLayout, restore_state, take_state
+from prefixcache.models.hf_cache import PaddedBatch
+from prefixcache.models.hf_state import (
+    RecurrentState,
+    StateLayout,
+    check_resume,
+    new_live_cache,
+    probe_state_bytes,
+    restore_state,
+    start_state,
+    take_state,
+)
 from prefixcache.models.hf_support import (
     TESTED_MODEL_TYPES,
     KVLayout,
@@ -55,6 +63,7 @@ from prefixcache.models.hf_support import (
     output_embeddings,
     plain_head,
     probe_kv_layout,
+    read_config,
 )
 from prefixcache.models.linear import WeightPacks, large_cpu_linears, project, tall_skinny_linears
 
@@ -116,7 +125,7 @@ class HFCausalLM:
         else:
             self.kv_layout = KVLayout(num_kv_heads=1, key_dim=1, value_dim=1)
         self.num_kv_heads, self.head_dim = self.kv_layout.num_kv_heads, self.kv_layout.head_dim
-        self.state_bytes = self._probe_state_bytes() if self.layout.recurrent else 0
+        self.state_bytes = 0
         """Bytes of one recurrent-state snapshot (:meth:`take_state`); 0 for a model without recurrent layers."""
         # A model without attention (pure Mamba-2) has no position limit of its own: 2**20 tokens then.
         self.max_position = int(getattr(config, "max_position_embeddings", None) or UNBOUNDED_POSITIONS)
@@ -126,7 +135,8 @@ class HFCausalLM:
         self.weights_version()  # makes the list
         self._fingerprint_version: int | None = None
         if self.layout.recurrent:
-            self._check_resume()
+            self.state_bytes = probe_state_bytes(self)
+            check_resume(self)
         if config.model_type not in TESTED_MODEL_TYPES:
             logger.warning(
                 "%s (model_type %r) passes the support checks but its cached prefill is untested; replay with "
@@ -196,44 +206,6 @@ class HFCausalLM:
         if not isinstance(live, LiveKV) or live.data is None:
             raise InvalidArgumentError("take_state needs the LiveKV of a request whose forward has run")
         return take_state(live.data, self.layout, live.num_tokens)
-
-    def _check_resume(self) -> None:
-        """Raise UnsupportedModelError unless a forward resumed from a snapshot continues the sequence: 12 tokens,
-        the last 5 resumed from the state after 7, against the uncached forward, within 5% of the largest logit (a
-        resumed scan rounds differently, by about 1e-5 of it; transformers' Mamba-1 prefill ignores a kept state and
-        misses by tens of percent).  Two forwards of a few tokens, at wrap time."""
-        ids = torch.arange(1, 13, device=self.device) % self.vocab_size
-        kv = torch.zeros(kv_pool_shape(self, 1, 16), dtype=self.dtype, device=self.device)
-        table = torch.zeros(1, dtype=torch.int32, device=self.device)
-        live = LiveKV()
-        self.forward_cached(ids[:7], 0, kv, table, live=live)
-        resumed = LiveKV()
-        resumed.start_state = self.take_state(live)
-        logits = self.forward_cached(ids[7:], 7, kv, table, return_logits=True, live=resumed)
-        reference = self.forward_reference(ids, return_logits=True, logits_from=7)
-        miss = float((logits - reference).abs().max())
-        if not miss <= 0.05 * float(reference.abs().max()):
-            raise UnsupportedModelError(
-                f"{type(self.model).__name__}'s forward of several tokens does not continue a kept recurrent state "
-                f"(resumed logits miss the uncached ones by {miss:.3g}): its scan restarts from zeros"
-            )
-
-    def _probe_state_bytes(self) -> int:
-        """Bytes of one state snapshot, from a one-token forward into a fresh live cache (one forward of one token).
-        Raises UnsupportedModelError when that forward fails."""
-        live = LiveKV()
-        with torch.inference_mode():
-            cache = self._cache_from_pool(live, None, None, 0, 1)
-            ids = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-            inputs = self._inputs(input_ids=ids, position_ids=ids)
-            try:
-                self.model(**inputs, use_cache=True, **{self._cache_kwarg: cache})
-            except Exception as error:  # noqa: BLE001 - a model that cannot run one token cannot be served at all
-                raise UnsupportedModelError(
-                    f"{type(self.model).__name__} failed a one-token forward into a cache of its recurrent and "
-                    f"attention layers: {type(error).__name__}: {error}"
-                ) from error
-        return take_state(cache, self.layout, 1).nbytes
 
     def weights_version(self) -> int:
         """Sum of the version counters and storage addresses of the parameters and buffers: moves on every in-place
@@ -480,15 +452,7 @@ class HFCausalLM:
         A recurrent model's state layers start from ``live.start_state``, which must stand at ``start_pos``
         (InvalidArgumentError otherwise: K/V alone cannot resume a recurrent layer)."""
         layout = self.layout
-        state = None
-        if layout.recurrent and start_pos:
-            state = live.start_state if live is not None else None
-            if not isinstance(state, RecurrentState) or state.position != start_pos:
-                where = "none" if state is None else f"one at {getattr(state, 'position', '?')}"
-                raise InvalidArgumentError(
-                    f"{self.name} has recurrent layers: resuming at position {start_pos} needs their state snapshot "
-                    f"there (LiveKV.start_state), got {where}"
-                )
+        state = start_state(layout, live, start_pos, self.name)
         cache = self._new_cache(live.room(end_pos) if live is not None else end_pos)
         if start_pos and layout.kv_layers:
             prefix = torch.arange(start_pos, device=self.device)
@@ -526,26 +490,8 @@ class HFCausalLM:
         return {"logits_to_keep": 0 if return_logits else 1} if self._keeps_logits else {}
 
     def _new_cache(self, capacity: int) -> Any:
-        """A ``DynamicCache`` whose K/V layers (sliding ones too: they keep every position) append into buffers of
-        ``capacity`` positions, grown by doubling; a recurrent model's state layers are the fresh ones transformers
-        builds for its config (MiniMax: its own ``MiniMaxCache``, lightning-attention state in ``linear_cache``)."""
-        from transformers import DynamicCache
-        from transformers.cache_utils import DummyLayer
-
-        layout = self.layout
-        if layout.minimax_layers:
-            from transformers.models.minimax.modeling_minimax import MiniMaxCache
-
-            cache = MiniMaxCache()
-            cache.layer_class_to_replicate = None
-            cache.layers = [DummyLayer() for _ in range(layout.num_layers)]
-            cache.linear_cache = [None] * layout.num_layers
-        else:
-            cache = DynamicCache(config=self.config)
-        grow = growing_layer_class()
-        for index in layout.kv_layers:
-            cache.layers[index] = grow(capacity)
-        return cache
+        """A live transformers cache of this model's layout (:func:`~prefixcache.models.hf_state.new_live_cache`)."""
+        return new_live_cache(self.config, self.layout, capacity)
 
     def _new_kv(self, cache: Any, start_pos: int, end_pos: int, batch: int | None = None) -> torch.Tensor:
         """K/V of positions ``start_pos .. end_pos - 1`` from ``cache`` as pool rows ``[num_layers, 2, n, H_kv, D]``
@@ -596,18 +542,6 @@ def _drops(module: torch.nn.Module) -> bool:
     return isinstance(module, PreTrainedModel) or any(isinstance(r, float) and r > 0 for r in rates)
 
 
-def _special_floats(value: Any) -> Any:
-    """``value`` (parsed JSON) with transformers' tagged floats (``{"__float__": "Infinity"}``, as ``save_pretrained``
-    writes an infinite ``time_step_limit``) turned back into floats."""
-    if isinstance(value, dict):
-        if value.keys() == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity", "NaN"):
-            return float(value["__float__"].lower().replace("infinity", "inf"))
-        return {key: _special_floats(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_special_floats(item) for item in value]
-    return value
-
-
 def _resolve_device(device: torch.device | str | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -650,69 +584,11 @@ def random_model_from_config(
     so equal arguments give equal weights.  Raises InvalidArgumentError (unreadable config, unknown model type,
     ``layers`` < 1) and UnsupportedModelError.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    path = Path(config_path)
-    path = path / "config.json" if path.is_dir() else path
-    try:
-        values = _special_floats(json.loads(path.read_text(encoding="utf-8")))
-        model_type = values.pop("model_type")
-    except (OSError, ValueError, KeyError, AttributeError) as error:
-        raise InvalidArgumentError(f"cannot read a model config from {str(path)!r}: {error}") from None
-    for key in ("torch_dtype", "dtype", "transformers_version", "architectures", "_name_or_path"):
-        values.pop(key, None)
-    if layers is not None:
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-            raise InvalidArgumentError(f"layers must be a positive int, got {layers!r}")
-        # Set before construction so derived per-layer fields (layer_types) are built for N layers.
-        for key in ("num_hidden_layers", "n_layer", "num_layers"):
-            if key in values:
-                values[key] = layers
-        if isinstance(values.get("layer_types"), list):
-            values["layer_types"] = values["layer_types"][:layers]
-    try:
-        config = AutoConfig.for_model(model_type, **values)
-    except ValueError as error:
-        raise InvalidArgumentError(f"{str(path)!r}: {error}") from None
-    if layers is not None and config.num_hidden_layers != layers:
-        raise InvalidArgumentError(f"{str(path)!r}: could not scale the config to {layers} layers")
+    config = read_config(config_path, layers)
     # Built on the CPU, so only the CPU generator needs saving and restoring.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return HFCausalLM(model.to(_resolve_device(device)))
-
-
-def tiny_random_model(
-    model_type: str = "qwen2",
-    *,
-    vocab_size: int = 300,
-    layers: int = 2,
-    max_positions: int = 512,
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-) -> HFCausalLM:
-    """A small randomly initialised Hugging Face model of ``model_type`` for tests and quick benchmarks: hidden size
-    64, intermediate 128, 4 query heads over 2 KV heads (grouped-query attention), ``layers`` layers, no BOS/EOS.
-    Weights come from the architecture's initialiser (``initializer_range`` 0.2, so that logits differ visibly)
-    under ``torch.manual_seed(seed)`` on the CPU, with the global RNG state restored, then moved to ``device``.
-    Raises UnsupportedModelError as
-    :class:`HFCausalLM` does."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        initializer_range=0.2,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return HFCausalLM(AutoModelForCausalLM.from_config(config).eval().to(device))

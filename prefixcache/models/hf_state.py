@@ -18,9 +18,20 @@ from typing import Any
 
 import torch
 
-from prefixcache.errors import UnsupportedModelError
+from prefixcache.errors import InvalidArgumentError, UnsupportedModelError
+from prefixcache.models.base import LiveKV, kv_pool_shape
+from prefixcache.models.hf_cache import growing_layer_class
 
-__all__ = ["RecurrentState", "StateLayout", "restore_state", "take_state"]
+__all__ = [
+    "RecurrentState",
+    "StateLayout",
+    "check_resume",
+    "new_live_cache",
+    "probe_state_bytes",
+    "restore_state",
+    "start_state",
+    "take_state",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,3 +172,82 @@ def restore_state(cache: Any, layout: StateLayout, state: RecurrentState) -> Non
         (linear,) = state.layers[index]
         if linear is not None:
             cache.set_linear_cache(index, linear.clone())
+
+
+def new_live_cache(config: Any, layout: StateLayout, capacity: int) -> Any:
+    """A fresh transformers cache for a request's live K/V and state: the cache transformers builds for ``config``
+    with prefixcache's growing full layer (:func:`~prefixcache.models.hf_cache.growing_layer_class`, buffers of
+    ``capacity`` positions grown by doubling) in every K/V layer, sliding ones too (they keep every position); the
+    state layers are transformers' own, fresh.  MiniMax gets its own ``MiniMaxCache`` (lightning-attention state in
+    ``linear_cache``, placeholders in the other slots)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DummyLayer
+
+    if layout.minimax_layers:
+        from transformers.models.minimax.modeling_minimax import MiniMaxCache
+
+        cache = MiniMaxCache()
+        cache.layer_class_to_replicate = None
+        cache.layers = [DummyLayer() for _ in range(layout.num_layers)]
+        cache.linear_cache = [None] * layout.num_layers
+    else:
+        cache = DynamicCache(config=config)
+    grow = growing_layer_class()
+    for index in layout.kv_layers:
+        cache.layers[index] = grow(capacity)
+    return cache
+
+
+def start_state(layout: StateLayout, live: Any, start_pos: int, name: str) -> RecurrentState | None:
+    """The snapshot a fill of a live cache at ``start_pos`` resumes the state layers from: None when the model has
+    no state layers or starts at 0, else ``live.start_state``, which must stand at ``start_pos``.  Raises
+    InvalidArgumentError otherwise (K/V alone cannot resume a recurrent layer); ``name`` names the model."""
+    if not layout.recurrent or not start_pos:
+        return None
+    state = getattr(live, "start_state", None)
+    if not isinstance(state, RecurrentState) or state.position != start_pos:
+        where = "none" if state is None else f"one at {getattr(state, 'position', '?')}"
+        raise InvalidArgumentError(
+            f"{name} has recurrent layers: resuming at position {start_pos} needs their state snapshot there "
+            f"(LiveKV.start_state), got {where}"
+        )
+    return state
+
+
+def probe_state_bytes(model: Any) -> int:
+    """Bytes of one state snapshot of the adapter ``model`` (an :class:`~prefixcache.models.hf.HFCausalLM` with
+    recurrent layers), from a one-token forward into a one-block scratch pool.  Raises UnsupportedModelError when
+    that forward fails (a model that cannot run one token with a cache cannot be served)."""
+    kv = torch.zeros(kv_pool_shape(model, 1, 16), dtype=model.dtype, device=model.device)
+    table = torch.zeros(1, dtype=torch.int32, device=model.device)
+    live = LiveKV()
+    try:
+        model.forward_cached(torch.zeros(1, dtype=torch.long, device=model.device), 0, kv, table, live=live)
+    except Exception as error:  # noqa: BLE001 - a model that cannot run one token cannot be served at all
+        raise UnsupportedModelError(
+            f"{type(model.model).__name__} failed a one-token forward into a cache of its recurrent and attention "
+            f"layers: {type(error).__name__}: {error}"
+        ) from error
+    return model.take_state(live).nbytes
+
+
+def check_resume(model: Any) -> None:
+    """Raise UnsupportedModelError unless the adapter ``model`` resumed from a snapshot continues the sequence: 12
+    tokens, the last 5 resumed from the state after 7, against the uncached forward, within 5% of the largest logit
+    (a resumed scan rounds differently, by about 1e-5 of it; transformers' Mamba-1 prefill ignores a kept state and
+    misses by tens of percent).  Two forwards of a few tokens, at wrap time."""
+    ids = torch.arange(1, 13, device=model.device) % model.vocab_size
+    kv = torch.zeros(kv_pool_shape(model, 1, 16), dtype=model.dtype, device=model.device)
+    table = torch.zeros(1, dtype=torch.int32, device=model.device)
+    live = LiveKV()
+    model.forward_cached(ids[:7], 0, kv, table, live=live)
+    resumed = LiveKV()
+    resumed.start_state = model.take_state(live)
+    logits = model.forward_cached(ids[7:], 7, kv, table, return_logits=True, live=resumed)
+    reference = model.forward_reference(ids, return_logits=True, logits_from=7)
+    miss = float((logits - reference).abs().max())
+    if not miss <= 0.05 * float(reference.abs().max()):
+        raise UnsupportedModelError(
+            f"{type(model.model).__name__}'s forward of several tokens does not continue a kept recurrent state "
+            f"(resumed logits miss the uncached ones by {miss:.3g}): its scan restarts from zeros"
+        )

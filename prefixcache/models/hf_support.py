@@ -31,12 +31,15 @@ layers, a 512 latent and a 64 rotary key, one head) packs into ``head_dim`` 288:
 from __future__ import annotations
 
 import inspect
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from prefixcache.errors import UnsupportedModelError
+from prefixcache.errors import InvalidArgumentError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from prefixcache.models.hf_state import StateLayout
@@ -46,6 +49,8 @@ __all__ = [
     "KVLayout",
     "Support",
     "check_supported",
+    "decode_special_floats",
+    "read_config",
     "output_embeddings",
     "plain_head",
     "probe_kv_layout",
@@ -280,3 +285,49 @@ def plain_head(model: Any) -> tuple[Any, str, Any] | None:
     if cache_kwarg is None or "position_ids" not in params:
         return None
     return base, cache_kwarg, head
+
+
+def decode_special_floats(value: Any) -> Any:
+    """``value`` (parsed JSON) with transformers' tagged floats (``{"__float__": "Infinity"}``, as ``save_pretrained``
+    writes an infinite ``time_step_limit``) turned back into floats."""
+    if isinstance(value, dict):
+        if value.keys() == {"__float__"} and value["__float__"] in ("Infinity", "-Infinity", "NaN"):
+            return float(value["__float__"].lower().replace("infinity", "inf"))
+        return {key: decode_special_floats(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [decode_special_floats(item) for item in value]
+    return value
+
+
+def read_config(config_path: str | os.PathLike[str], layers: int | None = None) -> Any:
+    """The transformers config in ``config_path`` (a ``config.json`` or its folder), with only its first ``layers``
+    layers when given: the layer count, ``layer_types`` and Nemotron-H's ``hybrid_override_pattern`` are cut before
+    construction, so that fields derived per layer are built for N layers.  Raises InvalidArgumentError (unreadable
+    config, unknown model type, ``layers`` < 1, a config that cannot be cut to ``layers``)."""
+    from transformers import AutoConfig
+
+    path = Path(config_path)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        values = decode_special_floats(json.loads(path.read_text(encoding="utf-8")))
+        model_type = values.pop("model_type")
+    except (OSError, ValueError, KeyError, AttributeError) as error:
+        raise InvalidArgumentError(f"cannot read a model config from {str(path)!r}: {error}") from None
+    for key in ("torch_dtype", "dtype", "transformers_version", "architectures", "_name_or_path"):
+        values.pop(key, None)
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise InvalidArgumentError(f"layers must be a positive int, got {layers!r}")
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            if key in values:
+                values[key] = layers
+        for key in ("layer_types", "hybrid_override_pattern"):
+            if isinstance(values.get(key), (list, str)):
+                values[key] = values[key][:layers]
+    try:
+        config = AutoConfig.for_model(model_type, **values)
+    except ValueError as error:
+        raise InvalidArgumentError(f"{str(path)!r}: {error}") from None
+    if layers is not None and config.num_hidden_layers != layers:
+        raise InvalidArgumentError(f"{str(path)!r}: could not scale the config to {layers} layers")
+    return config

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefixcache.errors import InvalidArgumentError
+import torch
 
-__all__ = ["HYBRID_MODEL_TYPES", "TINY_CONFIGS", "tiny_hf_config"]
+from prefixcache.errors import InvalidArgumentError
+from prefixcache.models.hf import HFCausalLM
+
+__all__ = ["HYBRID_MODEL_TYPES", "TINY_CONFIGS", "tiny_hf_config", "tiny_random_model"]
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 300,
@@ -109,3 +112,38 @@ def tiny_hf_config(model_type: str, **overrides: Any) -> Any:
         raise InvalidArgumentError(f"no tiny config for model type {model_type!r}; known: {sorted(TINY_CONFIGS)}")
     values = {**_COMMON, **TINY_CONFIGS[model_type], **overrides}
     return AutoConfig.for_model(model_type, **{k: v for k, v in values.items() if v is not None})
+
+
+def tiny_random_model(
+    model_type: str = "qwen2",
+    *,
+    vocab_size: int = 300,
+    layers: int = 2,
+    max_positions: int = 512,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> HFCausalLM:
+    """A small randomly initialised Hugging Face model of ``model_type`` for tests and quick benchmarks: hidden size
+    64, intermediate 128, 4 query heads over 2 KV heads (grouped-query attention), ``layers`` layers, no BOS/EOS.
+    Weights come from the architecture's initialiser (``initializer_range`` 0.2, so that logits differ visibly)
+    under ``torch.manual_seed(seed)`` on the CPU, with the global RNG state restored, then moved to ``device``.
+    Raises UnsupportedModelError as
+    :class:`HFCausalLM` does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        initializer_range=0.2,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return HFCausalLM(AutoModelForCausalLM.from_config(config).eval().to(device))

@@ -22,7 +22,7 @@ def _ids(n: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def qwen2():
     pytest.importorskip("transformers")
-    from prefixcache.models.hf import tiny_random_model
+    from prefixcache.models.hf_tiny import tiny_random_model
 
     return tiny_random_model("qwen2")
 

@@ -18,7 +18,7 @@ TOL = 1e-4
 
 def _hf_qwen2():
     pytest.importorskip("transformers")
-    from prefixcache.models.hf import tiny_random_model
+    from prefixcache.models.hf_tiny import tiny_random_model
 
     return tiny_random_model("qwen2", max_positions=1024, seed=1)
 

@@ -14,7 +14,8 @@ from prefixcache.testing import assert_quiescent, greedy_reference
 
 transformers = pytest.importorskip("transformers")
 
-from prefixcache.models.hf import HFCausalLM, tiny_random_model  # noqa: E402
+from prefixcache.models.hf import HFCausalLM  # noqa: E402
+from prefixcache.models.hf_tiny import tiny_random_model  # noqa: E402
 
 NEW = 6
 VOCAB = 1000

@@ -24,7 +24,7 @@ BLOCK = 4
 
 def _hf(model_type: str):
     pytest.importorskip("transformers")
-    from prefixcache.models.hf import tiny_random_model
+    from prefixcache.models.hf_tiny import tiny_random_model
 
     return tiny_random_model(model_type)
 

@@ -12,7 +12,8 @@ transformers = pytest.importorskip("transformers")
 from prefixcache.engine.runner import PrefixCachingRunner, SamplingParams  # noqa: E402
 from prefixcache.errors import InvalidArgumentError, UnsupportedModelError  # noqa: E402
 from prefixcache.models.base import BatchRow, LiveKV  # noqa: E402
-from prefixcache.models.hf import HFCausalLM, tiny_random_model  # noqa: E402
+from prefixcache.models.hf import HFCausalLM  # noqa: E402
+from prefixcache.models.hf_tiny import tiny_random_model  # noqa: E402
 
 _TINY = {
     "vocab_size": 300,

@@ -18,7 +18,7 @@ TOL = 1e-4
 
 def _tiny_hf(model_type: str):
     pytest.importorskip("transformers")
-    from prefixcache.models.hf import tiny_random_model
+    from prefixcache.models.hf_tiny import tiny_random_model
 
     return tiny_random_model(model_type)
 

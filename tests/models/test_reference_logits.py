@@ -16,7 +16,7 @@ def model(request):
     if request.param == "embedded":
         return build_model("tiny", device="cpu")
     pytest.importorskip("transformers")
-    from prefixcache.models.hf import tiny_random_model
+    from prefixcache.models.hf_tiny import tiny_random_model
 
     return tiny_random_model("qwen2")
 
