@@ -18,6 +18,7 @@ from typing import IO, Any
 
 import torch
 
+from prefixcache.cache.resume import DEFAULT_STATE_INTERVAL_BLOCKS
 from prefixcache.errors import InvalidArgumentError, PrefixCacheError, VerificationError
 
 logger = logging.getLogger("prefixcache")
@@ -126,14 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_size,
         metavar="BYTES",
         help="model a hybrid/recurrent model whose state snapshot costs BYTES: a prefix resumes only where a state "
-        "is kept (the end of every prompt and answer), e.g. 145MiB",
+        "is kept (the end of every prompt and answer, before a prompt's last token, every --state-every blocks), "
+        "e.g. 37.7MiB",
     )
     recurrent.add_argument(
         "--state-every",
         type=int,
-        default=0,
+        default=DEFAULT_STATE_INTERVAL_BLOCKS,
         metavar="N",
-        help="with --state-bytes: also keep a state every N blocks inside prompts (default 0: none)",
+        help="with --state-bytes: also keep a state every N blocks inside prompts, as the engine does (default 16; "
+        "0: only at prompt and answer ends and before a prompt's last token)",
     )
     recurrent.add_argument(
         "--max-state-bytes",

@@ -41,7 +41,15 @@ if TYPE_CHECKING:
 
     from prefixcache.cache.node import Node
 
-__all__ = ["RecurrentState", "StateMarker", "StateStore", "check_resume_options", "check_state", "state_bytes"]
+__all__ = [
+    "DEFAULT_STATE_INTERVAL_BLOCKS",
+    "RecurrentState",
+    "StateMarker",
+    "StateStore",
+    "check_resume_options",
+    "check_state",
+    "state_bytes",
+]
 
 
 @runtime_checkable
@@ -49,6 +57,11 @@ class RecurrentState(Protocol):
     """What the cache reads from a state: its size in bytes (for the budget)."""
 
     nbytes: int
+
+
+DEFAULT_STATE_INTERVAL_BLOCKS = 16
+"""Blocks between the states a recurrent model's prefill keeps inside a prompt, by default (the runner's
+``state_interval_blocks``, the replay's ``--state-every``): a shared prefix resumes at most this far before its end."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from typing import Any
 from prefixcache.cache.host_tier import host_pool_for
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.cache.resume import DEFAULT_STATE_INTERVAL_BLOCKS
 from prefixcache.cache.snapshot import SnapshotSummary
 from prefixcache.cache.tokens import TokenIds
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
@@ -97,7 +98,7 @@ class PrefixCachingRunner:
         host_cache_tokens: int | None = None,
         host_cache_memory: int | None = None,
         state_cache_memory: int | None = None,
-        state_interval_blocks: int = 16,
+        state_interval_blocks: int = DEFAULT_STATE_INTERVAL_BLOCKS,
     ) -> None:
         if not isinstance(model, CausalLM):
             raise InvalidArgumentError(f"model must implement the CausalLM protocol, got {type(model).__name__}")

@@ -14,10 +14,11 @@ millions of tokens.
 
 Recurrent models (``state_bytes``, cache-only): the cache then models a hybrid or state-space model (Qwen3-Next,
 Nemotron-H, Mamba-2) whose recurrent state snapshot costs ``state_bytes`` bytes (:mod:`prefixcache.cache.resume`):
-a request resumes only at a kept state, and the replay keeps one at the end of every prompt (when its prefill
-ends) and of every answer (a chat's next turn resumes there), and with ``state_every`` also at every
-``state_every``-th block boundary the prefill passes inside the prompt (as vLLM caches Mamba state at block
-boundaries).  The hit rate then counts resumed tokens only; the shortfall is reported beside it.
+a request resumes only at a kept state, and the replay keeps them where the engine core does: at the end of every
+prompt (when its prefill ends) and of every answer (a chat's next turn resumes there), before every prompt's last
+token (a repeated prompt resumes there), and at every ``state_every``-th block boundary the prefill passes inside the
+prompt (default 16, the runner's ``state_interval_blocks``; 0: none; vLLM caches Mamba state at block boundaries).
+The hit rate then counts resumed tokens only; the shortfall is reported beside it.
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ import torch
 from prefixcache.cache.host_tier import host_pool_for
 from prefixcache.cache.pool import KVBlockPool, check_block_size, kv_bytes_per_token
 from prefixcache.cache.radix_cache import RadixCache
-from prefixcache.cache.resume import StateMarker
+from prefixcache.cache.resume import DEFAULT_STATE_INTERVAL_BLOCKS, StateMarker
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
 from prefixcache.engine.runner import PrefixCachingRunner
-from prefixcache.errors import CapacityError, InvalidArgumentError, VerificationError
+from prefixcache.errors import CapacityError, VerificationError
 from prefixcache.models.base import CausalLM
 from prefixcache.replay.explain import (
     DivergenceTally,
@@ -46,6 +47,7 @@ from prefixcache.replay.explain import (
     explain,
 )
 from prefixcache.replay.ideal import IdealCache
+from prefixcache.replay.options import check_options as check_options
 from prefixcache.replay.requests import ORDERS as ORDERS
 from prefixcache.replay.requests import Progress, smallest_pool_tokens
 from prefixcache.replay.requests import ReplayRequest as ReplayRequest
@@ -81,47 +83,6 @@ class ReplayInterrupted(KeyboardInterrupt):
         self.report = report
 
 
-def check_options(
-    *,
-    has_model: bool,
-    cache_memory: int | None,
-    verify: bool,
-    host_cache_memory: int | None = None,
-    state_bytes: int | None = None,
-    state_every: int = 0,
-    max_state_bytes: int | None = None,
-    host_tier: bool = False,
-) -> None:
-    """Refuse option combinations that need a model (or, for recurrent-state modelling, none), before one is loaded.
-
-    Raises:
-        InvalidArgumentError: ``cache_memory``, ``host_cache_memory`` or ``verify`` without a model;
-            ``state_bytes`` with a model or a host tier, or not a non-negative int; ``state_every`` or
-            ``max_state_bytes`` without ``state_bytes``, or negative.
-    """
-    if state_bytes is None:
-        if state_every:
-            raise InvalidArgumentError("--state-every needs --state-bytes (recurrent-state modelling)")
-        if max_state_bytes is not None:
-            raise InvalidArgumentError("--max-state-bytes needs --state-bytes (recurrent-state modelling)")
-    else:
-        if has_model:
-            raise InvalidArgumentError("--state-bytes models a recurrent model's cache without one: add --no-model")
-        if host_tier:
-            raise InvalidArgumentError("--state-bytes cannot be combined with a host tier (host blocks keep no state)")
-        for name, value in (("--state-bytes", state_bytes), ("--max-state-bytes", max_state_bytes)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise InvalidArgumentError(f"{name} must be a non-negative number of bytes, got {value!r}")
-        if isinstance(state_every, bool) or not isinstance(state_every, int) or state_every < 0:
-            raise InvalidArgumentError(f"--state-every must be a non-negative number of blocks, got {state_every!r}")
-    if not has_model and cache_memory is not None:
-        raise InvalidArgumentError("--cache-memory needs a model (bytes per token); use --cache-tokens")
-    if not has_model and host_cache_memory is not None:
-        raise InvalidArgumentError("--host-cache-memory needs a model (bytes per token); use --host-cache-tokens")
-    if not has_model and verify:
-        raise InvalidArgumentError("--verify needs a model; drop --no-model")
-
-
 class Replayer:
     """Replays request lists through a fresh cache per scenario and fills a :class:`ReplayReport`.
 
@@ -152,7 +113,7 @@ class Replayer:
         host_cache_tokens: int | None = None,
         host_cache_memory: int | None = None,
         state_bytes: int | None = None,
-        state_every: int = 0,
+        state_every: int = DEFAULT_STATE_INTERVAL_BLOCKS,
         max_state_bytes: int | None = None,
     ) -> None:
         check_options(
@@ -282,8 +243,10 @@ class Replayer:
                 # As the engine core does: the prompt is inserted once prefilled, with the state after it.
                 state = StateMarker(self.state_bytes)
                 cache.insert_prefix(lease, request.prompt, state=state)
-                for length in self._inner_state_positions(lease.num_cached_tokens, len(request.prompt)):
-                    cache.put_state(lease, length, state)
+                inner = [*self._inner_state_positions(lease.num_cached_tokens, len(request.prompt) - 1)]
+                for length in [*inner, len(request.prompt) - 1]:  # and before the last token, for a repeated prompt
+                    if length > lease.num_cached_tokens:
+                        cache.put_state(lease, length, state)
             cache.reserve(lease, len(request.prompt) + len(request.answer))
             cache.commit(lease, request.prompt + request.answer, state=state)
         except BaseException:
@@ -301,8 +264,9 @@ class Replayer:
         return range((resumed // step + 1) * step, prompt_tokens, step)
 
     def _states_per_request(self, request: ReplayRequest) -> int:
-        """States a request may put at most: the end of its prompt and answer, and the inner block boundaries."""
-        return 2 + len(self._inner_state_positions(0, len(request.prompt)))
+        """States a request may put at most: the end of its prompt and answer, before the prompt's last token, and the
+        inner block boundaries."""
+        return 3 + len(self._inner_state_positions(0, len(request.prompt)))
 
     def _drift(self, request: ReplayRequest, before_end: int, name_message: bool) -> DriftRecord:
         span = None
