@@ -79,7 +79,8 @@ def format_replay(report: ReplayReport) -> str:
     if recurrent:
         every = f", also every {report.state_every} blocks in prompts" if report.state_every else ""
         title += (
-            f"; recurrent model: states of {report.state_bytes:,} bytes at the end of prompts and answers{every} "
+            f"; recurrent model: states of {report.state_bytes:,} bytes at the end of prompts and answers, before a "
+            f"prompt's last token{every} "
             "(cached = resumed tokens; shortfall = matched but not resumable)"
         )
     if report.partial:
