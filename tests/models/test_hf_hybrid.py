@@ -4,6 +4,9 @@ attention layers, against the model's own forward.  Tiny random configs; nothing
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -219,3 +222,27 @@ def test_a_repeated_prompt_resumes_before_its_last_token_and_inner_states_serve_
     assert result.usage.cached_tokens == 32 and result.usage.unresumed_tokens == 8
     assert list(result.token_ids) == _hf_generate(hybrid, other, 3)
     assert_quiescent(runner.cache)
+
+
+@pytest.mark.parametrize("source", ["model-config", "hf-folder"])
+def test_the_replay_takes_a_hybrid_model_and_verifies_it(tmp_path, source, capsys):
+    from prefixcache.cli import main
+
+    folder = tmp_path / "tiny-qwen3-next"
+    config = tiny_hf_config("qwen3_next", max_position_embeddings=8192)
+    if source == "hf-folder":
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        model_args = ["--model", f"hf:{folder}"]
+    else:
+        config.save_pretrained(folder)
+        model_args = ["--model-config", str(folder / "config.json")]
+    scenario = Path(__file__).resolve().parents[2] / "scenarios" / "multi_turn_chat.jsonl"
+    out = tmp_path / "report.json"
+    args = ["replay", str(scenario), *model_args, "--verify", "--limit", "4", "--no-progress", "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["requests"] > 4 and report["cached_tokens"] > 0  # four conversations, every turn verified
+    assert 0 <= report["max_abs_logit_diff"] <= 2e-3
+    assert "Qwen3NextForCausalLM" in capsys.readouterr().out
