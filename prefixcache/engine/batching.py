@@ -104,6 +104,7 @@ class BatchEngine:
         forced_tokens: TokenIds | None = None,
         return_logits: bool = False,
         on_logprob: Callable[[TokenLogprob], None] | None = None,
+        recompute_prompt: bool = False,
     ) -> RequestHandle:
         """Queue a request; thread-safe.  Checks it as :meth:`PrefixCachingRunner.generate` does
         (:meth:`~prefixcache.engine.checks.RequestChecks.request`) and raises the same errors at once
@@ -113,11 +114,13 @@ class BatchEngine:
 
         ``request_id``, ``priority``, ``retain_s``, ``forced_tokens`` and ``return_logits`` mean what they mean for
         :meth:`PrefixCachingRunner.stream` (self-hit accounting; the prompt retained once cached; teacher forcing;
-        the prompt's logits in the result).  ``on_token(token_id)`` is called on the engine thread with each
-        generated token; returning True ends the request there as ``steps.send("stop")`` ends a runner stream:
-        finish reason ``"stop"``, that token's K/V not computed, the prompt and the tokens before it cached.  An
-        exception from it fails the request (its blocks freed, nothing cached); a KeyboardInterrupt or SystemExit
-        does too, then reaches the caller of :meth:`run_until_idle` (the background thread logs it and serves on).
+        the prompt's logits in the result); ``recompute_prompt`` uses nothing cached for this request, so that with
+        ``return_logits`` every prompt position's logits come back (its prompt is cached for others all the same).
+        ``on_token(token_id)`` is called on the engine thread with each generated token; returning True ends the request
+        there as ``steps.send("stop")`` ends a runner stream: finish reason ``"stop"``, that token's K/V not computed,
+        the prompt and the tokens before it cached.  An exception from it fails the request (its blocks freed, nothing
+        cached); a KeyboardInterrupt or SystemExit does too, then reaches the caller of :meth:`run_until_idle` (the
+        background thread logs it and serves on).
         With ``sampling.logprobs`` set, ``on_logprob(record)`` gets each sampled token's
         :class:`~prefixcache.engine.results.TokenLogprob` on the engine thread, just before ``on_token`` gets the
         token (its exception fails the request as ``on_token``'s does); the result's ``logprobs`` hold them all.
@@ -129,6 +132,7 @@ class BatchEngine:
             namespace=namespace,
             forced_tokens=forced_tokens,
             return_logits=return_logits,
+            recompute_prompt=recompute_prompt,
             request_id=request_id,
             priority=priority,
             retain_s=retain_s,

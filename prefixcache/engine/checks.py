@@ -59,6 +59,7 @@ class RequestChecks:
         namespace: str | None = None,
         forced_tokens: TokenIds | None = None,
         return_logits: bool = False,
+        recompute_prompt: bool = False,
         request_id: str | None = None,
         priority: int | None = None,
         retain_s: float | None = None,
@@ -67,7 +68,9 @@ class RequestChecks:
     ) -> EngineRequest:
         """Check a request and make the engine's record of it (not yet queued).  ``forced_tokens`` (teacher forcing)
         replace sampling: the request computes them after its prompt and ends with finish reason ``"forced"``;
-        ``return_logits`` asks for the float32 logits of the prompt positions it prefills.  ``on_token`` and
+        ``return_logits`` asks for the float32 logits of the prompt positions it prefills; ``recompute_prompt``
+        matches nothing in the cache, so that it prefills (and, with ``return_logits``, returns the logits of) every
+        prompt position, its prompt still cached for later requests (``echo`` with prompt logprobs).  ``on_token`` and
         ``on_logprob`` are the engine's callbacks (see :meth:`~prefixcache.engine.batching.BatchEngine.submit`).
 
         Raises:
@@ -106,6 +109,7 @@ class RequestChecks:
             handle=RequestHandle(),
             forced=None if forced is None else forced.tolist(),
             return_logits=bool(return_logits),
+            recompute_prompt=bool(recompute_prompt),
             request_id=request_id,
             retention=retention,
             on_token=on_token,

@@ -264,6 +264,8 @@ class EngineCore:
         match = tokens
         if request.preemptions and request.return_logits and request.logits_until < len(request.prompt):
             match = tokens[: request.logits_until + 1]
+        elif request.preemptions == 0 and request.recompute_prompt:
+            match = tokens[:1]  # a match ends one short of the tokens: nothing cached is used
         try:
             request.lease = cache.acquire(
                 match,

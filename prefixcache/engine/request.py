@@ -81,6 +81,7 @@ class EngineRequest:
     handle: RequestHandle
     forced: list[int] | None = None  # teacher-forced answer: computed after the prompt, never sampled
     return_logits: bool = False  # keep the float32 logits of the prompt positions prefilled
+    recompute_prompt: bool = False  # match nothing at first admission: every prompt position is prefilled
     request_id: str | None = None
     retention: tuple[int, float | None] | None = None
     on_token: Callable[[int], Any] | None = None

@@ -40,6 +40,7 @@ from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import CapacityError, OutOfBlocksError, PoolBusyError, PrefixCacheError
 from prefixcache.serve.auth import ApiKeys, Unauthorized
+from prefixcache.serve.echo import echoed_logprobs, echoed_usage, merge_logprobs, prompt_logprobs_job, running_usage
 from prefixcache.serve.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from prefixcache.serve.metrics import CONTENT_TYPE, ServerMetrics
 from prefixcache.serve.protocol import (
@@ -398,6 +399,7 @@ def create_app(
         chat = parse_chat_request(await read_json(request), runner.tokenizer.vocab_size)
         check_model(chat.model)
         request_id = "chatcmpl-" + uuid.uuid4().hex
+        prompt_tokens = [0]  # the prompt's length once rendered, for continuous usage
 
         def start(on_delta: Callable[[Any], None] | None) -> tuple[RequestHandle, Future[ChatCompletion]]:
             prepared = prepare_chat(
@@ -410,11 +412,17 @@ def create_app(
                 template_kwargs=chat.template_kwargs,
                 **chat.sampling,
             )
-            deliveries = _deliveries(on_delta, chat.logprobs)
+            prompt_tokens[0] = len(prepared.prompt_ids)
+            deliveries = _deliveries(on_delta, chat.sampling.get("logprobs"))
             return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, **deliveries)
 
         def logprobs_of(records: Any) -> dict[str, Any] | None:
             return None if chat.logprobs is None else chat_logprobs(records, strings)
+
+        def counted(chunk: dict[str, Any], tokens: int) -> dict[str, Any]:
+            if chat.continuous_usage:
+                chunk["usage"] = running_usage(prompt_tokens[0], tokens)
+            return chunk
 
         if not chat.stream:
             done = outcome(*await finish_job(start, request), "/v1/chat/completions")
@@ -433,11 +441,12 @@ def create_app(
         async def chat_sse() -> AsyncIterator[str]:
             kind_, value = kind, first
             sent = 0  # logprob entries streamed so far
-            yield _sse(chat_chunk(request_id, model_name, {"role": "assistant", "content": ""}))
+            yield _sse(counted(chat_chunk(request_id, model_name, {"role": "assistant", "content": ""}), 0))
             while kind_ == "delta":
                 text, records = value
                 sent += len(records)
-                yield _sse(chat_chunk(request_id, model_name, {"content": text}, logprobs=logprobs_of(records)))
+                chunk = chat_chunk(request_id, model_name, {"content": text}, logprobs=logprobs_of(records))
+                yield _sse(counted(chunk, sent))
                 kind_, value = await anext(events)
             if kind_ in ("error", "cancelled"):
                 yield stream_failure(kind_, value, "/v1/chat/completions")
@@ -447,7 +456,7 @@ def create_app(
                 if done.tool_calls:
                     calls = [{"index": i, **call} for i, call in enumerate(done.tool_calls)]
                     yield _sse(chat_chunk(request_id, model_name, {"tool_calls": calls}))
-                usage = None if chat.include_usage else done.usage
+                usage = None if chat.include_usage and not chat.continuous_usage else done.usage
                 rest = logprobs_of(done.logprobs[sent:]) if done.logprobs and done.logprobs[sent:] else None
                 yield _sse(chat_chunk(request_id, model_name, {}, done.finish_reason, usage, rest))
                 if chat.include_usage:
@@ -462,52 +471,78 @@ def create_app(
         body = parse_completion_request(await read_json(request), runner.tokenizer.vocab_size)
         check_model(body.model)
         request_id = "cmpl-" + uuid.uuid4().hex
+        ids = runner.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+        vocab_limit = runner.tokenizer.vocab_size
 
         def start(on_delta: Callable[[Any], None] | None) -> tuple[RequestHandle, Future[ChatCompletion]]:
-            ids = runner.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
             prepared = prepare_completion(runner.tokenizer, ids, stop=body.stop, request_id=request_id, **body.sampling)
-            deliveries = _deliveries(on_delta, body.logprobs)
+            deliveries = _deliveries(on_delta, body.sampling.get("logprobs"))
             return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, **deliveries)
 
         def logprobs_of(records: Any, offset: int) -> tuple[dict[str, Any] | None, int]:
             return (None, offset) if body.logprobs is None else completion_logprobs(records, strings, offset)
 
+        # echo: the prompt first; with logprobs, from a prefill that recomputes it (cached positions keep no logits).
+        echo_text, echo_logprobs, echo_offset, prefill = "", None, 0, None
+        if body.echo:
+            echo_text = body.prompt if isinstance(body.prompt, str) else runner.tokenizer.decode(ids)
+            if body.logprobs is not None:
+                first = outcome(
+                    *await finish_job(lambda _: prompt_logprobs_job(engine, ids, namespace, vocab_limit), request),
+                    "/v1/completions",
+                )
+                if isinstance(first, Response):
+                    return first
+                prefill = first.usage
+                echo_logprobs, echo_offset = echoed_logprobs(first, ids, body.logprobs, vocab_limit, strings)
+
         if not body.stream:
             done = outcome(*await finish_job(start, request), "/v1/completions")
             if isinstance(done, Response):
                 return done
-            text = done.content or ""
-            logprobs = logprobs_of(done.logprobs, 0)[0]
-            return _json(completion_response(request_id, model_name, text, done.finish_reason, done.usage, logprobs))
+            text = echo_text + (done.content or "")
+            logprobs = merge_logprobs(echo_logprobs, logprobs_of(done.logprobs, echo_offset)[0])
+            usage = echoed_usage(prefill, done.usage)
+            return _json(completion_response(request_id, model_name, text, done.finish_reason, usage, logprobs))
         events = run_job(start)
         answered, head = await _unless_gone(request, anext(events))  # a queued request waits here for its first token
         if not answered:
             return _gone()
-        kind, first = head
+        kind, head_value = head
         if kind == "error":
             await events.aclose()
-            return outcome(kind, first, "/v1/completions")
+            return outcome(kind, head_value, "/v1/completions")
+
+        def counted(chunk: dict[str, Any], tokens: int) -> dict[str, Any]:
+            if body.continuous_usage:
+                chunk["usage"] = running_usage(len(ids), tokens)
+            return chunk
 
         async def completion_sse() -> AsyncIterator[str]:
-            kind_, value = kind, first
-            sent, offset = 0, 0  # logprob entries streamed so far, and where the next one's text starts
+            kind_, value = kind, head_value
+            sent, offset = 0, echo_offset  # logprob entries streamed so far, and where the next one's text starts
+            if body.echo:
+                yield _sse(
+                    counted(completion_response(request_id, model_name, echo_text, None, None, echo_logprobs), 0)
+                )
             while kind_ == "delta":
                 text, records = value
                 sent += len(records)
                 logprobs, offset = logprobs_of(records, offset)
-                yield _sse(completion_response(request_id, model_name, text, None, None, logprobs))
+                yield _sse(counted(completion_response(request_id, model_name, text, None, None, logprobs), sent))
                 kind_, value = await anext(events)
             if kind_ in ("error", "cancelled"):
                 yield stream_failure(kind_, value, "/v1/completions")
             elif kind_ == "done":
                 metrics.observe("/v1/completions", value.usage)
-                usage = None if body.include_usage else value.usage
+                full_usage = echoed_usage(prefill, value.usage)
+                usage = None if body.include_usage and not body.continuous_usage else full_usage
                 rest = (
                     logprobs_of(value.logprobs[sent:], offset)[0] if value.logprobs and value.logprobs[sent:] else None
                 )
                 yield _sse(completion_response(request_id, model_name, "", value.finish_reason, usage, rest))
                 if body.include_usage:
-                    chunk = completion_response(request_id, model_name, "", None, value.usage)
+                    chunk = completion_response(request_id, model_name, "", None, full_usage)
                     chunk["choices"] = []
                     yield _sse(chunk)
             yield "data: [DONE]\n\n"

@@ -1,6 +1,6 @@
 """The OpenAI wire format: request bodies checked into typed records, and the response and chunk objects.
 
-Only what the server really does is accepted.  A field it cannot honour (``n`` > 1, ``echo``, ``response_format``
+Only what the server really does is accepted.  A field it cannot honour (``n`` > 1, chat's ``echo``, ``response_format``
 other than text, any unknown field) is a 400 in OpenAI's error shape naming the parameter, never silently ignored;
 fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``) pass.  The sampling
 fields are OpenAI's (``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``
@@ -77,7 +77,7 @@ _COMMON = (
 )
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 _CHAT = _COMMON | {"messages", "tools", "tool_choice", "max_completion_tokens", "response_format", "top_logprobs"}
-_COMPLETION = _COMMON | {"prompt"}
+_COMPLETION = _COMMON | {"prompt", "echo"}
 _PREFILL = frozenset({"model", "messages", "tools", "prompt", "priority", "retain_s"})
 
 
@@ -103,6 +103,7 @@ class _Common:
     include_usage: bool
     stop: tuple[str, ...]
     sampling: dict[str, Any]
+    continuous_usage: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +122,15 @@ class ChatRequest:
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra chat-template variables: ``reasoning_effort``, then ``chat_template_kwargs`` over it."""
     logprobs: int | None = None
+    continuous_usage: bool = False
+    """``stream_options.continuous_usage_stats``: every chunk carries the usage so far (vLLM's extension)."""
 
 
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
     """A checked ``POST /v1/completions`` body; ``prompt`` is text or token ids, ``logprobs`` None (not asked) or the
-    number of alternatives asked for (also in ``sampling``)."""
+    number of alternatives asked for (also in ``sampling``); ``echo`` returns the prompt before the completion (with
+    its tokens' logprobs when ``logprobs`` is asked: :mod:`prefixcache.serve.echo`)."""
 
     model: str
     prompt: str | list[int]
@@ -135,6 +139,8 @@ class CompletionRequest:
     stop: tuple[str, ...]
     sampling: dict[str, Any] = field(default_factory=dict)
     logprobs: int | None = None
+    echo: bool = False
+    continuous_usage: bool = False
 
 
 def _number(body: Mapping[str, Any], name: str, default: float) -> float:
@@ -171,10 +177,11 @@ def _common(
     if not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean", "stream")
     options = body.get("stream_options") or {}
-    if not isinstance(options, Mapping) or set(options) - {"include_usage"}:
-        raise BadRequest("stream_options supports only include_usage", "stream_options")
-    if not isinstance(options.get("include_usage", False), (bool, type(None))):
-        raise BadRequest("stream_options.include_usage must be a boolean", "stream_options")
+    if not isinstance(options, Mapping) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise BadRequest("stream_options supports include_usage and continuous_usage_stats", "stream_options")
+    for option in ("include_usage", "continuous_usage_stats"):
+        if not isinstance(options.get(option, False), (bool, type(None))):
+            raise BadRequest(f"stream_options.{option} must be a boolean", "stream_options")
     if body.get("stream_options") is not None and not stream:
         # As OpenAI and vLLM answer: the options describe a stream, and a plain response would silently drop them.
         raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
@@ -197,7 +204,8 @@ def _common(
         raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
     sampling = {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
     sampling.update(_sampling_options(body, max_tokens, vocab_size))
-    return _Common(model, stream, bool(options.get("include_usage")), stop, sampling)
+    continuous = bool(options.get("continuous_usage_stats"))
+    return _Common(model, stream, bool(options.get("include_usage")), stop, sampling, continuous)
 
 
 def _sampling_options(body: Mapping[str, Any], max_tokens: int, vocab_size: int | None) -> dict[str, Any]:
@@ -363,10 +371,17 @@ def parse_chat_request(body: Any, vocab_size: int | None = None) -> ChatRequest:
         stream=common.stream,
         include_usage=common.include_usage,
         stop=common.stop,
-        sampling=_with_logprobs(common.sampling, logprobs),
+        sampling=_with_logprobs(common.sampling, _counted(logprobs, common.continuous_usage)),
         template_kwargs=_template_kwargs(body),
         logprobs=logprobs,
+        continuous_usage=common.continuous_usage,
     )
+
+
+def _counted(logprobs: int | None, continuous_usage: bool) -> int | None:
+    """The ``logprobs`` the engine records: as asked, or 0 (one record a token, nothing shown) so that a stream with
+    ``continuous_usage_stats`` counts the tokens of each chunk."""
+    return 0 if logprobs is None and continuous_usage else logprobs
 
 
 def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
@@ -382,8 +397,21 @@ def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
     elif not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt must be a non-empty string or a list of token ids (one prompt only)", "prompt")
     logprobs = _completion_logprobs(body)
-    sampling = _with_logprobs(common.sampling, logprobs)
-    return CompletionRequest(common.model, prompt, common.stream, common.include_usage, common.stop, sampling, logprobs)
+    sampling = _with_logprobs(common.sampling, _counted(logprobs, common.continuous_usage))
+    echo = body.get("echo") or False
+    if not isinstance(echo, bool):
+        raise BadRequest("echo must be a boolean", "echo")
+    return CompletionRequest(
+        common.model,
+        prompt,
+        common.stream,
+        common.include_usage,
+        common.stop,
+        sampling,
+        logprobs,
+        echo,
+        common.continuous_usage,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -114,7 +114,9 @@ BAD = [
     ("completions", {"logprobs": 21}, "logprobs"),
     ("completions", {"logprobs": True}, "logprobs"),
     ("completions", {"logprobs": 1.5}, "logprobs"),
-    ("completions", {"echo": True, "logprobs": 1}, "echo"),
+    ("completions", {"echo": "yes", "logprobs": 1}, "echo"),
+    ("chat", {"echo": True}, "echo"),
+    ("completions", {"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options"),
 ]
 
 

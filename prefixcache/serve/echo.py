@@ -1,0 +1,86 @@
+"""``echo`` on ``/v1/completions``: the prompt returned before the completion, with the logprobs of its tokens when
+``logprobs`` is asked (lm-eval's log-likelihood tasks score a continuation this way), and the running usage of
+``stream_options.continuous_usage_stats``.
+
+Cached prompt positions have no logits: a cache keeps K/V, not the LM head's output.  So a request with ``echo`` and
+``logprobs`` first runs a prefill of its prompt that reuses nothing cached (``recompute_prompt``) and keeps every
+position's logits; its usage says so (``cached_tokens`` 0, every prompt token prefilled).  That prefill caches the
+prompt, so the completion after it finds the prompt cached.  A prompt token's logprob is the model's
+``log_softmax`` at the position before it (vLLM's raw logprobs, as for generated tokens:
+:meth:`~prefixcache.engine.logits.LogitsPipeline.logprobs`); the first token has none (``null``), as OpenAI writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from typing import Any
+
+from prefixcache.engine.logits import LogitsPipeline
+from prefixcache.engine.request import RequestHandle
+from prefixcache.engine.results import GenerationResult, Usage
+from prefixcache.engine.sampling import SamplingParams
+from prefixcache.serve.logprobs import TokenStrings, completion_logprobs
+
+__all__ = ["echoed_logprobs", "echoed_usage", "merge_logprobs", "prompt_logprobs_job", "running_usage"]
+
+
+def prompt_logprobs_job(
+    engine: Any, ids: list[int], namespace: str | None, vocab_limit: int
+) -> tuple[RequestHandle, Future[GenerationResult]]:
+    """Submit the prefill of ``ids`` that reuses nothing cached and returns the logits of every prompt position
+    (``[len(ids), vocab]``, row i predicting token i + 1).  Raises as ``engine.submit``."""
+    params = SamplingParams(max_new_tokens=0, vocab_limit=vocab_limit)
+    handle = engine.submit(ids, params, namespace=namespace, return_logits=True, recompute_prompt=True)
+    return handle, handle.future
+
+
+def echoed_logprobs(
+    result: GenerationResult, ids: list[int], logprobs: int, vocab_limit: int, strings: TokenStrings
+) -> tuple[dict[str, Any], int]:
+    """The legacy ``logprobs`` of the prompt tokens ``ids`` from ``result.prompt_logits``, and the text offset after
+    them: the first token's logprob and alternatives are ``None``, token i's come from row i - 1, with the ``logprobs``
+    most probable ids below ``vocab_limit``.  O(len(ids) * vocab)."""
+    logits = result.prompt_logits
+    pipeline = LogitsPipeline(
+        SamplingParams(logprobs=logprobs, vocab_limit=vocab_limit), logits.device, logits.shape[1]
+    )
+    records = [pipeline.logprobs(logits[i - 1], ids[i]) for i in range(1, len(ids))]
+    first = strings(ids[0])
+    rest, offset = completion_logprobs(records, strings, len(first))
+    return {
+        "tokens": [first, *rest["tokens"]],
+        "token_logprobs": [None, *rest["token_logprobs"]],
+        "top_logprobs": [None, *rest["top_logprobs"]],
+        "text_offset": [0, *rest["text_offset"]],
+    }, offset
+
+
+def merge_logprobs(prompt: dict[str, Any] | None, completion: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The prompt's legacy ``logprobs`` followed by the completion's (either may be None)."""
+    if prompt is None or completion is None:
+        return prompt if completion is None else completion
+    return {key: prompt[key] + completion[key] for key in prompt}
+
+
+def echoed_usage(prefill: Usage | None, completion: Usage) -> Usage:
+    """The usage of an echoed request: the completion's, with the prompt counted as the recomputing prefill
+    ``prefill`` found it (nothing cached) when there was one."""
+    if prefill is None:
+        return completion
+    return dataclasses.replace(
+        completion,
+        cached_tokens=prefill.cached_tokens,
+        prefilled_tokens=prefill.prefilled_tokens,
+        copied_tokens=prefill.copied_tokens,
+        ttft_s=prefill.ttft_s + completion.ttft_s,
+    )
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """``stream_options.continuous_usage_stats``' usage of a chunk: the tokens so far, as vLLM writes it."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
