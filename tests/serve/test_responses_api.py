@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import httpx
 import openai
@@ -306,3 +307,30 @@ def test_responses_over_a_real_socket_with_the_sync_client() -> None:
     assert text == ANSWER == final.output_text
     assert cached(final) >= first.usage.input_tokens + first.usage.output_tokens - 1
     assert_quiescent(app.state.runner.cache)
+
+
+def test_a_stream_left_early_cancels_and_one_cut_by_shutdown_ends_failed(make_app) -> None:
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["word " * 3000]), cache_tokens=1 << 15)
+    app = make_app(runner)
+    engine = app.state.engine
+    with start_background(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        body = {"model": "scripted", "input": "Talk.", "max_output_tokens": 15000, "stream": True}
+        with client.responses.create(**body) as stream:
+            for event in stream:
+                if event.type == "response.output_text.delta":
+                    break
+        assert engine.wait_idle(timeout=30) and engine.cancelled_requests == 1
+        kinds = []
+        with client.responses.create(**body) as stream:
+            for event in stream:
+                kinds.append(event.type)
+                if len(kinds) == 6:
+                    closer = threading.Thread(target=engine.close)
+                    closer.start()
+        closer.join(30)
+    assert kinds[-1] == "response.failed" and "response.completed" not in kinds
+    assert event.response.status == "failed" and "shutting down" in event.response.error.message
+    assert [k for k in kinds if not k.endswith(".delta")][:4] == TEXT_EVENTS
+    assert len(app.state.responses) == 0
+    assert_quiescent(runner.cache)
