@@ -543,6 +543,15 @@ def create_app(
         return _json({"object": "cache.prefill", "usage": usage_json(done.usage)})
 
     app.state.responses = ResponseStore(max_stored_responses)
-    hooks = AppHooks(route, authenticate, read_json, check_model, run_job, finish_job, outcome, _unless_gone)
+    hooks = AppHooks(
+        route=route,
+        authenticate=authenticate,
+        read_json=read_json,
+        check_model=check_model,
+        run_job=run_job,
+        finish_job=finish_job,
+        outcome=outcome,
+        unless_gone=_unless_gone,
+    )
     add_response_routes(hooks, runner, engine, app.state.responses)
     return app

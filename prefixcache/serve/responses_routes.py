@@ -71,7 +71,15 @@ def add_response_routes(hooks: AppHooks, runner: Any, engine: Any, store: Respon
     are kept in ``store`` (unless the request says ``store: false``)."""
     route = hooks.route
 
-    def keep(request: ResponsesRequest, namespace: str | None, body: dict, messages: list, done: ChatCompletion):
+    def keep(
+        request: ResponsesRequest,
+        namespace: str | None,
+        body: dict[str, Any],
+        messages: list[dict[str, Any]],
+        done: ChatCompletion,
+    ) -> None:
+        # The conversation through this answer, for a next turn's previous_response_id; its messages are shared
+        # with the stored responses before it, so a chain of n turns keeps O(n) references per response, no text.
         if request.store:
             conversation = (*messages, assistant_message(done))
             store.put(body["id"], StoredResponse(namespace, body, conversation))
@@ -157,4 +165,4 @@ def add_response_routes(hooks: AppHooks, runner: Any, engine: Any, store: Respon
         response_id = request.path_params["response_id"]
         if not store.delete(response_id, namespace):
             return _not_found(response_id)
-        return _json({"id": response_id, "object": "response.deleted", "deleted": True})
+        return _json({"id": response_id, "object": "response", "deleted": True})

@@ -12,7 +12,7 @@ import pytest
 
 from prefixcache import PrefixCachingRunner
 from prefixcache.serve import create_app, start_background
-from prefixcache.serve.responses import ResponseStore, StoredResponse
+from prefixcache.serve.responses import ResponseStore, StoredResponse, conversation_after
 from prefixcache.testing import ScriptedModel, assert_quiescent, snapshot
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -334,3 +334,13 @@ def test_a_stream_left_early_cancels_and_one_cut_by_shutdown_ends_failed(make_ap
     assert [k for k in kinds if not k.endswith(".delta")][:4] == TEXT_EVENTS
     assert len(app.state.responses) == 0
     assert_quiescent(runner.cache)
+
+
+def test_a_function_call_joins_the_assistant_text_before_it_without_editing_the_stored_turn() -> None:
+    stored = ({"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Let me look."})
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    new = [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "1"}]
+    joined = conversation_after(stored, new)
+    assert joined[1] == {"role": "assistant", "content": "Let me look.", "tool_calls": [call]}
+    assert [m["role"] for m in joined] == ["user", "assistant", "tool"]
+    assert stored[1] == {"role": "assistant", "content": "Let me look."}
