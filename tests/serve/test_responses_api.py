@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from prefixcache import PrefixCachingRunner
-from prefixcache.serve import create_app, start_background
+from prefixcache.serve import ApiKeys, create_app, start_background
 from prefixcache.serve.responses import ResponseStore, StoredResponse, conversation_after
 from prefixcache.testing import ScriptedModel, assert_quiescent, snapshot
 
@@ -344,3 +344,22 @@ def test_a_function_call_joins_the_assistant_text_before_it_without_editing_the_
     assert joined[1] == {"role": "assistant", "content": "Let me look.", "tool_calls": [call]}
     assert [m["role"] for m in joined] == ["user", "assistant", "tool"]
     assert stored[1] == {"role": "assistant", "content": "Let me look."}
+
+
+def test_a_stored_response_is_seen_only_with_the_api_key_namespace_that_made_it(make_app, asgi_client) -> None:
+    app = make_app(scripted("Sunny.", "Still sunny."), api_keys=ApiKeys({"key-a": "team-a", "key-b": "team-b"}))
+
+    async def main():
+        mine, theirs = asgi_client(app, api_key="key-a"), asgi_client(app, api_key="key-b")
+        response = await mine.responses.create(model="scripted", input="Hi")
+        with pytest.raises(openai.NotFoundError):
+            await theirs.responses.retrieve(response.id)
+        with pytest.raises(openai.NotFoundError):
+            await theirs.responses.create(model="scripted", input="And?", previous_response_id=response.id)
+        with pytest.raises(openai.AuthenticationError):
+            await asgi_client(app, api_key="wrong").responses.retrieve(response.id)
+        follow_up = await mine.responses.create(model="scripted", input="And?", previous_response_id=response.id)
+        return (await mine.responses.retrieve(response.id)), follow_up
+
+    fetched, follow_up = run(main())
+    assert fetched.output_text == "Sunny." and follow_up.output_text == "Still sunny."
