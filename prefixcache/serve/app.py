@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): chat completions with tools, completions, models (the list and one by id),
-health, metrics, and prefix warming.
+"""The OpenAI-compatible HTTP API (FastAPI): chat completions with tools, completions, responses, models (the list and
+one by id), health, metrics, and prefix warming.
 
 Every ``/v1`` request is authenticated first (a 401 touches nothing: no body is parsed, no cache state read or
 changed), its namespace taken from its API key, and its model work submitted to one
@@ -54,6 +54,8 @@ from prefixcache.serve.protocol import (
     parse_prefill_request,
     usage_json,
 )
+from prefixcache.serve.responses import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
+from prefixcache.serve.responses_routes import AppHooks, add_response_routes
 from prefixcache.serve.snapshots import SnapshotKeeper
 
 __all__ = ["create_app"]
@@ -199,6 +201,7 @@ def create_app(
     snapshot_every_s: float | None = None,
     max_batch_tokens: int = 512,
     max_running: int = 32,
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
 ) -> FastAPI:
     """The FastAPI app serving ``runner`` as model ``model_name``; ``api_keys`` (default: open) map keys to
     namespaces.  ``app.state.engine`` is the :class:`BatchEngine` stepping every request on its own thread
@@ -208,7 +211,9 @@ def create_app(
 
     With ``snapshot_dir`` the app's lifespan restores the cache from that snapshot folder at start (cold, saying
     why, when there is none or it is refused), saves it every ``snapshot_every_s`` seconds and on a clean shutdown
-    (:class:`~prefixcache.serve.snapshots.SnapshotKeeper`, ``app.state.snapshots``)."""
+    (:class:`~prefixcache.serve.snapshots.SnapshotKeeper`, ``app.state.snapshots``).  The Responses API
+    (:mod:`prefixcache.serve.responses_routes`) keeps the last ``max_stored_responses`` responses
+    (``app.state.responses``)."""
     keys = api_keys if api_keys is not None else ApiKeys.open()
     engine = BatchEngine(runner, max_batch_tokens=max_batch_tokens, max_running=max_running)
     metrics = ServerMetrics(runner.cache, engine)
@@ -572,4 +577,16 @@ def create_app(
             return done
         return _json({"object": "cache.prefill", "usage": usage_json(done.usage)})
 
+    app.state.responses = ResponseStore(max_stored_responses)
+    hooks = AppHooks(
+        route=route,
+        authenticate=authenticate,
+        read_json=read_json,
+        check_model=check_model,
+        run_job=run_job,
+        finish_job=finish_job,
+        outcome=outcome,
+        unless_gone=_unless_gone,
+    )
+    add_response_routes(hooks, runner, engine, app.state.responses)
     return app

@@ -1,0 +1,536 @@
+"""The OpenAI Responses API wire format: request bodies checked into a typed record, input items turned into chat
+messages, and the ``response`` object and its streamed events; plus the bounded store that ``previous_response_id``
+and ``GET /v1/responses/{id}`` read.
+
+A request runs on the chat layer (:func:`~prefixcache.engine.chat.prepare_chat`): ``instructions`` become a first
+system message, ``input`` items become chat messages (``developer`` is ``system``; ``function_call`` items join the
+assistant message before them as its ``tool_calls``, ``function_call_output`` items are ``tool`` messages), function
+``tools`` the chat layer's tools.  So a conversation resent item by item, or continued with ``previous_response_id``,
+renders to the tokens of the turn before and hits the cache.  A stored response keeps the chat messages of its
+conversation (instructions excluded: OpenAI does not carry them over), never tensors.
+
+Only what the server really does is accepted; a field that would change the answer unseen (hosted tools, a
+``text.format`` other than text, ``max_tool_calls``, ``top_logprobs``, ``background``, a reasoning summary, images)
+is a 400 naming it.  ``store``, ``metadata``, ``user``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
+``parallel_tool_calls`` and ``truncation`` change nothing here (nothing is truncated: a conversation past the context
+fails either way); ``include: ["reasoning.encrypted_content"]`` has nothing to include.  Sampling defaults are the
+chat endpoint's: greedy (``temperature`` 0) and :data:`~prefixcache.serve.protocol.DEFAULT_MAX_TOKENS` tokens.
+A streamed response always ends with ``response.completed`` (its ``status`` saying ``incomplete`` when
+``max_output_tokens`` ended it), as vLLM does and as the ``openai`` client's stream helper waits for; one whose model
+work failed ends with ``response.failed``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixcache.chat.template import join_text_parts
+from prefixcache.engine.chat import ChatCompletion, check_tool_choice
+from prefixcache.engine.results import Usage
+from prefixcache.errors import InvalidArgumentError, TemplateError
+from prefixcache.serve.protocol import DEFAULT_MAX_TOKENS, BadRequest
+
+__all__ = [
+    "DEFAULT_MAX_STORED_RESPONSES",
+    "ResponseEvents",
+    "ResponseStore",
+    "ResponsesRequest",
+    "StoredResponse",
+    "assistant_message",
+    "conversation_after",
+    "new_id",
+    "output_items",
+    "parse_responses_request",
+    "response_body",
+    "response_usage",
+]
+
+DEFAULT_MAX_STORED_RESPONSES = 1000
+"""Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (least recently used go first)."""
+
+_ACCEPTED = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "stream",
+        "stream_options",
+        "store",
+        "previous_response_id",
+        "metadata",
+        "user",
+        "parallel_tool_calls",
+        "text",
+        "truncation",
+        "include",
+        "reasoning",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+    }
+)
+_NEUTRAL = {"background": False, "max_tool_calls": None, "top_logprobs": None}
+"""Fields accepted only at a value that changes nothing (or null)."""
+_INCLUDABLE = frozenset({"reasoning.encrypted_content"})
+_ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_TEXT_FORMAT = {"format": {"type": "text"}}
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesRequest:
+    """A checked ``POST /v1/responses`` body.  ``messages`` are its ``input`` as chat messages (``instructions`` not
+    among them), ``tools`` and ``tool_choice`` in the chat layer's format, ``sampling`` the
+    :class:`~prefixcache.engine.sampling.SamplingParams` fields; ``echo`` the request fields a ``response`` object
+    repeats, as OpenAI shapes them."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    instructions: str | None
+    tools: list[dict[str, Any]] | None
+    tool_choice: Any
+    stream: bool
+    store: bool
+    previous_response_id: str | None
+    sampling: dict[str, Any]
+    template_kwargs: dict[str, Any]
+    echo: dict[str, Any]
+
+
+def _typed(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) != (kind is bool) or not isinstance(value, kind)):
+        raise BadRequest(f"{name} must be {what}, got {value!r}", name)
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float, low_open: bool) -> float:
+    value = _typed(body, name, (int, float), "a number")
+    value = default if value is None else float(value)
+    if not (low < value if low_open else low <= value) or value > high:
+        raise BadRequest(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value:g}", name)
+    return value
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts (``input_text``, ``output_text``) joined by newlines
+    as the chat endpoint joins its parts."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{where} must be a string or a list of input_text parts", where)
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
+            raise BadRequest(f"{where}: only text parts can be rendered, got a {kind!r} part", where)
+        parts.append({"type": "text", "text": part["text"]})
+    try:
+        return join_text_parts(parts)
+    except TemplateError as error:
+        raise BadRequest(f"{where}: {error}", where) from None
+
+
+def _string(item: Mapping[str, Any], name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str) or (not value and name != "arguments"):
+        raise BadRequest(f"{where}.{name} must be a non-empty string", f"{where}.{name}")
+    return value
+
+
+def _input_messages(items: Any) -> list[dict[str, Any]]:
+    """``input`` as chat messages.  O(number of items)."""
+    if isinstance(items, str):
+        if not items:
+            raise BadRequest("input must be a non-empty string or a non-empty list of items", "input")
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise BadRequest("input must be a non-empty string or a non-empty list of items", "input")
+    messages: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        where = f"input[{index}]"
+        if not isinstance(item, Mapping):
+            raise BadRequest(f"{where} must be an object", where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in _ROLES:
+                raise BadRequest(f"{where}.role must be one of {', '.join(_ROLES)}, got {role!r}", f"{where}.role")
+            messages.append({"role": _ROLES[role], "content": _text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            function = {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}
+            call = {"id": _string(item, "call_id", where), "type": "function", "function": function}
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = _text(item.get("output"), f"{where}.output")
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where), "content": output})
+        else:
+            raise BadRequest(f"{where}: input items of type {kind!r} are not supported", f"{where}.type")
+    return messages
+
+
+def conversation_after(prior: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``prior`` then ``new`` messages, each ``function_call`` message joined to the assistant message before it (the
+    text and calls one turn made render as one message, as the model wrote them).  Copies what it joins: neither
+    input is changed, so a stored conversation is never edited.  O(len(prior) + len(new))."""
+    out = list(prior)
+    for message in new:
+        last = out[-1] if out else None
+        if message.get("tool_calls") and message.get("content") is None and last and last["role"] == "assistant":
+            out[-1] = {**last, "tool_calls": [*(last.get("tool_calls") or ()), *message["tool_calls"]]}
+        else:
+            out.append(message)
+    return out
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Function tools (``{"type": "function", "name", "description", "parameters", "strict"}``) in the chat layer's
+    format; ``strict`` changes nothing here (arguments are not constrained, as on the chat endpoint)."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(tool, Mapping) for tool in tools):
+        raise BadRequest("tools must be a list of objects", "tools")
+    out = []
+    for index, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            message = f"tools[{index}]: only function tools are supported, got type {tool.get('type')!r}"
+            raise BadRequest(message, f"tools[{index}].type")
+        name, parameters = tool.get("name"), tool.get("parameters")
+        if not isinstance(name, str) or not name:
+            raise BadRequest(f"tools[{index}].name must be a non-empty string", f"tools[{index}].name")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise BadRequest(f"tools[{index}].parameters must be a JSON Schema object", f"tools[{index}].parameters")
+        function = {"name": name, "parameters": dict(parameters or {"type": "object", "properties": {}})}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> Any:
+    """OpenAI's Responses ``tool_choice`` (``{"type": "function", "name": N}`` for a named one) in the chat layer's
+    form, checked against ``tools``."""
+    if isinstance(choice, Mapping):
+        if choice.get("type") != "function" or set(choice) - {"type", "name"}:
+            raise BadRequest("tool_choice must be 'auto', 'none', 'required' or a function", "tool_choice")
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    try:
+        check_tool_choice(choice, tools)
+    except InvalidArgumentError as error:
+        raise BadRequest(str(error), "tool_choice") from None
+    return choice
+
+
+def _check_neutral(body: Mapping[str, Any]) -> dict[str, Any]:
+    """Check the fields that change no answer here; returns the template variables (``reasoning.effort``)."""
+    for name, neutral in _NEUTRAL.items():
+        if body.get(name) not in (None, neutral):
+            raise BadRequest(f"{name} {body[name]!r} is not supported", name)
+    for name in ("user", "service_tier", "prompt_cache_key", "safety_identifier", "truncation"):
+        _typed(body, name, str, "a string")
+    if body.get("truncation") not in (None, "auto", "disabled"):
+        raise BadRequest("truncation must be 'auto' or 'disabled'", "truncation")
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, Mapping) or set(text) - {"format", "verbosity"}:
+            raise BadRequest("text supports only format and verbosity", "text")
+        if text.get("format") not in (None, _TEXT_FORMAT["format"]):
+            raise BadRequest("only text.format {'type': 'text'} is supported", "text.format")
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or set(include) - _INCLUDABLE):
+        raise BadRequest(f"include supports only {sorted(_INCLUDABLE)}, got {include!r}", "include")
+    metadata = body.get("metadata")
+    if metadata is not None and (
+        not isinstance(metadata, Mapping)
+        or len(metadata) > 16
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise BadRequest("metadata must be an object of at most 16 string values", "metadata")
+    options = body.get("stream_options")
+    if options is not None:
+        if not body.get("stream"):
+            raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+        if not isinstance(options, Mapping) or set(options) - {"include_obfuscation"}:
+            raise BadRequest("stream_options supports only include_obfuscation", "stream_options")
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return {}
+    if not isinstance(reasoning, Mapping) or set(reasoning) - {"effort", "summary", "generate_summary"}:
+        raise BadRequest("reasoning supports only effort", "reasoning")
+    if reasoning.get("summary") is not None or reasoning.get("generate_summary") is not None:
+        raise BadRequest("reasoning summaries are not supported", "reasoning.summary")
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in _REASONING_EFFORTS:
+        raise BadRequest(f"reasoning.effort must be one of {', '.join(_REASONING_EFFORTS)}", "reasoning.effort")
+    return {} if effort is None else {"reasoning_effort": effort}
+
+
+def parse_responses_request(body: Any) -> ResponsesRequest:
+    """Check a ``POST /v1/responses`` body.  Raises :class:`BadRequest` naming the parameter.  O(size of the body)."""
+    if not isinstance(body, Mapping):
+        raise BadRequest("the request body must be a JSON object")
+    for name in body:
+        if name not in _ACCEPTED and name not in _NEUTRAL:
+            raise BadRequest(f"unsupported parameter: {name}", name)
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model must be a non-empty string", "model")
+    template_kwargs = _check_neutral(body)
+    stream = bool(_typed(body, "stream", bool, "a boolean"))
+    store = _typed(body, "store", bool, "a boolean") is not False
+    parallel = _typed(body, "parallel_tool_calls", bool, "a boolean") is not False
+    instructions = _typed(body, "instructions", str, "a string")
+    previous = _typed(body, "previous_response_id", str, "a string")
+    max_tokens = _typed(body, "max_output_tokens", int, "a positive integer")
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequest(f"max_output_tokens must be a positive integer, got {max_tokens}", "max_output_tokens")
+    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+    temperature = _number(body, "temperature", 0.0, 0.0, 2.0, low_open=False)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
+    tools = _tools(body.get("tools"))
+    tool_choice = _tool_choice(body.get("tool_choice"), tools)
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": max_tokens,
+        "metadata": dict(body.get("metadata") or {}),
+        "parallel_tool_calls": parallel,
+        "previous_response_id": previous,
+        "reasoning": {"effort": template_kwargs.get("reasoning_effort"), "summary": None},
+        "store": store,
+        "temperature": temperature,
+        "text": _TEXT_FORMAT,
+        "tool_choice": body.get("tool_choice") or "auto",
+        "tools": [dict(tool) for tool in body.get("tools") or ()],
+        "top_p": top_p,
+        "truncation": body.get("truncation") or "disabled",
+        "user": body.get("user"),
+    }
+    return ResponsesRequest(
+        model=model,
+        messages=_input_messages(body.get("input")),
+        instructions=instructions or None,
+        tools=tools,
+        tool_choice=tool_choice,
+        stream=stream,
+        store=store,
+        previous_response_id=previous,
+        sampling={"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p},
+        template_kwargs=template_kwargs,
+        echo=echo,
+    )
+
+
+def new_id(prefix: str) -> str:
+    """A fresh id: ``resp_``, ``msg_``, ``fc_`` and 32 hex digits."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_usage(usage: Usage) -> dict[str, Any]:
+    """OpenAI's Responses usage.  ``cache_write_tokens`` are the prompt tokens computed here, which the cache keeps
+    for the next request; nothing is a reasoning token (no reasoning items are produced)."""
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": usage.cached_tokens, "cache_write_tokens": usage.prefilled_tokens},
+        "output_tokens": usage.generated_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.generated_tokens,
+    }
+
+
+def _message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def _call_item(call: Mapping[str, Any], item_id: str, arguments: str | None = None) -> dict[str, Any]:
+    function = call["function"]
+    done = arguments is None
+    return {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call["id"],
+        "name": function["name"],
+        "arguments": function["arguments"] if done else arguments,
+        "status": "completed" if done else "in_progress",
+    }
+
+
+def output_items(done: ChatCompletion, message_id: str, call_ids: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """A finished answer's output: a ``message`` item (``message_id``) with its text, unless the model only called
+    tools, then one ``function_call`` item per call (item ids ``call_ids``, fresh ones where not given)."""
+    status = "incomplete" if done.finish_reason == "length" else "completed"
+    items = [_message_item(message_id, done.content or "", status)] if done.content or not done.tool_calls else []
+    ids = list(call_ids) + [new_id("fc") for _ in done.tool_calls[len(call_ids) :]]
+    return items + [_call_item(call, item_id) for call, item_id in zip(done.tool_calls, ids, strict=True)]
+
+
+def response_body(
+    request: ResponsesRequest,
+    response_id: str,
+    created_at: int,
+    output: list[dict[str, Any]],
+    done: ChatCompletion | None = None,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """A ``response`` object: ``in_progress`` (no ``done`` yet), ``completed`` or ``incomplete`` (``done`` ended by
+    ``max_output_tokens``), or ``failed`` with the ``error`` message."""
+    incomplete = done is not None and done.finish_reason == "length"
+    status = "failed" if error else "in_progress" if done is None else "incomplete" if incomplete else "completed"
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "completed_at": int(time.time()) if done is not None else None,
+        "status": status,
+        "error": {"code": "server_error", "message": error} if error else None,
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
+        "model": request.model,
+        "output": output,
+        "usage": None if done is None else response_usage(done.usage),
+        **request.echo,
+    }
+
+
+def assistant_message(done: ChatCompletion) -> dict[str, Any]:
+    """The chat message a finished answer is in the conversation kept for ``previous_response_id``: rendered again,
+    its tokens are the ones the model produced, so the next turn hits them."""
+    message: dict[str, Any] = {"role": "assistant", "content": done.content}
+    if done.tool_calls:
+        message["tool_calls"] = [dict(call) for call in done.tool_calls]
+    return message
+
+
+class ResponseEvents:
+    """The server-sent events of one streamed response, in OpenAI's order, numbered from 0: ``response.created`` and
+    ``response.in_progress``; the message's ``output_item.added``, ``content_part.added`` and ``output_text.delta``
+    events as text comes; at the end ``output_text.done``, ``content_part.done``, ``output_item.done``, then per tool
+    call ``output_item.added``, ``function_call_arguments.delta`` and ``.done``, ``output_item.done``; last
+    ``response.completed`` (or ``response.failed``).  Each method returns the SSE lines to write."""
+
+    __slots__ = ("_message_open", "_request", "_sequence", "created_at", "message_id", "response_id")
+
+    def __init__(self, request: ResponsesRequest, response_id: str, created_at: int) -> None:
+        self._request = request
+        self._sequence = 0
+        self._message_open = False
+        self.response_id = response_id
+        self.created_at = created_at
+        self.message_id = new_id("msg")
+
+    def _event(self, kind: str, **fields: Any) -> str:
+        event = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
+
+    def _body(self, output: list[dict[str, Any]], done: ChatCompletion | None = None, error: str | None = None):
+        return response_body(self._request, self.response_id, self.created_at, output, done, error)
+
+    def start(self) -> list[str]:
+        body = self._body([])
+        return [self._event("response.created", response=body), self._event("response.in_progress", response=body)]
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self.message_id, "output_index": 0, "content_index": 0}
+
+    def _open_message(self) -> list[str]:
+        self._message_open = True
+        empty = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        item = _message_item(self.message_id, None, "in_progress")
+        return [
+            self._event("response.output_item.added", output_index=0, item=item),
+            self._event("response.content_part.added", part=empty, **self._where()),
+        ]
+
+    def text(self, delta: str) -> list[str]:
+        lines = [] if self._message_open else self._open_message()
+        lines.append(self._event("response.output_text.delta", delta=delta, logprobs=[], **self._where()))
+        return lines
+
+    def finish(self, done: ChatCompletion) -> tuple[list[str], dict[str, Any]]:
+        """The closing events of a finished answer, and the final ``response`` object (as stored)."""
+        output = output_items(done, self.message_id)
+        lines: list[str] = []
+        calls = output
+        if output and output[0]["type"] == "message":
+            message, calls = output[0], output[1:]
+            if not self._message_open:
+                lines += self._open_message()
+            part = message["content"][0]
+            lines.append(self._event("response.output_text.done", text=part["text"], logprobs=[], **self._where()))
+            lines.append(self._event("response.content_part.done", part=part, **self._where()))
+            lines.append(self._event("response.output_item.done", output_index=0, item=message))
+        for index, (item, call) in enumerate(zip(calls, done.tool_calls, strict=True), len(output) - len(calls)):
+            where = {"item_id": item["id"], "output_index": index}
+            added = _call_item(call, item["id"], arguments="")
+            lines.append(self._event("response.output_item.added", output_index=index, item=added))
+            lines.append(self._event("response.function_call_arguments.delta", delta=item["arguments"], **where))
+            lines.append(self._event("response.function_call_arguments.done", arguments=item["arguments"], **where))
+            lines.append(self._event("response.output_item.done", output_index=index, item=item))
+        body = self._body(output, done)
+        lines.append(self._event("response.completed", response=body))
+        return lines, body
+
+    def failed(self, message: str) -> str:
+        return self._event("response.failed", response=self._body([], error=message))
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """A finished response kept for ``previous_response_id`` and ``GET``: its ``namespace`` (API key's; another
+    cannot see it), the ``response`` object, and the chat ``messages`` of its conversation through its answer
+    (instructions excluded).  The messages are shared with the stored responses before it, not copied."""
+
+    namespace: str | None
+    body: dict[str, Any]
+    messages: tuple[dict[str, Any], ...]
+
+
+class ResponseStore:
+    """The last ``max_responses`` stored responses, least recently used evicted first.  Used from the event loop
+    only (not thread-safe).  Every operation is O(1)."""
+
+    __slots__ = ("_responses", "max_responses")
+
+    def __init__(self, max_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+        if max_responses < 0:
+            raise InvalidArgumentError(f"max_responses must be >= 0, got {max_responses}")
+        self.max_responses = max_responses
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
+    def put(self, response_id: str, stored: StoredResponse) -> None:
+        if self.max_responses == 0:
+            return
+        self._responses[response_id] = stored
+        self._responses.move_to_end(response_id)
+        while len(self._responses) > self.max_responses:
+            self._responses.popitem(last=False)
+
+    def get(self, response_id: str, namespace: str | None) -> StoredResponse | None:
+        """The stored response, if ``namespace`` stored it (and marks it recently used), else None."""
+        stored = self._responses.get(response_id)
+        if stored is None or stored.namespace != namespace:
+            return None
+        self._responses.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str, namespace: str | None) -> bool:
+        """Forget the response; False when ``namespace`` has none by that id."""
+        if self.get(response_id, namespace) is None:
+            return False
+        del self._responses[response_id]
+        return True
