@@ -78,13 +78,16 @@ def test_qwen3_next_state_bytes_follow_its_config():
     assert model.state_bytes == linear_layers * (conv + recurrent) * 4  # float32
 
 
-def test_resuming_from_a_snapshot_equals_the_models_own_forward_split_there(hybrid):
-    ids = _tokens()
-    pool = _pool(hybrid)
-    table = torch.arange(8)
+def _prefix_state(model: HFCausalLM):
+    """``(ids, pool, table, state)``: the first SPLIT tokens prefilled into a fresh pool, their state taken."""
+    ids, pool, table = _tokens(), _pool(model), torch.arange(8)
     live = LiveKV()
-    hybrid.forward_cached(ids[:SPLIT], 0, pool.kv, table, live=live)
-    state = hybrid.take_state(live)
+    model.forward_cached(ids[:SPLIT], 0, pool.kv, table, live=live)
+    return ids, pool, table, model.take_state(live)
+
+
+def test_resuming_from_a_snapshot_equals_the_models_own_forward_split_there(hybrid):
+    ids, pool, table, state = _prefix_state(hybrid)
     assert state.position == SPLIT and state.nbytes == hybrid.state_bytes
     resumed = LiveKV()
     resumed.start_state = state
@@ -96,12 +99,7 @@ def test_resuming_from_a_snapshot_equals_the_models_own_forward_split_there(hybr
 
 
 def test_a_snapshot_is_not_changed_by_the_requests_that_resume_from_it(hybrid):
-    ids = _tokens()
-    pool = _pool(hybrid)
-    table = torch.arange(8)
-    live = LiveKV()
-    hybrid.forward_cached(ids[:SPLIT], 0, pool.kv, table, live=live)
-    state = hybrid.take_state(live)
+    ids, pool, table, state = _prefix_state(hybrid)
     outputs = []
     for _ in range(2):
         resumed = LiveKV()
@@ -113,12 +111,7 @@ def test_a_snapshot_is_not_changed_by_the_requests_that_resume_from_it(hybrid):
 
 
 def test_resuming_without_the_state_of_that_position_is_refused_and_writes_nothing(hybrid):
-    ids = _tokens()
-    pool = _pool(hybrid)
-    table = torch.arange(8)
-    live = LiveKV()
-    hybrid.forward_cached(ids[:SPLIT], 0, pool.kv, table, live=live)
-    state = hybrid.take_state(live)
+    ids, pool, table, state = _prefix_state(hybrid)
     before = pool.kv.clone()
     with pytest.raises(InvalidArgumentError, match="state snapshot"):
         hybrid.forward_cached(ids[SPLIT:], SPLIT, pool.kv, table, live=LiveKV())
