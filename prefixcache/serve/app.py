@@ -408,6 +408,7 @@ def create_app(
                 stop=chat.stop,
                 request_id=request_id,
                 template_kwargs=chat.template_kwargs,
+                response_format=chat.response_format,
                 **chat.sampling,
             )
             deliveries = _deliveries(on_delta, chat.logprobs)
@@ -465,7 +466,14 @@ def create_app(
 
         def start(on_delta: Callable[[Any], None] | None) -> tuple[RequestHandle, Future[ChatCompletion]]:
             ids = runner.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
-            prepared = prepare_completion(runner.tokenizer, ids, stop=body.stop, request_id=request_id, **body.sampling)
+            prepared = prepare_completion(
+                runner.tokenizer,
+                ids,
+                stop=body.stop,
+                request_id=request_id,
+                response_format=body.response_format,
+                **body.sampling,
+            )
             deliveries = _deliveries(on_delta, body.logprobs)
             return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, **deliveries)
 
