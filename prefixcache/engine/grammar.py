@@ -133,7 +133,10 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, clos
             continue
         parameters = function.get("parameters") or {"type": "object"}
         check_json_schema(parameters, f"tools[{index}].function.parameters", lenient=True)
-        rules.append(f"args{index}: %json {json.dumps(parameters)}")
+        parameters = parameters if isinstance(parameters, Mapping) else {}
+        # %json in a Lark grammar takes the compiler's options from the schema's own "x-guidance" key.
+        options = {**_JSON_OPTIONS, "lenient": True}
+        rules.append(f"args{index}: %json {json.dumps({**parameters, 'x-guidance': options})}")
         # The forced prefix of "required" ends inside the name's string: the rest of the name as JSON writes it.
         head = "" if name is not None else json.dumps(tool_name, ensure_ascii=False)[1:] + ', "arguments":'
         choices.append(f"{_lark_literal(head + ' ')} args{index}")
@@ -294,7 +297,8 @@ class GrammarState:
     def allowed(self, width: int, stop_ids: Collection[int], device: torch.device) -> torch.Tensor:
         """``[width]`` bool: the ids the grammar allows next, ids at or above the tokenizer's vocabulary never, the
         request's ``stop_ids`` exactly when the text may end here (llguidance's own end-of-sequence ids no further).
-        O(vocab) (the matcher computes the mask lazily over its token trie; one byte per id is copied)."""
+        O(vocab) (the matcher computes the mask lazily over its token trie; one byte per id is copied).  Raises
+        InvalidTokensError where nothing is allowed (a complete grammar and no stop token: the request has ended)."""
         bias = torch.frombuffer(bytearray(self._matcher.compute_logit_bias()), dtype=torch.uint8)
         allowed = torch.zeros(width, dtype=torch.bool)
         known = min(width, bias.shape[0])
@@ -306,6 +310,8 @@ class GrammarState:
         for token_id in stop_ids:
             if token_id < width:
                 allowed[token_id] = ends
+        if not allowed.any():  # on the host, before the copy: no sync with the device
+            raise InvalidTokensError(f"the grammar allows no token here: {self._matcher.get_error() or 'complete'}")
         return allowed.to(device, non_blocking=True)
 
     def accept(self, token_id: int, stop_ids: Collection[int]) -> None:
