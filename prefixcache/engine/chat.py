@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from prefixcache.cache.tokens import TokenIds
 from prefixcache.chat.stop import StopMatcher, TextStream, check_stop
 from prefixcache.chat.tool_calls import TOOL_CALL_OPEN, parse_tool_calls
+from prefixcache.engine.grammar import Grammar, check_response_format, structured_available
 from prefixcache.engine.request import RequestHandle
 from prefixcache.engine.results import GenerationResult, TokenLogprob, Usage
 from prefixcache.engine.sampling import SamplingParams
@@ -230,6 +231,7 @@ def prepare_chat(
     stop: str | Sequence[str] | None = None,
     request_id: str | None = None,
     template_kwargs: Mapping[str, Any] | None = None,
+    response_format: Mapping[str, Any] | None = None,
     **sampling: Any,
 ) -> PreparedChat:
     """Render ``messages`` and ``tools`` with ``tokenizer``'s chat template into a :class:`PreparedChat` (arguments as
@@ -240,6 +242,11 @@ def prepare_chat(
     stops = check_stop(stop)
     forced_text = check_tool_choice(tool_choice, tools)
     parse_calls = bool(tools) and tool_choice != "none"
+    if forced_text and structured_available(tokenizer):
+        name = None if tool_choice == "required" else tool_choice["function"]["name"]
+        sampling["grammar"] = Grammar.tool_call(tools, name, tokenizer)
+    else:
+        _add_response_format(tokenizer, sampling, response_format)
     params = _sampling_params(tokenizer, sampling)
     # Given only when there are some: a tokenizer written before the keyword still renders plain chats.
     variables = {"template_kwargs": template_kwargs} if template_kwargs else {}
@@ -294,13 +301,22 @@ def prepare_completion(
     *,
     stop: str | Sequence[str] | None = None,
     request_id: str | None = None,
+    response_format: Mapping[str, Any] | None = None,
     **sampling: Any,
 ) -> PreparedChat:
     """A plain text completion of ``prompt_ids`` (no template, no tool calls) as a :class:`PreparedChat`.  Raises
-    InvalidArgumentError for bad ``stop`` or sampling."""
+    InvalidArgumentError for bad ``stop``, ``response_format`` or sampling."""
     stops = check_stop(stop)
+    _add_response_format(tokenizer, sampling, response_format)
     params = _sampling_params(tokenizer, sampling)
     return PreparedChat(list(prompt_ids), params, ChatDecoder(tokenizer, stops, params, request_id=request_id))
+
+
+def _add_response_format(tokenizer: Any, sampling: dict[str, Any], response_format: Any) -> None:
+    checked = check_response_format(response_format)
+    if checked is not None:
+        kind, source = checked
+        sampling["grammar"] = Grammar(source, tokenizer, kind)
 
 
 def chat_stream(
@@ -325,6 +341,9 @@ def chat_stream(
     strings (any number) end the answer before them; the turn is cached as with a stop token.  Closing the generator
     early releases the request's blocks and caches nothing of it.  ``template_kwargs`` are extra chat-template
     variables (``{"enable_thinking": False}`` for Qwen3; a template that does not read one ignores it).
+    ``response_format`` (OpenAI's ``json_object`` or ``json_schema``) constrains the answer to it
+    (:mod:`prefixcache.engine.grammar`); a forced tool call's arguments follow its function's ``parameters`` wherever
+    llguidance is installed and reads the tokenizer (a forced call takes precedence over ``response_format``).
 
     Raises :class:`TemplateError` (bad messages, tools or template variables), :class:`InvalidArgumentError` (no
     messages, bad ``stop``, ``tool_choice`` or sampling), and the errors of :meth:`PrefixCachingRunner.stream`, before

@@ -4,7 +4,8 @@ Every request of the engine, serial or batched, picks its tokens here and nowher
 per request.  The stages run in this order on the logits of the last computed position (vLLM's order: the logits
 processors and penalties on the raw logits, then temperature, then the filters of the sampler):
 
-1. the vocabulary limit (``vocab_limit``: ids the tokenizer cannot decode are never picked);
+1. the vocabulary limit (``vocab_limit``: ids the tokenizer cannot decode are never picked), then the ``grammar``'s
+   mask (:mod:`prefixcache.engine.grammar`: the ids it disallows next get -inf);
 2. ``min_tokens``: the stop tokens' logits are -inf while fewer than ``min_tokens`` tokens are generated (vLLM);
 3. ``logit_bias`` added (OpenAI);
 4. ``repetition_penalty`` on the tokens of the prompt and generated so far: a positive logit divided by it, a
@@ -61,6 +62,7 @@ class LogitsPipeline:
         "_bias_values",
         "_counts",
         "_filtering",
+        "_grammar",
         "_seen",
         "_stop_ids",
         "generator",
@@ -95,11 +97,15 @@ class LogitsPipeline:
             self._seen[ids] = True
         self._adjusting = any(x is not None for x in (self._stop_ids, self._bias_ids, self._counts, self._seen))
         self._filtering = params.min_p > 0 or params.top_k > 0
+        self._grammar = None if params.grammar is None else params.grammar.start()
+        """The request's place in its grammar: advanced by :meth:`accept` only, so never twice for one token."""
 
     def accept(self, token_id: int) -> None:
-        """``token_id`` was appended to the request's generated tokens: count it.  O(1) (two scalar writes on the
-        device when penalties are asked for, none else)."""
+        """``token_id`` was appended to the request's generated tokens: count it, and advance the grammar past it.
+        O(1) (two scalar writes on the device when penalties are asked for, none else) plus the grammar's step."""
         self.num_generated += 1
+        if self._grammar is not None:
+            self._grammar.accept(token_id, self._grammar_stops())
         if self._counts is not None:
             self._counts[token_id] += 1
         if self._seen is not None:
@@ -111,6 +117,8 @@ class LogitsPipeline:
         ``logits``.  O(vocab) per stage that applies."""
         if self.params.vocab_limit is not None:
             logits = logits[: self.params.vocab_limit]
+        if self._grammar is not None:
+            logits = self._constrain(logits)
         return self._adjust(logits) if self._adjusting else logits
 
     def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
@@ -133,6 +141,8 @@ class LogitsPipeline:
         params = self.params
         if params.vocab_limit is not None:
             logits = logits[: params.vocab_limit]
+        if self._grammar is not None:
+            logits = self._constrain(logits)
         if self._adjusting:
             logits = self._adjust(logits)
         if params.temperature == 0:
@@ -172,9 +182,23 @@ class LogitsPipeline:
             return "stop"
         if token_id in params.stop_token_ids and not params.ignore_eos and num_generated > params.min_tokens:
             return "stop"
+        if self._grammar is not None and self._grammar.done:
+            # Else the mask leaves only the stop tokens: the answer ends on one, as a free answer does, and the next
+            # turn's prompt (which renders it) hits the cache for all of this one.
+            if not self._grammar_stops() or num_generated < params.min_tokens:
+                return "stop"
         if num_generated >= params.max_new_tokens:
             return "length"
         return None
+
+    def _constrain(self, row: torch.Tensor) -> torch.Tensor:
+        # Out of place, as _adjust.
+        allowed = self._grammar.allowed(row.shape[0], self._grammar_stops(), row.device)
+        return row.masked_fill(~allowed, float("-inf"))
+
+    def _grammar_stops(self) -> frozenset[int]:
+        # With ignore_eos the stop tokens end nothing, so the grammar never allows them.
+        return frozenset() if self.params.ignore_eos else self.params.stop_token_ids
 
     def _adjust(self, row: torch.Tensor) -> torch.Tensor:
         # Out of place throughout: the row may be a view of logits the request returns (return_logits).

@@ -14,7 +14,9 @@ what it asks vLLM or OpenAI:
 - ``min_tokens`` and ``ignore_eos`` (vLLM: the stop tokens are masked until ``min_tokens`` tokens are generated; with
   ``ignore_eos`` a stop token does not end the request);
 - ``logprobs`` (vLLM's ``SamplingParams.logprobs``, OpenAI's ``top_logprobs``: the log-probability of each sampled
-  token and of its ``logprobs`` most probable alternatives, at most 20 as both allow).
+  token and of its ``logprobs`` most probable alternatives, at most 20 as both allow);
+- ``grammar`` (structured outputs: OpenAI's ``response_format``, vLLM's ``guided_decoding``): a
+  :class:`~prefixcache.engine.grammar.Grammar` the answer must follow.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from prefixcache.engine.grammar import Grammar
 from prefixcache.errors import InvalidArgumentError
 
 __all__ = [
@@ -74,13 +77,16 @@ class SamplingParams:
     the log-softmax of its raw logits over the ids below ``vocab_limit``, before ``min_tokens``, the bias, the
     penalties and temperature (see :meth:`~prefixcache.engine.logits.LogitsPipeline.logprobs` for why).
 
+    ``grammar`` (None: off) constrains every picked token to what the :class:`~prefixcache.engine.grammar.Grammar`
+    allows there (a stop token only where the text may end); a complete grammar ends the request (``"stop"``).
+
     Raises:
         InvalidArgumentError: ``max_new_tokens < 0``, ``temperature`` negative or infinite, ``top_p`` outside (0, 1],
             ``top_k`` not an int >= -1, ``min_p`` outside [0, 1], ``presence_penalty`` or ``frequency_penalty``
             outside [-2, 2], ``repetition_penalty`` not a finite number > 0, ``logit_bias`` not a mapping of
             non-negative int ids to numbers in [-100, 100], ``min_tokens`` not an int in 0 .. ``max_new_tokens``,
             ``ignore_eos`` not a bool, ``stop_token_ids`` not a collection of non-negative ints, ``logprobs`` not None
-            or an int in 0 .. ``MAX_LOGPROBS``; a value of the wrong type.
+            or an int in 0 .. ``MAX_LOGPROBS``; ``grammar`` not None or a Grammar; a value of the wrong type.
     """
 
     max_new_tokens: int = 32
@@ -98,6 +104,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "top_k", "min_tokens"):
@@ -149,6 +156,8 @@ class SamplingParams:
             raise InvalidArgumentError(
                 f"logprobs must be None (off) or an int in 0 .. {MAX_LOGPROBS}, got {self.logprobs!r}"
             )
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise InvalidArgumentError(f"grammar must be None or a Grammar, got {type(self.grammar).__name__}")
         object.__setattr__(self, "stop_token_ids", check_stop_token_ids(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
 

@@ -415,6 +415,7 @@ def create_app(
                 stop=chat.stop,
                 request_id=request_id,
                 template_kwargs=chat.template_kwargs,
+                response_format=chat.response_format,
                 **chat.sampling,
             )
             prompt_tokens[0] = len(prepared.prompt_ids)
@@ -480,7 +481,14 @@ def create_app(
         vocab_limit = runner.tokenizer.vocab_size
 
         def start(on_delta: Callable[[Any], None] | None) -> tuple[RequestHandle, Future[ChatCompletion]]:
-            prepared = prepare_completion(runner.tokenizer, ids, stop=body.stop, request_id=request_id, **body.sampling)
+            prepared = prepare_completion(
+                runner.tokenizer,
+                ids,
+                stop=body.stop,
+                request_id=request_id,
+                response_format=body.response_format,
+                **body.sampling,
+            )
             deliveries = _deliveries(on_delta, body.sampling.get("logprobs"))
             return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, **deliveries)
 

@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies checked into typed records, and the response and chunk objects.
 
-Only what the server really does is accepted.  A field it cannot honour (``n`` > 1, chat's ``echo``, ``response_format``
-other than text, any unknown field) is a 400 in OpenAI's error shape naming the parameter, never silently ignored;
+Only what the server really does is accepted.  A field it cannot honour (``n`` > 1, chat's ``echo``, any unknown
+field) is a 400 in OpenAI's error shape naming the parameter, never silently ignored;
 fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``) pass.  The sampling
 fields are OpenAI's (``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``
 with string keys of token ids) and vLLM's extra ones (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
@@ -33,6 +33,7 @@ from typing import Any
 from prefixcache.chat.stop import check_stop
 from prefixcache.chat.template import RESERVED_TEMPLATE_VARIABLES, join_text_parts
 from prefixcache.engine.chat import ChatCompletion
+from prefixcache.engine.grammar import check_response_format
 from prefixcache.engine.results import Usage
 from prefixcache.engine.sampling import MAX_LOGPROBS, SamplingParams
 from prefixcache.errors import InvalidArgumentError, TemplateError
@@ -77,7 +78,7 @@ _COMMON = (
 )
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 _CHAT = _COMMON | {"messages", "tools", "tool_choice", "max_completion_tokens", "response_format", "top_logprobs"}
-_COMPLETION = _COMMON | {"prompt", "echo"}
+_COMPLETION = _COMMON | {"prompt", "echo", "response_format"}
 _PREFILL = frozenset({"model", "messages", "tools", "prompt", "priority", "retain_s"})
 
 
@@ -124,6 +125,8 @@ class ChatRequest:
     logprobs: int | None = None
     continuous_usage: bool = False
     """``stream_options.continuous_usage_stats``: every chunk carries the usage so far (vLLM's extension)."""
+    response_format: dict[str, Any] | None = None
+    """OpenAI's ``json_object`` or ``json_schema`` format, checked; None for text."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +144,16 @@ class CompletionRequest:
     logprobs: int | None = None
     echo: bool = False
     continuous_usage: bool = False
+    response_format: dict[str, Any] | None = None
+
+
+def _response_format(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """``response_format``, checked (its schema compiled); None for text.  Raises :class:`BadRequest` naming it."""
+    value = body.get("response_format")
+    try:
+        return None if check_response_format(value) is None else dict(value)
+    except InvalidArgumentError as error:
+        raise BadRequest(str(error), "response_format") from None
 
 
 def _number(body: Mapping[str, Any], name: str, default: float) -> float:
@@ -359,9 +372,7 @@ def parse_chat_request(body: Any, vocab_size: int | None = None) -> ChatRequest:
                 raise BadRequest(f"tools[{index}] needs a function object with a non-empty name", f"tools[{index}]")
             if not isinstance(function.get("parameters", {}), Mapping):
                 raise BadRequest(f"tools[{index}].function.parameters must be a JSON Schema object", f"tools[{index}]")
-    format_ = body.get("response_format")
-    if format_ is not None and format_ != {"type": "text"}:
-        raise BadRequest("only response_format {'type': 'text'} is supported", "response_format")
+    response_format = _response_format(body)
     logprobs = _chat_logprobs(body)
     return ChatRequest(
         model=common.model,
@@ -375,6 +386,7 @@ def parse_chat_request(body: Any, vocab_size: int | None = None) -> ChatRequest:
         template_kwargs=_template_kwargs(body),
         logprobs=logprobs,
         continuous_usage=common.continuous_usage,
+        response_format=response_format,
     )
 
 
@@ -401,16 +413,9 @@ def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
     echo = body.get("echo") or False
     if not isinstance(echo, bool):
         raise BadRequest("echo must be a boolean", "echo")
+    fields = (common.model, prompt, common.stream, common.include_usage, common.stop, sampling, logprobs)
     return CompletionRequest(
-        common.model,
-        prompt,
-        common.stream,
-        common.include_usage,
-        common.stop,
-        sampling,
-        logprobs,
-        echo,
-        common.continuous_usage,
+        *fields, echo=echo, continuous_usage=common.continuous_usage, response_format=_response_format(body)
     )
 
 

@@ -1,0 +1,328 @@
+"""Grammars that constrain decoding: JSON Schema, any JSON object, a tool call; one per request, per-token masks.
+
+A :class:`Grammar` is a compiled constraint bound to a tokenizer; ``SamplingParams(grammar=...)`` asks a request to
+follow it.  The request's :class:`~prefixcache.engine.logits.LogitsPipeline` makes a :class:`GrammarState` at its first
+admission and keeps it, like the rest of the picker, across preemptions: a resumed request recomputes the tokens it
+knows and only then picks anew, so each token advances the state exactly once.  Before every pick the row is masked to
+the ids the grammar allows there (ids beyond the tokenizer's vocabulary never are); the request's stop tokens are
+allowed only where the grammar may end; once the grammar is complete (nothing more may follow) the request ends with
+one of them (finish reason ``"stop"``; at once where it has none).  The cache never sees any of this: a constrained
+request's tokens are cached as any others.
+
+The engine is llguidance (Microsoft's Rust "low-level guidance", the structured-output backend of vLLM, SGLang,
+llama.cpp and Guidance): no torch dependency, masks computed lazily over a token trie (tens of microseconds per token
+for a JSON schema), and the widest JSON Schema coverage of the maintained engines.  It is an optional dependency (the
+``structured`` extra), imported on first use.
+
+JSON is generated with ``json.dumps``'s default separators (``", "`` and ``": "``) and no other whitespace: what the
+chat templates write when they render arguments back, so a tool call's tokens are the next turn's prompt, and a random
+model cannot spend its budget on whitespace.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from prefixcache.chat.tool_calls import TOOL_CALL_CLOSE
+from prefixcache.errors import InvalidArgumentError, InvalidTokensError
+
+__all__ = [
+    "Grammar",
+    "GrammarState",
+    "check_json_schema",
+    "check_response_format",
+    "llguidance_tokenizer",
+    "structured_available",
+    "tool_call_grammar",
+]
+
+_JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+_TOKENIZERS: dict[str, Any] = {}
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError:  # pragma: no cover - the structured extra is installed wherever tests run
+        raise InvalidArgumentError(
+            "structured outputs need the llguidance package: pip install 'prefixcache[structured]'"
+        ) from None
+    return llguidance
+
+
+def _validated(source: str, what: str, tokenizer: Any = None) -> str:
+    error = _llguidance().LLMatcher.validate_grammar(source, tokenizer)
+    if error:
+        raise InvalidArgumentError(f"{what}: {error}")
+    return source
+
+
+def check_json_schema(schema: Any, what: str = "json_schema", *, lenient: bool = False) -> str:
+    """The llguidance grammar (JSON text) of JSON ``schema`` (a mapping; True: any JSON value).  No
+    tokenizer needed: the server checks a request with it before anything runs.  Raises InvalidArgumentError naming
+    ``what`` for a schema that is not an object or that llguidance cannot compile (an unknown type, a bad ``$ref``,
+    an unsupported keyword, unless ``lenient``: then such keywords are ignored)."""
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, Mapping):
+        raise InvalidArgumentError(f"{what} must be a JSON Schema object, got {schema!r:.40}")
+    options = {**_JSON_OPTIONS, "lenient": lenient}
+    try:
+        source = _llguidance().LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+    except (TypeError, ValueError) as error:
+        raise InvalidArgumentError(f"{what}: {error}") from None
+    return _validated(source, what)
+
+
+def check_response_format(response_format: Any) -> tuple[str, str] | None:
+    """OpenAI's ``response_format`` as ``(kind, llguidance grammar)``; None for ``{"type": "text"}`` or None.  Takes
+    ``{"type": "json_object"}`` and ``{"type": "json_schema", "json_schema": {"name": str, "schema": {...}, "strict":
+    bool}}`` (``name`` required, as OpenAI; ``schema`` absent: any JSON value).  Raises InvalidArgumentError naming the
+    part that is wrong."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, Mapping):
+        raise InvalidArgumentError("response_format must be an object with a 'type'")
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return kind, check_json_schema({"type": "object"}, "response_format")
+    if kind != "json_schema":
+        raise InvalidArgumentError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise InvalidArgumentError("response_format.json_schema must be an object with 'name' and 'schema'")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise InvalidArgumentError("response_format.json_schema.name must be a non-empty string")
+    if not isinstance(spec.get("strict", False), bool) and spec.get("strict") is not None:
+        raise InvalidArgumentError("response_format.json_schema.strict must be a bool")
+    return kind, check_json_schema(spec.get("schema", True), "response_format.json_schema.schema")
+
+
+def structured_available(tokenizer: Any) -> bool:
+    """llguidance is installed and reads ``tokenizer``: a forced tool call is then constrained to its schema (else
+    only its prefix is forced, as before)."""
+    try:
+        llguidance_tokenizer(tokenizer)
+    except InvalidArgumentError:
+        return False
+    return True
+
+
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, close_id: int | None = None) -> str:
+    """The llguidance grammar of what follows the prefix :func:`~prefixcache.engine.chat.check_tool_choice` forces:
+    for a named function, `` {arguments}}\\n</tool_call>``; else (``"required"``) one of the tools' names, then
+    ``", "arguments": {arguments}}\\n</tool_call>``; the arguments valid against that function's ``parameters``
+    (absent: any object; keywords llguidance does not implement are ignored, as a forced call worked before they
+    were checked).  ``close_id`` is the id of ``</tool_call>`` where the tokenizer has it as one added token (Qwen's):
+    the grammar then ends on that token, the one the template renders (spelled as text, pieces would be allowed too,
+    and the next turn's rendering would not repeat them).  Raises InvalidArgumentError naming the tool whose parameters
+    do not compile."""
+    rules, choices = [], []
+    for index, tool in enumerate(tools):
+        function = tool.get("function", tool)
+        tool_name = function.get("name")
+        if name is not None and tool_name != name:
+            continue
+        parameters = function.get("parameters") or {"type": "object"}
+        check_json_schema(parameters, f"tools[{index}].function.parameters", lenient=True)
+        parameters = parameters if isinstance(parameters, Mapping) else {}
+        # %json in a Lark grammar takes the compiler's options from the schema's own "x-guidance" key.
+        options = {**_JSON_OPTIONS, "lenient": True}
+        rules.append(f"args{index}: %json {json.dumps({**parameters, 'x-guidance': options})}")
+        # The forced prefix of "required" ends inside the name's string: the rest of the name as JSON writes it.
+        head = "" if name is not None else json.dumps(tool_name, ensure_ascii=False)[1:] + ', "arguments":'
+        choices.append(f"{_lark_literal(head + ' ')} args{index}")
+    close = _lark_literal("}\n" + TOOL_CALL_CLOSE) if close_id is None else f'"}}\\n" <[{close_id}]>'
+    lark = "start: (" + " | ".join(choices) + ") " + close + "\n" + "\n".join(rules) + "\n"
+    return _validated(_llguidance().LLMatcher.grammar_from_lark(lark), "tools")
+
+
+def _lark_literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def llguidance_tokenizer(tokenizer: Any) -> Any:
+    """llguidance's ``LLTokenizer`` for a prefixcache tokenizer, made once per tokenizer ``name`` (an HF tokenizer's
+    takes about a second).  The byte tokenizer's ids are its 256 bytes and its specials; an
+    :class:`~prefixcache.chat.hf_tokenizer.HFTokenizer` goes through llguidance's reader of HF fast tokenizers.  Raises
+    InvalidArgumentError for any other kind (a slow, sentencepiece-only tokenizer)."""
+    key = tokenizer.name
+    with _TOKENIZERS_LOCK:
+        made = _TOKENIZERS.get(key)
+        if made is None:
+            made = _TOKENIZERS[key] = _make_tokenizer(tokenizer)
+    return made
+
+
+class _ByteTokens:
+    """What llguidance's ``TokenizerWrapper`` reads of a byte-level tokenizer."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from prefixcache.chat.tokenizer import BYTE_SPECIAL_TOKENS
+
+        specials = sorted(BYTE_SPECIAL_TOKENS.items(), key=lambda item: item[1])
+        self.tokens = [bytes([i]) for i in range(256)] + [spelled.encode() for spelled, _ in specials]
+        self.special_token_ids = [token_id for _, token_id in specials]
+        self.eos_token_id = min(tokenizer.eos_token_ids)
+        self.bos_token_id = None
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+
+class _ByteLevelTokens:
+    """A byte-level BPE tokenizer (GPT-2's, Qwen's, Llama 3's) as llguidance's ``TokenizerWrapper`` reads it: every
+    id's bytes, and as special only the tokenizer's special tokens.  llguidance's own reader makes every added token
+    special, and a special token is never text: Qwen's ``<tool_call>`` (added, not special) inside a JSON string, as
+    its tokenizer encodes that text, would be refused."""
+
+    def __init__(self, hf: Any, eos: Sequence[int]) -> None:
+        # GPT-2's reversible map of bytes to printable characters, inverted.
+        printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+        chars = printable + [256 + n for n in range(256 - len(printable))]
+        shown = {chr(c): b for b, c in zip(printable + sorted(set(range(256)) - set(printable)), chars, strict=True)}
+        added = hf.added_tokens_decoder
+        special = set(hf.all_special_ids)
+        self.tokens: list[bytes] = []
+        for token_id, piece in enumerate(hf.convert_ids_to_tokens(list(range(len(hf))))):
+            if token_id in added:
+                self.tokens.append(added[token_id].content.encode("utf-8"))
+            else:
+                self.tokens.append(bytes(shown[c] for c in piece) if all(c in shown for c in piece) else b"")
+        self.special_token_ids = sorted(special | set(eos))
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = None
+        self._hf = hf
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        text = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+        return self._hf.encode(text, add_special_tokens=False)
+
+
+def _make_tokenizer(tokenizer: Any) -> Any:
+    from prefixcache.chat.tokenizer import ByteTokenizer
+
+    llg = _llguidance()
+    eos = sorted(tokenizer.eos_token_ids)
+    if isinstance(tokenizer, ByteTokenizer):
+        return llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokens(tokenizer)), eos_token=eos)
+    hf = getattr(tokenizer, "tokenizer", None)
+    if hf is not None and getattr(hf, "is_fast", False):
+        if json.loads(hf.backend_tokenizer.to_str()).get("decoder", {}).get("type") == "ByteLevel":
+            return llg.LLTokenizer(llg.TokenizerWrapper(_ByteLevelTokens(hf, eos)), eos_token=eos)
+        from llguidance.hf import from_tokenizer
+
+        return from_tokenizer(hf, n_vocab=tokenizer.vocab_size, eos_token=eos or None)
+    raise InvalidArgumentError(f"structured outputs need a byte or a Hugging Face fast tokenizer, not {tokenizer!r}")
+
+
+class Grammar:
+    """A compiled constraint (llguidance grammar ``source``, JSON text) for the ids of ``tokenizer``.  Immutable;
+    equal when source and tokenizer name are (so ``SamplingParams`` stays comparable and hashable).  Make one with
+    :meth:`json_schema`, :meth:`json_object` or :meth:`tool_call`."""
+
+    __slots__ = ("kind", "source", "tokenizer_name", "vocab")
+
+    def __init__(self, source: str, tokenizer: Any, kind: str = "grammar") -> None:
+        self.vocab = llguidance_tokenizer(tokenizer)
+        self.source = _validated(source, kind, self.vocab)
+        self.tokenizer_name = tokenizer.name
+        self.kind = kind
+
+    @classmethod
+    def json_schema(cls, schema: Any, tokenizer: Any) -> Grammar:
+        """JSON valid against ``schema``.  Raises InvalidArgumentError for a schema llguidance cannot compile."""
+        return cls(check_json_schema(schema), tokenizer, "json_schema")
+
+    @classmethod
+    def json_object(cls, tokenizer: Any) -> Grammar:
+        """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+        return cls(check_json_schema({"type": "object"}, "json_object"), tokenizer, "json_object")
+
+    @classmethod
+    def tool_call(cls, tools: Sequence[Mapping[str, Any]], name: str | None, tokenizer: Any) -> Grammar:
+        """The rest of a forced tool call (:func:`tool_call_grammar`)."""
+        try:
+            close_id = tokenizer.special_token_id(TOOL_CALL_CLOSE)
+        except InvalidArgumentError:
+            close_id = None
+        return cls(tool_call_grammar(tools, name, close_id), tokenizer, "tool_call")
+
+    def start(self) -> GrammarState:
+        """A fresh matcher at the grammar's start.  O(grammar size) to build its parser."""
+        return GrammarState(self)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Grammar):
+            return NotImplemented
+        return (self.source, self.tokenizer_name) == (other.source, other.tokenizer_name)
+
+    def __hash__(self) -> int:
+        return hash((self.source, self.tokenizer_name))
+
+    def __repr__(self) -> str:
+        return f"Grammar({self.kind}, {len(self.source)} chars, tokenizer={self.tokenizer_name!r})"
+
+
+class GrammarState:
+    """One request's position in its grammar: the ids allowed next, tokens accepted one by one.  Not thread-safe."""
+
+    __slots__ = ("_eos_ids", "_matcher", "vocab_size")
+
+    def __init__(self, grammar: Grammar) -> None:
+        self._matcher = _llguidance().LLMatcher(grammar.vocab, grammar.source)
+        self._eos_ids = tuple(grammar.vocab.eos_tokens)
+        self.vocab_size: int = grammar.vocab.vocab_size
+        """The ids the tokenizer knows, ``[0, vocab_size)``: the width of the mask."""
+        self._check()
+
+    @property
+    def accepting(self) -> bool:
+        """The text so far is a complete sentence of the grammar (the request may stop here)."""
+        return self._matcher.is_accepting()
+
+    @property
+    def done(self) -> bool:
+        """Nothing more of the grammar may follow: only a stop token, or the request ends here."""
+        return self._matcher.is_stopped()
+
+    def allowed(self, width: int, stop_ids: Collection[int], device: torch.device) -> torch.Tensor:
+        """``[width]`` bool: the ids the grammar allows next, ids at or above the tokenizer's vocabulary never, the
+        request's ``stop_ids`` exactly when the text may end here (llguidance's own end-of-sequence ids no further).
+        O(vocab) (the matcher computes the mask lazily over its token trie; one byte per id is copied).  Raises
+        InvalidTokensError where nothing is allowed (a complete grammar and no stop token: the request has ended)."""
+        bias = torch.frombuffer(bytearray(self._matcher.compute_logit_bias()), dtype=torch.uint8)
+        allowed = torch.zeros(width, dtype=torch.bool)
+        known = min(width, bias.shape[0])
+        allowed[:known] = bias[:known] != 0
+        ends = self.accepting
+        for token_id in self._eos_ids:
+            if token_id < width:
+                allowed[token_id] = False
+        for token_id in stop_ids:
+            if token_id < width:
+                allowed[token_id] = ends
+        if not allowed.any():  # on the host, before the copy: no sync with the device
+            raise InvalidTokensError(f"the grammar allows no token here: {self._matcher.get_error() or 'complete'}")
+        return allowed.to(device, non_blocking=True)
+
+    def accept(self, token_id: int, stop_ids: Collection[int]) -> None:
+        """Advance past ``token_id``, the token just picked; a stop token where the text may end changes nothing (the
+        request ends on it).  Raises InvalidTokensError for a token the grammar refuses (a caller that picked outside
+        :meth:`allowed`)."""
+        if token_id in stop_ids and self.accepting:
+            return
+        if not self._matcher.consume_token(token_id):
+            raise InvalidTokensError(f"token {token_id} does not follow the grammar: {self._matcher.get_error()}")
+
+    def _check(self) -> None:
+        if self._matcher.is_error():
+            raise InvalidArgumentError(f"grammar: {self._matcher.get_error()}")

@@ -1,0 +1,160 @@
+"""``response_format`` and schema-constrained forced tool calls through the real ``openai`` client (in-process ASGI),
+with the random-weight tiny model: the answer parses and validates, the SDK's ``parse`` returns the typed object,
+a bad schema is a 400 naming ``response_format``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Literal
+
+import pydantic
+import pytest
+
+from tests.serve.conftest import require
+
+require("llguidance", "structured")
+jsonschema = pytest.importorskip("jsonschema")
+
+import openai  # noqa: E402
+
+from prefixcache import PrefixCachingRunner  # noqa: E402
+from prefixcache.models.llama import build_model  # noqa: E402
+from prefixcache.testing import assert_quiescent  # noqa: E402
+
+ASK = [{"role": "user", "content": "Describe a city as JSON."}]
+CITY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "size": {"enum": ["small", "big"]},
+        "coastal": {"type": "boolean"},
+    },
+    "required": ["name", "size", "coastal"],
+    "additionalProperties": False,
+}
+
+
+class City(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    size: Literal["small", "big"]
+    coastal: bool
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_model("tiny", device="cpu")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_json_schema_answer_validates_against_it(make_app, asgi_client, tiny, temperature: float) -> None:
+    app = make_app(PrefixCachingRunner(tiny, cache_tokens=4096), model_name="tiny")
+    response_format = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
+
+    async def main():
+        return await asgi_client(app).chat.completions.create(
+            model="tiny", messages=ASK, response_format=response_format, max_tokens=100, temperature=temperature, seed=1
+        )
+
+    choice = run(main()).choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), CITY)
+    assert_quiescent(app.state.runner.cache)
+
+
+def test_the_sdks_parse_returns_the_validated_model(make_app, asgi_client, tiny) -> None:
+    app = make_app(PrefixCachingRunner(tiny, cache_tokens=4096), model_name="tiny")
+
+    async def main():
+        client = asgi_client(app)
+        return await client.chat.completions.parse(model="tiny", messages=ASK, response_format=City, max_tokens=100)
+
+    parsed = run(main()).choices[0].message.parsed
+    assert isinstance(parsed, City)
+
+
+def test_json_object_on_chat_and_a_schema_on_completions(make_app, asgi_client, tiny) -> None:
+    app = make_app(PrefixCachingRunner(tiny, cache_tokens=4096), model_name="tiny")
+
+    async def main():
+        client = asgi_client(app)
+        chat = await client.chat.completions.create(
+            model="tiny", messages=ASK, response_format={"type": "json_object"}, max_tokens=200
+        )
+        completion = await client.completions.create(
+            model="tiny",
+            prompt="City: ",
+            max_tokens=100,
+            extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}},
+        )
+        return chat.choices[0], completion.choices[0]
+
+    chat, completion = run(main())
+    if chat.finish_reason == "stop":
+        assert isinstance(json.loads(chat.message.content), dict)
+    else:
+        assert chat.message.content.startswith("{")
+    jsonschema.validate(json.loads(completion.text), CITY)
+
+
+@pytest.mark.parametrize(
+    "response_format",
+    [
+        {"type": "json_schema", "json_schema": {"name": "c", "schema": {"type": "frob"}}},
+        {"type": "json_schema", "json_schema": {"schema": CITY}},
+        {"type": "json_schema"},
+        {"type": "grammar"},
+    ],
+)
+def test_a_bad_response_format_is_a_400_naming_it(make_app, asgi_client, tiny, response_format) -> None:
+    app = make_app(PrefixCachingRunner(tiny, cache_tokens=4096), model_name="tiny")
+
+    async def main():
+        return await asgi_client(app).chat.completions.create(
+            model="tiny", messages=ASK, response_format=response_format
+        )
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        run(main())
+    assert caught.value.body["param"] == "response_format"
+    assert app.state.runner.cache.stats().cached_tokens == 0
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {key: {"type": "string", "maxLength": 6} for key in keys},
+                "required": list(keys),
+                "additionalProperties": False,
+            },
+        },
+    }
+    for name, keys in (("get_weather", ("city",)), ("write_file", ("path", "text")))
+]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "write_file"}}])
+def test_a_forced_tool_calls_arguments_follow_its_parameters(make_app, asgi_client, tiny, tool_choice) -> None:
+    app = make_app(PrefixCachingRunner(tiny, cache_tokens=8192), model_name="tiny")
+
+    async def main():
+        return await asgi_client(app).chat.completions.create(
+            model="tiny", messages=ASK, tools=TOOLS, tool_choice=tool_choice, max_tokens=120, temperature=0.8, seed=2
+        )
+
+    choice = run(main()).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    [tool] = [t for t in TOOLS if t["function"]["name"] == call.function.name]
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "write_file"
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert_quiescent(app.state.runner.cache)
