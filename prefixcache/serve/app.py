@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import json
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -41,6 +42,7 @@ from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import CapacityError, OutOfBlocksError, PoolBusyError, PrefixCacheError
 from prefixcache.serve.auth import ApiKeys, Unauthorized
 from prefixcache.serve.echo import echoed_logprobs, echoed_usage, merge_logprobs, prompt_logprobs_job, running_usage
+from prefixcache.serve.jobs import deliveries, ending, merged_choices, sample_request_id, sample_seed
 from prefixcache.serve.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from prefixcache.serve.metrics import CONTENT_TYPE, ServerMetrics
 from prefixcache.serve.protocol import (
@@ -105,31 +107,6 @@ async def _closing(lines: AsyncIterator[str], events: Any) -> AsyncIterator[str]
 
 Submit = Callable[[Callable[[Any], None] | None], tuple[RequestHandle, Future[Any]]]
 """``submit(on_delta)``: start a request on the engine; its handle (to cancel it) and the future of its outcome."""
-
-
-def _deliveries(on_delta: Callable[[Any], None] | None, logprobs: int | None) -> dict[str, Any]:
-    """:func:`submit_chat`'s callbacks for a job whose events go to ``on_delta``: each text delta as ``(text, the
-    logprob records of the tokens since the previous delta)`` (``()`` when not asked).  On the engine thread."""
-    if on_delta is None:
-        return {}
-    if logprobs is None:
-        return {"on_delta": lambda text: on_delta((text, ()))}
-    pending: list[Any] = []
-
-    def delta(text: str) -> None:
-        records = tuple(pending)
-        pending.clear()
-        on_delta((text, records))
-
-    return {"on_delta": delta, "on_logprob": pending.append}
-
-
-def _ending(future: Future[Any]) -> tuple[str, Any]:
-    """A finished request's event: ``("done", value)``, ``("error", exception)`` or ``("cancelled", None)``."""
-    error = future.exception()
-    if isinstance(error, CancelledError):
-        return "cancelled", None
-    return ("error", error) if error is not None else ("done", future.result())
 
 
 _T = TypeVar("_T")
@@ -248,8 +225,8 @@ def create_app(
 
     async def run_job(submit: Submit) -> AsyncIterator[tuple[str, Any]]:
         """A streamed request's events: its deltas (what ``submit`` hands ``on_delta``: ``(text, logprob records)``),
-        then its end (see :func:`_ending`; a request refused at submit ends with ``"error"`` at once).  Closing this
-        cancels the request."""
+        then its end (see :func:`~prefixcache.serve.jobs.ending`; a request refused at submit ends with ``"error"``
+        at once).  Closing this cancels the request."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -258,7 +235,7 @@ def create_app(
 
         def ended(future: Future[Any]) -> None:
             try:
-                loop.call_soon_threadsafe(events.put_nowait, _ending(future))
+                loop.call_soon_threadsafe(events.put_nowait, ending(future))
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 pass
 
@@ -277,6 +254,16 @@ def create_app(
         finally:
             handle.cancel()
 
+    async def finish_samples(start: Callable[..., Any], request: Request, n: int) -> list[tuple[str, Any]]:
+        """The ends (:func:`finish_job`) of ``n`` samples, ``start(on_delta, sample=i)`` submitted together and
+        awaited in order; those still running when the handler stops are cancelled."""
+        tasks = [asyncio.ensure_future(finish_job(functools.partial(start, sample=i), request)) for i in range(n)]
+        try:
+            return [await task for task in tasks]
+        finally:
+            for task in tasks:
+                task.cancel()
+
     async def finish_job(submit: Submit, request: Request) -> tuple[str, Any]:
         """A request's end only: one future and one wake-up of the event loop, where a stream needs a queue.  A
         client that disconnects first, or a handler cancelled while waiting, cancels the engine request (``("gone",
@@ -294,7 +281,7 @@ def create_app(
 
         def on_done(done: Future[Any]) -> None:
             try:
-                loop.call_soon_threadsafe(settle, _ending(done))
+                loop.call_soon_threadsafe(settle, ending(done))
             except RuntimeError:
                 pass
 
@@ -406,7 +393,7 @@ def create_app(
         request_id = "chatcmpl-" + uuid.uuid4().hex
         prompt_tokens = [0]  # the prompt's length once rendered, for continuous usage
 
-        def start(on_delta: Callable[[Any], None] | None) -> tuple[RequestHandle, Future[ChatCompletion]]:
+        def start(on_delta: Callable[[Any], None] | None, sample: int = 0) -> tuple[RequestHandle, Future[Any]]:
             prepared = prepare_chat(
                 runner.tokenizer,
                 chat.messages,
@@ -416,11 +403,12 @@ def create_app(
                 request_id=request_id,
                 template_kwargs=chat.template_kwargs,
                 response_format=chat.response_format,
-                **chat.sampling,
+                **{**chat.sampling, "seed": sample_seed(chat.sampling.get("seed"), sample)},
             )
             prompt_tokens[0] = len(prepared.prompt_ids)
-            deliveries = _deliveries(on_delta, chat.sampling.get("logprobs"))
-            return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, **deliveries)
+            callbacks = deliveries(on_delta, chat.sampling.get("logprobs"))
+            sample_id = sample_request_id(request_id, sample)
+            return submit_chat(engine, prepared, namespace=namespace, request_id=sample_id, **callbacks)
 
         def logprobs_of(records: Any) -> dict[str, Any] | None:
             return None if chat.logprobs is None else chat_logprobs(records, strings)
@@ -430,11 +418,14 @@ def create_app(
                 chunk["usage"] = running_usage(prompt_tokens[0], tokens)
             return chunk
 
-        if not chat.stream:
-            done = outcome(*await finish_job(start, request), "/v1/chat/completions")
-            if isinstance(done, Response):
-                return done
-            return _json(chat_response(request_id, model_name, done, logprobs_of(done.logprobs)))
+        if not chat.stream:  # n samples, each its own request (prefix-aware admission prefills the prompt once)
+            bodies = []
+            for end in await finish_samples(start, request, chat.n):
+                done = outcome(*end, "/v1/chat/completions")
+                if isinstance(done, Response):
+                    return done
+                bodies.append(chat_response(request_id, model_name, done, logprobs_of(done.logprobs)))
+            return _json(merged_choices(bodies))
         events = run_job(start)
         answered, head = await _unless_gone(request, anext(events))  # a queued request waits here for its first token
         if not answered:
@@ -480,17 +471,18 @@ def create_app(
         ids = runner.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
         vocab_limit = runner.tokenizer.vocab_size
 
-        def start(on_delta: Callable[[Any], None] | None) -> tuple[RequestHandle, Future[ChatCompletion]]:
+        def start(on_delta: Callable[[Any], None] | None, sample: int = 0) -> tuple[RequestHandle, Future[Any]]:
             prepared = prepare_completion(
                 runner.tokenizer,
                 ids,
                 stop=body.stop,
                 request_id=request_id,
                 response_format=body.response_format,
-                **body.sampling,
+                **{**body.sampling, "seed": sample_seed(body.sampling.get("seed"), sample)},
             )
-            deliveries = _deliveries(on_delta, body.sampling.get("logprobs"))
-            return submit_chat(engine, prepared, namespace=namespace, request_id=request_id, **deliveries)
+            callbacks = deliveries(on_delta, body.sampling.get("logprobs"))
+            sample_id = sample_request_id(request_id, sample)
+            return submit_chat(engine, prepared, namespace=namespace, request_id=sample_id, **callbacks)
 
         def logprobs_of(records: Any, offset: int) -> tuple[dict[str, Any] | None, int]:
             return (None, offset) if body.logprobs is None else completion_logprobs(records, strings, offset)
@@ -510,13 +502,16 @@ def create_app(
                 echo_logprobs, echo_offset = echoed_logprobs(first, ids, body.logprobs, vocab_limit, strings)
 
         if not body.stream:
-            done = outcome(*await finish_job(start, request), "/v1/completions")
-            if isinstance(done, Response):
-                return done
-            text = echo_text + (done.content or "")
-            logprobs = merge_logprobs(echo_logprobs, logprobs_of(done.logprobs, echo_offset)[0])
-            usage = echoed_usage(prefill, done.usage)
-            return _json(completion_response(request_id, model_name, text, done.finish_reason, usage, logprobs))
+            bodies = []
+            for end in await finish_samples(start, request, body.n):
+                done = outcome(*end, "/v1/completions")
+                if isinstance(done, Response):
+                    return done
+                text = echo_text + (done.content or "")
+                logprobs = merge_logprobs(echo_logprobs, logprobs_of(done.logprobs, echo_offset)[0])
+                usage = echoed_usage(prefill, done.usage)
+                bodies.append(completion_response(request_id, model_name, text, done.finish_reason, usage, logprobs))
+            return _json(merged_choices(bodies))
         events = run_job(start)
         answered, head = await _unless_gone(request, anext(events))  # a queued request waits here for its first token
         if not answered:

@@ -1,7 +1,7 @@
 """The OpenAI wire format: request bodies checked into typed records, and the response and chunk objects.
 
-Only what the server really does is accepted.  A field it cannot honour (``n`` > 1, chat's ``echo``, any unknown
-field) is a 400 in OpenAI's error shape naming the parameter, never silently ignored;
+Only what the server really does is accepted.  A field it cannot honour (``n`` > 1 with streaming, chat's ``echo``,
+any unknown field) is a 400 in OpenAI's error shape naming the parameter, never silently ignored;
 fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``) pass.  The sampling
 fields are OpenAI's (``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``
 with string keys of token ids) and vLLM's extra ones (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
@@ -54,6 +54,9 @@ __all__ = [
     "usage_json",
 ]
 
+MAX_CHOICES = 16
+"""The most samples (``n``) one request may ask for: each is an engine request of its own."""
+
 DEFAULT_MAX_TOKENS = 256
 """Tokens generated when a request gives neither ``max_tokens`` nor ``max_completion_tokens``."""
 
@@ -105,6 +108,7 @@ class _Common:
     stop: tuple[str, ...]
     sampling: dict[str, Any]
     continuous_usage: bool = False
+    n: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,8 @@ class ChatRequest:
     """``stream_options.continuous_usage_stats``: every chunk carries the usage so far (vLLM's extension)."""
     response_format: dict[str, Any] | None = None
     """OpenAI's ``json_object`` or ``json_schema`` format, checked; None for text."""
+    n: int = 1
+    """Samples of the prompt (choices), each its own engine request (:mod:`prefixcache.serve.jobs`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,6 +151,7 @@ class CompletionRequest:
     echo: bool = False
     continuous_usage: bool = False
     response_format: dict[str, Any] | None = None
+    n: int = 1
 
 
 def _response_format(body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -184,11 +191,14 @@ def _common(
     if not isinstance(model, str) or not model:
         raise BadRequest("model must be a non-empty string", "model")
     n = body.get("n")
-    if n is not None and (isinstance(n, bool) or n != 1):
-        raise BadRequest("only n=1 is supported", "n")
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean", "stream")
+    if n > 1 and stream:
+        raise BadRequest("n > 1 is served without streaming; set stream to false or n to 1", "n")
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping) or set(options) - {"include_usage", "continuous_usage_stats"}:
         raise BadRequest("stream_options supports include_usage and continuous_usage_stats", "stream_options")
@@ -218,7 +228,7 @@ def _common(
     sampling = {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
     sampling.update(_sampling_options(body, max_tokens, vocab_size))
     continuous = bool(options.get("continuous_usage_stats"))
-    return _Common(model, stream, bool(options.get("include_usage")), stop, sampling, continuous)
+    return _Common(model, stream, bool(options.get("include_usage")), stop, sampling, continuous, n)
 
 
 def _sampling_options(body: Mapping[str, Any], max_tokens: int, vocab_size: int | None) -> dict[str, Any]:
@@ -387,6 +397,7 @@ def parse_chat_request(body: Any, vocab_size: int | None = None) -> ChatRequest:
         logprobs=logprobs,
         continuous_usage=common.continuous_usage,
         response_format=response_format,
+        n=common.n,
     )
 
 
@@ -415,7 +426,11 @@ def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
         raise BadRequest("echo must be a boolean", "echo")
     fields = (common.model, prompt, common.stream, common.include_usage, common.stop, sampling, logprobs)
     return CompletionRequest(
-        *fields, echo=echo, continuous_usage=common.continuous_usage, response_format=_response_format(body)
+        *fields,
+        echo=echo,
+        continuous_usage=common.continuous_usage,
+        response_format=_response_format(body),
+        n=common.n,
     )
 
 
