@@ -219,3 +219,27 @@ def test_a_repeated_prompt_resumes_before_its_last_token_and_inner_states_serve_
     assert result.usage.cached_tokens == 32 and result.usage.unresumed_tokens == 8
     assert list(result.token_ids) == _hf_generate(hybrid, other, 3)
     assert_quiescent(runner.cache)
+
+
+def test_a_request_preempted_mid_prompt_with_prompt_logits_resumes_and_keeps_the_state_before_its_last_token(hybrid):
+    # The first request decodes past its block while the second, admitted after it, is still prefilling: the second
+    # is preempted inside its prompt.  Owing prompt logits, it resumes matching no further than its first missing row.
+    runner = PrefixCachingRunner(hybrid, cache_tokens=64, block_size=BLOCK_SIZE, state_interval_blocks=0)
+    engine = BatchEngine(runner, max_batch_tokens=8)
+    first, second = _prompt(11, 15), _prompt(12, 40)
+    decoding = engine.submit(first, SamplingParams(max_new_tokens=20))
+    preempted = engine.submit(second, SamplingParams(max_new_tokens=3), return_logits=True)
+    engine.run_until_idle()
+    assert engine.core.preempted_requests == 1
+    result = preempted.result()
+    assert list(result.token_ids) == _hf_generate(hybrid, second, 3)
+    torch.testing.assert_close(
+        result.prompt_logits,
+        hybrid.forward_reference(torch.tensor(second), return_logits=True),
+        atol=SPLIT_ATOL,
+        rtol=0,
+    )
+    assert list(decoding.result().token_ids) == _hf_generate(hybrid, first, 20)
+    assert len(second) - 1 in runner.cache.state_positions(second, runner.namespace_key(None))
+    assert_quiescent(runner.cache)
+    engine.close()
