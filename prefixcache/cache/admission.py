@@ -372,6 +372,7 @@ class Admission:
         n = full * bs + rows
         if n <= first_owned * bs:
             # Nothing beyond the locked prefix that a whole block could hold.
+            _extend_prompt(lease, q)
             if state is not None:
                 self.keep_state(q, lease.namespace, len(q), state, nbytes)
             return InsertResult(0, n, 0)
@@ -390,18 +391,21 @@ class Admission:
         lease.lock = handle
         lease.block_table[:full] = match.block_table
         lease.first_owned_block = full
+        _extend_prompt(lease, q)
         if state is not None:
             self.keep_state(q, lease.namespace, len(q), state, nbytes)
         return result
 
     def put_state(self, lease: Lease, num_tokens: int, state: object, nbytes: int) -> bool:
-        """Keep ``state`` (``nbytes`` bytes, checked by the caller) at position ``num_tokens`` of the lease's prompt,
-        if the tree holds the prompt's first ``num_tokens`` tokens (else it is dropped and counted).  Returns whether
+        """Keep ``state`` (``nbytes`` bytes, checked by the caller) at position ``num_tokens`` of the lease's prompt
+        (or of the longer tokens given to :meth:`insert_prefix`), if the tree holds its first ``num_tokens`` tokens
+        (else it is dropped and counted).  Returns whether
         it was kept.  O(depth) plus the O(log n) of the store.
 
         Raises:
             LockError: the lease is closed.
-            InvalidArgumentError: ``num_tokens`` is not an int in ``1 .. len(prompt)``.
+            InvalidArgumentError: ``num_tokens`` is not an int in ``1 .. len(prompt)`` (the longer of the acquired
+                prompt and the tokens given to :meth:`insert_prefix`).
         """
         self.check_lease(lease, "put_state")
         prompt = lease.token_ids
@@ -464,6 +468,13 @@ class Admission:
             raise LockError(closed_message or f"{what} on a closed lease")
         if lease.lock.released:
             raise LockError(f"{what} on a lease whose lock was released directly; release() it")
+
+
+def _extend_prompt(lease: Lease, q: array) -> None:
+    """After ``q`` went to :meth:`Admission.insert_prefix`: tokens beyond a shorter acquired prompt (a resumed request
+    matches a prefix of what it knows) become the lease's prompt, so that :meth:`Admission.put_state` reaches them."""
+    if len(q) > len(lease.token_ids):
+        lease.token_ids = q
 
 
 def _holding(node: Node, num_tokens: int) -> Node:

@@ -386,6 +386,7 @@ class RadixCache:
     def put_state(self, lease: Lease, num_tokens: int, state: object) -> bool:
         """Keep ``state``, taken after the lease prompt's first ``num_tokens`` tokens (e.g. at a block boundary of a
         chunked prefill), if the tree holds them (after :meth:`insert_prefix`), else drop it; returns whether kept.
+        The prompt is the one acquired, or the longer tokens given to :meth:`insert_prefix` since.
 
         Raises: InvalidArgumentError: no resume states, a bad ``state`` or ``num_tokens``.  LockError: closed lease.
         """

@@ -174,6 +174,20 @@ def test_put_state_keeps_states_inside_the_prompt_once_the_tree_holds_it() -> No
     assert cache.acquire(prompt).num_cached_tokens == 8
 
 
+def test_put_state_reaches_the_tokens_given_to_insert_prefix_beyond_a_shorter_acquired_prompt() -> None:
+    # A resumed request may acquire a prefix of what it knows (the engine does, owing prompt logits) and insert more.
+    cache = make_cache()
+    prompt = SEQ[:14]
+    lease = cache.acquire(prompt[:5], num_tokens=len(prompt))
+    cache.insert_prefix(lease, prompt, state=StateMarker(5))
+    assert cache.put_state(lease, 13, StateMarker(5)) is True
+    with pytest.raises(InvalidArgumentError):
+        cache.put_state(lease, 15, StateMarker(5))
+    cache.commit(lease, prompt)
+    assert cache.state_positions(prompt) == [13, 14]
+    cache.check_invariants()
+
+
 def test_insert_prefix_that_caches_only_whole_blocks_drops_the_state() -> None:
     cache = make_cache(num_blocks=3)
     prompt = SEQ[:10]  # 3 blocks, all the lease's: no block is left for the copy of the partial one

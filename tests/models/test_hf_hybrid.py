@@ -239,3 +239,38 @@ def test_the_replay_takes_a_hybrid_model_and_verifies_it(tmp_path, source, capsy
     assert report["requests"] > 4 and report["cached_tokens"] > 0  # four conversations, every turn verified
     assert 0 <= report["max_abs_logit_diff"] <= 2e-3
     assert "Qwen3NextForCausalLM" in capsys.readouterr().out
+
+
+def test_a_request_preempted_mid_prompt_with_prompt_logits_resumes_and_keeps_the_state_before_its_last_token(hybrid):
+    # The first request decodes past its block while the second, admitted after it, is still prefilling: the second
+    # is preempted inside its prompt.  Owing prompt logits, it resumes matching no further than its first missing row.
+    runner = PrefixCachingRunner(hybrid, cache_tokens=64, block_size=BLOCK_SIZE, state_interval_blocks=0)
+    engine = BatchEngine(runner, max_batch_tokens=8)
+    first, second = _prompt(11, 15), _prompt(12, 40)
+    decoding = engine.submit(first, SamplingParams(max_new_tokens=20))
+    preempted = engine.submit(second, SamplingParams(max_new_tokens=3), return_logits=True)
+    engine.run_until_idle()
+    assert engine.core.preempted_requests == 1
+    result = preempted.result()
+    assert list(result.token_ids) == _hf_generate(hybrid, second, 3)
+    torch.testing.assert_close(
+        result.prompt_logits,
+        hybrid.forward_reference(torch.tensor(second), return_logits=True),
+        atol=SPLIT_ATOL,
+        rtol=0,
+    )
+    assert list(decoding.result().token_ids) == _hf_generate(hybrid, first, 20)
+    assert len(second) - 1 in runner.cache.state_positions(second, runner.namespace_key(None))
+    assert_quiescent(runner.cache)
+    engine.close()
+
+
+@pytest.mark.parametrize("model_type", HYBRID_MODEL_TYPES)
+def test_a_bf16_hybrid_is_served_and_its_greedy_output_equals_generate(model_type):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(model_type)).eval().to(torch.bfloat16)
+    wrapped = HFCausalLM(model)  # the wrap-time resume check takes bf16 rounding for what it is
+    prompt = _prompt(13, 40)
+    runner = PrefixCachingRunner(wrapped, cache_tokens=1024, block_size=BLOCK_SIZE)
+    assert list(runner.generate(prompt, SamplingParams(max_new_tokens=4)).token_ids) == _hf_generate(wrapped, prompt, 4)
