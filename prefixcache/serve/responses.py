@@ -10,7 +10,7 @@ renders to the tokens of the turn before and hits the cache.  A stored response 
 conversation (instructions excluded: OpenAI does not carry them over), never tensors.
 
 Only what the server really does is accepted; a field that would change the answer unseen (hosted tools, a
-``text.format`` other than text, ``max_tool_calls``, ``top_logprobs``, ``background``, a reasoning summary, images)
+``max_tool_calls``, ``top_logprobs``, ``background``, a reasoning summary, images)
 is a 400 naming it.  ``store``, ``metadata``, ``user``, ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
 ``parallel_tool_calls`` and ``truncation`` change nothing here (nothing is truncated: a conversation past the context
 fails either way); ``include: ["reasoning.encrypted_content"]`` has nothing to include.  Sampling defaults are the
@@ -32,6 +32,7 @@ from typing import Any
 
 from prefixcache.chat.template import join_text_parts
 from prefixcache.engine.chat import ChatCompletion, check_tool_choice
+from prefixcache.engine.grammar import check_response_format
 from prefixcache.engine.results import Usage
 from prefixcache.errors import InvalidArgumentError, TemplateError
 from prefixcache.serve.protocol import DEFAULT_MAX_TOKENS, BadRequest
@@ -107,6 +108,8 @@ class ResponsesRequest:
     sampling: dict[str, Any]
     template_kwargs: dict[str, Any]
     echo: dict[str, Any]
+    response_format: dict[str, Any] | None = None
+    """``text.format`` as the chat layer's ``response_format`` (structured outputs); None for plain text."""
 
 
 def _typed(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
@@ -233,6 +236,25 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> Any:
     return choice
 
 
+def _response_format(text_format: Any) -> dict[str, Any] | None:
+    """``text.format`` (``text``, ``json_object``, or ``json_schema`` with its ``name``, ``schema`` and ``strict`` at
+    the top level, as the Responses API puts them) as the chat endpoint's ``response_format``, checked (its schema
+    compiled: :func:`~prefixcache.engine.grammar.check_response_format`); None for text.  Raises BadRequest naming
+    ``text.format``."""
+    if not isinstance(text_format, Mapping):
+        raise BadRequest(f"text.format must be an object, got {text_format!r}", "text.format")
+    kind = text_format.get("type")
+    if kind == "json_schema":
+        schema = {key: text_format[key] for key in ("name", "schema", "strict", "description") if key in text_format}
+        chat_format: dict[str, Any] = {"type": "json_schema", "json_schema": schema}
+    else:
+        chat_format = {"type": kind}
+    try:
+        return None if check_response_format(chat_format) is None else chat_format
+    except InvalidArgumentError as error:
+        raise BadRequest(str(error), "text.format") from None
+
+
 def _check_neutral(body: Mapping[str, Any]) -> dict[str, Any]:
     """Check the fields that change no answer here; returns the template variables (``reasoning.effort``)."""
     for name, neutral in _NEUTRAL.items():
@@ -246,8 +268,6 @@ def _check_neutral(body: Mapping[str, Any]) -> dict[str, Any]:
     if text is not None:
         if not isinstance(text, Mapping) or set(text) - {"format", "verbosity"}:
             raise BadRequest("text supports only format and verbosity", "text")
-        if text.get("format") not in (None, _TEXT_FORMAT["format"]):
-            raise BadRequest("only text.format {'type': 'text'} is supported", "text.format")
     include = body.get("include")
     if include is not None and (not isinstance(include, list) or set(include) - _INCLUDABLE):
         raise BadRequest(f"include supports only {sorted(_INCLUDABLE)}, got {include!r}", "include")
@@ -288,6 +308,8 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     if not isinstance(model, str) or not model:
         raise BadRequest("model must be a non-empty string", "model")
     template_kwargs = _check_neutral(body)
+    text_format = (body.get("text") or {}).get("format") or _TEXT_FORMAT["format"]
+    response_format = _response_format(text_format)
     stream = bool(_typed(body, "stream", bool, "a boolean"))
     store = _typed(body, "store", bool, "a boolean") is not False
     parallel = _typed(body, "parallel_tool_calls", bool, "a boolean") is not False
@@ -310,7 +332,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         "reasoning": {"effort": template_kwargs.get("reasoning_effort"), "summary": None},
         "store": store,
         "temperature": temperature,
-        "text": _TEXT_FORMAT,
+        "text": {"format": dict(text_format)},
         "tool_choice": body.get("tool_choice") or "auto",
         "tools": [dict(tool) for tool in body.get("tools") or ()],
         "top_p": top_p,
@@ -328,6 +350,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         previous_response_id=previous,
         sampling={"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p},
         template_kwargs=template_kwargs,
+        response_format=response_format,
         echo=echo,
     )
 

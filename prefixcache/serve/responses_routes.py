@@ -108,6 +108,7 @@ def add_response_routes(hooks: AppHooks, runner: Any, engine: Any, store: Respon
                 tool_choice=body.tool_choice,
                 request_id=response_id,
                 template_kwargs=body.template_kwargs,
+                response_format=body.response_format,
                 **body.sampling,
             )
             return submit_chat(engine, prepared, namespace=namespace, request_id=response_id, on_delta=on_delta)

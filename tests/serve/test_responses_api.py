@@ -246,7 +246,8 @@ def test_deleted_responses_are_gone(make_app, asgi_client) -> None:
 
 REFUSED = [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": 1}}}, "text.format"),
+    ({"text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"max_tool_calls": 2}, "max_tool_calls"),
     ({"background": True}, "background"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),

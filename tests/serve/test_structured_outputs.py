@@ -158,3 +158,28 @@ def test_a_forced_tool_calls_arguments_follow_its_parameters(make_app, asgi_clie
         assert call.function.name == "write_file"
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
     assert_quiescent(app.state.runner.cache)
+
+
+def test_a_responses_text_format_schema_is_constrained_and_the_sdk_parses_it(make_app, asgi_client, tiny) -> None:
+    app = make_app(PrefixCachingRunner(tiny, cache_tokens=4096), model_name="tiny")
+
+    async def main():
+        client = asgi_client(app)
+        parsed = await client.responses.parse(
+            model="tiny", input="Describe a city.", text_format=City, max_output_tokens=100
+        )
+        plain = await client.responses.create(
+            model="tiny",
+            input="Any city.",
+            text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}},
+            max_output_tokens=100,
+            temperature=1.0,
+        )
+        return parsed, plain
+
+    parsed, plain = run(main())
+    assert isinstance(parsed.output_parsed, City)
+    assert parsed.text.format.type == "json_schema"
+    jsonschema.validate(json.loads(plain.output_text), CITY)
+    assert plain.text.format.name == "city"
+    assert_quiescent(app.state.runner.cache)
