@@ -47,3 +47,31 @@ def test_an_agent_calls_its_tool_then_answers_with_the_first_turn_cached(make_ap
     first, second = (response.usage for response in result.raw_responses)
     assert second.input_tokens_details.cached_tokens >= first.input_tokens + first.output_tokens - 1
     assert_quiescent(app.state.runner.cache)
+
+
+def test_an_agent_with_an_output_type_returns_the_validated_object(make_app, asgi_client) -> None:
+    """The Agents SDK sends an ``output_type`` as ``text.format`` json_schema (strict): the answer is constrained to
+    it by the grammar, so even a random-weight model returns a valid object; a second run hits the first's prompt."""
+    pytest.importorskip("llguidance", reason="needs: pip install 'prefixcache[structured]'")
+    import pydantic
+
+    from prefixcache.models.llama import build_model
+
+    set_tracing_disabled(True)
+
+    class Forecast(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=8)
+        sunny: bool
+
+    app = make_app(PrefixCachingRunner(build_model("tiny", device="cpu"), cache_tokens=8192), model_name="tiny")
+    model = OpenAIResponsesModel("tiny", asgi_client(app))
+    agent = Agent(name="forecaster", instructions="Give the forecast.", model=model, output_type=Forecast)
+
+    async def main():
+        return [await Runner.run(agent, "Paris tomorrow?") for _ in range(2)]
+
+    first, second = asyncio.run(main())
+    assert isinstance(first.final_output, Forecast) and isinstance(second.final_output, Forecast)
+    usage = second.raw_responses[0].usage
+    assert usage.input_tokens_details.cached_tokens == usage.input_tokens - 1
+    assert_quiescent(app.state.runner.cache)
