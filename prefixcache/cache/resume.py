@@ -115,7 +115,8 @@ def check_resume_options(resume_states: object, max_state_bytes: object, host_ti
         )
     if host_tier:
         raise InvalidArgumentError(
-            "resume_states cannot be combined with a host tier: a prefix promoted from host memory has no state"
+            "a model with recurrent layers (a cache with resume_states) cannot use a host-memory tier "
+            "(host_cache_tokens / --host-cache-tokens): a prefix promoted from host memory has no recurrent state"
         )
 
 

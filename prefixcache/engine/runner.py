@@ -39,13 +39,15 @@ __all__ = ["DEFAULT_CACHE_TOKENS", "ChatResult", "GenerationResult", "PrefixCach
 
 DEFAULT_CACHE_TOKENS = 1 << 16
 
-MIN_STATES = 16
-"""Recurrent-state snapshots the default state budget holds at least (:func:`state_budget`)."""
+MIN_STATES = 256
+"""Recurrent-state snapshots the default state budget holds at least (:func:`state_budget`): a model whose pool holds
+little or no K/V (Mamba-2's is a placeholder) would otherwise keep too few to resume a chat's turns."""
 
 
 def state_budget(model: CausalLM, pool: KVBlockPool, state_cache_memory: int | None) -> int:
     """Bytes the cache may spend on a recurrent model's state snapshots: ``state_cache_memory`` when given, else a
-    quarter of the KV pool's bytes and at least ``MIN_STATES`` snapshots of ``model.state_bytes`` each.  SGLang sizes
+    quarter of the KV pool's bytes and at least ``MIN_STATES`` (256) snapshots of ``model.state_bytes`` each (37.7 MiB
+    each for Qwen3-Next-80B in bf16: 9.4 GiB; give ``state_cache_memory`` to bound it).  SGLang sizes
     its Mamba state pool apart from the KV pool the same way.  Raises InvalidArgumentError for a size that is not a
     positive int."""
     if state_cache_memory is not None:
@@ -73,11 +75,11 @@ class PrefixCachingRunner:
     ``host_cache_tokens`` or ``host_cache_memory`` (bytes) the cache gets a host-memory tier of that size
     (:mod:`prefixcache.cache.host_tier`): evicted blocks move there and come back when a prompt matches them.
 
-    A model with recurrent layers (``model.recurrent``: Qwen3-Next, Nemotron-H, Granite-4.0-H, MiniMax, Mamba-2
-    through :class:`~prefixcache.models.hf.HFCausalLM`) gets a cache that also keeps state snapshots at the end of
-    every prompt and answer, before every prompt's last token and every ``state_interval_blocks`` blocks of a prompt
-    (0: not inside prompts) (``RadixCache(resume_states=True)``), within ``state_cache_memory`` bytes
-    (:func:`state_budget`); a prompt resumes at the deepest kept snapshot of its match.
+    A model with recurrent layers (``model.recurrent``: Qwen3-Next, Nemotron-H, Granite-4.0-H, MiniMax, Mamba-2 through
+    :class:`~prefixcache.models.hf.HFCausalLM`) gets a cache that also keeps state snapshots at the end of every prompt
+    and answer, before every prompt's last token and every ``state_interval_blocks`` blocks of a prompt (0: not inside
+    prompts) (``RadixCache(resume_states=True)``), within ``state_cache_memory`` bytes (:func:`state_budget`: by default
+    a quarter of the pool, at least 256 snapshots); a prompt resumes at the deepest kept snapshot of its match.
 
     Raises:
         InvalidArgumentError: more than one size given, or a bad size.

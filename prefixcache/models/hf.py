@@ -590,5 +590,8 @@ def random_model_from_config(
     # Built on the CPU, so only the CPU generator needs saving and restoring.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except ValueError as error:  # no causal LM for this config class (an encoder-decoder such as T5)
+            raise UnsupportedModelError(f"{config.model_type}: no causal LM for this config: {error}") from None
     return HFCausalLM(model.to(_resolve_device(device)))

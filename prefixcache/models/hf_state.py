@@ -86,8 +86,8 @@ class StateLayout:
             kinds = sorted({type(probe.layers[i]).__name__ for i in other})
             raise UnsupportedModelError(
                 f"{arch} has cache layers of kinds {kinds} (layers {other[:8]}{'...' if len(other) > 8 else ''}) "
-                "that keep both a recurrent state and K/V, or neither in a form prefixcache knows; they cannot be "
-                "restored from a KV pool and state snapshots"
+                "that keep a recurrent state and K/V in one layer (Zamba, Falcon-H1), or a kind prefixcache does not "
+                "know: a KV pool beside state snapshots cannot restore them"
             )
         if probe.layers and len(probe.layers) != config.num_hidden_layers:
             raise UnsupportedModelError(

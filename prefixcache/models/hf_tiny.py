@@ -127,10 +127,16 @@ def tiny_random_model(
     64, intermediate 128, 4 query heads over 2 KV heads (grouped-query attention), ``layers`` layers, no BOS/EOS.
     Weights come from the architecture's initialiser (``initializer_range`` 0.2, so that logits differ visibly)
     under ``torch.manual_seed(seed)`` on the CPU, with the global RNG state restored, then moved to ``device``.
-    Raises UnsupportedModelError as
+    A model type with recurrent layers (:data:`HYBRID_MODEL_TYPES`) is built from its :data:`TINY_CONFIGS` entry
+    instead, ``layers`` ignored (its layer pattern needs them all).  Raises UnsupportedModelError as
     :class:`HFCausalLM` does."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if model_type in HYBRID_MODEL_TYPES:
+        config = tiny_hf_config(model_type, vocab_size=vocab_size, max_position_embeddings=max_positions)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return HFCausalLM(AutoModelForCausalLM.from_config(config).eval().to(device))
     config = AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,

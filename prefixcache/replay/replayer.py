@@ -65,11 +65,11 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ATOL = 1e-4
 """``--verify``'s tolerance on fp32 logits: cached against uncached."""
-RECURRENT_ATOL = 2e-3
+RECURRENT_ATOL = 5e-3
 """``--verify``'s tolerance for a model with recurrent layers: its chunked scans round differently when a forward is
-split where the prefill keeps states (up to ~5e-4 on tiny random models with logits near 8; the model's own
-``generate`` differs from its full forward as much), so cached and uncached logits agree to this, greedy tokens
-exactly."""
+split where the prefill keeps states (up to ~2.5e-3 on tiny random models with logits near 8; the model's own
+``generate`` differs from its full forward as much), so cached and uncached logits agree to this, and greedy tokens
+too except where the reference's top two are within it (a near tie the rounding may flip)."""
 
 
 class ReplayInterrupted(KeyboardInterrupt):
@@ -433,7 +433,9 @@ class Replayer:
         reference = self.model.forward_reference(prompt, return_logits=True, logits_from=cached).float().cpu()
         seconds = time.perf_counter() - start
         diff = float((prompt_logits - reference).abs().max())
-        same_tokens = torch.equal(prompt_logits.argmax(-1), reference.argmax(-1))
+        same_tokens = _same_greedy(
+            prompt_logits, reference, self.atol if getattr(self.model, "recurrent", False) else 0
+        )
         if diff > self.atol or not same_tokens:
             raise VerificationError(
                 f"{request.scenario} conversation {request.conversation_id} turn {request.turn}: cached logits "
@@ -441,6 +443,18 @@ class Replayer:
                 f"greedy tokens {'equal' if same_tokens else 'DIFFER'}"
             )
         return diff, seconds
+
+
+def _same_greedy(logits: torch.Tensor, reference: torch.Tensor, tie: float) -> bool:
+    """Whether the greedy tokens of ``logits`` are the reference's, a position where they differ allowed when the
+    reference's own top two are within ``tie`` of each other (a split scan's rounding may flip a near tie; 0: none)."""
+    ours, theirs = logits.argmax(-1), reference.argmax(-1)
+    differ = (ours != theirs).nonzero().flatten()
+    if not len(differ):
+        return True
+    rows = reference[differ]
+    gaps = rows.gather(1, theirs[differ, None]) - rows.gather(1, ours[differ, None])
+    return bool((gaps <= tie).all())
 
 
 def free_memory_bytes(device: torch.device | str) -> int | None:

@@ -82,7 +82,7 @@ def test_bad_resume_options_are_refused(kwargs: dict, message: str) -> None:
 
 def test_resume_states_with_a_host_tier_is_refused() -> None:
     pool = KVBlockPool(16, BS, num_layers=1, num_kv_heads=1, head_dim=2)
-    with pytest.raises(InvalidArgumentError, match="host tier"):
+    with pytest.raises(InvalidArgumentError, match="host-memory tier"):
         RadixCache(pool, resume_states=True, max_state_bytes=100, host_pool=make_host_pool(pool, 16))
 
 

@@ -237,7 +237,7 @@ def test_the_replay_takes_a_hybrid_model_and_verifies_it(tmp_path, source, capsy
     assert main(args) == 0
     report = json.loads(out.read_text())
     assert report["requests"] > 4 and report["cached_tokens"] > 0  # four conversations, every turn verified
-    assert 0 <= report["max_abs_logit_diff"] <= 2e-3
+    assert 0 <= report["max_abs_logit_diff"] <= 5e-3
     assert "Qwen3NextForCausalLM" in capsys.readouterr().out
 
 
