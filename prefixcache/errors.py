@@ -82,6 +82,11 @@ class ClosedError(PrefixCacheError, RuntimeError):
     """A KV event publisher was given an event after :meth:`close`; nothing will send it."""
 
 
+class SubscriberDeadError(PrefixCacheError, RuntimeError):
+    """A KV event subscriber's thread stopped on an error, so its mirror no longer follows the publisher (the error
+    that stopped it is the ``__cause__``)."""
+
+
 class ScenarioError(PrefixCacheError, ValueError):
     """A scenario or trace file has a line that is not a valid conversation/request.
 

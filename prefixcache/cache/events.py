@@ -227,6 +227,11 @@ class BlockIndex:
         else:
             self.hashes.difference_update((event.namespace, h) for h in event.block_hashes)
 
+    def clear(self) -> None:
+        """Forget every block, as when the cache this mirrors was replaced (its publisher restarted).  O(1)."""
+        self.hashes = set()
+        self.media = {}
+
     def _check(self, event: KVEvent) -> None:
         if isinstance(event, AllCleared):
             if self.hashes:

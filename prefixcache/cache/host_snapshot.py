@@ -6,7 +6,8 @@ recently used first) to a captured :class:`~prefixcache.cache.snapshot.Snapshot`
 that names it, a pure function of its namespace and tokens, so it holds across processes), namespace, first block,
 tokens and the indices of its blocks in ``host_kv``.  :func:`plan` checks the saved runs and picks the most recently
 used ones that fit the free host blocks (cutting the tail of the last one, as the host LRU does); :func:`apply` puts
-them into the host tier.  Restored runs are not announced to event listeners (as runs demoted while nobody listened).
+them into the host tier.  Restored runs are announced to event listeners once the device tree is back
+(:mod:`prefixcache.cache.host_events`).
 """
 
 from __future__ import annotations

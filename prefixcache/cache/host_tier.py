@@ -30,8 +30,8 @@ promotion ``BlockStored(GPU)`` followed by ``BlockRemoved(CPU)`` (copied first, 
 ``BlockRemoved(CPU)``, as is a host copy the device recomputed.  Should that drop fail, a block can be demoted again
 into a second, overlapping run: it is announced on host when its first copy arrives and removed when its last goes.  The
 device tree sends no ``AllCleared``: with two tiers the removals say it all.  Host blocks demoted while nobody listened,
-and runs restored from a snapshot, are never announced (so neither is their removal): their chained hashes need the
-tokens before the run, which the tier does not keep.
+and runs restored from a snapshot, are announced when a listener subscribes or the restore ends, from the tokens before
+them that the device tree or another run holds (:mod:`prefixcache.cache.host_events`).
 
 With ``num_layers == 0`` on both pools (the ``--no-model`` replay) demotion and promotion move block ids only.
 """
@@ -198,7 +198,7 @@ class HostTier:
         h.update(memoryview(tokens)[: num_blocks * self.block_size].cast("B"))
         return h
 
-    def _key(self, tokens: array, namespace: str | None, block: int) -> int:
+    def run_key(self, tokens: array, namespace: str | None, block: int) -> int:
         """The key of block ``block`` of ``tokens``: a digest of everything up to its end.  O(position) in C."""
         return self._hasher(tokens, namespace, block + 1).intdigest()
 
@@ -229,7 +229,7 @@ class HostTier:
         if num <= 0:
             return
         path = _path_tokens(leaf)
-        key = self._key(path, leaf.namespace, first_block)
+        key = self.run_key(path, leaf.namespace, first_block)
         if key in self.pinned:
             return
         old = self.runs.pop(key, None)
@@ -261,7 +261,7 @@ class HostTier:
         self.runs[key] = HostRun(key, leaf.namespace, first_block, tokens, host_ids, stored)
         self.demoted_blocks += num
         if stored:
-            self._announce(stored)
+            self.announce(stored)
 
     def cover(self, leaf: Node, path: array) -> list[KVEvent]:
         """Called by :meth:`RadixTree.insert` on a new ``leaf`` (the end of ``path``): drop the host copies of its
@@ -334,7 +334,7 @@ class HostTier:
         finally:
             self.send_pending()
 
-    def _announce(self, stored: list[BlockStored]) -> None:
+    def announce(self, stored: list[BlockStored]) -> None:
         """Count the new run's announced blocks; queue the events of those no other run holds.  O(blocks)."""
         counts = self.announced
         for event in stored:
@@ -493,7 +493,7 @@ class HostTier:
             return
         rest_first = run.first + k
         path = q[: rest_first * bs] + run.tokens[k * bs : (k + 1) * bs]
-        key = self._key(path, run.namespace, rest_first)
+        key = self.run_key(path, run.namespace, rest_first)
         rest = HostRun(
             key,
             run.namespace,

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.cache import host_snapshot, snapshot
+from prefixcache.cache import host_events, host_snapshot, snapshot
 from prefixcache.cache.admission import Admission, Lease
 from prefixcache.cache.blocks import BlockLedger
 from prefixcache.cache.events import (
@@ -526,6 +526,7 @@ class RadixCache:
             except BaseException:
                 host_snapshot.discard(self._host)
                 raise
+            host_events.announce_held(self._host, self._tree.roots)
             return dataclasses.replace(summary, **host_counts)
 
     @classmethod
@@ -557,17 +558,15 @@ class RadixCache:
 
     def subscribe(self, callback: EventListener) -> None:
         """Send KV events (:mod:`prefixcache.cache.events`) to ``callback`` from now on, starting with a
-        :class:`~prefixcache.cache.events.BlockStored` for every full block already cached, so its view is complete.
-
-        O(cached tokens): every node's block hashes are recomputed.  Raises InvalidArgumentError: not callable.
-        """
+        :class:`~prefixcache.cache.events.BlockStored` for every full block cached, on host too: a complete view.
+        O(cached tokens): every node's block hashes are recomputed.  Raises InvalidArgumentError: not callable."""
         if not callable(callback):
             raise InvalidArgumentError(f"an event listener must be callable, got {callback!r}")
         with self._mutex:
+            stored = self._events.hash_tree(self._tree.roots)
+            stored += host_events.announce_held(self._host, self._tree.roots, hashed=True)
             self._events.listeners.append(callback)
-            self._events.emit(self._events.hash_tree(self._tree.roots), [callback])
-            if self._host is not None:
-                self._events.emit(self._host.stored_events(), [callback])
+            self._events.emit(stored, [callback])
 
     def unsubscribe(self, callback: EventListener) -> None:
         """Stop sending events to ``callback``.

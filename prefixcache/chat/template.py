@@ -27,9 +27,11 @@ __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "IM_END",
     "IM_START",
+    "MAX_JSON_DEPTH",
     "RESERVED_TEMPLATE_VARIABLES",
     "ROLES",
     "Segment",
+    "check_json_depth",
     "check_template_kwargs",
     "encode_segments",
     "join_text_parts",
@@ -41,6 +43,9 @@ __all__ = [
 ]
 
 ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+MAX_JSON_DEPTH = 100
+"""How deep objects and arrays may nest in a tool schema or a tool call's arguments.  Far above any real schema, and
+far below where ``json.dumps`` (and a Jinja template's ``tojson``) run out of Python's recursion limit."""
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
@@ -160,6 +165,7 @@ def _validate_tool_calls(index: int, tool_calls: Any) -> None:
             ) from None
         if not isinstance(arguments, Mapping):
             raise TemplateError(f"message {index}: tool call {number} ({name}) arguments must be a JSON object")
+        check_json_depth(arguments, f"message {index}: tool call {number} ({name}) arguments")
         try:
             json.dumps(arguments)
         except (TypeError, ValueError) as exc:
@@ -191,8 +197,30 @@ def message_text(message: Mapping[str, Any]) -> str:
     return content + calls if content else calls[1:]
 
 
+def check_json_depth(value: Any, what: str, limit: int = MAX_JSON_DEPTH) -> None:
+    """Refuse ``value`` if its dicts and lists nest more than ``limit`` deep.  Iterative, so any depth is measured
+    without recursing.  O(elements).
+
+    Raises:
+        TemplateError: naming ``what`` and the limit.
+    """
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, Mapping):
+            children: Any = item.values()
+        elif isinstance(item, (list, tuple)):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            raise TemplateError(f"{what} nests objects and arrays more than {limit} levels deep")
+        stack.extend((child, depth + 1) for child in children)
+
+
 def validate_tools(tools: Sequence[Mapping[str, Any]] | None) -> None:
-    """Check that ``tools`` is ``None`` or a list of JSON-serialisable objects (OpenAI function schemas).
+    """Check that ``tools`` is ``None`` or a list of JSON-serialisable objects (OpenAI function schemas), none nested
+    more than :data:`MAX_JSON_DEPTH` deep.
 
     Raises :class:`TemplateError` naming the offending tool index.
     """
@@ -203,6 +231,7 @@ def validate_tools(tools: Sequence[Mapping[str, Any]] | None) -> None:
     for index, tool in enumerate(tools):
         if not isinstance(tool, Mapping):
             raise TemplateError(f"tool {index} must be an object (function schema), got {type(tool).__name__}")
+        check_json_depth(tool, f"tool {index}")
         try:
             json.dumps(tool)
         except (TypeError, ValueError) as exc:

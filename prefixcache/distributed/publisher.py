@@ -8,6 +8,9 @@ The wire protocol is vLLM's (``vllm/distributed/kv_events.py``, ``ZmqEventPublis
   is answered by one ``[b"", seq, payload]`` message per buffered batch with ``seq >= start_seq``, then the end
   marker ``[b"", (-1).to_bytes(8, "big", signed=True), b""]``.  Only the last ``buffer_batches`` batches are
   kept; a subscriber that asks for older ones sees the first replayed ``seq`` above what it asked for.
+- No epoch: a publisher restarted on the same endpoints counts from 0 again, and
+  :class:`~prefixcache.distributed.subscriber.ZmqEventSubscriber` detects the restart from that (the sequence going
+  back, or its last batch not given back by a replay), clears its mirror and replays the new publisher.
 
 Publishing never blocks the cache: the cache calls listeners inside its mutex, so :meth:`ZmqEventPublisher.__call__`
 only appends to an unbounded queue, and a background thread, which owns both sockets, batches, encodes, sends and

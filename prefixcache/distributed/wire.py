@@ -7,6 +7,9 @@ A batch is a msgpack array ``[ts, [event, ...]]`` (``ts`` in seconds since the e
 - ``["BlockRemoved", block_hashes, medium]``
 - ``["AllBlocksCleared"]``
 
+Older and newer vLLM layouts decode too: a ``BlockStored`` or ``BlockRemoved`` without its trailing ``medium`` (vLLM
+before it had a CPU tier) gets ``medium=None``, and fields a later vLLM appends after ``medium`` are ignored.
+
 Hashes are our chained 64-bit xxh64 values (:func:`prefixcache.cache.events.block_hashes`), sent as unsigned
 integers; ``parent_block_hash`` is ``nil`` for a chain's first block, as vLLM sends it.  ``lora_id`` is always
 ``nil``.  The namespace (cache salt) travels only inside the hashes, since every chain starts from the namespace's
@@ -34,12 +37,12 @@ class WireBlockStored(msgspec.Struct, array_like=True, tag="BlockStored", gc=Fal
     token_ids: list[int]
     block_size: int
     lora_id: int | None
-    medium: str | None
+    medium: str | None = None  # absent in vLLM before 0.10 (five fields)
 
 
 class WireBlockRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved", gc=False):
     block_hashes: list[int]
-    medium: str | None
+    medium: str | None = None
 
 
 class WireAllBlocksCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared", gc=False):

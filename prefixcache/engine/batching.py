@@ -176,13 +176,22 @@ class BatchEngine:
             isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout)
         ):
             raise InvalidArgumentError(f"timeout must be None or a number of seconds, got {timeout!r}")
-        if self._stepping == threading.get_ident():
-            raise InvalidArgumentError("wait_idle() called on the thread that steps the engine would wait on itself")
+        self._refuse_on_engine_thread("wait_idle()")
         with self._lock:
             return self._lock.wait_for(lambda: not self._busy(), timeout)
 
+    def _refuse_on_engine_thread(self, call: str) -> None:
+        if self._stepping == threading.get_ident():
+            raise InvalidArgumentError(
+                f"{call} called on the thread that steps the engine (from on_token, on_logprob or a call_soon "
+                "function) would wait on itself; call it from another thread, or return and let the step end"
+            )
+
     def run_until_idle(self) -> None:
-        """Step in the calling thread until no request is waiting or running."""
+        """Step in the calling thread until no request is waiting or running.  Raises InvalidArgumentError when
+        called on the thread that steps (from ``on_token``, ``on_logprob`` or a :meth:`call_soon` function): that
+        step holds the engine, so this would wait on itself."""
+        self._refuse_on_engine_thread("run_until_idle()")
         while self.step():
             pass
 
@@ -251,7 +260,9 @@ class BatchEngine:
     def step(self) -> bool:
         """One scheduling step: run the queued :meth:`call_soon` functions, then one step of the core (drop cancelled
         requests, admit waiting ones, plan the batch, one batched forward, pick tokens, retire finished requests).
-        Returns whether any request is still waiting or running."""
+        Returns whether any request is still waiting or running.  Raises InvalidArgumentError on the thread that
+        steps (from ``on_token``, ``on_logprob`` or a :meth:`call_soon` function), which holds the step."""
+        self._refuse_on_engine_thread("step()")
         with self._step_lock:
             self._stepping = threading.get_ident()
             try:

@@ -121,6 +121,7 @@ class EngineCore:
         self.max_running = max_running
         self.policy = policy
         self.max_wait_steps = max_wait_steps
+        self._in_step = False
         self.lock = threading.Condition()
         """Guards :attr:`waiting`; a front end that steps on another thread waits on it."""
         self.waiting: deque[EngineRequest] = deque()
@@ -152,7 +153,16 @@ class EngineCore:
         """One step: drop cancelled requests, admit waiting ones, plan the batch (preempting where the pool runs
         short), run one batched forward, pick tokens, retire finished requests.  Returns :meth:`has_work`.  A model's
         or callback's exception fails the requests it concerns (their handles hold it); a BaseException that is not
-        an Exception (KeyboardInterrupt) is raised again once they are released."""
+        an Exception (KeyboardInterrupt) is raised again once they are released.  InvalidArgumentError inside a step."""
+        if self._in_step:  # a request's callback stepping again would corrupt the step under way
+            raise InvalidArgumentError("EngineCore.step() called from inside a step (a request's callback)")
+        self._in_step = True
+        try:
+            return self._step()
+        finally:
+            self._in_step = False
+
+    def _step(self) -> bool:
         self._drop_cancelled()
         self._admit()
         rows, members = self._plan()

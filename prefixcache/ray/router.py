@@ -189,7 +189,7 @@ class ExactPrefixRequestRouter(FIFOMixin, RequestRouter):
         if not endpoint:
             return None
         known = self._mirrors.get(replica.replica_id)
-        if known is not None and known[0] == endpoint:
+        if known is not None and known[0] == endpoint and known[2].healthy:
             return known[1]
         if known is not None:
             self._drop(replica.replica_id)

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import inspect
 import json
+import logging
 import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,6 +35,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from prefixcache.engine.batching import BatchEngine, RequestHandle
 from prefixcache.engine.chat import ChatCompletion, prepare_chat, prepare_completion, submit_chat
@@ -61,6 +63,8 @@ from prefixcache.serve.responses_routes import AppHooks, add_response_routes
 from prefixcache.serve.snapshots import SnapshotKeeper
 
 __all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
 
 
 def _status_of(error: BaseException) -> int:
@@ -302,7 +306,9 @@ def create_app(
     async def read_json(request: Request) -> Any:
         try:
             return json.loads(await request.body())
-        except (ValueError, RecursionError):
+        except RecursionError:
+            raise BadRequest("the request body nests objects and arrays too deep to parse") from None
+        except ValueError:
             raise BadRequest("the request body is not valid JSON") from None
 
     def check_model(name: str) -> None:
@@ -322,6 +328,12 @@ def create_app(
     async def unauthorized(request: Request, error: Unauthorized) -> Response:
         body = error_body(str(error), param=None, code="invalid_api_key")
         return _json(body, 401, {"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_disconnected(request: Request, error: ClientDisconnect) -> Response:
+        # An upload cut off mid-body is the client's doing and nobody reads the answer: one line, not a traceback.
+        logger.info("client disconnected before sending its whole body: %s %s", request.method, request.url.path)
+        return _gone()
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> Response:

@@ -70,19 +70,33 @@ class ApiKeys:
     def namespace_for(self, authorization: str | None) -> str | None:
         """The namespace of the ``Authorization: Bearer <key>`` header value.
 
-        Keys are compared in constant time.  Raises :class:`Unauthorized` when keys are configured and the header is
-        missing, malformed or names an unknown key; returns ``None`` when the server is open.
+        Keys are compared in constant time, as UTF-8 bytes: HTTP servers hand header values over decoded as Latin-1
+        (ASGI's rule), so such a value is turned back into the bytes the client sent, and a key with non-ASCII
+        characters from the keys file matches the same key sent in UTF-8.  Raises :class:`Unauthorized` when keys are
+        configured and the header is missing, malformed or names an unknown key; returns ``None`` when the server is
+        open.
         """
         if not self.namespaces:
             return None
         scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = key.strip(" \t")  # HTTP's whitespace only: "\xa0" may be half of a UTF-8 character decoded as Latin-1
+        if scheme.lower() != "bearer" or not key:
             raise Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-        key = key.strip()
+        sent = _key_bytes(key)
         found = None
         for known, namespace in self.namespaces.items():
-            if hmac.compare_digest(known.encode(), key.encode()):
+            known_bytes = known.encode("utf-8", "surrogatepass")
+            if hmac.compare_digest(known_bytes, sent):
                 found = namespace
         if found is None:
             raise Unauthorized("invalid API key")
         return found
+
+
+def _key_bytes(key: str) -> bytes:
+    """The bytes the client sent as ``key``: a header value comes decoded as Latin-1, so encoding it back gives them
+    (a value with characters past U+00FF was not decoded that way: its UTF-8)."""
+    try:
+        return key.encode("latin-1")
+    except UnicodeEncodeError:
+        return key.encode("utf-8", "surrogatepass")

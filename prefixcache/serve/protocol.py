@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixcache.chat.stop import check_stop
-from prefixcache.chat.template import RESERVED_TEMPLATE_VARIABLES, join_text_parts
+from prefixcache.chat.template import RESERVED_TEMPLATE_VARIABLES, check_json_depth, join_text_parts
 from prefixcache.engine.chat import ChatCompletion
 from prefixcache.engine.grammar import check_response_format
 from prefixcache.engine.results import Usage
@@ -382,6 +382,10 @@ def parse_chat_request(body: Any, vocab_size: int | None = None) -> ChatRequest:
                 raise BadRequest(f"tools[{index}] needs a function object with a non-empty name", f"tools[{index}]")
             if not isinstance(function.get("parameters", {}), Mapping):
                 raise BadRequest(f"tools[{index}].function.parameters must be a JSON Schema object", f"tools[{index}]")
+            try:
+                check_json_depth(tool, f"tools[{index}]")
+            except TemplateError as error:
+                raise BadRequest(str(error), f"tools[{index}]") from None
     response_format = _response_format(body)
     logprobs = _chat_logprobs(body)
     return ChatRequest(
