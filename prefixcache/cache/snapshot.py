@@ -50,6 +50,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -98,6 +99,9 @@ KV_FILE = "kv.safetensors"
 VERSION_PREFIX = "snapshot-"
 TEMP_PREFIX = ".snapshot-tmp-"
 COPY_CHUNK_BLOCKS = 256
+MAX_CURRENT_BYTES = 200
+"""The longest version name ``CURRENT`` may hold; a longer one is refused as corrupt unread."""
+_VERSION_NAME = re.compile(re.escape(VERSION_PREFIX) + r"[A-Za-z0-9_.-]+")
 """Blocks copied between the device pool and host memory at a time."""
 
 logger = logging.getLogger(__name__)
@@ -334,8 +338,8 @@ def read(directory: str | os.PathLike[str]) -> Snapshot:
 def _read_locked(folder: Path) -> Snapshot:
     pointer = folder / CURRENT
     if pointer.is_file():
-        name = read_bytes(pointer).decode(errors="replace").strip()
-        if not name.startswith(VERSION_PREFIX) or "/" in name or "\\" in name or name in (".", ".."):
+        name = read_bytes(pointer, MAX_CURRENT_BYTES + 1).decode(errors="replace").strip()
+        if len(name) > MAX_CURRENT_BYTES or not _VERSION_NAME.fullmatch(name):
             raise SnapshotCorruptError(f"{pointer} names no snapshot version ({name[:80]!r})")
         version = folder / name
         if not (version / MANIFEST).is_file():
