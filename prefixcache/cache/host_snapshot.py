@@ -21,11 +21,14 @@ import torch
 
 from prefixcache.cache.host_tier import HostRun, HostTier
 from prefixcache.cache.snapshot import COPY_CHUNK_BLOCKS, Snapshot
+from prefixcache.cache.snapshot_manifest import Malformed, is_count, is_token_list
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.errors import SnapshotCorruptError, SnapshotError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+_HEX_DIGITS = "0123456789abcdef"
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,23 +111,28 @@ def check(snapshot: Snapshot, block_size: int) -> None:
     records = snapshot.manifest.get("host_runs", [])
     num_saved = snapshot.manifest.get("host_num_blocks", 0)
     seen: set[int] = set()
-    keys: set[int] = set()
+    keys: set[str] = set()
     try:
+        if type(records) is not list or not is_count(num_saved):
+            raise Malformed("host_runs must be a list and host_num_blocks a non-negative int")
         for index, record in enumerate(records):
-            key = int(record["key"], 16)
-            if key in keys:
-                raise ValueError(f"host run {index} repeats the key of another")
+            if type(record) is not dict:
+                raise Malformed(f"host run {index} is not a record")
+            key, blocks, tokens = record["key"], record["blocks"], record["tokens"]
+            if type(key) is not str or len(key) != 32 or key.strip(_HEX_DIGITS) or key in keys:
+                raise Malformed(f"host run {index} has key {key!r}: not 32 hex digits, or another run's")
             keys.add(key)
-            blocks, tokens = record["blocks"], record["tokens"]
-            if not blocks or len(tokens) != len(blocks) * block_size or record["first"] < 0:
-                raise ValueError(f"host run {index} has {len(tokens)} tokens for {len(blocks)} blocks")
-            if not all(isinstance(b, int) and 0 <= b < num_saved and b not in seen for b in blocks):
-                raise ValueError(f"host run {index} names blocks outside the saved ones or another run's")
+            if type(blocks) is not list or not blocks or not is_token_list(tokens):
+                raise Malformed(f"host run {index} has no blocks, or a token that is not an id")
+            if len(tokens) != len(blocks) * block_size or not is_count(record["first"]):
+                raise Malformed(f"host run {index} has {len(tokens)} tokens for {len(blocks)} blocks")
+            if not all(is_count(b, num_saved) and b not in seen for b in blocks) or len(set(blocks)) != len(blocks):
+                raise Malformed(f"host run {index} names blocks outside the saved ones, or another run's")
             seen.update(blocks)
-            if record["namespace"] is not None and not isinstance(record["namespace"], str):
-                raise ValueError(f"host run {index} has namespace {record['namespace']!r}")
+            if record["namespace"] is not None and type(record["namespace"]) is not str:
+                raise Malformed(f"host run {index} has namespace {record['namespace']!r}")
     except (KeyError, TypeError, ValueError) as error:
-        raise SnapshotCorruptError(f"the snapshot {snapshot.path} holds a malformed host run: {error!r}") from None
+        raise SnapshotCorruptError(f"the snapshot {snapshot.path} holds a malformed host run: {error}") from None
 
 
 def apply(snapshot: Snapshot, host: HostTier | None, chosen: HostPlan) -> dict[str, int]:
@@ -145,16 +153,19 @@ def apply(snapshot: Snapshot, host: HostTier | None, chosen: HostPlan) -> dict[s
             for first in range(0, num, COPY_CHUNK_BLOCKS):
                 rows = snapshot.host_kv.index_select(2, source[first : first + COPY_CHUNK_BLOCKS])
                 host.pool.kv.index_copy_(2, target[first : first + COPY_CHUNK_BLOCKS], rows)
+        runs, offset = [], 0
+        for record, take in chosen.runs:
+            key = int(record["key"], 16)
+            tokens = array(TOKEN_TYPECODE, record["tokens"][: take * bs])
+            runs.append(
+                HostRun(key, record["namespace"], record["first"], tokens, allocated[offset : offset + take], None)
+            )
+            offset += take
     except BaseException:
         host.pool.decref(allocated)
         raise
-    offset = 0
-    for record, take in chosen.runs:
-        key = int(record["key"], 16)
-        tokens = array(TOKEN_TYPECODE, record["tokens"][: take * bs])
-        blocks = allocated[offset : offset + take]
-        host.runs[key] = HostRun(key, record["namespace"], record["first"], tokens, blocks, None)
-        offset += take
+    for run in runs:
+        host.runs[run.key] = run
     return {"host_runs": len(chosen.runs), "host_tokens": num * bs, "host_blocks": num, **counts}
 
 

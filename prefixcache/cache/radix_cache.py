@@ -479,7 +479,7 @@ class RadixCache:
         written.  O(cached tokens) plus the copy and the write of the saved blocks.
 
         Raises:
-            SnapshotWriteError: a write failed (also an OSError; the previous snapshot stays current).
+            SnapshotWriteError: a write or sync failed (also an OSError); the previous snapshot is kept.
             SnapshotError: safetensors is missing.
         """
         with self._mutex:

@@ -12,9 +12,12 @@ Layout of a snapshot folder ``DIR`` (made by the first save)::
 
 Atomic writes.  A save writes a new version into a temporary folder inside ``DIR``, fsyncs its files and the folder,
 renames it to its version name, then replaces ``CURRENT`` (``os.replace`` of a fsynced file: atomic on POSIX and
-Windows).  That replace is the commit point: an exception or a crash before it leaves the previous version current
-and intact, and after it the new one is complete.  Older versions and stale temporary folders are removed last
-(a failure there is only logged); the next save removes what a crash left behind.
+Windows) and fsyncs ``DIR``.  That sync is the commit point: a save returns only once the new version is durable.
+Any failed write, fsync or rename raises :class:`~prefixcache.errors.SnapshotWriteError` and keeps the previous
+version: before the replace it stays current; when only the last sync fails, ``CURRENT`` names the new (complete)
+version, but a power loss may undo the replace, so the previous one is kept too.  Older versions and stale temporary
+folders are removed only after the commit (a failure there is only logged); the next save removes what a crash or a
+failed save left behind.
 
 Several processes.  A save holds an exclusive ``flock`` on the snapshot folder itself and a read a shared one (POSIX;
 no lock file is made), so two processes saving into one folder take turns instead of removing each other's new
@@ -47,6 +50,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -79,6 +83,7 @@ from prefixcache.errors import (
     SnapshotError,
     SnapshotMismatchError,
     SnapshotNotFoundError,
+    SnapshotWriteError,
 )
 
 if TYPE_CHECKING:
@@ -94,6 +99,9 @@ KV_FILE = "kv.safetensors"
 VERSION_PREFIX = "snapshot-"
 TEMP_PREFIX = ".snapshot-tmp-"
 COPY_CHUNK_BLOCKS = 256
+MAX_CURRENT_BYTES = 200
+"""The longest version name ``CURRENT`` may hold; a longer one is refused as corrupt unread."""
+_VERSION_NAME = re.compile(re.escape(VERSION_PREFIX) + r"[A-Za-z0-9_.-]+")
 """Blocks copied between the device pool and host memory at a time."""
 
 logger = logging.getLogger(__name__)
@@ -230,8 +238,9 @@ def write(snapshot: Snapshot, directory: str | os.PathLike[str]) -> SnapshotSumm
     Raises:
         SnapshotError: safetensors is not installed (``pip install 'prefixcache[snapshot]'``), or ``directory`` (or
             a folder above it) is a file.
-        SnapshotWriteError: a write, fsync or rename failed before the commit point (also an ``OSError``, with the
-            operating system's ``errno``); the previous version stays current.
+        SnapshotWriteError: a write, fsync or rename failed, the last sync of the folder included (also an
+            ``OSError``, with the operating system's ``errno``); the previous version is kept (see the module
+            docstring).
     """
     folder = Path(directory)
     check_folder(folder)
@@ -260,7 +269,7 @@ def _write_locked(
     name = f"{VERSION_PREFIX}{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
     temp = folder / f"{TEMP_PREFIX}{name}"
     final = folder / name
-    committed = False
+    committed = False  # CURRENT names the new version (in memory: durable only once the folder is synced)
     try:
         os.mkdir(temp)
         for file_name, blob in blobs.items():
@@ -273,16 +282,21 @@ def _write_locked(
         _write_file(pointer, (name + "\n").encode())
         os.replace(pointer, folder / CURRENT)
         committed = True
+        _fsync_dir(folder)
     except OSError as error:
-        raise write_error(folder, error) from error
+        if not committed:
+            raise write_error(folder, error) from error
+        # After a power loss CURRENT may still name the previous version: it is kept, and the save has failed (as
+        # SQLite returns the I/O error of a failed sync).  The new version is complete; the next save removes one.
+        raise SnapshotWriteError(
+            f"saving a snapshot into {folder}: {CURRENT} names the new version {name}, but syncing the folder failed "
+            f"({error}), so the replace may not survive a crash; the previous version is kept",
+            error.errno,
+        ) from error
     finally:
         if not committed:
             for leftover in (temp, final, folder / f"{TEMP_PREFIX}{CURRENT}"):
                 remove(leftover)
-    try:
-        _fsync_dir(folder)
-    except Exception as error:  # the new version is current: a failure here must not report the save failed
-        logger.warning("snapshot %s is current, but syncing its folder failed: %s", final, error)
     for entry in entries(folder):
         # Only what saves make: other files a user keeps in the folder stay.
         stale = entry.startswith(TEMP_PREFIX) or (entry.startswith(VERSION_PREFIX) and (folder / entry).is_dir())
@@ -324,8 +338,8 @@ def read(directory: str | os.PathLike[str]) -> Snapshot:
 def _read_locked(folder: Path) -> Snapshot:
     pointer = folder / CURRENT
     if pointer.is_file():
-        name = read_bytes(pointer).decode(errors="replace").strip()
-        if not name.startswith(VERSION_PREFIX) or "/" in name or "\\" in name or name in (".", ".."):
+        name = read_bytes(pointer, MAX_CURRENT_BYTES + 1).decode(errors="replace").strip()
+        if len(name) > MAX_CURRENT_BYTES or not _VERSION_NAME.fullmatch(name):
             raise SnapshotCorruptError(f"{pointer} names no snapshot version ({name[:80]!r})")
         version = folder / name
         if not (version / MANIFEST).is_file():

@@ -71,9 +71,12 @@ def folder_lock(folder: Path, *, exclusive: bool) -> Iterator[None]:
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def read_bytes(path: Path) -> bytes:
-    """The file's bytes; raises :class:`SnapshotCorruptError` when it cannot be read."""
+def read_bytes(path: Path, limit: int | None = None) -> bytes:
+    """The file's bytes (at most ``limit`` of them); raises :class:`SnapshotCorruptError` when it cannot be read."""
     try:
+        if limit is not None:
+            with open(path, "rb") as file:
+                return file.read(limit)
         return path.read_bytes()
     except OSError as error:
         raise SnapshotCorruptError(f"cannot read {path}: {error}") from None

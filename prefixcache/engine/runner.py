@@ -171,7 +171,7 @@ class PrefixCachingRunner:
         changes nothing in the cache).  Call it between requests' model steps (the server saves on its engine thread).
 
         Raises:
-            SnapshotWriteError: a write failed (also an OSError); the previous snapshot stays current.
+            SnapshotWriteError: a write or sync failed (also an OSError); the previous snapshot is kept.
             SnapshotError: safetensors is missing.
         """
         self.checks.refresh_weights()

@@ -243,6 +243,28 @@ def weights_version_of(tensors: Iterable[torch.Tensor]) -> int:
     return total
 
 
+WEIGHT_HASH_CHUNK_BYTES = 1 << 26
+"""Bytes of a weight on an accelerator copied to the host at a time to be hashed (64 MiB)."""
+
+
+def hash_weights(digest: Any, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Feed every byte of every tensor to ``digest`` (an ``xxhash`` object), after its name, dtype and shape.
+
+    A tensor is hashed as its raw bytes (a ``uint8`` view, so bf16 and float8 are exact: no conversion, no
+    reduction).  On the CPU the bytes are hashed in place; on an accelerator each tensor is copied to the host once,
+    in pieces of ``WEIGHT_HASH_CHUNK_BYTES``, so the host never holds more than one piece.  O(weight bytes): about
+    memory bandwidth on the CPU, the device-to-host bandwidth otherwise."""
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            raw = tensor.detach().reshape(-1).contiguous().view(torch.uint8)
+            if raw.device.type == "cpu":
+                digest.update(raw.numpy())
+                continue
+            for first in range(0, raw.numel(), WEIGHT_HASH_CHUNK_BYTES):
+                digest.update(raw[first : first + WEIGHT_HASH_CHUNK_BYTES].cpu().numpy())
+
+
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``num_tokens`` positions: ``ceil(num_tokens / block_size)``."""
     return -(-num_tokens // block_size)

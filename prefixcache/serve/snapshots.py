@@ -55,7 +55,10 @@ class SnapshotKeeper:
         self.save_errors = 0
 
     async def restore(self) -> SnapshotSummary | None:
-        """Load the snapshot into the runner's cache; on any failure start cold and log why.  Returns what loaded."""
+        """Load the snapshot into the runner's cache; on any failure start cold and log why (``restore_error``).
+        Never raises for what the folder holds: an error that is not a :class:`SnapshotError` (a bug a snapshot
+        reached) is logged too, and the device cache is emptied in case the load left part of it.  Returns what
+        loaded."""
         try:
             self.restored = await asyncio.wrap_future(self.engine.call_soon(self._load))
         except SnapshotNotFoundError:
@@ -64,6 +67,10 @@ class SnapshotKeeper:
         except (SnapshotError, OSError) as error:
             self.restore_error = str(error)
             logger.warning("starting with an empty cache: the snapshot was refused: %s", error)
+        except Exception as error:  # a snapshot must never keep the server from starting, whatever it holds
+            self.restore_error = f"{type(error).__name__}: {error}"
+            logger.warning("starting with an empty cache: loading the snapshot failed: %s", self.restore_error)
+            await asyncio.wrap_future(self.engine.call_soon(self._drop))
         else:
             loaded = self.restored
             skipped = f"; {loaded.skipped_tokens:,} tokens did not fit the pool" if loaded.skipped_tokens else ""
@@ -101,6 +108,9 @@ class SnapshotKeeper:
 
     def _load(self) -> SnapshotSummary:
         return self.runner.load_snapshot(self.directory)
+
+    def _drop(self) -> None:
+        self.runner.cache.evict_all()
 
     def _save(self) -> SnapshotSummary:
         return self.runner.save_snapshot(self.directory)

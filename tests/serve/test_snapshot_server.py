@@ -133,3 +133,83 @@ def test_create_app_refuses_a_snapshot_folder_that_is_a_file(tiny: LlamaModel, t
     (tmp_path / "snap").write_text("a file")
     with pytest.raises(InvalidArgumentError, match="is a file, not a folder"):
         create_app(PrefixCachingRunner(tiny, cache_tokens=4096), model_name="tiny", snapshot_dir=tmp_path / "snap")
+
+
+@pytest.fixture
+def serve_in_background(monkeypatch: pytest.MonkeyPatch) -> dict:
+    """``main(["serve", ...])`` on a real server in a thread: one chat turn, then a clean shutdown (which saves).
+    Records the app, what its cache held before the turn, the turn's usage and what was announced."""
+    import prefixcache.serve
+
+    seen: dict = {}
+
+    def serve_forever(app, host, port, *, log_level, announce) -> None:
+        with start_background(app) as server:
+            announce(server.url)
+            seen.update(app=app, cached_before=app.state.runner.cache.stats().cached_tokens)
+            seen["usage"] = turn(server.url, [{"role": "user", "content": "hello there, agent"}])
+
+    monkeypatch.setattr(prefixcache.serve, "serve_forever", serve_forever)
+    return seen
+
+
+def _resign(folder: Path, edit) -> None:
+    """Edit the current manifest and recompute its checksum: a snapshot written wrong, which checksums pass."""
+    import json
+
+    from prefixcache.cache.snapshot_folder import canonical, digest
+
+    path = folder / (folder / "CURRENT").read_text().strip() / "snapshot.json"
+    document = json.loads(path.read_text())
+    edit(document["manifest"])
+    document["checksum"]["xxh3_128"] = digest(canonical(document["manifest"]))
+    path.write_text(json.dumps(document))
+
+
+EDITS = {
+    "float_namespace_index": lambda m: m["nodes"][0].update(namespace=0.0),
+    "node_without_origin": lambda m: m["nodes"][0].pop("origin"),
+    "one_block_twice": lambda m: m["nodes"][0]["blocks"].__setitem__(-1, m["nodes"][0]["blocks"][0]),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS.values(), ids=EDITS.keys())
+def test_serve_starts_cold_on_a_refused_snapshot_saying_why(
+    serve_in_background: dict, tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys, edit
+) -> None:
+    snapshot = tmp_path / "snap"
+    assert main(["serve", "--snapshot", str(snapshot), "--cache-tokens", "4096"]) == 0
+    assert serve_in_background["app"].state.snapshots.last_saved.num_tokens > 0
+    _resign(snapshot, edit)
+
+    with caplog.at_level(logging.WARNING, "prefixcache.serve.snapshots"):
+        code = main(["serve", "--snapshot", str(snapshot), "--cache-tokens", "4096"])
+
+    assert code == 0 and "serving 'tiny' at" in capsys.readouterr().out
+    keeper = serve_in_background["app"].state.snapshots
+    assert keeper.restored is None and "malformed node" in keeper.restore_error
+    assert "starting with an empty cache" in caplog.text and "malformed node" in caplog.text
+    assert serve_in_background["cached_before"] == 0
+    assert serve_in_background["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_snapshot_load_failing_with_any_error_starts_the_server_cold(
+    tiny: LlamaModel, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = PrefixCachingRunner(tiny, cache_tokens=4096)
+    first.generate(list(range(1, 40)))
+    first.save_snapshot(tmp_path / "snap")
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096)
+
+    def load_half_then_fail(directory):
+        PrefixCachingRunner.load_snapshot(runner, directory)
+        raise KeyError("origin")  # a bug a snapshot reached after the cache took part of it
+
+    monkeypatch.setattr(runner, "load_snapshot", load_half_then_fail)
+    app = create_app(runner, model_name="tiny", snapshot_dir=tmp_path / "snap")
+    with caplog.at_level(logging.WARNING, "prefixcache.serve.snapshots"), start_background(app) as server:
+        cached_before = runner.cache.stats().cached_tokens
+        usage = turn(server.url, [{"role": "user", "content": "hello"}])
+
+    assert cached_before == 0 and usage["prompt_tokens_details"]["cached_tokens"] == 0
+    assert "KeyError" in app.state.snapshots.restore_error and "starting with an empty cache" in caplog.text
