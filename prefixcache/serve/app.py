@@ -20,17 +20,16 @@ the router's own 404 and 405 included, has OpenAI's shape ``{"error": {"message"
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import inspect
 import json
 import logging
 import os
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -44,7 +43,16 @@ from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import CapacityError, OutOfBlocksError, PoolBusyError, PrefixCacheError
 from prefixcache.serve.auth import ApiKeys, Unauthorized
 from prefixcache.serve.echo import echoed_logprobs, echoed_usage, merge_logprobs, prompt_logprobs_job, running_usage
-from prefixcache.serve.jobs import deliveries, ending, merged_choices, sample_request_id, sample_seed
+from prefixcache.serve.jobs import (
+    closing,
+    deliveries,
+    ending,
+    gone,
+    merged_choices,
+    sample_request_id,
+    sample_seed,
+    unless_gone,
+)
 from prefixcache.serve.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from prefixcache.serve.metrics import CONTENT_TYPE, ServerMetrics
 from prefixcache.serve.protocol import (
@@ -99,65 +107,11 @@ def _error_response(error: BaseException) -> Response:
     return _json(error_body(message, kind=kind), status)
 
 
-async def _closing(lines: AsyncIterator[str], events: Any) -> AsyncIterator[str]:
-    """``lines``, then close the job's ``events`` however the response ends (finished, failed, or the client gone),
-    which cancels the job and frees its blocks."""
-    try:
-        async for line in lines:
-            yield line
-    finally:
-        await events.aclose()
-
-
 Submit = Callable[[Callable[[Any], None] | None], tuple[RequestHandle, Future[Any]]]
 """``submit(on_delta)``: start a request on the engine; its handle (to cancel it) and the future of its outcome."""
 
 
-_T = TypeVar("_T")
-
-
 _SHUTTING_DOWN = "the server is shutting down: the request was cancelled before it finished"
-
-
-def _gone() -> Response:
-    """What a request whose client disconnected answers (nginx's 499); nobody reads it."""
-    return Response(status_code=499)
-
-
-async def _client_gone(request: Request) -> None:
-    """Return once the client has disconnected: the ASGI ``http.disconnect`` message, read after the body as
-    Starlette's ``StreamingResponse`` does (uvicorn never cancels a handler whose client went away)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-_WATCH_AFTER_S = 0.05
-"""A client is watched for a disconnect only once its answer has taken this long: a watcher costs ~0.4 ms."""
-
-
-async def _unless_gone(request: Request, waiter: Awaitable[_T]) -> tuple[bool, _T | None]:
-    """``(True, waiter's result)``, or ``(False, None)`` when the client disconnects first (``waiter`` is then
-    cancelled and awaited, so a job it drives is cancelled before this returns)."""
-    task = asyncio.ensure_future(waiter)
-    gone = None
-    try:
-        await asyncio.wait((task,), timeout=_WATCH_AFTER_S)
-        if task.done():
-            return True, task.result()
-        gone = asyncio.ensure_future(_client_gone(request))
-        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()  # this handler was cancelled (uvicorn's shutdown): so is what it waited for
-        raise
-    finally:
-        if gone is not None:
-            gone.cancel()
-    if task.done():
-        return True, task.result()
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-    return False, None
 
 
 def _sse(obj: Any) -> str:
@@ -291,7 +245,7 @@ def create_app(
 
         future.add_done_callback(on_done)
         try:
-            answered, result = await _unless_gone(request, ended)
+            answered, result = await unless_gone(request, ended)
             return result if answered else ("gone", None)
         except asyncio.CancelledError:
             # uvicorn cancels the handlers still running when its graceful shutdown times out (it never cancels
@@ -333,7 +287,7 @@ def create_app(
     async def client_disconnected(request: Request, error: ClientDisconnect) -> Response:
         # An upload cut off mid-body is the client's doing and nobody reads the answer: one line, not a traceback.
         logger.info("client disconnected before sending its whole body: %s %s", request.method, request.url.path)
-        return _gone()
+        return gone()
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> Response:
@@ -378,7 +332,7 @@ def create_app(
         """A job's end: the finished completion, or the error response (either counted in metrics; a client that
         left is not)."""
         if kind == "gone":
-            return _gone()
+            return gone()
         if kind == "cancelled":
             metrics.failed(endpoint, 503)
             return _json(error_body(_SHUTTING_DOWN, kind="server_error"), 503)
@@ -439,9 +393,9 @@ def create_app(
                 bodies.append(chat_response(request_id, model_name, done, logprobs_of(done.logprobs)))
             return _json(merged_choices(bodies))
         events = run_job(start)
-        answered, head = await _unless_gone(request, anext(events))  # a queued request waits here for its first token
+        answered, head = await unless_gone(request, anext(events))  # a queued request waits here for its first token
         if not answered:
-            return _gone()
+            return gone()
         kind, first = head
         if kind == "error":
             await events.aclose()
@@ -472,7 +426,7 @@ def create_app(
                     yield _sse(chat_chunk(request_id, model_name, None, usage=done.usage))
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(_closing(chat_sse(), events), media_type="text/event-stream")
+        return StreamingResponse(closing(chat_sse(), events), media_type="text/event-stream")
 
     @route("/v1/completions", "POST")
     async def completions(request: Request) -> Response:
@@ -525,9 +479,9 @@ def create_app(
                 bodies.append(completion_response(request_id, model_name, text, done.finish_reason, usage, logprobs))
             return _json(merged_choices(bodies))
         events = run_job(start)
-        answered, head = await _unless_gone(request, anext(events))  # a queued request waits here for its first token
+        answered, head = await unless_gone(request, anext(events))  # a queued request waits here for its first token
         if not answered:
-            return _gone()
+            return gone()
         kind, head_value = head
         if kind == "error":
             await events.aclose()
@@ -567,7 +521,7 @@ def create_app(
                     yield _sse(chunk)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(_closing(completion_sse(), events), media_type="text/event-stream")
+        return StreamingResponse(closing(completion_sse(), events), media_type="text/event-stream")
 
     @route("/v1/cache/prefill", "POST")
     async def prefill(request: Request) -> Response:
@@ -601,7 +555,7 @@ def create_app(
         run_job=run_job,
         finish_job=finish_job,
         outcome=outcome,
-        unless_gone=_unless_gone,
+        unless_gone=unless_gone,
     )
     add_response_routes(hooks, runner, engine, app.state.responses)
     return app

@@ -1,5 +1,6 @@
 """What the server's routes share about engine jobs: the callbacks that turn a request's tokens into stream events, the
-event a finished request ends with, and ``n`` > 1 — several samples of one prompt, each its own engine request.
+event a finished request ends with, how a waiting handler watches for its client leaving, and ``n`` > 1 — several
+samples of one prompt, each its own engine request.
 
 ``n`` samples are submitted together: the first prefills the prompt and, under prefix-aware admission, the others
 wait for it and then find it cached (each computes only the prompt's last position again), so the prompt is
@@ -9,11 +10,27 @@ returns; without a seed each sample draws from its own unseeded generator.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import CancelledError, Future
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["deliveries", "ending", "merged_choices", "sample_request_id", "sample_seed"]
+from fastapi import Request
+from fastapi.responses import Response
+
+__all__ = [
+    "closing",
+    "deliveries",
+    "ending",
+    "gone",
+    "merged_choices",
+    "sample_request_id",
+    "sample_seed",
+    "unless_gone",
+]
+
+T = TypeVar("T")
 
 
 def deliveries(on_delta: Callable[[Any], None] | None, logprobs: int | None) -> dict[str, Any]:
@@ -63,3 +80,54 @@ def merged_choices(bodies: Sequence[dict[str, Any]]) -> dict[str, Any]:
         generated = sum(sample["usage"]["completion_tokens"] for sample in bodies)
         body["usage"] = {**usage, "completion_tokens": generated, "total_tokens": usage["prompt_tokens"] + generated}
     return body
+
+
+async def closing(lines: AsyncIterator[str], events: Any) -> AsyncIterator[str]:
+    """``lines``, then close the job's ``events`` however the response ends (finished, failed, or the client gone),
+    which cancels the job and frees its blocks."""
+    try:
+        async for line in lines:
+            yield line
+    finally:
+        await events.aclose()
+
+
+def gone() -> Response:
+    """What a request whose client disconnected answers (nginx's 499); nobody reads it."""
+    return Response(status_code=499)
+
+
+async def client_gone(request: Request) -> None:
+    """Return once the client has disconnected: the ASGI ``http.disconnect`` message, read after the body as
+    Starlette's ``StreamingResponse`` does (uvicorn never cancels a handler whose client went away)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+WATCH_AFTER_S = 0.05
+"""A client is watched for a disconnect only once its answer has taken this long: a watcher costs ~0.4 ms."""
+
+
+async def unless_gone(request: Request, waiter: Awaitable[T]) -> tuple[bool, T | None]:
+    """``(True, waiter's result)``, or ``(False, None)`` when the client disconnects first (``waiter`` is then
+    cancelled and awaited, so a job it drives is cancelled before this returns)."""
+    task = asyncio.ensure_future(waiter)
+    gone = None
+    try:
+        await asyncio.wait((task,), timeout=WATCH_AFTER_S)
+        if task.done():
+            return True, task.result()
+        gone = asyncio.ensure_future(client_gone(request))
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()  # this handler was cancelled (uvicorn's shutdown): so is what it waited for
+        raise
+    finally:
+        if gone is not None:
+            gone.cancel()
+    if task.done():
+        return True, task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return False, None
