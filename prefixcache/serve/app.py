@@ -40,15 +40,18 @@ from prefixcache.engine.batching import BatchEngine, RequestHandle
 from prefixcache.engine.chat import ChatCompletion, prepare_chat, prepare_completion, submit_chat
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.errors import CapacityError, OutOfBlocksError, PoolBusyError, PrefixCacheError
+from prefixcache.errors import CapacityError, InvalidArgumentError, OutOfBlocksError, PoolBusyError, PrefixCacheError
 from prefixcache.serve.auth import ApiKeys, Unauthorized
 from prefixcache.serve.echo import echoed_logprobs, echoed_usage, merge_logprobs, prompt_logprobs_job, running_usage
 from prefixcache.serve.jobs import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    PARSE_OFF_LOOP_BYTES,
     closing,
     deliveries,
     ending,
     gone,
     merged_choices,
+    read_body,
     sample_request_id,
     sample_seed,
     unless_gone,
@@ -137,6 +140,7 @@ def create_app(
     max_batch_tokens: int = 512,
     max_running: int = 32,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving ``runner`` as model ``model_name``; ``api_keys`` (default: open) map keys to
     namespaces.  ``app.state.engine`` is the :class:`BatchEngine` stepping every request on its own thread
@@ -148,7 +152,11 @@ def create_app(
     why, when there is none or it is refused), saves it every ``snapshot_every_s`` seconds and on a clean shutdown
     (:class:`~prefixcache.serve.snapshots.SnapshotKeeper`, ``app.state.snapshots``).  The Responses API
     (:mod:`prefixcache.serve.responses_routes`) keeps the last ``max_stored_responses`` responses
-    (``app.state.responses``)."""
+    (``app.state.responses``).  A request body over ``max_request_bytes`` is a 413 in OpenAI's error shape, read no
+    further; a body over ``PARSE_OFF_LOOP_BYTES`` is parsed on a worker thread, so the event loop goes on serving
+    streams and ``/health`` meanwhile.  Raises InvalidArgumentError for a ``max_request_bytes`` below 1."""
+    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
+        raise InvalidArgumentError(f"max_request_bytes must be a positive int, got {max_request_bytes!r}")
     keys = api_keys if api_keys is not None else ApiKeys.open()
     engine = BatchEngine(runner, max_batch_tokens=max_batch_tokens, max_running=max_running)
     metrics = ServerMetrics(runner.cache, engine)
@@ -258,8 +266,9 @@ def create_app(
         return keys.namespace_for(request.headers.get("authorization"))
 
     async def read_json(request: Request) -> Any:
+        body = await read_body(request, max_request_bytes)
         try:
-            return json.loads(await request.body())
+            return json.loads(body) if len(body) <= PARSE_OFF_LOOP_BYTES else await asyncio.to_thread(json.loads, body)
         except RecursionError:
             raise BadRequest("the request body nests objects and arrays too deep to parse") from None
         except ValueError:

@@ -19,18 +19,29 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response
 
+from prefixcache.serve.protocol import BadRequest
+
 __all__ = [
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "PARSE_OFF_LOOP_BYTES",
     "closing",
     "deliveries",
     "ending",
     "gone",
     "merged_choices",
+    "read_body",
     "sample_request_id",
     "sample_seed",
     "unless_gone",
 ]
 
 T = TypeVar("T")
+
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+"""The largest request body a server reads (32 MiB: a prompt of several million tokens as JSON text); beyond it, 413."""
+
+PARSE_OFF_LOOP_BYTES = 1 << 16
+"""Bodies larger than this (64 KiB) are parsed on a worker thread: a small one is parsed faster than a thread hop."""
 
 
 def deliveries(on_delta: Callable[[Any], None] | None, logprobs: int | None) -> dict[str, Any]:
@@ -131,3 +142,20 @@ async def unless_gone(request: Request, waiter: Awaitable[T]) -> tuple[bool, T |
     with contextlib.suppress(asyncio.CancelledError):
         await task
     return False, None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, at most ``limit`` bytes: a ``Content-Length`` above it is refused before anything is read,
+    and a body streamed past it (chunked) as soon as it gets there.  Raises ``BadRequest`` with status 413 (OpenAI's
+    ``request_too_large``)."""
+    too_large = BadRequest(f"the request body is over {limit:,} bytes", None, 413, "request_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
