@@ -427,7 +427,8 @@ def create_app(
                 metrics.observe("/v1/chat/completions", done.usage)
                 if done.tool_calls:
                     calls = [{"index": i, **call} for i, call in enumerate(done.tool_calls)]
-                    yield _sse(chat_chunk(request_id, model_name, {"tool_calls": calls}))
+                    chunk = chat_chunk(request_id, model_name, {"tool_calls": calls})
+                    yield _sse(counted(chunk, done.usage.generated_tokens))
                 usage = None if chat.include_usage and not chat.continuous_usage else done.usage
                 rest = logprobs_of(done.logprobs[sent:]) if done.logprobs and done.logprobs[sent:] else None
                 yield _sse(chat_chunk(request_id, model_name, {}, done.finish_reason, usage, rest))

@@ -4,8 +4,9 @@ samples of one prompt, each its own engine request.
 
 ``n`` samples are submitted together: the first prefills the prompt and, under prefix-aware admission, the others
 wait for it and then find it cached (each computes only the prompt's last position again), so the prompt is
-prefilled once.  Sample i uses ``seed + i`` when a seed is given, so it is exactly what a request of that seed alone
-returns; without a seed each sample draws from its own unseeded generator.
+prefilled once.  Sample i uses ``seed + i`` when a seed is given (past the largest seed, ``2**63 - 1``, it wraps to 0),
+so it is exactly what a request of that seed alone returns; without a seed each sample draws from its own unseeded
+generator.
 """
 
 from __future__ import annotations
@@ -69,9 +70,14 @@ def ending(future: Future[Any]) -> tuple[str, Any]:
     return ("error", error) if error is not None else ("done", future.result())
 
 
+_SEEDS = 2**63
+"""Seeds are 0 .. 2**63 - 1 (:class:`~prefixcache.engine.sampling.SamplingParams`)."""
+
+
 def sample_seed(seed: int | None, sample: int) -> int | None:
-    """The seed of sample ``sample`` (0 for the first) of a request of ``seed``: ``seed + sample``; None without one."""
-    return None if seed is None else seed + sample
+    """The seed of sample ``sample`` (0 for the first) of a request of ``seed``: ``seed + sample`` modulo ``2**63``
+    (so a valid seed never makes a sample's invalid); None without one."""
+    return None if seed is None else (seed + sample) % _SEEDS
 
 
 def sample_request_id(request_id: str, sample: int) -> str:

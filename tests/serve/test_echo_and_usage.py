@@ -112,6 +112,28 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served, endp
     assert_quiescent(runner.cache)
 
 
+def test_continuous_usage_stats_are_on_a_streamed_tool_calls_chunk_too(served) -> None:
+    pytest.importorskip("llguidance")  # the call's arguments constrained, so that it completes within the budget
+    runner, _, client = served
+    parameters = {"type": "object", "properties": {"a": {"const": "x"}}, "required": ["a"]}
+    parameters["additionalProperties"] = False
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": PROMPT}],
+        tools=[{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+        tool_choice={"type": "function", "function": {"name": "f"}},
+        max_tokens=50,
+        stream=True,
+        stream_options={"continuous_usage_stats": True},
+    )
+    chunks = list(stream)
+    [with_calls] = [c for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert all(c.usage is not None for c in chunks)
+    assert with_calls.usage.completion_tokens == chunks[-1].usage.completion_tokens
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert_quiescent(runner.cache)
+
+
 def test_chat_echo_is_refused(served) -> None:
     _, url, _ = served
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True}

@@ -76,3 +76,13 @@ def test_bad_n_is_a_400_naming_it(served, fields) -> None:
     response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "n"
     assert_quiescent(runner.cache)
+
+
+def test_samples_past_the_largest_seed_wrap_around_to_seed_zero(served) -> None:
+    runner, _, client = served
+    top = 2**63 - 1
+    out = client.completions.create(model="tiny", prompt="Rome", n=2, seed=top, temperature=1.0, max_tokens=8)
+    last = client.completions.create(model="tiny", prompt="Rome", seed=top, temperature=1.0, max_tokens=8)
+    zero = client.completions.create(model="tiny", prompt="Rome", seed=0, temperature=1.0, max_tokens=8)
+    assert [c.text for c in out.choices] == [last.choices[0].text, zero.choices[0].text]
+    assert_quiescent(runner.cache)
