@@ -232,44 +232,26 @@ def probe_state_bytes(model: Any) -> int:
 
 
 def check_resume(model: Any) -> None:
-    """Raise UnsupportedModelError unless the adapter ``model`` resumed from a snapshot continues the sequence: 12
-    tokens, the last 5 resumed from the state after 7, against the uncached forward.  A resumed scan rounds
-    differently from an unsplit one, while a model whose prefill ignores a kept state (transformers' Mamba-1 and
-    Falcon-Mamba) misses nearly as much as one resumed from a zeroed state.  The resumed miss must be under 5% of the
-    largest logit or under a tenth of the zeroed state's miss.  Measured on tiny random models: served models miss
-    1e-5 of the largest logit in fp32 and at most 0.07 of the zeroed miss in bf16 (MiniMax's 9%); Mamba-1 and
-    Falcon-Mamba 0.15-0.30 of it.  Three forwards of a few tokens, at wrap time."""
+    """Raise UnsupportedModelError unless the adapter ``model``'s forward of several tokens continues a kept state:
+    from the state after 7 of 12 tokens, the last 5 in one forward must agree with the same 5 fed one at a time (the
+    decode path, which ``generate`` itself runs from the state), within 1% of the largest logit in float32, 25% in
+    half precision.  Measured on tiny random models: served models agree to 3e-4 in float32 and 7% in bf16 (their
+    chunked and step kernels round differently); transformers' Mamba-1 and Falcon-Mamba, whose prefill restarts the
+    scan from zeros, miss by 9-31% (they are refused by type too, :mod:`~prefixcache.models.hf_support`).  Seven
+    forwards of a few tokens, at wrap time."""
     ids = torch.arange(1, 13, device=model.device) % model.vocab_size
     kv = torch.zeros(kv_pool_shape(model, 1, 16), dtype=model.dtype, device=model.device)
     table = torch.zeros(1, dtype=torch.int32, device=model.device)
     live = LiveKV()
     model.forward_cached(ids[:7], 0, kv, table, live=live)
     state = model.take_state(live)
-    reference = model.forward_reference(ids, return_logits=True, logits_from=7)
-    misses = []
-    for start in (state, _zeroed(state)):
-        resumed = LiveKV()
-        resumed.start_state = start
-        logits = model.forward_cached(ids[7:], 7, kv, table, return_logits=True, live=resumed)
-        misses.append(float((logits - reference).abs().max()))
-    miss, zeroed = misses
-    if not (miss <= 0.05 * float(reference.abs().max()) or miss <= 0.1 * zeroed):
+    chunk, step = LiveKV(), LiveKV()
+    chunk.start_state = step.start_state = state
+    logits = model.forward_cached(ids[7:], 7, kv, table, return_logits=True, live=chunk)
+    steps = torch.cat([model.forward_cached(ids[t : t + 1], t, kv, table, live=step) for t in range(7, 12)])
+    miss = float((logits - steps).abs().max()) / max(float(steps.abs().max()), 1e-30)
+    if not miss <= (0.01 if model.dtype == torch.float32 else 0.25):
         raise UnsupportedModelError(
-            f"{type(model.model).__name__}'s forward of several tokens does not continue a kept recurrent state "
-            f"(resumed logits miss the uncached ones by {miss:.3g}, as from a zeroed state by {zeroed:.3g}): its "
-            "scan restarts from zeros"
+            f"{type(model.model).__name__}'s forward of several tokens does not continue a kept recurrent state (it "
+            f"misses the same tokens fed one at a time by {miss:.1%} of the largest logit): its scan restarts"
         )
-
-
-def _zeroed(state: RecurrentState) -> RecurrentState:
-    """``state`` with every tensor zeroed (the state of no tokens, standing at the same position)."""
-    layers = {
-        index: tuple(
-            tuple(None if t is None else torch.zeros_like(t) for t in part)
-            if isinstance(part, tuple)
-            else (None if part is None else torch.zeros_like(part))
-            for part in parts
-        )
-        for index, parts in state.layers.items()
-    }
-    return RecurrentState(state.position, layers, state.nbytes)

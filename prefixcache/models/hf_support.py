@@ -68,7 +68,9 @@ others log a warning."""
 _OWN_HEAD_MODEL_TYPES = frozenset({"cohere", "cohere2", "gemma2", "gemma3_text"})
 
 # Model types whose state is not (only) per-token K/V, for a clear message even where DynamicCache cannot say so.
-_RECURRENT_MODEL_TYPES = frozenset({"rwkv", "xlstm", "recurrent_gemma"})
+# Mamba-1 and Falcon-Mamba: transformers' prefill of several tokens restarts their scan instead of continuing a kept
+# state, so a cached prefix cannot be resumed (the wrap-time probe of hf_state.check_resume finds it too).
+_RECURRENT_MODEL_TYPES = frozenset({"mamba", "falcon_mamba", "rwkv", "xlstm", "recurrent_gemma"})
 
 # Rotary scalings that pick frequencies from the longest position of each forward call (not prefix-stable).
 _LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
@@ -113,8 +115,8 @@ def check_supported(model: Any, layout: StateLayout) -> Support:
         raise UnsupportedModelError(f"{arch} attends bidirectionally; prefix caching needs causal attention")
     if config.model_type in _RECURRENT_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"{arch} ({config.model_type}) carries recurrent state, not per-token K/V; a prefix cannot be resumed "
-            "from a KV pool"
+            f"{arch} ({config.model_type}) carries a recurrent state that transformers' forward of several tokens "
+            "does not continue (or that prefixcache cannot snapshot): a cached prefix cannot be resumed"
         )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     # One dict, or (for models with several layer types) one dict per layer type.

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 from prefixcache.cache.pool import KVBlockPool  # noqa: E402
 from prefixcache.engine.batching import BatchEngine  # noqa: E402
 from prefixcache.engine.runner import PrefixCachingRunner, SamplingParams  # noqa: E402
-from prefixcache.errors import InvalidArgumentError  # noqa: E402
+from prefixcache.errors import InvalidArgumentError, UnsupportedModelError  # noqa: E402
 from prefixcache.models.base import LiveKV  # noqa: E402
 from prefixcache.models.hf import HFCausalLM  # noqa: E402
 from prefixcache.models.hf_tiny import HYBRID_MODEL_TYPES, tiny_hf_config  # noqa: E402
@@ -274,3 +274,19 @@ def test_a_bf16_hybrid_is_served_and_its_greedy_output_equals_generate(model_typ
     prompt = _prompt(13, 40)
     runner = PrefixCachingRunner(wrapped, cache_tokens=1024, block_size=BLOCK_SIZE)
     assert list(runner.generate(prompt, SamplingParams(max_new_tokens=4)).token_ids) == _hf_generate(wrapped, prompt, 4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba"])
+def test_the_wrap_time_probe_alone_refuses_a_prefill_that_restarts_the_scan(monkeypatch, model_type, seed):
+    import prefixcache.models.hf_support as support
+
+    monkeypatch.setattr(support, "_RECURRENT_MODEL_TYPES", frozenset())  # the probe, not the list of known types
+    config = transformers.AutoConfig.for_model(
+        model_type, hidden_size=64, num_hidden_layers=2, state_size=4, vocab_size=300, initializer_range=0.2
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with pytest.raises(UnsupportedModelError, match="does not continue a kept recurrent state"):
+        HFCausalLM(model)
