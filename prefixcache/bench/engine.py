@@ -15,7 +15,8 @@ layers, measured side by side in one process, repeats interleaved, medians:
   :class:`~prefixcache.engine.batching.BatchEngine` with ``policy="lpm"`` (the system prompt prefilled once) and with
   ``policy="fcfs"`` (every session prefills it): prefilled tokens and wall time.
 
-- a hybrid model's warm TTFT, resumed from its recurrent-state snapshot (:mod:`prefixcache.bench.hybrid`).
+- a hybrid model's warm TTFT, resumed from its recurrent-state snapshot (:mod:`prefixcache.bench.hybrid`); a JSON
+  schema's cost per batched decode step (:mod:`prefixcache.bench.grammar`).
 
 - paged attention (:mod:`prefixcache.models.paged_attention`) on the embedded model: decode time per token reading
   the pool through the block table against the gather of the prefix out of the pool, logits checked equal.
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 
 from prefixcache.bench.common import BenchResult, Table, ms_cells, ratio_spread, spread_text
+from prefixcache.bench.grammar import grammar_rows, measure_grammar
 from prefixcache.bench.hybrid import hybrid_note, hybrid_rows, measure_hybrid
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
@@ -489,6 +491,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
         shared = measure_shared_prefill(setup)
         paged = [measure_paged(setup, c, where) for c in setup.decode_contexts]
         hybrid = measure_hybrid(setup.hybrid_tokens, setup.repeats, setup.quick, where)
+        grammar = measure_grammar(setup.quick, setup.repeats, where)
     rows = []
     for c in cold:
         rows.append(
@@ -554,7 +557,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
                 *ms_cells(p["paged_s"], p["gather_s"]),
             )
         )
-    rows += hybrid_rows(hybrid)
+    rows += hybrid_rows(hybrid) + grammar_rows(grammar)
     shape = f"{model.name}, hidden {model.config.hidden_size}, vocab {model.vocab_size:,}"
     table = Table(
         title=(
@@ -587,6 +590,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
         "shared_prefill": shared,
         "paged": paged,
         "hybrid": hybrid,
+        "grammar": grammar,
     }
     return BenchResult("engine", (table,), data)
 
