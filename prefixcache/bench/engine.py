@@ -42,7 +42,7 @@ import torch
 
 from prefixcache.bench.common import BenchResult, Table, ms_cells, ratio_spread, spread_text
 from prefixcache.bench.grammar import grammar_rows, measure_grammar
-from prefixcache.bench.hybrid import hybrid_note, hybrid_rows, measure_hybrid
+from prefixcache.bench.hybrid import hybrid_note, hybrid_rows, measure_hybrid, own_forward
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError
@@ -196,25 +196,10 @@ def _timed(fn) -> tuple[float, object]:
 
 @torch.inference_mode()
 def _own_forward(hf, ids: list[int], cache=None) -> tuple[float, int]:
-    """Seconds of the model's own forward of ``ids`` (after ``cache``'s positions) with ``logits_to_keep=1``, and its
-    greedy token."""
+    """:func:`~prefixcache.bench.hybrid.own_forward` on ``cache``, a fresh ``DynamicCache`` by default."""
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=hf.config) if cache is None else cache
-    start = cache.get_seq_length()
-    positions = torch.arange(start, start + len(ids), device=hf.device).unsqueeze(0)
-
-    def run():
-        out = hf.model(
-            input_ids=torch.tensor([ids], device=hf.device),
-            position_ids=positions,
-            **{hf.cache_kwarg: cache},
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return int(out.logits[0, -1].argmax())
-
-    return _timed(run)
+    return own_forward(hf, ids, DynamicCache(config=hf.config) if cache is None else cache)
 
 
 def _runner(model, tokens: int) -> PrefixCachingRunner:

@@ -21,7 +21,7 @@ from prefixcache.bench.common import ms_cells
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 
-__all__ = ["QWEN3_NEXT_LAYOUT", "hybrid_note", "hybrid_rows", "measure_hybrid"]
+__all__ = ["QWEN3_NEXT_LAYOUT", "hybrid_note", "hybrid_rows", "measure_hybrid", "own_forward"]
 
 QWEN3_NEXT_LAYOUT: dict[str, Any] = {
     "hidden_size": 512,
@@ -54,8 +54,10 @@ def _clock(device: torch.device) -> float:
 
 
 @torch.inference_mode()
-def _own_forward(model: Any, ids: list[int], cache: Any) -> tuple[float, int]:
-    """Seconds of the model's own forward of ``ids`` after ``cache``'s positions, and its greedy token."""
+def own_forward(model: Any, ids: list[int], cache: Any) -> tuple[float, int]:
+    """Seconds of the HF adapter ``model``'s own forward of ``ids`` after ``cache``'s positions (a transformers cache,
+    appended to) with ``logits_to_keep=1``, and its greedy token; the bench clock (thread CPU time, or wall time
+    after a synchronize on CUDA)."""
     start = cache.get_seq_length()
     began = _clock(model.device)
     out = model.model(
@@ -88,7 +90,7 @@ def measure_hybrid(tokens: int, repeats: int, quick: bool, device: torch.device 
     runner = PrefixCachingRunner(model, cache_tokens=tokens + (repeats + 4) * SUFFIX_TOKENS, block_size=BLOCK_SIZE)
     runner.generate(prefix, SamplingParams(max_new_tokens=0))
     prefilled = model._new_cache(tokens)
-    _own_forward(model, prefix, prefilled)
+    own_forward(model, prefix, prefilled)
     ours, uncached, suffix_only = [], [], []
     for _ in range(repeats):
         suffix = torch.randint(0, model.vocab_size, (SUFFIX_TOKENS,), generator=generator).tolist()
@@ -96,8 +98,8 @@ def measure_hybrid(tokens: int, repeats: int, quick: bool, device: torch.device 
         began = _clock(device)
         result = runner.generate(prefix + suffix, SamplingParams(max_new_tokens=1))
         ours.append(_clock(device) - began)
-        seconds, token = _own_forward(model, prefix + suffix, model._new_cache(tokens))
-        own_seconds, own_token = _own_forward(model, suffix, cache)
+        seconds, token = own_forward(model, prefix + suffix, model._new_cache(tokens))
+        own_seconds, own_token = own_forward(model, suffix, cache)
         if result.usage.cached_tokens != len(prefix):
             raise AssertionError(f"hybrid warm run resumed {result.usage.cached_tokens} tokens, not {len(prefix)}")
         if not token == own_token == result.token_ids[0]:

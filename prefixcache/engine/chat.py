@@ -39,6 +39,7 @@ __all__ = [
     "chat_stream",
     "check_tool_choice",
     "complete_chat",
+    "complete_text",
     "completion_stream",
     "prepare_chat",
     "prepare_completion",
@@ -470,7 +471,15 @@ def complete_chat(
     **options: Any,
 ) -> ChatCompletion:
     """:func:`chat_stream` run to the end; same arguments and errors."""
-    steps = chat_stream(runner, messages, tools, **options)
+    return _run_to_end(chat_stream(runner, messages, tools, **options))
+
+
+def complete_text(runner: StreamingRunner, prompt_ids: Sequence[int], **options: Any) -> ChatCompletion:
+    """:func:`completion_stream` run to the end; same arguments and errors."""
+    return _run_to_end(completion_stream(runner, prompt_ids, **options))
+
+
+def _run_to_end(steps: Generator[str, None, ChatCompletion]) -> ChatCompletion:
     try:
         while True:
             next(steps)

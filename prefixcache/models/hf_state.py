@@ -214,12 +214,17 @@ def start_state(layout: StateLayout, live: Any, start_pos: int, name: str) -> Re
     return state
 
 
+def _scratch_pool(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A one-block pool of 16 positions for ``model`` and its block table: where the wrap-time probes run."""
+    kv = torch.zeros(kv_pool_shape(model, 1, 16), dtype=model.dtype, device=model.device)
+    return kv, torch.zeros(1, dtype=torch.int32, device=model.device)
+
+
 def probe_state_bytes(model: Any) -> int:
     """Bytes of one state snapshot of the adapter ``model`` (an :class:`~prefixcache.models.hf.HFCausalLM` with
     recurrent layers), from a one-token forward into a one-block scratch pool.  Raises UnsupportedModelError when
     that forward fails (a model that cannot run one token with a cache cannot be served)."""
-    kv = torch.zeros(kv_pool_shape(model, 1, 16), dtype=model.dtype, device=model.device)
-    table = torch.zeros(1, dtype=torch.int32, device=model.device)
+    kv, table = _scratch_pool(model)
     live = LiveKV()
     try:
         model.forward_cached(torch.zeros(1, dtype=torch.long, device=model.device), 0, kv, table, live=live)
@@ -240,8 +245,7 @@ def check_resume(model: Any) -> None:
     scan from zeros, miss by 9-31% (they are refused by type too, :mod:`~prefixcache.models.hf_support`).  Seven
     forwards of a few tokens, at wrap time."""
     ids = torch.arange(1, 13, device=model.device) % model.vocab_size
-    kv = torch.zeros(kv_pool_shape(model, 1, 16), dtype=model.dtype, device=model.device)
-    table = torch.zeros(1, dtype=torch.int32, device=model.device)
+    kv, table = _scratch_pool(model)
     live = LiveKV()
     model.forward_cached(ids[:7], 0, kv, table, live=live)
     state = model.take_state(live)

@@ -21,7 +21,8 @@ httpx = require("httpx", "server")
 openai = require("openai", "server")
 
 from prefixcache import PrefixCachingRunner  # noqa: E402
-from prefixcache.serve import ApiKeys, create_app  # noqa: E402
+from prefixcache.models.llama import build_model  # noqa: E402
+from prefixcache.serve import ApiKeys, create_app, start_background  # noqa: E402
 
 
 @pytest.fixture
@@ -48,3 +49,18 @@ def asgi_client() -> Callable[..., object]:
         return openai.AsyncOpenAI(base_url="http://testserver/v1", api_key=api_key, http_client=http, max_retries=0)
 
     return make
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    """The embedded ``tiny`` model on the CPU, shared by a module's tests."""
+    return build_model("tiny", device="cpu")
+
+
+@pytest.fixture
+def served_tiny(make_app, tiny_model):
+    """``(runner, url, client)``: a fresh runner over ``tiny_model`` (8,192 tokens) served as ``tiny`` on 127.0.0.1 at
+    a free port, and a sync ``openai.OpenAI`` client for it."""
+    runner = PrefixCachingRunner(tiny_model, cache_tokens=8192)
+    with start_background(make_app(runner, model_name="tiny"), "127.0.0.1", 0) as server:
+        yield runner, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)

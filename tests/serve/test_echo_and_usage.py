@@ -6,29 +6,14 @@ every streamed chunk carries the usage so far."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 import torch
 
 from prefixcache import PrefixCachingRunner
-from prefixcache.models.llama import build_model
-from prefixcache.serve import start_background
 from prefixcache.testing import assert_quiescent
 
 TOLERANCE = 1e-4
 PROMPT = "The weather in Paris is mild in spring; the weather in Rome is warm."
-
-
-@pytest.fixture(scope="module")
-def tiny_model():
-    return build_model("tiny", device="cpu")
-
-
-@pytest.fixture
-def served(make_app, tiny_model):
-    runner = PrefixCachingRunner(tiny_model, cache_tokens=4096)
-    with start_background(make_app(runner, model_name="tiny"), "127.0.0.1", 0) as server:
-        yield runner, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
 
 
 def _reference_logprobs(runner: PrefixCachingRunner, ids: list[int]) -> list[float]:
@@ -38,8 +23,10 @@ def _reference_logprobs(runner: PrefixCachingRunner, ids: list[int]) -> list[flo
 
 
 @pytest.mark.parametrize("max_tokens", [0, 1])
-def test_echoed_prompt_logprobs_equal_the_uncached_forward_even_when_the_prompt_is_cached(served, max_tokens) -> None:
-    runner, _, client = served
+def test_echoed_prompt_logprobs_equal_the_uncached_forward_even_when_the_prompt_is_cached(
+    served_tiny, max_tokens
+) -> None:
+    runner, _, client = served_tiny
     ids = runner.tokenizer.encode(PROMPT)
     plain = client.completions.create(model="tiny", prompt=ids, max_tokens=2, temperature=0)
     assert plain.usage.prompt_tokens == len(ids)
@@ -63,8 +50,8 @@ def test_echoed_prompt_logprobs_equal_the_uncached_forward_even_when_the_prompt_
     assert_quiescent(runner.cache)
 
 
-def test_echo_without_logprobs_prepends_the_prompt_and_streams_it_first(served) -> None:
-    runner, _, client = served
+def test_echo_without_logprobs_prepends_the_prompt_and_streams_it_first(served_tiny) -> None:
+    runner, _, client = served_tiny
     plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
     echoed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
@@ -85,8 +72,8 @@ def test_echo_without_logprobs_prepends_the_prompt_and_streams_it_first(served) 
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served, endpoint) -> None:
-    runner, _, client = served
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served_tiny, endpoint) -> None:
+    runner, _, client = served_tiny
     options = {"include_usage": True, "continuous_usage_stats": True}
     if endpoint == "chat":
         messages = [{"role": "user", "content": PROMPT}]
@@ -112,9 +99,9 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served, endp
     assert_quiescent(runner.cache)
 
 
-def test_continuous_usage_stats_are_on_a_streamed_tool_calls_chunk_too(served) -> None:
+def test_continuous_usage_stats_are_on_a_streamed_tool_calls_chunk_too(served_tiny) -> None:
     pytest.importorskip("llguidance")  # the call's arguments constrained, so that it completes within the budget
-    runner, _, client = served
+    runner, _, client = served_tiny
     parameters = {"type": "object", "properties": {"a": {"const": "x"}}, "required": ["a"]}
     parameters["additionalProperties"] = False
     stream = client.chat.completions.create(
@@ -134,8 +121,8 @@ def test_continuous_usage_stats_are_on_a_streamed_tool_calls_chunk_too(served) -
     assert_quiescent(runner.cache)
 
 
-def test_chat_echo_is_refused(served) -> None:
-    _, url, _ = served
+def test_chat_echo_is_refused(served_tiny) -> None:
+    _, url, _ = served_tiny
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True}
     response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "echo"

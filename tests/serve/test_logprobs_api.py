@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from prefixcache import PrefixCachingRunner
-from prefixcache.engine.chat import completion_stream
+from prefixcache.engine.chat import complete_text
 from prefixcache.models.llama import build_model
 from prefixcache.serve import start_background
 from prefixcache.testing import ScriptedModel, assert_quiescent, snapshot
@@ -25,15 +25,6 @@ TOLERANCE = 1e-5
 @pytest.fixture(scope="module")
 def tiny_model():
     return build_model("tiny", device="cpu")
-
-
-def complete(runner: PrefixCachingRunner, prompt_ids: list[int], **sampling):
-    steps = completion_stream(runner, prompt_ids, **sampling)
-    try:
-        while True:
-            next(steps)
-    except StopIteration as done:
-        return done.value
 
 
 def assert_entry(entry, token_id: int, logprob: float, decode) -> None:
@@ -77,7 +68,7 @@ def test_chat_logprobs_whole_and_streamed_are_the_engines(make_app, tiny_model) 
 def test_completion_logprobs_whole_and_streamed_are_the_engines(make_app, tiny_model) -> None:
     reference = PrefixCachingRunner(tiny_model, cache_tokens=4096)
     prompt = reference.tokenizer.encode("The weather in Paris is")
-    expected = complete(reference, prompt, max_new_tokens=10, logprobs=2)
+    expected = complete_text(reference, prompt, max_new_tokens=10, logprobs=2)
     decode = reference.tokenizer.decode
     runner = PrefixCachingRunner(tiny_model, cache_tokens=4096)
     with start_background(make_app(runner, model_name="tiny"), "127.0.0.1", 0) as server:

@@ -9,7 +9,6 @@ import openai
 import pytest
 
 from prefixcache import PrefixCachingRunner
-from prefixcache.models.llama import build_model
 from prefixcache.serve import start_background
 from prefixcache.testing import assert_quiescent
 
@@ -17,20 +16,10 @@ SYSTEM = {"role": "system", "content": "You answer about the weather, briefly an
 MESSAGES = [SYSTEM, {"role": "user", "content": "Weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def tiny_model():
-    return build_model("tiny", device="cpu")
-
-
-@pytest.fixture
-def served(make_app, tiny_model):
-    runner = PrefixCachingRunner(tiny_model, cache_tokens=8192)
-    with start_background(make_app(runner, model_name="tiny"), "127.0.0.1", 0) as server:
-        yield runner, server.url, openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
-
-
-def test_n_chat_choices_are_the_answers_of_their_own_seeds_and_share_one_prefill(served, make_app, tiny_model) -> None:
-    runner, _, client = served
+def test_n_chat_choices_are_the_answers_of_their_own_seeds_and_share_one_prefill(
+    served_tiny, make_app, tiny_model
+) -> None:
+    runner, _, client = served_tiny
     out = client.chat.completions.create(model="tiny", messages=MESSAGES, n=4, seed=11, temperature=1.0, max_tokens=10)
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
     prompt_tokens = out.usage.prompt_tokens
@@ -52,8 +41,8 @@ def test_n_chat_choices_are_the_answers_of_their_own_seeds_and_share_one_prefill
     assert_quiescent(runner.cache)
 
 
-def test_n_completions_choices_with_echo_and_logprobs(served) -> None:
-    runner, _, client = served
+def test_n_completions_choices_with_echo_and_logprobs(served_tiny) -> None:
+    runner, _, client = served_tiny
     out = client.completions.create(
         model="tiny", prompt="The weather in Rome is", n=3, seed=5, temperature=0.8, max_tokens=6, echo=True, logprobs=1
     )
@@ -70,16 +59,16 @@ def test_n_completions_choices_with_echo_and_logprobs(served) -> None:
     "fields",
     [{"n": 0}, {"n": 17}, {"n": 2.0}, {"n": True}, {"n": 2, "stream": True}],
 )
-def test_bad_n_is_a_400_naming_it(served, fields) -> None:
-    runner, url, _ = served
+def test_bad_n_is_a_400_naming_it(served_tiny, fields) -> None:
+    runner, url, _ = served_tiny
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 2, **fields}
     response = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["param"] == "n"
     assert_quiescent(runner.cache)
 
 
-def test_samples_past_the_largest_seed_wrap_around_to_seed_zero(served) -> None:
-    runner, _, client = served
+def test_samples_past_the_largest_seed_wrap_around_to_seed_zero(served_tiny) -> None:
+    runner, _, client = served_tiny
     top = 2**63 - 1
     out = client.completions.create(model="tiny", prompt="Rome", n=2, seed=top, temperature=1.0, max_tokens=8)
     last = client.completions.create(model="tiny", prompt="Rome", seed=top, temperature=1.0, max_tokens=8)

@@ -12,7 +12,7 @@ import pytest
 
 from prefixcache import PrefixCachingRunner
 from prefixcache.chat.tokenizer import ByteTokenizer
-from prefixcache.engine.chat import completion_stream
+from prefixcache.engine.chat import complete_text
 from prefixcache.models.llama import build_model
 from prefixcache.serve import start_background
 from prefixcache.testing import ScriptedModel, assert_quiescent, snapshot
@@ -31,22 +31,13 @@ def tiny_model():
     return build_model("tiny", device="cpu")
 
 
-def complete(runner: PrefixCachingRunner, prompt_ids: list[int], **sampling):
-    steps = completion_stream(runner, prompt_ids, **sampling)
-    try:
-        while True:
-            next(steps)
-    except StopIteration as done:
-        return done.value
-
-
 def test_the_openai_client_passes_every_parameter_over_a_real_socket(make_app, tiny_model) -> None:
     reference = PrefixCachingRunner(tiny_model, cache_tokens=4096)
     greedy = reference.chat(QUESTION, max_new_tokens=12, **IN_PROCESS)
     plain = reference.chat(QUESTION, max_new_tokens=12)
     sampled = reference.chat(QUESTION, max_new_tokens=12, temperature=0.9, seed=3, **IN_PROCESS)
     prompt = reference.tokenizer.encode("The weather in Paris is")
-    completed = complete(reference, prompt, max_new_tokens=10, **IN_PROCESS)
+    completed = complete_text(reference, prompt, max_new_tokens=10, **IN_PROCESS)
     assert greedy.text != plain.text and " " not in greedy.text  # the bias of -100 on " " (id 32) took hold
 
     runner = PrefixCachingRunner(tiny_model, cache_tokens=4096)
