@@ -205,7 +205,8 @@ class BatchEngine:
     def close(self) -> None:
         """Stop the background thread after its current step; requests still queued are cancelled.  Called on the
         thread that steps (from an ``on_token`` callback or a :meth:`call_soon` function), it returns at once and
-        the current step cancels them as it ends."""
+        the current step cancels them as it ends.  The futures of the requests it cancels call back on the thread
+        that cancels them, which counts as the stepping thread meanwhile: a step from such a callback raises."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
@@ -215,7 +216,16 @@ class BatchEngine:
         if thread is not None:
             thread.join()
         with self._step_lock:
-            self._drain()
+            self._as_stepper(self._drain)
+
+    def _as_stepper(self, fn: Callable[[], None]) -> None:
+        """``fn()`` marked as run by the thread that steps (the caller holds the step lock): the done callbacks of the
+        futures it ends run here, and an engine call from one that would wait on this lock raises instead."""
+        self._stepping = threading.get_ident()
+        try:
+            fn()
+        finally:
+            self._stepping = None
 
     def _drain(self) -> None:
         """Cancel every waiting and running request and fail the queued calls (the engine is closed); under the step
@@ -249,13 +259,16 @@ class BatchEngine:
         """Fail every waiting and running request with ``error`` (their leases released): after a step raised, the
         engine goes on serving new requests instead of leaving these to wait forever on a dead thread."""
         with self._step_lock:
-            for request in self.core.take_all():
-                try:
-                    self.core.abort(request, error)
-                except Exception:  # noqa: BLE001 - fail the rest even if one release fails
-                    logger.exception("releasing a failed request's lease failed")
+            self._as_stepper(lambda: self._abort_all(error))
             with self._lock:
                 self._lock.notify_all()
+
+    def _abort_all(self, error: BaseException) -> None:
+        for request in self.core.take_all():
+            try:
+                self.core.abort(request, error)
+            except Exception:  # noqa: BLE001 - fail the rest even if one release fails
+                logger.exception("releasing a failed request's lease failed")
 
     def step(self) -> bool:
         """One scheduling step: run the queued :meth:`call_soon` functions, then one step of the core (drop cancelled
@@ -273,9 +286,11 @@ class BatchEngine:
                     if not busy:
                         self._lock.notify_all()  # wake wait_idle()
             finally:
-                self._stepping = None
-                if self._closed:  # close() was called during the step, on this thread or waiting for the lock
-                    self._drain()
+                try:
+                    if self._closed:  # close() was called during the step, on this thread or waiting for the lock
+                        self._drain()  # still marked as stepping: the futures it cancels call back on this thread
+                finally:
+                    self._stepping = None
             return busy and not self._closed
 
     def _run_calls(self) -> None:
