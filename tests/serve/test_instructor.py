@@ -54,7 +54,7 @@ def _conversation(url: str, model: str, mode: object) -> list[object]:
 
 
 def _assert_each_turn_hits_the_last(completions: list[object]) -> None:
-    for before, after in zip(completions, completions[1:]):
+    for before, after in zip(completions, completions[1:], strict=False):
         # All of the previous turn is cached but its last answer token, whose K/V no forward has computed.
         previous = before.usage.prompt_tokens + before.usage.completion_tokens - 1
         assert after.usage.prompt_tokens_details.cached_tokens == previous
@@ -68,7 +68,11 @@ def test_a_constrained_mode_returns_the_validated_object_from_a_random_model(ser
 
 
 def test_json_mode_parses_the_answer_and_each_turn_hits_the_last(make_app) -> None:
-    answers = ['{"city": "Paris", "sunny": true}', '{"city": "Rome", "sunny": true}', '{"city": "Oslo", "sunny": false}']
+    answers = [
+        '{"city": "Paris", "sunny": true}',
+        '{"city": "Rome", "sunny": true}',
+        '{"city": "Oslo", "sunny": false}',
+    ]
     runner = PrefixCachingRunner(ScriptedModel.from_texts(answers), cache_tokens=16384)
     with start_background(make_app(runner), "127.0.0.1", 0) as server:
         completions = _conversation(server.url, "scripted", instructor.Mode.JSON)

@@ -44,7 +44,7 @@ def test_an_agent_returns_the_validated_object_and_each_turn_hits_the_last(serve
         assert isinstance(result.output, Forecast) and len(result.output.city) <= 8
         history = result.all_messages()
         usages.append(result.usage)
-    for before, after in zip(usages, usages[1:]):
+    for before, after in zip(usages, usages[1:], strict=False):
         # All of the previous turn is cached but its last answer token, whose K/V no forward has computed.
         assert after.cache_read_tokens == before.input_tokens + before.output_tokens - 1
         assert after.cache_read_tokens > before.cache_read_tokens
