@@ -72,6 +72,7 @@ from prefixcache.serve.protocol import (
 from prefixcache.serve.responses import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from prefixcache.serve.responses_routes import AppHooks, add_response_routes
 from prefixcache.serve.snapshots import SnapshotKeeper
+from prefixcache.serve.tokenize_routes import add_tokenize_routes
 
 __all__ = ["create_app"]
 
@@ -568,4 +569,5 @@ def create_app(
         unless_gone=unless_gone,
     )
     add_response_routes(hooks, runner, engine, app.state.responses)
+    add_tokenize_routes(hooks, runner)
     return app
