@@ -1,7 +1,8 @@
 """lm-eval's ``local-completions`` model on a multiple-choice task against the server on 127.0.0.1, offline: the task
-is a YAML over a local JSONL file, the tokenizer a Hugging Face folder written here that encodes as the server's byte
-tokenizer does.  Each choice's log-likelihood comes from ``/v1/completions`` with ``echo`` and ``logprobs`` (the
-prompt tokens' logprobs, a prefill that reuses nothing cached) and equals the model's own uncached forward."""
+is a YAML over a local JSONL file, and no tokenizer is given: lm-eval finds the server's ``/tokenizer_info`` and
+``/tokenize`` and tokenizes through them (the embedded byte tokenizer is on no hub).  Each choice's log-likelihood
+comes from ``/v1/completions`` with ``echo`` and ``logprobs`` (the prompt tokens' logprobs, a prefill that reuses
+nothing cached) and equals the model's own uncached forward."""
 
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from prefixcache.testing import assert_quiescent
 
 if os.environ.get("CI") != "true":  # CI installs every extra: there a missing one fails
     pytest.importorskip("lm_eval", reason="needs: pip install 'prefixcache[lmeval]'")
-pytest.importorskip("tokenizers", reason="needs: pip install 'prefixcache[hf]'")
 
 TOLERANCE = 1e-4
 DOCS = (
@@ -26,24 +26,6 @@ DOCS = (
     {"question": "Two plus two is", "choices": ["four", "five"], "answer": 0},
     {"question": "Paris is in", "choices": ["France", "Peru", "Mars"], "answer": 0},
 )
-
-
-def _byte_tokenizer_folder(folder: Path) -> Path:
-    """A Hugging Face tokenizer folder whose ids are the UTF-8 bytes, as :class:`~prefixcache.ByteTokenizer`'s: a
-    byte-level BPE without merges over GPT-2's byte-to-character map, the three ChatML specials after the bytes."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
-    shifted = iter(range(256, 512))
-    char = {byte: chr(byte) if byte in printable else chr(next(shifted)) for byte in range(256)}
-    tokenizer = Tokenizer(models.BPE({char[byte]: byte for byte in range(256)}, []))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    specials = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-    tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(str(folder))
-    return folder
 
 
 def _task_folder(folder: Path) -> Path:
@@ -80,17 +62,14 @@ def _reference(runner, context: str, continuation: str) -> tuple[float, bool]:
 
 def test_a_multiple_choice_task_scores_each_choice_as_the_models_own_forward(served_tiny, tmp_path) -> None:
     runner, url, _ = served_tiny
-    tokenizer = _byte_tokenizer_folder(tmp_path / "tokenizer")
     tasks = _task_folder(tmp_path / "tasks")
-    model_args = (
-        f"base_url={url}/v1/completions,model=tiny,tokenizer={tokenizer},tokenizer_backend=huggingface,"
-        "num_concurrent=1,max_retries=1"
-    )
+    model_args = f"base_url={url}/v1/completions,model=tiny,num_concurrent=1,max_retries=1"
     command = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args]
     command += ["--tasks", "tiny_mc", "--include_path", str(tasks), "--log_samples", "--output_path", "out"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Using remote tokenizer backend" in done.stderr
     [samples] = (tmp_path / "out").glob("*/samples_tiny_mc_*.jsonl")
     records = [json.loads(line) for line in samples.read_text().splitlines()]
     assert [record["doc"] for record in records] == list(DOCS)
