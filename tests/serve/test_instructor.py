@@ -39,7 +39,7 @@ def _conversation(url: str, model: str, mode: object) -> list[object]:
     for question in QUESTIONS:
         messages.append({"role": "user", "content": question})
         forecast, completion = client.chat.completions.create_with_completion(
-            model=model, response_model=Forecast, messages=messages, max_tokens=200, max_retries=0
+            model=model, response_model=Forecast, messages=messages, max_tokens=200, temperature=0, max_retries=0
         )
         assert isinstance(forecast, Forecast) and len(forecast.city) <= 8
         message = completion.choices[0].message

@@ -36,7 +36,7 @@ def test_an_agent_returns_the_validated_object_and_each_turn_hits_the_last(serve
         model,
         output_type=NativeOutput(Forecast) if native else Forecast,
         instructions="Give the forecast.",
-        model_settings={"max_tokens": 200},
+        model_settings={"max_tokens": 200, "temperature": 0.0},
     )
     history, usages = None, []
     for question in ("Paris tomorrow?", "And Rome?", "And Oslo?"):
