@@ -94,6 +94,7 @@ class ScenarioReport:
     verified: bool | None = None
     max_abs_logit_diff: float | None = None
     skipped_lines: int = 0
+    input_format: str | None = None  # the file's format (prefixcache.replay.formats.FILE_FORMATS); None: total row
     partial: bool = False
     series: ReplaySeries | None = None
     explain_kinds: dict[str, int] | None = None
@@ -194,5 +195,7 @@ class ReplayReport:
         out["partial"] = self.partial
         out["recurrent_state_bytes"] = self.state_bytes
         out["state_every_blocks"] = self.state_every
+        formats = {s.input_format for s in self.scenarios}
+        out["input_format"] = (formats.pop() if len(formats) == 1 else "mixed") if formats else None
         out["scenarios"] = {s.scenario: s.to_json() for s in self.scenarios}
         return out
