@@ -33,27 +33,41 @@ def _open(path: Path):
 
 def iter_json_records(path: str | Path) -> Iterator[Record]:
     """Yield the records of ``path``: each non-blank line of a JSON Lines file, or each element of a file holding one
-    JSON array (its first non-blank character is ``[``; ShareGPT dumps are written so), numbered by the line it
-    starts on.
+    JSON array of objects (ShareGPT dumps are written so), numbered by the line it starts on.
 
-    A JSON Lines file is read a line at a time; an array file is read whole (memory: a few times its size), and a
-    syntax error in it ends the records there (the error is the last record).  A UTF-8 byte order mark at the start is
-    read past.  Errors are yielded rather than raised so that a caller skipping bad records can keep reading.
+    The file is an array when its first non-blank line is ``[`` and not a whole JSON value on its own (an indented
+    dump), or a whole array of objects with nothing after it (a dump on one line); otherwise it is JSON Lines, so a
+    line that is an array, or nested too deep to read, is that line's error as before.  A JSON Lines file is read a
+    line at a time; an array file is read whole (memory: a few times its size), and a syntax error in it ends the
+    records there (the error is the last record).  A UTF-8 byte order mark at the start is read past.  Errors are
+    yielded rather than raised so that a caller skipping bad records can keep reading.
     Raises :class:`ScenarioError` (no line) if the file cannot be opened.
     """
     path = Path(path)
     with _open(path) as handle:
-        head = handle.read(4096)
-        if head.startswith(codecs.BOM_UTF8):
-            head = head[len(codecs.BOM_UTF8) :]
-        first = head.lstrip(_WHITESPACE.encode())[:1]
-        while not first and head:
-            head = handle.read(4096)
-            first = head.lstrip(_WHITESPACE.encode())[:1]
-    if first == b"[":
-        yield from _iter_array(path)
-    else:
+        first = b""
+        for line_no, raw in enumerate(handle, start=1):
+            if line_no == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            if raw.strip():
+                first = raw
+                break
+        rest_is_blank = not first or all(not line.strip() for line in handle)
+    if not first.lstrip().startswith(b"["):
         yield from iter_json_lines(path)
+        return
+    try:
+        value = json.loads(first)
+    except json.JSONDecodeError:
+        yield from _iter_array(path)  # an array spread over several lines
+        return
+    except (RecursionError, ValueError, UnicodeDecodeError):
+        yield from iter_json_lines(path)
+        return
+    if rest_is_blank and isinstance(value, list) and all(isinstance(item, dict) for item in value):
+        yield from ((line_no, item, None) for item in value)
+        return
+    yield from iter_json_lines(path)
 
 
 def iter_json_lines(path: str | Path) -> Iterator[Record]:

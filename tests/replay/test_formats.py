@@ -355,13 +355,22 @@ def test_a_json_array_reports_its_syntax_errors_where_they_are(tmp_path: Path) -
     unclosed = tmp_path / "b.json"
     unclosed.write_text('[{"a": 1},\n')
     trailing = tmp_path / "c.json"
-    trailing.write_text('[{"a": 1}]\n\n{"b": 2}\n')
+    trailing.write_text('[\n{"a": 1}\n]\n{"b": 2}\n')
+    one_line = tmp_path / "d.json"
+    one_line.write_text('[{"a": 1}, {"b": 2}]\n')
+    jsonl = tmp_path / "e.jsonl"
+    jsonl.write_text('[{"a": 1}]\n{"b": 2}\n' + "[" * 100_000 + "\n")
 
     assert [(line, obj) for line, obj, _ in iter_json_records(path)][0] == (2, {"a": 1})
     [(_, _, first), (line, _, error)] = list(iter_json_records(path))
     assert (first, line, str(error)) == (None, 3, f"{path}:3: not valid JSON: Expecting value at column 8")
     assert str(list(iter_json_records(unclosed))[-1][2]).endswith("not valid JSON: the array is not closed with ']'")
-    assert str(list(iter_json_records(trailing))[-1][2]) == f"{trailing}:3: not valid JSON: text after the closing ']'"
+    assert str(list(iter_json_records(trailing))[-1][2]) == f"{trailing}:4: not valid JSON: text after the closing ']'"
+    assert list(iter_json_records(one_line)) == [(1, {"a": 1}, None), (1, {"b": 2}, None)]
+    # A line that is an array, or too deep to read, in a JSON Lines file is that line's own record, as before.
+    records = list(iter_json_records(jsonl))
+    assert [(line, obj) for line, obj, _ in records[:2]] == [(1, [{"a": 1}]), (2, {"b": 2})]
+    assert "not usable JSON: nested 100000 levels deep" in str(records[2][2])
 
 
 def test_every_format_has_a_cli_choice() -> None:
@@ -401,3 +410,15 @@ def test_a_request_log_replays_on_a_model_and_verifies(tmp_path: Path) -> None:
     report = replay_paths([path], Replayer(build_model("tiny"), verify=True)).scenarios[0]
 
     assert (report.requests, report.cached_tokens, report.verified) == (3, REQUEST_LOG_CACHED, True)
+
+
+def test_the_readme_shows_a_line_of_each_format_it_names(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("<!-- input-formats -->\n```jsonl\n", 1)[1].split("```", 1)[0]
+    found = []
+    for index, line in enumerate(block.splitlines()):
+        path = write_lines(tmp_path / f"{index}.jsonl", [line])
+        loaded = read_requests(path, ByteTokenizer())
+        found.append((loaded.file_format, len(loaded.requests)))
+
+    assert found == [("requests", 1), ("batch", 1), ("sharegpt", 1)]
