@@ -422,3 +422,25 @@ def test_the_readme_shows_a_line_of_each_format_it_names(tmp_path: Path) -> None
         found.append((loaded.file_format, len(loaded.requests)))
 
     assert found == [("requests", 1), ("batch", 1), ("sharegpt", 1)]
+
+
+def test_a_gateway_log_of_real_agent_runs_sends_the_transcripts_prompts_token_for_token(
+    shared_data, tmp_path: Path
+) -> None:
+    # What a gateway logs for 10 tau-bench runs: a body per assistant turn, the history so far and the tools.
+    transcripts = shared_data("tau_bench_airline_gpt4o.jsonl")
+    tools = json.loads(shared_data("tau_bench_airline_tools.json").read_text())
+    conversations = [json.loads(line) for line in transcripts.read_text().splitlines()[:10]]
+    bodies = [
+        {"model": "gpt-4o", "user": c["id"], "messages": c["messages"][:i], "tools": tools}
+        for c in conversations
+        for i, m in enumerate(c["messages"])
+        if m["role"] == "assistant"
+    ]
+    log = write_lines(tmp_path / "gateway.jsonl", bodies)
+
+    logged = read_requests(log, ByteTokenizer())
+    replayed = read_requests(transcripts, ByteTokenizer(), order="file", limit=10)
+
+    assert logged.file_format == "requests" and len(logged.requests) == len(replayed.requests) > 10
+    assert [r.prompt for r in logged.requests] == [r.prompt for r in replayed.requests]
