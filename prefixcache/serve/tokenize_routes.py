@@ -12,21 +12,25 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from prefixcache.serve.protocol import BadRequest, parse_chat_request, parse_completion_request
+from prefixcache.serve.protocol import BadRequest, parse_chat_request
 from prefixcache.serve.responses_routes import AppHooks
+from prefixcache.serve.schemas import (
+    BodyError,
+    DetokenizeBody,
+    TokenizeChatBody,
+    TokenizePromptBody,
+    validate_body,
+)
 
 __all__ = ["add_tokenize_routes"]
 
-_TEXT = frozenset({"model", "prompt", "add_special_tokens", "return_token_strs"})
+ModelT = TypeVar("ModelT")
 _TEMPLATE = ("chat_template_kwargs", "reasoning_effort")
-_CHAT = frozenset(
-    {"model", "messages", "tools", "add_generation_prompt", "add_special_tokens", "return_token_strs", *_TEMPLATE}
-)
 
 
 def _json(body: Any) -> Response:
@@ -34,17 +38,11 @@ def _json(body: Any) -> Response:
     return Response(data, media_type="application/json")
 
 
-def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be a boolean, got {value!r}", name)
-    return value
-
-
-def _object(body: Any) -> Mapping[str, Any]:
-    if not isinstance(body, Mapping):
-        raise BadRequest("the request body must be a JSON object")
-    return body
+def _checked(model: type[ModelT], body: Any) -> ModelT:
+    try:
+        return validate_body(model, body)
+    except BodyError as error:
+        raise BadRequest(str(error), error.param) from None
 
 
 def add_tokenize_routes(hooks: AppHooks, runner: Any) -> None:
@@ -52,47 +50,36 @@ def add_tokenize_routes(hooks: AppHooks, runner: Any) -> None:
     text or ids) and raises :class:`BadRequest` (400, or 404 for another model's name) naming the parameter."""
     route, tokenizer = hooks.route, runner.tokenizer
 
-    def check(body: Mapping[str, Any], allowed: frozenset[str]) -> None:
-        for name in body:
-            if name not in allowed:
-                raise BadRequest(f"unsupported parameter: {name}; this form takes {', '.join(sorted(allowed))}", name)
-        if body.get("model") is not None:
-            hooks.check_model(body["model"])
-
     @route("/tokenize", "POST")
     async def tokenize(request: Request) -> Response:
         hooks.authenticate(request)
-        body = _object(await hooks.read_json(request))
-        if "messages" in body:
-            check(body, _CHAT)
+        body = await hooks.read_json(request)
+        chat_form = isinstance(body, Mapping) and "messages" in body
+        checked = _checked(TokenizeChatBody if chat_form else TokenizePromptBody, body)
+        if checked.model is not None:
+            hooks.check_model(checked.model)
+        if isinstance(checked, TokenizeChatBody):
             fields = {name: body[name] for name in ("messages", "tools", *_TEMPLATE) if name in body}
-            chat = parse_chat_request({"model": body.get("model") or "-", **fields})
+            chat = parse_chat_request({"model": checked.model or "-", **fields})
             kwargs = {"template_kwargs": chat.template_kwargs} if chat.template_kwargs else {}
-            generation = _flag(body, "add_generation_prompt", True)
+            generation = checked.add_generation_prompt is not False
             ids = tokenizer.render_chat(chat.messages, chat.tools, add_generation_prompt=generation, **kwargs)
         else:
-            check(body, _TEXT)
-            if not isinstance(body.get("prompt"), str):
-                raise BadRequest("give prompt (a string) or messages", "prompt")
-            ids = tokenizer.encode(body["prompt"])
-        _flag(body, "add_special_tokens", True)  # checked only: encode adds none, as /v1/completions runs the text
-        strings = [tokenizer.decode([token]) for token in ids] if _flag(body, "return_token_strs", False) else None
+            ids = tokenizer.encode(checked.prompt)
+        # add_special_tokens is checked only: encode adds none, as /v1/completions runs the text.
+        strings = [tokenizer.decode([token]) for token in ids] if checked.return_token_strs else None
         return _json({"count": len(ids), "max_model_len": None, "tokens": ids, "token_strs": strings})
 
     @route("/detokenize", "POST")
     async def detokenize(request: Request) -> Response:
         hooks.authenticate(request)
-        body = _object(await hooks.read_json(request))
-        check(body, frozenset({"model", "tokens"}))
-        if "tokens" not in body:
-            raise BadRequest("tokens (a list of token ids) is required", "tokens")
-        try:
-            ids = parse_completion_request({"model": "-", "prompt": body["tokens"]}, tokenizer.vocab_size).prompt
-        except BadRequest as wrong:
-            raise BadRequest(str(wrong).replace("prompt", "tokens"), "tokens") from None
-        if isinstance(ids, str):
-            raise BadRequest("tokens must be a list of token ids", "tokens")
-        return _json({"prompt": tokenizer.decode(ids)})
+        checked = _checked(DetokenizeBody, await hooks.read_json(request))
+        if checked.model is not None:
+            hooks.check_model(checked.model)
+        if not all(0 <= token < tokenizer.vocab_size for token in checked.tokens):
+            message = f"tokens must be a list of token ids in [0, {tokenizer.vocab_size})"
+            raise BadRequest(message, "tokens")
+        return _json({"prompt": tokenizer.decode(checked.tokens)})
 
     # A Hugging Face tokenizer names its own tokens and template; the byte tokenizer's EOS is <|endoftext|> (the
     # lower of its two end ids) and its ChatML template is code, not Jinja.
