@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--plot", metavar="OUT.png", help="draw hit rate vs ideal and pool occupancy (matplotlib)")
     replay.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    from prefixcache.replay.sweep_cli import add_sweep_arguments
+
+    add_sweep_arguments(replay)
 
     # serve joins the list where the server extra is installed (_run_bench adds it); find_spec imports nothing.
     with_serve = all(
@@ -340,6 +343,12 @@ def _run_replay(args: argparse.Namespace) -> int:
         require_matplotlib()  # fail before a long replay, not after it
     if args.layers is not None and not args.model_config:
         raise InvalidArgumentError("--layers needs --model-config")
+    if args.sweep:
+        from prefixcache.replay.sweep_cli import check_sweep_options, run_sweep
+
+        check_sweep_options(args)
+        _check_outputs(args)
+        return run_sweep(args, _load_tokenizer(args, progress), progress)
     check_options(
         has_model=not args.no_model,
         cache_memory=args.cache_memory,

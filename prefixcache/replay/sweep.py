@@ -57,6 +57,13 @@ class SweepResult:
     prompt_tokens: int
     min_blocks: int
     hits_by_blocks: np.ndarray
+    whole_block_hits_by_blocks: np.ndarray
+
+    def whole_block_hit_tokens(self, capacity_blocks: int) -> int:
+        """Of :meth:`hit_tokens`, those in whole shared blocks (no copied rows): the measure of
+        :mod:`prefixcache.replay.belady`, to set beside its bound.  O(1)."""
+        hits = self.whole_block_hits_by_blocks
+        return int(hits[min(int(capacity_blocks), len(hits) - 1)]) if len(hits) else 0
 
     @property
     def unlimited_hit_tokens(self) -> int:
@@ -166,7 +173,9 @@ def sweep_lru(
     # its parent has two children or more (index -1, the last, stands for the root).
     stamp = np.full(total_slots + 1, -1, dtype=np.int64)
     branch = np.zeros(total_slots + 2, dtype=bool)
-    kids: dict[int, list[int]] = {}  # parent id -> child ids, only where a parent has more than one
+    # parent id -> first token (4 bytes) -> child ids, only where a parent has more than one child: only children
+    # that agree on the first token can share a prefix
+    kids: dict[int, dict[bytes, list[int]]] = {}
     first_kid: dict[int, int] = {}
     full_events: list[np.ndarray] = []
     step_at: list[int] = []
@@ -185,7 +194,10 @@ def sweep_lru(
             content.append(data)
             other = first_kid.setdefault(parent, block)
             if other != block:
-                kids.setdefault(parent, [other]).append(block)
+                by_first = kids.get(parent)
+                if by_first is None:
+                    by_first = kids[parent] = {content[other][:4]: [other]}
+                by_first.setdefault(data[:4], []).append(block)
                 branch[parent] = True
         return block
 
@@ -228,10 +240,12 @@ def sweep_lru(
             if not want:
                 continue
             parent = ids[m - 1] if m else -1
-            siblings = kids.get(parent)
-            if siblings is None:
+            by_first = kids.get(parent)
+            if by_first is None:
                 only = first_kid.get(parent)
                 siblings = [] if only is None else [only]
+            else:
+                siblings = by_first.get(want[:4], ())
             own = ids[m] if m < live else -2
             gains = []
             for c in siblings:
@@ -291,22 +305,25 @@ def sweep_lru(
     if full_events:
         every = np.minimum(np.concatenate(full_events), size)
         hits += np.bincount(every, minlength=size + 1)[: size + 1] * bs
+    whole = np.cumsum(hits)
+    whole[0] = 0
     if step_at:
         at = np.minimum(np.asarray(step_at, dtype=np.int64), size)
         weights = np.asarray(step_by, dtype=np.float64)
         hits += np.rint(np.bincount(at, weights=weights, minlength=size + 1)[: size + 1]).astype(np.int64)
     hits = np.cumsum(hits)
     hits[0] = 0
-    return SweepResult(bs, len(pairs), prompt_tokens, min_blocks, hits[:size])
+    return SweepResult(bs, len(pairs), prompt_tokens, min_blocks, hits[:size], whole[:size])
 
 
-def _holder(block: int, parent: int, content: list[bytes], stamp: np.ndarray, kids: dict[int, list[int]]) -> int:
+def _holder(block: int, parent: int, content: list[bytes], stamp: np.ndarray, kids: dict) -> int:
     """The block that holds a sequence's partial last block: the most recent cached block at the same position that
     extends it (the tree stores those tokens once), else the block itself."""
-    siblings = kids.get(parent)
-    if siblings is None:
-        return block
+    by_first = kids.get(parent)
     data = content[block]
+    if by_first is None:
+        return block
+    siblings = by_first.get(data[:4], ())
     best, best_stamp = block, -1
     for other in siblings:
         if other != block and stamp[other] > best_stamp and len(content[other]) > len(data):
@@ -320,7 +337,7 @@ def _absorb(
     on_branch: np.ndarray,
     content: list[bytes],
     stamp: np.ndarray,
-    kids: dict[int, list[int]],
+    kids: dict,
     fenwick: _Fenwick,
 ) -> None:
     """Drop from the stack the partial blocks that a touched block at the same position extends: once the seam
@@ -330,7 +347,7 @@ def _absorb(
     for m in on_branch.tolist():
         block = int(path[m])
         data = content[block]
-        for other in kids[int(path[m - 1]) if m else -1]:
+        for other in kids[int(path[m - 1]) if m else -1].get(data[:4], ()):
             if other != block and stamp[other] >= 0 and len(content[other]) < len(data):
                 if data.startswith(content[other]):
                     gone.append(int(stamp[other]))
