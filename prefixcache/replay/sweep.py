@@ -31,13 +31,15 @@ next request through the survivor heals it.  Each moves a few blocks at the evic
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+from sortedcontainers import SortedList
 
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.errors import InvalidArgumentError
+from prefixcache.replay.ideal import common_prefix_tokens
 
 __all__ = ["SweepResult", "sweep_lru"]
 
@@ -146,15 +148,14 @@ def _lcp_tokens(a: bytes, b: bytes) -> int:
     return lo // 4
 
 
-def sweep_lru(
-    requests: Iterable[tuple[TokenIds, TokenIds]], block_size: int, groups: Sequence[object] | None = None
-) -> SweepResult:
+def sweep_lru(requests: Iterable[tuple[TokenIds, TokenIds]], block_size: int) -> SweepResult:
     """The hits of an LRU prefix cache at every capacity, in one pass over ``(prompt, answer)`` pairs in order
-    (see the module docstring for the model and the source of the idea).  ``groups`` (one per request, e.g. the
-    conversation id) only speeds it up: a request reuses the block names of the previous one of its group where
-    their tokens agree.
+    (see the module docstring for the model and the source of the idea).
 
-    O(total tokens) to name blocks (a dict keyed by parent block and token bytes, so no hash collisions) plus
+    Blocks are named exactly (a dict keyed by parent block and token bytes, so no hash collisions); a request
+    reuses the names of the earlier sequence it shares the most tokens with (found in O(log n) among the sequences in
+    token order, as :class:`~prefixcache.replay.ideal.IdealCache` does), so only its new blocks cost a lookup.
+    O(total tokens) C-speed work plus
     O(blocks touched x log(blocks touched)) for the distances, and O(siblings) per branching position a prompt
     passes for the partial-block hits.  Memory: a few ints per block touched.
 
@@ -182,8 +183,8 @@ def sweep_lru(
     step_by: list[int] = []
     clock = 0
     prompt_tokens = min_blocks = max_live = 0
-    previous: dict[object, tuple[bytes, list[int]]] = {}  # by group: the last sequence, to reuse its block ids
-    last: tuple[bytes, list[int]] | None = None
+    ordered = SortedList()  # (big-endian token bytes, request index): neighbours share the longest prefixes
+    paths: list[list[int]] = []
     step = 4 * bs
 
     def block_of(parent: int, data: bytes) -> int:
@@ -208,14 +209,16 @@ def sweep_lru(
         min_blocks = max(min_blocks, num_slots)
         prompt_tokens += len(prompt)
         limit = len(prompt) - 1  # the last prompt token is always computed
-        # Block ids along the path, reusing those of an earlier sequence with the same leading tokens.
+        # Block ids along the path, reusing those of the earlier sequence with the longest common prefix.
+        key = np.asarray(sequence, dtype=">u4").tobytes()
         ids: list[int] = []
-        group = groups[index] if groups is not None else None
-        for candidate in (previous.get(group) if group is not None else None, last):
-            if candidate is not None:
-                shared = _lcp_tokens(candidate[0], data) // bs
+        at = ordered.bisect_left((key, -1))
+        for neighbour in (at - 1, at):
+            if 0 <= neighbour < len(ordered):
+                other, which = ordered[neighbour]
+                shared = common_prefix_tokens(key, other) // bs
                 if shared > len(ids):
-                    ids = candidate[1][:shared]
+                    ids = paths[which][:shared]
         parent = ids[-1] if ids else -1
         for j in range(len(ids), num_slots):
             parent = block_of(parent, data[j * step : (j + 1) * step])
@@ -296,10 +299,8 @@ def sweep_lru(
         if len(on_branch):
             _absorb(path, on_branch, content, stamp, kids, fenwick)
         max_live = max(max_live, fenwick.live)
-        entry = (data, ids)
-        if group is not None:
-            previous[group] = entry
-        last = entry
+        ordered.add((key, index))
+        paths.append(ids)
     size = max_live + 1
     hits = np.zeros(size + 1, dtype=np.int64)
     if full_events:

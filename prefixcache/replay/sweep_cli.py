@@ -109,7 +109,7 @@ def run_sweep(args: argparse.Namespace, tokenizer: Tokenizer | None, progress: P
             print(f"{path}: tokens read from the token store (--no-token-cache to tokenize again)", file=sys.stderr)
         start = time.perf_counter()
         pairs = [(r.prompt, r.answer) for r in requests]
-        result = sweep_lru(pairs, args.block_size, [r.conversation_id for r in requests])
+        result = sweep_lru(pairs, args.block_size)
         exact = None
         if args.check_knee:
             exact = _exact_replay(str(path), requests, args.block_size)
