@@ -9,11 +9,14 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from prefixcache.cache.pool import check_block_size
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
 from prefixcache.errors import InvalidArgumentError
+from prefixcache.replay.plot import check_plot_path
 from prefixcache.replay.requests import Progress
 from prefixcache.replay.scenarios import expand_paths
 from prefixcache.replay.sweep import sweep_lru
@@ -27,7 +30,7 @@ from prefixcache.replay.sweep_report import (
 )
 from prefixcache.replay.token_store import load_requests_cached
 
-__all__ = ["add_sweep_arguments", "check_sweep_options", "run_sweep"]
+__all__ = ["add_sweep_arguments", "check_sweep_options", "or_sweep", "run_sweep"]
 
 _REFUSED = {
     "cache_tokens": "--cache-tokens",
@@ -59,12 +62,32 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def or_sweep(
+    run_replay: Callable[[argparse.Namespace], int],
+    load_tokenizer: Callable[[argparse.Namespace, Any], Tokenizer | None],
+    make_progress: Callable[[bool], Any],
+) -> Callable[[argparse.Namespace], int]:
+    """The ``replay`` command's handler: :func:`run_sweep` with ``--sweep`` (tokenizer and progress from the command
+    line's own ``load_tokenizer(args, progress)`` and ``make_progress(enabled)``), else ``run_replay``."""
+
+    def handle(args: argparse.Namespace) -> int:
+        if not args.sweep:
+            return run_replay(args)
+        check_sweep_options(args)
+        progress = make_progress(not args.no_progress)
+        return run_sweep(args, load_tokenizer(args, progress), progress)
+
+    return handle
+
+
 def check_sweep_options(args: argparse.Namespace) -> None:
     """Refuse options a sweep does not take, before any work.
 
     Raises:
         InvalidArgumentError: a fixed pool size, a host tier, recurrent states, a per-request log, --verify,
-            --explain or --policy lfu with --sweep; --kv-dtype other than the default without --model-config.
+            --explain or --policy lfu with --sweep; --kv-dtype other than the default, or --layers, without
+            --model-config; a --json or --plot path that cannot be written (or is an input).
+        MissingDependencyError: --plot without matplotlib.
     """
     for dest, flag in _REFUSED.items():
         if getattr(args, dest, None) is not None:
@@ -76,6 +99,21 @@ def check_sweep_options(args: argparse.Namespace) -> None:
         raise InvalidArgumentError("--sweep models LRU (a stack algorithm); LFU has no one-pass curve")
     if args.kv_dtype != "bf16" and not args.model_config:
         raise InvalidArgumentError("--kv-dtype needs --model-config (the KV shape)")
+    if args.layers is not None and not args.model_config:
+        raise InvalidArgumentError("--layers needs --model-config")
+    inputs = {Path(p).resolve() for p in args.paths}
+    for flag, value in (("--json", args.json), ("--plot", args.plot)):
+        if value is None:
+            continue
+        target = Path(value)
+        if not value.strip() or target.is_dir() or not target.resolve().parent.is_dir():
+            raise InvalidArgumentError(f"{flag} {value!r}: give a file name in a folder that exists")
+        if target.resolve() in inputs:
+            raise InvalidArgumentError(f"{flag} {value}: the same file as an input")
+    if args.json and args.plot and Path(args.json).resolve() == Path(args.plot).resolve():
+        raise InvalidArgumentError("--json and --plot name the same file")
+    if args.plot:
+        check_plot_path(args.plot)
 
 
 def run_sweep(args: argparse.Namespace, tokenizer: Tokenizer | None, progress: Progress | None = None) -> int:

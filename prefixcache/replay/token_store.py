@@ -58,9 +58,7 @@ def file_digest(path: str | Path) -> str:
 def entry_path(path: str | Path, tokenizer_name: str, directory: Path | None = None, **options: object) -> Path:
     """The entry file for ``path`` tokenized by ``tokenizer_name`` with ``options`` (the :func:`load_requests`
     keywords that change the request list).  O(file size) for the digest."""
-    key = json.dumps(
-        [FORMAT_VERSION, file_digest(path), tokenizer_name, sorted(options.items())], default=str
-    ).encode()
+    key = json.dumps([FORMAT_VERSION, file_digest(path), tokenizer_name, sorted(options.items())], default=str).encode()
     return (directory if directory is not None else cache_dir()) / f"{xxhash.xxh3_128_hexdigest(key)}.npz"
 
 

@@ -16,7 +16,10 @@ from prefixcache.replay.token_store import cache_dir, load_requests_cached
 def conversation(conversation_id: str, *turns: str) -> dict:
     roles = ["user", "assistant"] * len(turns)
     messages = [{"role": "system", "content": "You are a terse assistant for tests."}]
-    return {"id": conversation_id, "messages": messages + [{"role": r, "content": t} for r, t in zip(roles, turns)]}
+    return {
+        "id": conversation_id,
+        "messages": messages + [{"role": r, "content": t} for r, t in zip(roles, turns, strict=False)],
+    }
 
 
 @pytest.fixture
