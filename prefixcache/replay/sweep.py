@@ -20,13 +20,23 @@ Hits are token-exact as :meth:`prefixcache.RadixCache.acquire` counts them: the 
 cached, then the longest common prefix with any cached block at the next position (copy-on-write), at most
 ``len(prompt) - 1`` tokens in all.
 
-Where the tree is not a pure stack algorithm.  :meth:`SweepResult.hit_tokens` is exact for the block model above;
-the tree deviates from it in three ways, measured against separate ``--cache-tokens`` runs in ``tests/replay``:
-a lookup that ends inside a node refreshes the whole node (the unmatched tail of a sibling's edge becomes recent), a
-request that copies a partially matched block holds both copies until its commit heals the seam (one block less for
-everything else while it runs), and two branches that leave one block at the same point keep a duplicate until the
-next request through the survivor heals it.  Each moves a few blocks at the eviction boundary; the replay module's
-``--cache-tokens`` remains the exact figure at one size.
+Where the tree is not a pure stack algorithm.  :meth:`SweepResult.hit_tokens` is exact for the block model above
+(``tests/replay/test_sweep.py`` checks it against a direct simulation at every size) and equals the radix tree at
+every size where conversations share nothing and every length is a whole number of blocks.  Elsewhere the tree's
+eviction deviates from any single recency stack in three ways:
+
+- a lookup that ends inside a node refreshes the whole node (:meth:`prefixcache.cache.tree.RadixTree.match`), so the
+  unmatched tail of a sibling's edge becomes as recent as the request, at the sizes where it is still cached;
+- a request that copies a partially matched block (copy-on-write) holds both copies until its commit heals the
+  seam, one block less for everything else while it allocates;
+- where two branches leave one block at the same point, the parent's copy outlives the branch sharing it until the
+  next request through the other branch heals the seam.
+
+Each moves a few blocks at the eviction boundary, either way.  Measured against separate ``--cache-tokens`` replays
+at 6 sizes on the shared data (byte tokenizer, block size 16), the hit rates differ by at most 0.23 points on
+tau-bench, 0.06 on MT-Bench, 0.15 on OpenAssistant and 0.09 on the Mooncake synthetic trace (0.35 on the Mooncake
+conversation trace), and agree to a few tokens where nothing is evicted; ``--check-knee`` replays the tree at the
+knee for the exact figure there.
 """
 
 from __future__ import annotations
