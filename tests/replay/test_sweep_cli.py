@@ -123,3 +123,12 @@ def test_replay_sweep_refuses_options_it_does_not_take(
 ):
     assert main(["replay", str(chats), "--no-model", "--sweep", *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_replay_sweep_draws_the_curve(chats: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    plot = tmp_path / "curve.png"
+    assert main(["replay", str(chats), "--sweep", "--block-size", "4", "--plot", str(plot), "--no-progress"]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("tmp")] == []  # no temporary file left
