@@ -167,7 +167,7 @@ def sweep_lru(requests: Iterable[tuple[TokenIds, TokenIds]], block_size: int) ->
     """The hits of an LRU prefix cache at every capacity, in one pass over ``(prompt, answer)`` pairs in order
     (see the module docstring for the model and the source of the idea).
 
-    Blocks are named exactly (a dict keyed by parent block and token bytes, so no hash collisions); a request
+    Blocks are named exactly (a child is found by its parent and token bytes, so no hash collisions); a request
     reuses the names of the earlier sequence it shares the most tokens with (found in O(log n) among the sequences in
     token order, as :class:`~prefixcache.replay.ideal.IdealCache` does), so only its new blocks cost a lookup.
     O(total tokens) C-speed work plus
@@ -183,8 +183,7 @@ def sweep_lru(requests: Iterable[tuple[TokenIds, TokenIds]], block_size: int) ->
     bs = block_size
     total_slots = sum(-(-(len(p) + len(a)) // bs) for p, a in pairs)
     fenwick = _Fenwick(total_slots + 1)
-    names: dict[tuple[int, bytes], int] = {}  # (parent id, token bytes) -> block id; parent -1 is the root
-    content: list[bytes] = []
+    content: list[bytes] = []  # block id -> its token bytes; a block is found from its parent (-1: the root)
     # Per block id: its stamp (-1: not in the stack: never touched, or merged into a longer block), and whether
     # its parent has two children or more (index -1, the last, stands for the root).
     stamp = np.full(total_slots + 1, -1, dtype=np.int64)
@@ -202,11 +201,21 @@ def sweep_lru(requests: Iterable[tuple[TokenIds, TokenIds]], block_size: int) ->
     paths: list[list[int]] = []
     step = 4 * bs
 
+    def find(parent: int, data: bytes) -> int | None:
+        child = first_kid.get(parent)
+        if child is None or content[child] == data:
+            return child
+        by_first = kids.get(parent)
+        if by_first is not None:
+            for other in by_first.get(data[:4], ()):
+                if content[other] == data:
+                    return other
+        return None
+
     def block_of(parent: int, data: bytes) -> int:
-        key = (parent, data)
-        block = names.get(key)
+        block = find(parent, data)
         if block is None:
-            block = names[key] = len(content)
+            block = len(content)
             content.append(data)
             other = first_kid.setdefault(parent, block)
             if other != block:
@@ -235,9 +244,24 @@ def sweep_lru(requests: Iterable[tuple[TokenIds, TokenIds]], block_size: int) ->
                 if shared > len(ids):
                     ids = paths[which][:shared]
         parent = ids[-1] if ids else -1
-        for j in range(len(ids), num_slots):
+        j = len(ids)
+        while j < num_slots:
+            block = find(parent, data[j * step : (j + 1) * step])
+            if block is None:
+                break
+            ids.append(block)
+            parent = block
+            j += 1
+        if j < num_slots:
             parent = block_of(parent, data[j * step : (j + 1) * step])
             ids.append(parent)
+            # Below a new block everything is new: one chain, no siblings to look up.
+            chunks = [data[k * step : (k + 1) * step] for k in range(j + 1, num_slots)]
+            fresh = range(len(content), len(content) + len(chunks))
+            parents = [parent, *fresh[:-1]] if chunks else []
+            content.extend(chunks)
+            first_kid.update(zip(parents, fresh, strict=True))
+            ids.extend(fresh)
         path = np.asarray(ids, dtype=np.int64)
         # Distances, before this request touches anything.
         hittable = limit // bs  # whole blocks inside the first `limit` tokens
