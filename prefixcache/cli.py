@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--plot", metavar="OUT.png", help="draw hit rate vs ideal and pool occupancy (matplotlib)")
     replay.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    importlib.import_module("prefixcache.replay.sweep_cli").add_sweep_arguments(replay)  # --sweep and its options
 
     # serve joins the list where the server extra is installed (_run_bench adds it); find_spec imports nothing.
     with_serve = all(
@@ -579,7 +580,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.verbose += args.verbose_after
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    handlers = {"replay": _run_replay, "bench": _run_bench, "plan": _run_plan, "serve": _run_serve}
+    replay = importlib.import_module("prefixcache.replay.sweep_cli").or_sweep(_run_replay, _load_tokenizer, _Progress)
+    handlers = {"replay": replay, "bench": _run_bench, "plan": _run_plan, "serve": _run_serve}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
