@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -22,8 +22,10 @@ from prefixcache.errors import SnapshotCorruptError, SnapshotError, SnapshotWrit
 
 __all__ = [
     "canonical",
+    "canonical_parts",
     "check_folder",
     "digest",
+    "digest_parts",
     "entries",
     "folder_lock",
     "read_bytes",
@@ -107,9 +109,41 @@ def canonical(manifest: dict[str, Any]) -> bytes:
     return json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
 
 
+LONG_LISTS = ("nodes", "host_runs")
+"""The manifest's lists that grow with the cache, which :func:`canonical_parts` encodes an item at a time."""
+
+_encode = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
+
+
+def canonical_parts(manifest: dict[str, Any]) -> Iterator[bytes]:
+    """:func:`canonical` of ``manifest`` in pieces that join to the same bytes: the long lists (:data:`LONG_LISTS`)
+    an item at a time, so a writer thread gives up the GIL between items (one call of the C encoder holds it for the
+    whole value: 80 ms for the nodes of a million tokens).  O(manifest size)."""
+    yield b"{"
+    for index, key in enumerate(sorted(manifest)):
+        value = manifest[key]
+        yield (b"," if index else b"") + _encode(key).encode() + b":"
+        if key in LONG_LISTS and isinstance(value, list):
+            yield b"["
+            for position, item in enumerate(value):
+                yield (b"," if position else b"") + _encode(item).encode()
+            yield b"]"
+        else:
+            yield _encode(value).encode()
+    yield b"}"
+
+
 def digest(data: bytes) -> str:
     """xxh3-128 of ``data`` as hex."""
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def digest_parts(parts: Iterable[Any]) -> str:
+    """:func:`digest` of the buffers ``parts`` joined, without joining them.  O(bytes)."""
+    hasher = xxhash.xxh3_128()
+    for part in parts:
+        hasher.update(part)
+    return hasher.hexdigest()
 
 
 def safetensors_module():
