@@ -67,8 +67,8 @@ def capture(
                 "key": f"{run.key:032x}",
                 "namespace": run.namespace,
                 "first": run.first,
-                "tokens": run.tokens.tolist(),
-                "blocks": list(range(num_blocks, num_blocks + size)),
+                "tokens": run.tokens[:],  # arrays, as snapshot.capture leaves its nodes' (written as lists)
+                "blocks": np.arange(num_blocks, num_blocks + size),
             }
         )
         ids.append(run.block_ids)

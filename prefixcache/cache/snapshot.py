@@ -158,13 +158,15 @@ def capture(
     """Copy the tree (namespaces ``keep_namespace`` accepts, all when None) and its K/V into memory, into ``staging``
     when given (:mod:`prefixcache.cache.snapshot_staging`: then the copy is a memcpy, with no page faults).  Reads
     only: no access time, hit count, counter or block changes; nothing the cache does later changes the copy.  The
-    caller holds the cache's mutex.  O(cached tokens), plus one gather of the saved blocks to the host (in chunks of
-    ``COPY_CHUNK_BLOCKS`` from a GPU, so the device never holds a second copy of its cached K/V)."""
+    caller holds the cache's mutex.  O(cached tokens) in memcpy (the manifest holds copies of the nodes' token arrays
+    and NumPy block lists, which :func:`~prefixcache.cache.snapshot_write.write` encodes as JSON lists) plus one
+    gather of the saved blocks to the host (in chunks of ``COPY_CHUNK_BLOCKS`` from a GPU, so the device never
+    holds a second copy of its cached K/V)."""
     pool = tree.pool
     retention_now = tree.retention.clock()
     namespaces: list[str | None] = []
     nodes: list[dict[str, Any]] = []
-    snapshot_index: dict[int, int] = {}  # pool block id -> index in the saved K/V
+    node_blocks: list[np.ndarray] = []
     num_tokens = 0
     for namespace, root in tree.roots.items():
         if keep_namespace is not None and not keep_namespace(namespace):
@@ -175,7 +177,7 @@ def capture(
         while stack:
             node, parent = stack.pop()
             index = len(nodes)
-            blocks = [snapshot_index.setdefault(b, len(snapshot_index)) for b in node.blocks.tolist()]
+            node_blocks.append(node.blocks)
             remaining = None
             priority = node.priority
             if priority and node.retain_until is not None:
@@ -187,8 +189,8 @@ def capture(
                     "parent": parent,
                     "namespace": ns,
                     "start": node.start,
-                    "tokens": node.tokens.tolist(),
-                    "blocks": blocks,
+                    "tokens": node.tokens[:],  # a copy: eviction shortens a node's array in place
+                    "blocks": None,
                     "shares_first": node.shares_first,
                     "last_access": node.last_access,
                     "hit_count": node.hit_count,
@@ -199,9 +201,12 @@ def capture(
             )
             num_tokens += len(node.tokens)
             stack.extend((child, index) for child in node.children.values())
+    saved, numbered = number_blocks(node_blocks)
+    for record, blocks in zip(nodes, numbered, strict=True):
+        record["blocks"] = blocks
     kv = None
     if pool.kv is not None:
-        ids = torch.tensor(list(snapshot_index), dtype=torch.long, device=pool.kv.device)
+        ids = torch.from_numpy(saved).to(pool.kv.device)
         shape = list(pool.kv.shape)
         shape[2] = len(ids)
         kv = torch.empty(shape, dtype=pool.kv.dtype) if staging is None else staging.take(shape, pool.kv.dtype)
@@ -219,11 +224,26 @@ def capture(
         "pool": {**pool_shape(pool), "num_blocks": pool.num_blocks},
         "clock": tree.clock,
         "namespaces": namespaces,
-        "num_blocks": len(snapshot_index),
+        "num_blocks": len(saved),
         "num_tokens": num_tokens,
         "nodes": nodes,
     }
     return Snapshot(manifest, kv)
+
+
+def number_blocks(node_blocks: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The saved blocks of nodes holding ``node_blocks`` (pool ids): their pool ids (int64) in order of first
+    appearance, and each node's blocks as indices into that order (a block a child shares with its parent gets one
+    index).  O(b log b) in NumPy for b block ids, so a capture under the cache's mutex does no Python work per block."""
+    if not node_blocks:
+        return np.zeros(0, dtype=np.int64), []
+    flat = np.concatenate(node_blocks).astype(np.int64)
+    unique, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty(len(unique), dtype=np.int64)
+    rank[order] = np.arange(len(unique))
+    ends = np.cumsum([len(blocks) for blocks in node_blocks])[:-1]
+    return unique[order], np.split(rank[inverse.reshape(-1)], ends)
 
 
 # ---- read and check ---------------------------------------------------------------------------------------------

@@ -11,11 +11,13 @@ import json
 import logging
 import os
 import shutil
+from array import array
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import xxhash
 
 from prefixcache.errors import SnapshotCorruptError, SnapshotError, SnapshotWriteError
@@ -112,13 +114,22 @@ def canonical(manifest: dict[str, Any]) -> bytes:
 LONG_LISTS = ("nodes", "host_runs")
 """The manifest's lists that grow with the cache, which :func:`canonical_parts` encodes an item at a time."""
 
-_encode = json.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
+
+def _as_list(value: Any) -> list[Any]:
+    """A captured manifest's arrays (token arrays, NumPy block lists) as the JSON lists the file holds."""
+    if isinstance(value, (array, np.ndarray)):
+        return value.tolist()
+    raise TypeError(f"a snapshot manifest cannot hold {type(value).__name__}")
+
+
+_encode = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=_as_list).encode
 
 
 def canonical_parts(manifest: dict[str, Any]) -> Iterator[bytes]:
-    """:func:`canonical` of ``manifest`` in pieces that join to the same bytes: the long lists (:data:`LONG_LISTS`)
-    an item at a time, so a writer thread gives up the GIL between items (one call of the C encoder holds it for the
-    whole value: 80 ms for the nodes of a million tokens).  O(manifest size)."""
+    """:func:`canonical` of ``manifest`` in pieces that join to the same bytes (arrays in it encoded as lists, as
+    :func:`~prefixcache.cache.snapshot.capture` leaves them): the long lists (:data:`LONG_LISTS`) an item at a time,
+    so a writer thread gives up the GIL between items (one call of the C encoder holds it for the whole value: 80 ms
+    for the nodes of a million tokens).  O(manifest size)."""
     yield b"{"
     for index, key in enumerate(sorted(manifest)):
         value = manifest[key]
