@@ -166,3 +166,11 @@ def test_a_capture_into_staging_of_any_size_saves_the_same(make_cache, put, tmp_
     loaded = RadixCache.load(tmp_path / "snap", KVBlockPool(16, 4, num_layers=2, num_kv_heads=2, head_dim=3))
     assert sequence_kv(loaded).keys() == expected.keys()
     assert all(torch.equal(kv, expected[tokens]) for tokens, kv in sequence_kv(loaded).items())
+
+
+def test_a_pinned_staging_buffer_falls_back_to_pageable_memory_where_none_can_be_pinned() -> None:
+    staging = StagingBuffer(8, torch.float32, pin=True)
+
+    part = staging.take((2, 4), torch.float32)
+
+    assert torch.equal(part, torch.zeros(2, 4)) and staging.num_free_elements == 0

@@ -184,3 +184,25 @@ def test_close_fails_the_saves_not_started_and_waits_for_the_one_being_written(
 def test_a_save_needs_a_path(engine: BatchEngine) -> None:
     with pytest.raises(InvalidArgumentError, match="must be a path"):
         engine.save_snapshot(42)
+
+
+def test_a_host_tier_is_copied_and_written_beside_the_device_tree(tiny: LlamaModel, tmp_path: Path) -> None:
+    document, other = list(range(60, 156)), list(range(300, 427))  # 6 blocks; then the whole 8-block device pool
+    engine = BatchEngine(PrefixCachingRunner(tiny, num_blocks=8, block_size=16, host_cache_tokens=512))
+    engine.start()
+    try:
+        for prompt in (document, other):
+            engine.submit(prompt, SamplingParams(max_new_tokens=1)).result(timeout=WAIT_S)
+        saved = engine.save_snapshot(tmp_path / "snap").result(timeout=WAIT_S)
+    finally:
+        engine.close()
+    assert (saved.num_tokens, saved.host_runs, saved.host_tokens, saved.host_blocks) == (127, 1, 96, 6)
+
+    restored = PrefixCachingRunner(tiny, num_blocks=8, block_size=16, host_cache_tokens=512)
+    restored.load_snapshot(tmp_path / "snap")
+    prompt = [*document, 1, 2, 3, 4]
+    result = restored.generate(prompt, SamplingParams(max_new_tokens=1), return_logits=True)
+    assert (result.usage.cached_tokens, result.usage.host_cached_tokens) == (96, 96)
+    reference = tiny.forward_reference(torch.tensor(prompt), return_logits=True).float()
+    assert float((result.prompt_logits - reference[96:]).abs().max()) < 1e-4
+    assert_quiescent(restored.cache)
