@@ -89,12 +89,6 @@ class SnapshotSaver:
                 self._thread.start()
         return future
 
-    @property
-    def num_pending(self) -> int:
-        """Saves queued, the one being copied or written included."""
-        with self._lock:
-            return len(self._jobs)
-
     def close(self) -> None:
         """Refuse new saves and fail those not started (``RuntimeError``); the one under way finishes (its copy
         fails if the engine closes first).  Returns at once; :meth:`join` waits for the writer."""
