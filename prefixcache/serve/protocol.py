@@ -1,9 +1,9 @@
 """The OpenAI wire format: request bodies checked into typed records, and the response and chunk objects.
 
-Only what the server really does is accepted.  A field it cannot honour (``n`` > 1 with streaming, chat's ``echo``,
-any unknown field) is a 400 in OpenAI's error shape naming the parameter, never silently ignored;
-fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``) pass.  The sampling
-fields are OpenAI's (``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``
+Only what the server really does is accepted.  A field it cannot honour (chat's ``echo``, any unknown field) is a 400
+in OpenAI's error shape naming the parameter, never silently ignored; fields that change nothing here (``user``,
+``metadata``, ``store``, ``parallel_tool_calls``) pass.  The sampling fields are OpenAI's (``temperature``, ``top_p``,
+``seed``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``
 with string keys of token ids) and vLLM's extra ones (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``: the ``openai`` client sends them in ``extra_body``), each checked by
 :class:`~prefixcache.engine.sampling.SamplingParams`, the one definition of their ranges.  Log-probabilities are
@@ -197,8 +197,6 @@ def _common(
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean", "stream")
-    if n > 1 and stream:
-        raise BadRequest("n > 1 is served without streaming; set stream to false or n to 1", "n")
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping) or set(options) - {"include_usage", "continuous_usage_stats"}:
         raise BadRequest("stream_options supports include_usage and continuous_usage_stats", "stream_options")
