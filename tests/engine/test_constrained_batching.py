@@ -1,9 +1,9 @@
 """Constrained and penalised decoding in the batch engine, as a property: requests arriving at drawn steps, sharing
 prefixes (the cache hits) on a pool too small for all of them at once (preemption and eviction), each with drawn
 sampling parameters (greedy or seeded temperature, top-k, top-p, min-p, the penalties, logit bias, min_tokens,
-ignore_eos, stop tokens, a stop sequence, logprobs) and, for some, a JSON-schema grammar, give token for token what
-each gives served alone, serially, on an empty cache.  ``PREFIXCACHE_PROPERTY_EXAMPLES`` sets the examples drawn (40;
-a bug hunt runs thousands)."""
+ignore_eos, stop tokens, a stop sequence, logprobs) and, for some, a JSON-schema grammar or the lazy grammar of strict
+tool calls, give token for token what each gives served alone, serially, on an empty cache.
+``PREFIXCACHE_PROPERTY_EXAMPLES`` sets the examples drawn (40; a bug hunt runs thousands)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,10 @@ SCHEMAS = [
     {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
     {"type": "object", "properties": {"s": {"type": "string", "maxLength": 4}}, "required": ["s"]},
 ]
-GRAMMARS = [Grammar.json_schema(schema, TOKENIZER) for schema in SCHEMAS]
+TOOLS = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": SCHEMAS[1]}}]
+# The JSON schemas, then strict tool calls under "auto": free text (valid UTF-8) with calls that follow the schema.
+GRAMMARS = [*(Grammar.json_schema(schema, TOKENIZER) for schema in SCHEMAS), Grammar.tool_calls(TOOLS, TOKENIZER)]
+TOOL_CALLS = len(SCHEMAS)
 PREFIXES = [TOKENIZER.encode("System: answer in JSON. "), TOKENIZER.encode("You are terse; reply: ")]
 STOP_SEQUENCES = [(), (ord('"'),), (ord(","), ord(" ")), (ord("e"),), (ord("}"),), (ord("a"), ord("b"))]
 
@@ -93,7 +96,7 @@ def alone(tiny: LlamaModel, prompt: list[int], params: SamplingParams, stop: Seq
 def samplings(draw: st.DrawFn) -> tuple[SamplingParams, int | None, tuple[int, ...]]:
     """Drawn sampling parameters, the index of the schema constraining the answer (None: free text) and a stop
     sequence (empty: none; a token the bias favours among the choices, so that free text meets one too)."""
-    schema = draw(st.none() | st.integers(0, len(SCHEMAS) - 1), label="schema")
+    schema = draw(st.none() | st.integers(0, len(GRAMMARS) - 1), label="schema")
     temperature = draw(st.sampled_from([0.0, 0.0, 0.6, 1.0, 1.7]), label="temperature")
     max_new_tokens = draw(st.integers(1, 16) if schema is None else st.integers(8, 36), label="max_new_tokens")
     # A stop id inside a grammar's alphabet would be refused there but where the text may end: free text only.
@@ -131,9 +134,13 @@ def _check_answer(result: GenerationResult, params: SamplingParams, schema: int 
     if not params.ignore_eos and not stopped:
         assert all(i >= params.min_tokens for i in stops)  # masked before min_tokens, and a stop token ends it
         assert stops in ([], [len(tokens) - 1])
-    if schema is not None and result.finish_reason == "stop" and not stopped:
-        text = tokens[:-1] if stops and stops[-1] == len(tokens) - 1 else tokens
-        jsonschema.validate(json.loads(TOKENIZER.decode(list(text))), SCHEMAS[schema])
+    if schema is None:
+        return
+    text = bytes(tokens[:-1] if stops and stops[-1] == len(tokens) - 1 else tokens)
+    if schema == TOOL_CALLS and result.finish_reason == "stop":
+        text.decode()  # a complete answer of text is valid UTF-8
+    elif result.finish_reason == "stop" and not stopped:
+        jsonschema.validate(json.loads(text), SCHEMAS[schema])
 
 
 @settings(
