@@ -184,3 +184,19 @@ def test_an_n_stream_refused_at_submit_is_one_error_response(served_tiny) -> Non
     assert "token" in response.json()["error"]["message"]
     assert runner.cache.stats().hit_tokens == 0  # nothing ran
     assert_quiescent(runner.cache)
+
+
+def test_n_streamed_tool_calls_come_once_per_choice(make_app) -> None:
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"q": "kv"}}\n</tool_call>'
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    runner = PrefixCachingRunner(ScriptedModel.from_texts([call]), cache_tokens=8192)
+    with start_background(make_app(runner), "127.0.0.1", 0) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        stream = client.chat.completions.create(model="scripted", messages=MESSAGES, tools=tools, n=2, stream=True)
+        chunks = list(stream)
+    calls = {c.choices[0].index: c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls}
+    assert sorted(calls) == [0, 1]
+    assert all(json.loads(delta[0].function.arguments) == {"q": "kv"} for delta in calls.values())
+    _, reasons, _ = _streamed_choices(chunks)
+    assert reasons == {0: "tool_calls", 1: "tool_calls"}
+    assert_quiescent(runner.cache)
