@@ -137,7 +137,7 @@ def _check_answer(result: GenerationResult, params: SamplingParams, schema: int 
     if schema is None:
         return
     text = bytes(tokens[:-1] if stops and stops[-1] == len(tokens) - 1 else tokens)
-    if schema == TOOL_CALLS and result.finish_reason == "stop":
+    if schema == TOOL_CALLS and result.finish_reason == "stop" and not stopped:
         text.decode()  # a complete answer of text is valid UTF-8
     elif result.finish_reason == "stop" and not stopped:
         jsonschema.validate(json.loads(text), SCHEMAS[schema])
