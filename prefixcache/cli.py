@@ -159,9 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument(
         "--format",
         default="auto",
-        choices=["auto", "chat", "mooncake"],
+        choices=["auto", "chat", "requests", "batch", "sharegpt", "mooncake"],
         dest="file_format",
-        help="file format (default auto: told from the first line)",
+        help="file format (default auto: told from the first line; requests: a chat-completions body per line)",
     )
     replay.add_argument("--skip-invalid", action="store_true", help="skip bad lines (reported) instead of failing")
     replay.add_argument("--json", metavar="OUT", help="write the report as JSON")

@@ -49,7 +49,7 @@ from prefixcache.replay.explain import (
 from prefixcache.replay.ideal import IdealCache
 from prefixcache.replay.options import check_options as check_options
 from prefixcache.replay.requests import ORDERS as ORDERS
-from prefixcache.replay.requests import Progress, smallest_pool_tokens
+from prefixcache.replay.requests import Progress, read_requests, smallest_pool_tokens
 from prefixcache.replay.requests import ReplayRequest as ReplayRequest
 from prefixcache.replay.requests import conversation_requests as conversation_requests
 from prefixcache.replay.requests import interleave as interleave
@@ -294,7 +294,7 @@ class Replayer:
         report.dropped_states = stats.dropped_states
         report.kv_evicted_states = stats.kv_evicted_states
         report.num_blocks = cache.pool.num_blocks
-        report.verified = True if self.verify else None
+        report.verified = True if self.verify and report.requests else None  # none verified: no verdict
         if tally is not None:
             report.explain_kinds = dict(tally.kinds)
             report.divergences = tally.top(3)
@@ -529,9 +529,10 @@ def replay_paths(
     if replayer.model is not None:
         report.model = getattr(getattr(replayer.model, "config", None), "name", type(replayer.model).__name__)
     loaded: list[tuple[str, list[ReplayRequest], int]] = []
+    formats: dict[str, str] = {}
     try:
         for path in expand_paths(paths):
-            requests, skipped = load_requests(
+            file = read_requests(
                 path,
                 replayer.tokenizer,
                 order=order,
@@ -541,7 +542,8 @@ def replay_paths(
                 file_format=file_format,
                 progress=progress,
             )
-            loaded.append((str(path), requests, skipped))
+            loaded.append((file.path, file.requests, file.skipped))
+            formats[file.path] = file.file_format
         _check_capacity(replayer, loaded)
         for name, requests, skipped in loaded:
             bar = None
@@ -552,9 +554,11 @@ def replay_paths(
                 scenario_report = replayer.replay(name, requests, progress=bar, log=log)
             except ReplayInterrupted as interrupted:
                 interrupted.report.skipped_lines = skipped
+                interrupted.report.input_format = formats[name]
                 report.scenarios.append(interrupted.report)
                 raise
             scenario_report.skipped_lines = skipped
+            scenario_report.input_format = formats[name]
             report.scenarios.append(scenario_report)
     except KeyboardInterrupt:
         report.partial = True

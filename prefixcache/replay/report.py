@@ -7,6 +7,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from prefixcache.replay.formats import FILE_FORMATS
 from prefixcache.replay.results import ReplayReport, ScenarioReport
 
 
@@ -83,12 +84,22 @@ def format_replay(report: ReplayReport) -> str:
             f"prompt's last token{every} "
             "(cached = resumed tokens; shortfall = matched but not resumable)"
         )
+    title += "".join(f"\n{line}" for line in format_inputs(report))
     if report.partial:
         title = (
             f"PARTIAL: interrupted; the table covers the {report.total.requests:,} requests completed before it\n"
             + title
         )
     return title + "\n" + tabulate(rows, headers=headers, tablefmt="github", intfmt=",")
+
+
+def format_inputs(report: ReplayReport) -> list[str]:
+    """A line per input format of the report: ``input: <what the format is>: <its files>``."""
+    files: dict[str, list[str]] = {}
+    for s in report.scenarios:
+        if s.input_format is not None:
+            files.setdefault(s.input_format, []).append(s.scenario)
+    return [f"input: {FILE_FORMATS.get(fmt, fmt)}: {', '.join(names)}" for fmt, names in files.items()]
 
 
 def drift_json(scenario: ScenarioReport) -> dict[str, Any]:

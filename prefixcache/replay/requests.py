@@ -3,6 +3,8 @@
 One request per assistant turn: the prompt is the chat template applied to the history before the turn plus the
 generation prompt, and the answer is the transcript's own assistant message, teacher forced, so the next turn's
 prompt extends prompt + answer.  :func:`interleave` merges conversations as concurrent users would send them.
+A request log or Batch file gives one request per body, its prompt as sent and no answer, in file order
+(formats: :mod:`prefixcache.replay.formats`).
 """
 
 from __future__ import annotations
@@ -17,16 +19,20 @@ from typing import TypeVar
 
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.chat.tokenizer import Tokenizer
-from prefixcache.errors import InvalidArgumentError, ScenarioError, TemplateError
-from prefixcache.replay.scenarios import Conversation, default_tools_for, detect_format, iter_mooncake, load_scenario
+from prefixcache.errors import InvalidArgumentError, InvalidTokensError, ScenarioError, TemplateError
+from prefixcache.replay.formats import FILE_FORMATS, LoggedRequest, detect_format, load_request_log, load_sharegpt
+from prefixcache.replay.scenarios import Conversation, default_tools_for, iter_mooncake, load_scenario
 
 __all__ = [
     "ORDERS",
+    "LoadedFile",
     "Progress",
     "ReplayRequest",
     "conversation_requests",
     "interleave",
     "load_requests",
+    "logged_request",
+    "read_requests",
     "smallest_pool_tokens",
 ]
 
@@ -128,7 +134,51 @@ def interleave(per_conversation: Sequence[Sequence[ReplayRequest]], order: str, 
     raise InvalidArgumentError(f"unknown order {order!r}; choose one of {ORDERS}")
 
 
-def load_requests(
+@dataclass(frozen=True, slots=True)
+class LoadedFile:
+    """One input file read into replay requests: its format (a key of
+    :data:`~prefixcache.replay.formats.FILE_FORMATS`, as detected or forced), the requests in replay order, and how
+    many bad lines were skipped."""
+
+    path: str
+    file_format: str
+    requests: list[ReplayRequest]
+    skipped: int
+
+
+def logged_request(request: LoggedRequest, tokenizer: Tokenizer, scenario: str) -> ReplayRequest:
+    """The replay request of one logged request: its messages rendered with the chat template and the generation
+    prompt (its ``turn`` is the number of messages, where the answer would go), or its completions prompt encoded
+    as plain text (or its token ids as given; ``turn`` 0).  No answer: nothing is teacher forced.
+
+    Raises TemplateError if the messages cannot be rendered, InvalidTokensError if a token id is not below the
+    tokenizer's vocabulary size.
+    """
+    empty = array(TOKEN_TYPECODE)
+    if request.messages is None:
+        if isinstance(request.prompt, str):
+            return ReplayRequest(
+                scenario, request.id, 0, array(TOKEN_TYPECODE, tokenizer.encode(request.prompt)), empty
+            )
+        ids = array(TOKEN_TYPECODE, request.prompt or ())
+        if ids and max(ids) >= tokenizer.vocab_size:
+            raise InvalidTokensError(
+                f"prompt token id {max(ids)} is not below the vocabulary size {tokenizer.vocab_size:,} of "
+                f"{tokenizer.name} (--tokenizer names the tokenizer the ids are from)"
+            )
+        return ReplayRequest(scenario, request.id, 0, ids, empty)
+    extra = {"template_kwargs": request.template_kwargs} if request.template_kwargs else {}
+    prompt = array(
+        TOKEN_TYPECODE, tokenizer.render_chat(request.messages, request.tools, add_generation_prompt=True, **extra)
+    )
+    # --explain names the messages of the prompt; it renders them without template variables, so only without any.
+    transcript = None
+    if not request.template_kwargs:
+        transcript = Conversation(request.id, request.messages, request.tools, scenario, request.line_no)
+    return ReplayRequest(scenario, request.id, len(request.messages), prompt, empty, None, transcript)
+
+
+def read_requests(
     path: str | Path,
     tokenizer: Tokenizer,
     *,
@@ -138,17 +188,23 @@ def load_requests(
     skip_invalid: bool = False,
     file_format: str = "auto",
     progress: Progress | None = None,
-) -> tuple[list[ReplayRequest], int]:
-    """Read a scenario (chat JSONL) or a Mooncake trace into replay requests; returns ``(requests, skipped)``.
+) -> LoadedFile:
+    """Read any replay input file (``file_format`` ``"auto"``: told from its first record; or one of
+    :data:`~prefixcache.replay.formats.FILE_FORMATS`) into replay requests.
 
-    ``limit`` keeps the first ``limit`` conversations (or trace lines).  Mooncake requests have no answer tokens
-    and keep the trace's order.  ``progress`` sees the conversations as they are rendered and tokenized (the slow
-    part with a Hugging Face tokenizer), or the trace lines as they are read.
+    ``limit`` keeps the first ``limit`` conversations (or, for one-request-per-line formats, lines).  Transcripts
+    (chat, ShareGPT) interleave by ``order``; request logs, Batch files and Mooncake traces keep the file's order and
+    have no answer tokens.  ``progress`` sees the conversations as they are rendered and tokenized (the slow part with
+    a Hugging Face tokenizer), or the lines as they are read.  O(file size + prompt tokens).
 
     Raises:
-        ScenarioError: a bad line (unless ``skip_invalid``, which also skips bad lines before the first usable one),
-            a conversation the tokenizer's chat template cannot render (same), or an unreadable file.
+        InvalidArgumentError: an unknown ``file_format``.
+        ScenarioError: a file of no known format (naming the line and the formats accepted), a bad line (unless
+            ``skip_invalid``, which also skips bad lines before the first usable one), a conversation or request the
+            tokenizer's chat template cannot render or whose token ids it does not have (same), an unreadable file.
     """
+    if file_format != "auto" and file_format not in FILE_FORMATS:
+        raise InvalidArgumentError(f"unknown format {file_format!r}; choose auto, {', '.join(FILE_FORMATS)}")
     path = Path(path)
     name = str(path)
     progress = progress or _no_progress
@@ -164,10 +220,26 @@ def load_requests(
         ]
         for error in skipped:
             logger.warning("skipped %s", error)
-        return requests, len(skipped)
-    if fmt != "chat":
-        raise InvalidArgumentError(f"unknown format {file_format!r}; choose auto, chat or mooncake")
-    scenario = load_scenario(path, tools=default_tools_for(path), skip_invalid=skip_invalid, progress=progress)
+        return LoadedFile(name, fmt, requests, len(skipped))
+    if fmt in ("requests", "batch"):
+        log = load_request_log(path, file_format=fmt, limit=limit, skip_invalid=skip_invalid, progress=progress)
+        skipped = list(log.skipped)
+        requests = []
+        for logged in progress(log.requests, f"tokenize {path.name}", len(log.requests), "req"):
+            try:
+                requests.append(logged_request(logged, tokenizer, name))
+            except (TemplateError, InvalidTokensError) as error:
+                problem = ScenarioError(f"request {logged.id!r}: {error}", name, logged.line_no)
+                if not skip_invalid:
+                    raise problem from None
+                skipped.append(problem)
+        for error in skipped:
+            logger.warning("skipped %s", error)
+        return LoadedFile(name, fmt, requests, len(skipped))
+    if fmt == "sharegpt":
+        scenario = load_sharegpt(path, skip_invalid=skip_invalid, progress=progress)
+    else:
+        scenario = load_scenario(path, tools=default_tools_for(path), skip_invalid=skip_invalid, progress=progress)
     skipped = list(scenario.skipped)
     for error in skipped:
         logger.warning("skipped %s", error)
@@ -183,7 +255,33 @@ def load_requests(
                 raise problem from None
             logger.warning("skipped %s", problem)
             skipped.append(problem)
-    return interleave(per_conversation, order, seed), len(skipped)
+    return LoadedFile(name, fmt, interleave(per_conversation, order, seed), len(skipped))
+
+
+def load_requests(
+    path: str | Path,
+    tokenizer: Tokenizer,
+    *,
+    order: str = "round-robin",
+    seed: int = 0,
+    limit: int | None = None,
+    skip_invalid: bool = False,
+    file_format: str = "auto",
+    progress: Progress | None = None,
+) -> tuple[list[ReplayRequest], int]:
+    """:func:`read_requests` as ``(requests, skipped)``, for callers that need not know the format; same arguments
+    and errors."""
+    loaded = read_requests(
+        path,
+        tokenizer,
+        order=order,
+        seed=seed,
+        limit=limit,
+        skip_invalid=skip_invalid,
+        file_format=file_format,
+        progress=progress,
+    )
+    return loaded.requests, loaded.skipped
 
 
 def smallest_pool_tokens(requests: Iterable[ReplayRequest], block_size: int) -> tuple[int, ReplayRequest | None]:

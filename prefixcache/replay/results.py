@@ -94,6 +94,7 @@ class ScenarioReport:
     verified: bool | None = None
     max_abs_logit_diff: float | None = None
     skipped_lines: int = 0
+    input_format: str | None = None  # the file's format (prefixcache.replay.formats.FILE_FORMATS); None: total row
     partial: bool = False
     series: ReplaySeries | None = None
     explain_kinds: dict[str, int] | None = None
@@ -181,7 +182,7 @@ class ReplayReport:
             uncached = [s.prefill_s_uncached for s in timed]
             total.prefill_s_uncached = None if None in uncached else sum(uncached)
         verified = [s.verified for s in self.scenarios]
-        total.verified = None if any(v is None for v in verified) else all(verified)
+        total.verified = None if not verified or any(v is None for v in verified) else all(verified)
         diffs = [s.max_abs_logit_diff for s in self.scenarios if s.max_abs_logit_diff is not None]
         total.max_abs_logit_diff = max(diffs) if diffs else None
         return total
@@ -194,5 +195,7 @@ class ReplayReport:
         out["partial"] = self.partial
         out["recurrent_state_bytes"] = self.state_bytes
         out["state_every_blocks"] = self.state_every
+        formats = {s.input_format for s in self.scenarios}
+        out["input_format"] = (formats.pop() if len(formats) == 1 else "mixed") if formats else None
         out["scenarios"] = {s.scenario: s.to_json() for s in self.scenarios}
         return out

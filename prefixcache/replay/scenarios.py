@@ -1,5 +1,8 @@
 """Scenario files: chat transcripts (JSONL, one conversation per line) and Mooncake request traces.
 
+The other input formats (request logs, OpenAI Batch files, ShareGPT) and the detection of each are in
+:mod:`prefixcache.replay.formats`.
+
 Chat format, one object per line (blank lines ignored, extra keys such as ``"source"`` ignored)::
 
     {"id": str, "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": str}, ...],
@@ -22,21 +25,19 @@ Every problem in a file is a :class:`ScenarioError` carrying the path and 1-base
 
 from __future__ import annotations
 
-import codecs
 import itertools
 import json
 import logging
 import math
-import re
-import sys
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from prefixcache.chat.template import validate_messages, validate_tools
 from prefixcache.errors import InvalidArgumentError, ScenarioError, TemplateError
+from prefixcache.replay.lines import iter_json_records
 
 __all__ = [
     "MESSAGE_KEYS",
@@ -45,7 +46,6 @@ __all__ = [
     "ScenarioFile",
     "TraceRequest",
     "default_tools_for",
-    "detect_format",
     "expand_paths",
     "iter_mooncake",
     "load_mooncake",
@@ -109,84 +109,6 @@ class TraceRequest:
         return len(self.token_ids)
 
 
-def _iter_json_lines(path: Path) -> Iterator[tuple[int, Any, ScenarioError | None]]:
-    """Yield ``(line_no, parsed, None)`` per non-blank line, or ``(line_no, None, error)`` for bad UTF-8/JSON.
-
-    Errors are yielded rather than raised so that a caller skipping invalid lines can keep reading.  A UTF-8 byte
-    order mark at the start of the file is dropped (editors on Windows write one).  Errors name the 1-based
-    character column where the problem starts.
-    Raises :class:`ScenarioError` (no line) if the file cannot be opened.
-    """
-    try:
-        handle = path.open("rb")
-    except OSError as exc:
-        raise ScenarioError(f"cannot open: {exc.strerror or exc}", str(path)) from None
-    with handle:
-        # Decoding per line (not per file) lets a bad byte be reported, and skipped, on its own line.
-        for line_no, raw in enumerate(handle, start=1):
-            if line_no == 1 and raw.startswith(codecs.BOM_UTF8):
-                raw = raw[len(codecs.BOM_UTF8) :]
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                column = len(raw[: exc.start].decode("utf-8", errors="replace")) + 1
-                error = ScenarioError(f"not valid UTF-8 ({exc.reason} at column {column})", str(path), line_no)
-                yield line_no, None, error
-                continue
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as exc:
-                # Some of json's messages end in " at" ("Invalid control character at"); don't say it twice.
-                reason = exc.msg[: -len(" at")] if exc.msg.endswith(" at") else exc.msg
-                message = f"not valid JSON: {reason} at column {exc.colno}"
-                yield line_no, None, ScenarioError(message, str(path), line_no)
-                continue
-            except RecursionError:
-                depth, column = _deepest_bracket(text)
-                message = f"not usable JSON: nested {depth} levels deep (deepest bracket at column {column})"
-                yield line_no, None, ScenarioError(message, str(path), line_no)
-                continue
-            except ValueError as exc:  # an integer of thousands of digits
-                yield line_no, None, ScenarioError(f"not usable JSON: {_long_number(text, exc)}", str(path), line_no)
-                continue
-            yield line_no, obj, None
-
-
-def _deepest_bracket(text: str) -> tuple[int, int]:
-    """``(depth, 1-based column)`` of the most deeply nested bracket of a JSON text, strings skipped."""
-    depth = deepest = column = 0
-    in_string = escaped = False
-    for index, char in enumerate(text):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "[{":
-            depth += 1
-            if depth > deepest:
-                deepest, column = depth, index + 1
-        elif char in "]}":
-            depth -= 1
-    return deepest, column
-
-
-def _long_number(text: str, error: ValueError) -> str:
-    """Where the integer too long for Python's int conversion starts, or the error itself."""
-    limit = sys.get_int_max_str_digits() if hasattr(sys, "get_int_max_str_digits") else 0
-    match = re.search(rf"-?\d{{{limit + 1},}}", text) if limit else None
-    if match is None:
-        return f"{type(error).__name__}: {error}"
-    digits = len(match.group().lstrip("-"))
-    return f"an integer of {digits:,} digits at column {match.start() + 1} (Python reads at most {limit:,})"
-
-
 MESSAGE_KEYS = ("role", "content", "tool_calls", "tool_call_id", "name")
 """Message keys a scenario keeps; ``role`` and ``content`` always, the others when present."""
 
@@ -244,8 +166,10 @@ def load_scenario(
     tools: Sequence[Mapping[str, Any]] | None = None,
     skip_invalid: bool = False,
     progress: Callable[[Iterable[Any], str, int | None, str], Iterable[Any]] | None = None,
+    convert: Callable[[Any], Any] | None = None,
 ) -> ScenarioFile:
-    """Load a chat scenario file (format in the module docstring).  O(file size).
+    """Load a chat scenario file (format in the module docstring; JSON Lines, or one JSON array of the same
+    objects).  O(file size).
 
     ``tools`` are the shared function schemas for conversations whose line has no ``"tools"`` of its own (a
     line's own tools win); pass ``default_tools_for(path)`` to pick up a sibling ``*_tools.json``.
@@ -256,7 +180,9 @@ def load_scenario(
     duplicate id.  With ``skip_invalid=True`` bad lines are collected in ``ScenarioFile.skipped`` instead
     (a line that is not valid UTF-8 or JSON too).  A missing or unreadable file always raises.
     Raises :class:`InvalidArgumentError` if ``tools`` itself is malformed.  ``progress(items, description, total,
-    unit)``, when given, wraps the lines as they are read (a tqdm bar).
+    unit)``, when given, wraps the lines as they are read (a tqdm bar).  ``convert``, when given, turns each parsed
+    line of another conversation format into this one first (ShareGPT: :mod:`prefixcache.replay.formats`); a
+    :class:`ValueError` it raises is that line's error.
     """
     path = Path(path)
     shared_tools: tuple[dict[str, Any], ...] | None = None
@@ -268,13 +194,20 @@ def load_scenario(
     conversations: list[Conversation] = []
     skipped: list[ScenarioError] = []
     first_line_of: dict[str, int] = {}
-    lines = _iter_json_lines(path)
+    lines = iter_json_records(path)
     if progress is not None:
         lines = progress(lines, f"read {path.name}", None, "line")
     for line_no, obj, error in lines:
         try:
             if error is not None:
                 raise error
+            if convert is not None:
+                try:
+                    obj = convert(obj)
+                except ScenarioError:
+                    raise
+                except ValueError as exc:
+                    raise ScenarioError(str(exc), str(path), line_no) from None
             conversation = _parse_conversation(obj, path, line_no, shared_tools)
             if conversation.id in first_line_of:
                 raise ScenarioError(
@@ -325,33 +258,6 @@ def default_tools_for(path: str | Path) -> list[dict[str, Any]] | None:
             raise ScenarioError(str(exc), str(candidate)) from None
         return tools
     return None
-
-
-def detect_format(path: str | Path, *, skip_invalid: bool = False) -> Literal["chat", "mooncake"]:
-    """``"mooncake"`` if the first usable line has ``hash_ids``, ``"chat"`` if it has ``messages``.
-
-    Reads only up to the first non-blank line, or with ``skip_invalid`` up to the first line that is a JSON object
-    with one of those keys (the lines before it are then skipped and reported by the loader).  Raises
-    :class:`ScenarioError` if that line is not such an object, or if the file has no (usable) line.
-    """
-    path = Path(path)
-    for line_no, obj, error in _iter_json_lines(path):
-        if isinstance(obj, dict) and "hash_ids" in obj:
-            return "mooncake"
-        if isinstance(obj, dict) and "messages" in obj:
-            return "chat"
-        if skip_invalid:
-            continue
-        if error is not None:
-            raise error
-        raise ScenarioError(
-            "cannot tell the format: expected an object with 'messages' (chat) or 'hash_ids' (mooncake)",
-            str(path),
-            line_no,
-        )
-    if skip_invalid:
-        raise ScenarioError("no usable line: no conversations or requests", str(path))
-    raise ScenarioError("empty file: no conversations or requests", str(path))
 
 
 def expand_paths(paths: Sequence[str | Path]) -> list[Path]:
@@ -408,7 +314,7 @@ def iter_mooncake(
     if limit is not None and limit < 0:
         raise InvalidArgumentError(f"limit must be >= 0, got {limit}")
     path = Path(path)
-    for line_no, obj, error in itertools.islice(_iter_json_lines(path), limit):
+    for line_no, obj, error in itertools.islice(iter_json_records(path), limit):
         try:
             if error is not None:
                 raise error

@@ -1,17 +1,18 @@
 """The OpenAI wire format: request bodies checked into typed records, and the response and chunk objects.
 
-Only what the server really does is accepted.  A field it cannot honour (chat's ``echo``, any unknown field) is a 400
-in OpenAI's error shape naming the parameter, never silently ignored; fields that change nothing here (``user``,
-``metadata``, ``store``, ``parallel_tool_calls``) pass.  The sampling fields are OpenAI's (``temperature``, ``top_p``,
-``seed``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias``
-with string keys of token ids) and vLLM's extra ones (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
-``ignore_eos``: the ``openai`` client sends them in ``extra_body``), each checked by
-:class:`~prefixcache.engine.sampling.SamplingParams`, the one definition of their ranges.  Log-probabilities are
-asked for OpenAI's two ways: ``logprobs: true`` with ``top_logprobs: k`` on chat (``top_logprobs`` needs
-``logprobs``), ``logprobs: k`` on completions, ``k`` in 0 .. 20 (OpenAI's bound on chat, vLLM's default
-``max_logprobs``; OpenAI's legacy completions stop at 5); :mod:`prefixcache.serve.logprobs` builds their objects.
-Message content may be a string or a list of ``{"type": "text", "text": ...}`` parts (joined), as LangChain and
-smolagents send it.
+Each body is first validated by its schema (:mod:`prefixcache.serve.schemas`: fields, types, documented values and
+ranges, declared once and published at ``/openapi.json``); this module adds the checks that join fields or need the
+model, and builds the records.  Only what the server really does is accepted.  A field it cannot honour (chat's
+``echo``, any unknown field) is a 400 in OpenAI's error shape naming the parameter, never silently ignored; fields that
+change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``) pass.  The sampling fields are
+OpenAI's (``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``,
+``logit_bias`` with string keys of token ids) and vLLM's extra ones (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``: the ``openai`` client sends them in ``extra_body``), each checked by
+:class:`~prefixcache.engine.sampling.SamplingParams`, the one definition of their ranges.  Log-probabilities are asked
+for OpenAI's two ways: ``logprobs: true`` with ``top_logprobs: k`` on chat (``top_logprobs`` needs ``logprobs``),
+``logprobs: k`` on completions, ``k`` in 0 .. 20 (OpenAI's bound on chat, vLLM's default ``max_logprobs``; OpenAI's
+legacy completions stop at 5); :mod:`prefixcache.serve.logprobs` builds their objects. Message content may be a string
+or a list of ``{"type": "text", "text": ...}`` parts (joined), as LangChain and smolagents send it.
 
 Chat fields that change no answer here are checked for their OpenAI shape and dropped: ``prompt_cache_key`` (a
 routing hint; one server is one cache, and the exact-prefix routers route on the prompt's own tokens),
@@ -23,20 +24,28 @@ read one renders as without it).
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from prefixcache.chat.stop import check_stop
 from prefixcache.chat.template import RESERVED_TEMPLATE_VARIABLES, check_json_depth, join_text_parts
 from prefixcache.engine.chat import ChatCompletion
 from prefixcache.engine.grammar import check_response_format
 from prefixcache.engine.results import Usage
-from prefixcache.engine.sampling import MAX_LOGPROBS, SamplingParams
+from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError, TemplateError
+from prefixcache.serve.schemas import (
+    BodyError,
+    ChatCompletionBody,
+    CompletionBody,
+    PrefillBody,
+    validate_body,
+)
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -54,14 +63,10 @@ __all__ = [
     "usage_json",
 ]
 
-MAX_CHOICES = 16
-"""The most samples (``n``) one request may ask for: each is an engine request of its own."""
-
 DEFAULT_MAX_TOKENS = 256
 """Tokens generated when a request gives neither ``max_tokens`` nor ``max_completion_tokens``."""
 
-_IGNORED = frozenset({"user", "metadata", "store", "parallel_tool_calls", "service_tier"})
-_NEUTRAL = {"echo": False}
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
 # Passed to SamplingParams as given (``logit_bias`` apart: its JSON keys are strings).
 _SAMPLING_OPTIONS = (
     "top_k",
@@ -72,17 +77,6 @@ _SAMPLING_OPTIONS = (
     "min_tokens",
     "ignore_eos",
 )
-_COMMON = (
-    frozenset(
-        {"model", "stream", "stream_options", "stop", "temperature", "top_p", "seed", "n", "max_tokens", "logit_bias"}
-    )
-    | frozenset(_SAMPLING_OPTIONS)
-    | {"logprobs"}
-)
-_TOKEN_ID = re.compile(r"[0-9]{1,10}")
-_CHAT = _COMMON | {"messages", "tools", "tool_choice", "max_completion_tokens", "response_format", "top_logprobs"}
-_COMPLETION = _COMMON | {"prompt", "echo", "response_format"}
-_PREFILL = frozenset({"model", "messages", "tools", "prompt", "priority", "retain_s"})
 
 
 class BadRequest(Exception):
@@ -163,70 +157,37 @@ def _response_format(body: Mapping[str, Any]) -> dict[str, Any] | None:
         raise BadRequest(str(error), "response_format") from None
 
 
-def _number(body: Mapping[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRequest(f"{name} must be a number, got {value!r}", name)
-    return float(value)
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
-def _common(
-    body: Any,
-    allowed: frozenset[str],
-    default_max_tokens: int,
-    max_tokens_names: tuple[str, ...],
-    vocab_size: int | None = None,
-) -> _Common:
-    if not isinstance(body, Mapping):
-        raise BadRequest("the request body must be a JSON object")
-    for name in body:
-        if name in allowed or name in _IGNORED:
-            continue
-        if name in _NEUTRAL and body[name] in (None, _NEUTRAL[name]):
-            continue
-        raise BadRequest(f"unsupported parameter: {name}", name)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("model must be a non-empty string", "model")
-    n = body.get("n")
-    n = 1 if n is None else n
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
-        raise BadRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}", "n")
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise BadRequest("stream must be a boolean", "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, Mapping) or set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise BadRequest("stream_options supports include_usage and continuous_usage_stats", "stream_options")
-    for option in ("include_usage", "continuous_usage_stats"):
-        if not isinstance(options.get(option, False), (bool, type(None))):
-            raise BadRequest(f"stream_options.{option} must be a boolean", "stream_options")
-    if body.get("stream_options") is not None and not stream:
+def _checked(model: type[ModelT], body: Any) -> ModelT:
+    """``body`` validated by its schema (:mod:`prefixcache.serve.schemas`); raises :class:`BadRequest` naming the
+    field."""
+    try:
+        return validate_body(model, body)
+    except BodyError as error:
+        raise BadRequest(str(error), error.param) from None
+
+
+def _common(body: Mapping[str, Any], checked: Any, max_tokens: int | None, vocab_size: int | None) -> _Common:
+    """What chat and completions share, from a validated body (``checked``) and its raw JSON (``body``), with
+    ``max_tokens`` the given limit (None: the endpoint's default, already filled in)."""
+    stream = bool(checked.stream)
+    options = checked.stream_options
+    if options is not None and not stream:
         # As OpenAI and vLLM answer: the options describe a stream, and a plain response would silently drop them.
         raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
     try:
-        stop = check_stop(body.get("stop"))
+        stop = check_stop(checked.stop)
     except InvalidArgumentError as error:
         raise BadRequest(str(error), "stop") from None
-    given = next((n for n in max_tokens_names if body.get(n) is not None), None)
-    max_tokens = body[given] if given else default_max_tokens
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-        raise BadRequest(f"{given} must be a non-negative integer, got {max_tokens!r}", given)
-    seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
-        raise BadRequest(f"seed must be an integer in 0 .. 2**63 - 1, got {seed!r}", "seed")
-    temperature = _number(body, "temperature", 0.0)
-    if not 0 <= temperature <= 2:
-        raise BadRequest(f"temperature must be in [0, 2], got {temperature}", "temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
-    sampling = {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": seed}
+    temperature = 0.0 if checked.temperature is None else float(checked.temperature)
+    top_p = 1.0 if checked.top_p is None else float(checked.top_p)
+    sampling = {"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "seed": checked.seed}
     sampling.update(_sampling_options(body, max_tokens, vocab_size))
-    continuous = bool(options.get("continuous_usage_stats"))
-    return _Common(model, stream, bool(options.get("include_usage")), stop, sampling, continuous, n)
+    include_usage = bool(options and options.include_usage)
+    continuous = bool(options and options.continuous_usage_stats)
+    return _Common(checked.model, stream, include_usage, stop, sampling, continuous, checked.n or 1)
 
 
 def _sampling_options(body: Mapping[str, Any], max_tokens: int, vocab_size: int | None) -> dict[str, Any]:
@@ -236,10 +197,8 @@ def _sampling_options(body: Mapping[str, Any], max_tokens: int, vocab_size: int 
     options = {name: body[name] for name in _SAMPLING_OPTIONS if body.get(name) is not None}
     bias = body.get("logit_bias")
     if bias is not None:
-        if not isinstance(bias, Mapping):
-            raise BadRequest("logit_bias must be an object mapping token ids to biases", "logit_bias")
         for key in bias:
-            if not isinstance(key, str) or not _TOKEN_ID.fullmatch(key):
+            if not _TOKEN_ID.fullmatch(key):
                 raise BadRequest(f"logit_bias keys must be token ids (decimal strings), got {key!r}", "logit_bias")
             if vocab_size is not None and int(key) >= vocab_size:
                 message = f"logit_bias: token id {key} is outside the vocabulary [0, {vocab_size})"
@@ -253,56 +212,28 @@ def _sampling_options(body: Mapping[str, Any], max_tokens: int, vocab_size: int 
     return options
 
 
-_CHAT_HINTS = frozenset({"prompt_cache_key", "safety_identifier", "verbosity", "modalities", "prediction"})
-_CHAT_TEMPLATE = frozenset({"reasoning_effort", "chat_template_kwargs"})
-_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
-_VERBOSITIES = ("low", "medium", "high")
-_CHAT_ACCEPTED = _CHAT | _CHAT_HINTS | _CHAT_TEMPLATE
-
-
-def _check_hints(body: Mapping[str, Any]) -> None:
-    """Check the chat fields that change no answer here (see the module's docstring) for OpenAI's shapes; raises
-    :class:`BadRequest` naming the field, so a value the client got wrong is not silently dropped."""
-    for name in ("prompt_cache_key", "safety_identifier"):
-        if body.get(name) is not None and not isinstance(body[name], str):
-            raise BadRequest(f"{name} must be a string", name)
-    verbosity = body.get("verbosity")
-    if verbosity is not None and verbosity not in _VERBOSITIES:
-        raise BadRequest(f"verbosity must be one of {', '.join(_VERBOSITIES)}, got {verbosity!r}", "verbosity")
-    modalities = body.get("modalities")
-    if modalities is not None and modalities != ["text"]:
-        raise BadRequest(f"only modalities ['text'] is supported, got {modalities!r}", "modalities")
-    prediction = body.get("prediction")
-    if prediction is not None:
-        if (
-            not isinstance(prediction, Mapping)
-            or prediction.get("type") != "content"
-            or set(prediction) - {"type", "content"}
-        ):
-            raise BadRequest("prediction must be {'type': 'content', 'content': ...}", "prediction")
+def _check_prediction(checked: ChatCompletionBody) -> None:
+    """``modalities`` is ``["text"]`` and a ``prediction`` is text (both change no answer here: see the module's
+    docstring), so a value the client got wrong is not silently dropped.  Raises :class:`BadRequest`."""
+    if checked.modalities is not None and checked.modalities != ["text"]:
+        raise BadRequest(f"only modalities ['text'] is supported, got {checked.modalities!r}", "modalities")
+    if checked.prediction is not None:
         try:
-            content = join_text_parts(prediction.get("content"))
+            content = join_text_parts(checked.prediction.content)
         except TemplateError as error:
             raise BadRequest(f"prediction: {error}", "prediction") from None
         if not isinstance(content, str):
             raise BadRequest("prediction.content must be a string or a list of text parts", "prediction")
 
 
-def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The chat-template variables of a body: ``reasoning_effort`` (one of OpenAI's values), then vLLM's
-    ``chat_template_kwargs`` (an object; names the renderer sets itself are refused) over it, as vLLM merges them.
-    Raises :class:`BadRequest` naming the field."""
+def _template_kwargs(checked: ChatCompletionBody) -> dict[str, Any]:
+    """The chat-template variables of a body: ``reasoning_effort``, then vLLM's ``chat_template_kwargs`` (names the
+    renderer sets itself are refused) over it, as vLLM merges them.  Raises :class:`BadRequest` naming the field."""
     variables: dict[str, Any] = {}
-    effort = body.get("reasoning_effort")
-    if effort is not None:
-        if effort not in _REASONING_EFFORTS:
-            message = f"reasoning_effort must be one of {', '.join(_REASONING_EFFORTS)}, got {effort!r}"
-            raise BadRequest(message, "reasoning_effort")
-        variables["reasoning_effort"] = effort
-    extra = body.get("chat_template_kwargs")
+    if checked.reasoning_effort is not None:
+        variables["reasoning_effort"] = checked.reasoning_effort
+    extra = checked.chat_template_kwargs
     if extra is not None:
-        if not isinstance(extra, Mapping):
-            raise BadRequest("chat_template_kwargs must be an object of template variables", "chat_template_kwargs")
         for name in extra:
             if not name or name in RESERVED_TEMPLATE_VARIABLES:
                 message = f"chat_template_kwargs cannot set {name!r}: the server sets it, or it is no variable name"
@@ -311,29 +242,12 @@ def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     return variables
 
 
-def _alternatives(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
-        raise BadRequest(f"{name} must be an integer in 0 .. {MAX_LOGPROBS}, got {value!r}", name)
-    return value
-
-
-def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+def _chat_logprobs(checked: ChatCompletionBody) -> int | None:
     """``top_logprobs`` (0 when not given) if ``logprobs`` is true, else None.  ``top_logprobs`` without
     ``logprobs: true`` is refused, as OpenAI and vLLM refuse it."""
-    wanted, top = body.get("logprobs"), body.get("top_logprobs")
-    if wanted is not None and not isinstance(wanted, bool):
-        raise BadRequest(f"logprobs must be a boolean, got {wanted!r}", "logprobs")
-    if top is not None:
-        _alternatives(top, "top_logprobs")
-        if not wanted:
-            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
-    return (top or 0) if wanted else None
-
-
-def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
-    """The legacy ``logprobs: k`` (null or false: not asked)."""
-    value = body.get("logprobs")
-    return None if value is None or value is False else _alternatives(value, "logprobs")
+    if checked.top_logprobs is not None and not checked.logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    return (checked.top_logprobs or 0) if checked.logprobs else None
 
 
 def _with_logprobs(sampling: dict[str, Any], logprobs: int | None) -> dict[str, Any]:
@@ -348,57 +262,46 @@ def _content_text(index: int, content: Any) -> Any:
 
 
 def parse_chat_request(body: Any, vocab_size: int | None = None) -> ChatRequest:
-    """Check a chat completions body (``logit_bias`` ids below ``vocab_size`` when given).  Raises
-    :class:`BadRequest` naming the parameter.
+    """Check a chat completions body (:class:`~prefixcache.serve.schemas.ChatCompletionBody`; ``logit_bias`` ids
+    below ``vocab_size`` when given).  Raises :class:`BadRequest` naming the parameter.  O(size of the body).
 
     Message contents are validated by the chat template later (a :class:`TemplateError` is a 400 too).
     """
-    common = _common(body, _CHAT_ACCEPTED, DEFAULT_MAX_TOKENS, ("max_completion_tokens", "max_tokens"), vocab_size)
-    _check_hints(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list", "messages")
-    checked = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise BadRequest(f"message {index} must be an object", f"messages[{index}]")
+    checked = _checked(ChatCompletionBody, body)
+    _check_prediction(checked)
+    max_tokens = next((v for v in (checked.max_completion_tokens, checked.max_tokens) if v is not None), None)
+    common = _common(body, checked, DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens, vocab_size)
+    messages = []
+    for index, message in enumerate(checked.messages):
         message = dict(message)
         if "content" in message:
-            message["content"] = _content_text(index, message["content"])
+            try:
+                message["content"] = join_text_parts(message["content"])
+            except TemplateError as error:
+                raise BadRequest(f"message {index}: {error}", f"messages[{index}].content") from None
         if message.get("role") == "developer":
             message["role"] = "system"
-        checked.append(message)
+        messages.append(message)
     tools = body.get("tools") or None
-    if tools is not None:
-        if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
-            raise BadRequest("tools must be a list of objects", "tools")
-        if any(t.get("type", "function") != "function" for t in tools):
-            raise BadRequest("only function tools are supported", "tools")
-        for index, tool in enumerate(tools):
-            function = tool.get("function")
-            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
-                raise BadRequest(f"tools[{index}] needs a function object with a non-empty name", f"tools[{index}]")
-            if not isinstance(function.get("parameters", {}), Mapping):
-                raise BadRequest(f"tools[{index}].function.parameters must be a JSON Schema object", f"tools[{index}]")
-            try:
-                check_json_depth(tool, f"tools[{index}]")
-            except TemplateError as error:
-                raise BadRequest(str(error), f"tools[{index}]") from None
-    response_format = _response_format(body)
-    logprobs = _chat_logprobs(body)
+    for index, tool in enumerate(tools or ()):
+        try:
+            check_json_depth(tool, f"tools[{index}]")
+        except TemplateError as error:
+            raise BadRequest(str(error), f"tools[{index}]") from None
+    logprobs = _chat_logprobs(checked)
     return ChatRequest(
         model=common.model,
-        messages=checked,
+        messages=messages,
         tools=tools,
-        tool_choice=body.get("tool_choice"),
+        tool_choice=checked.tool_choice,
         stream=common.stream,
         include_usage=common.include_usage,
         stop=common.stop,
         sampling=_with_logprobs(common.sampling, _counted(logprobs, common.continuous_usage)),
-        template_kwargs=_template_kwargs(body),
+        template_kwargs=_template_kwargs(checked),
         logprobs=logprobs,
         continuous_usage=common.continuous_usage,
-        response_format=response_format,
+        response_format=_response_format(body),
         n=common.n,
     )
 
@@ -409,27 +312,31 @@ def _counted(logprobs: int | None, continuous_usage: bool) -> int | None:
     return 0 if logprobs is None and continuous_usage else logprobs
 
 
-def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
-    """Check a completions body: ``prompt`` is a string, a list of token ids below ``vocab_size``, or a list of one
-    such (``logit_bias`` ids below it too).  Raises :class:`BadRequest`."""
-    common = _common(body, _COMPLETION, 16, ("max_tokens",), vocab_size)
-    prompt = body.get("prompt")
+def _prompt(prompt: Any, vocab_size: int) -> str | list[int]:
+    """One prompt: text, or token ids below ``vocab_size`` (a list of one such is unwrapped)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, list):
-        if not prompt or any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size for t in prompt):
+        if not prompt or not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt):
             raise BadRequest(f"prompt token ids must be a non-empty list of integers in [0, {vocab_size})", "prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise BadRequest("prompt must be a non-empty string or a list of token ids (one prompt only)", "prompt")
-    logprobs = _completion_logprobs(body)
+    return prompt
+
+
+def parse_completion_request(body: Any, vocab_size: int) -> CompletionRequest:
+    """Check a completions body (:class:`~prefixcache.serve.schemas.CompletionBody`): ``prompt`` is a string, a list
+    of token ids below ``vocab_size``, or a list of one such (``logit_bias`` ids below it too).  Raises
+    :class:`BadRequest`.  O(size of the body)."""
+    checked = _checked(CompletionBody, body)
+    common = _common(body, checked, 16 if checked.max_tokens is None else checked.max_tokens, vocab_size)
+    prompt = _prompt(checked.prompt, vocab_size)
+    logprobs = None if checked.logprobs is None or checked.logprobs is False else checked.logprobs
     sampling = _with_logprobs(common.sampling, _counted(logprobs, common.continuous_usage))
-    echo = body.get("echo") or False
-    if not isinstance(echo, bool):
-        raise BadRequest("echo must be a boolean", "echo")
     fields = (common.model, prompt, common.stream, common.include_usage, common.stop, sampling, logprobs)
     return CompletionRequest(
         *fields,
-        echo=echo,
+        echo=bool(checked.echo),
         continuous_usage=common.continuous_usage,
         response_format=_response_format(body),
         n=common.n,
@@ -450,37 +357,24 @@ class PrefillRequest:
 
 
 def parse_prefill_request(body: Any, vocab_size: int) -> PrefillRequest:
-    """Check a prefill body: exactly one of ``messages`` (+ ``tools``) or ``prompt`` (text or token ids below
-    ``vocab_size``); ``priority`` a positive integer, ``retain_s`` (needs ``priority``) a positive finite number of
-    seconds.  Raises :class:`BadRequest` naming the parameter."""
-    if not isinstance(body, Mapping):
-        raise BadRequest("the request body must be a JSON object")
-    for name in body:
-        if name not in _PREFILL:
-            raise BadRequest(f"unsupported parameter: {name}; prefill takes {', '.join(sorted(_PREFILL))}", name)
-    model = body.get("model")
-    if model is not None and (not isinstance(model, str) or not model):
-        raise BadRequest("model must be a non-empty string", "model")
-    if ("messages" in body) == ("prompt" in body):
+    """Check a prefill body (:class:`~prefixcache.serve.schemas.PrefillBody`): exactly one of ``messages`` (+
+    ``tools``) or ``prompt`` (text or token ids below ``vocab_size``); ``retain_s`` needs ``priority``.  Raises
+    :class:`BadRequest` naming the parameter."""
+    checked = _checked(PrefillBody, body)
+    if (checked.messages is None) == (checked.prompt is None):
         raise BadRequest("give exactly one of messages or prompt", "messages")
     messages, tools, prompt = None, None, None
-    if "messages" in body:
-        chat = parse_chat_request({"model": model or "-", "messages": body["messages"], "tools": body.get("tools")})
+    if checked.messages is not None:
+        chat = parse_chat_request({"model": checked.model or "-", "messages": body["messages"], "tools": checked.tools})
         messages, tools = chat.messages, chat.tools
-    elif "tools" in body:
+    elif checked.tools is not None:
         raise BadRequest("tools go with messages, not with prompt", "tools")
     else:
-        prompt = parse_completion_request({"model": "-", "prompt": body["prompt"]}, vocab_size).prompt
-    priority, retain_s = body.get("priority"), body.get("retain_s")
-    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int) or priority < 1):
-        raise BadRequest(f"priority must be a positive integer, got {priority!r}", "priority")
-    if retain_s is not None:
-        if priority is None:
-            raise BadRequest("retain_s needs a priority", "retain_s")
-        if isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not 0 < retain_s < math.inf:
-            raise BadRequest(f"retain_s must be a positive finite number of seconds, got {retain_s!r}", "retain_s")
-        retain_s = float(retain_s)
-    return PrefillRequest(model, messages, tools, prompt, priority, retain_s)
+        prompt = _prompt(checked.prompt, vocab_size)
+    if checked.retain_s is not None and checked.priority is None:
+        raise BadRequest("retain_s needs a priority", "retain_s")
+    retain_s = None if checked.retain_s is None else float(checked.retain_s)
+    return PrefillRequest(checked.model, messages, tools, prompt, checked.priority, retain_s)
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:

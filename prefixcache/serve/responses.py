@@ -36,6 +36,7 @@ from prefixcache.engine.grammar import check_response_format
 from prefixcache.engine.results import Usage
 from prefixcache.errors import InvalidArgumentError, TemplateError
 from prefixcache.serve.protocol import DEFAULT_MAX_TOKENS, BadRequest
+from prefixcache.serve.schemas import BodyError, ResponsesBody, validate_body
 
 __all__ = [
     "DEFAULT_MAX_STORED_RESPONSES",
@@ -55,38 +56,8 @@ __all__ = [
 DEFAULT_MAX_STORED_RESPONSES = 1000
 """Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (least recently used go first)."""
 
-_ACCEPTED = frozenset(
-    {
-        "model",
-        "input",
-        "instructions",
-        "tools",
-        "tool_choice",
-        "max_output_tokens",
-        "temperature",
-        "top_p",
-        "stream",
-        "stream_options",
-        "store",
-        "previous_response_id",
-        "metadata",
-        "user",
-        "parallel_tool_calls",
-        "text",
-        "truncation",
-        "include",
-        "reasoning",
-        "service_tier",
-        "prompt_cache_key",
-        "safety_identifier",
-    }
-)
-_NEUTRAL = {"background": False, "max_tool_calls": None, "top_logprobs": None}
-"""Fields accepted only at a value that changes nothing (or null)."""
-_INCLUDABLE = frozenset({"reasoning.encrypted_content"})
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-_REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _TEXT_FORMAT = {"format": {"type": "text"}}
 
 
@@ -110,21 +81,6 @@ class ResponsesRequest:
     echo: dict[str, Any]
     response_format: dict[str, Any] | None = None
     """``text.format`` as the chat layer's ``response_format`` (structured outputs); None for plain text."""
-
-
-def _typed(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
-    value = body.get(name)
-    if value is not None and (isinstance(value, bool) != (kind is bool) or not isinstance(value, kind)):
-        raise BadRequest(f"{name} must be {what}, got {value!r}", name)
-    return value
-
-
-def _number(body: Mapping[str, Any], name: str, default: float, low: float, high: float, low_open: bool) -> float:
-    value = _typed(body, name, (int, float), "a number")
-    value = default if value is None else float(value)
-    if not (low < value if low_open else low <= value) or value > high:
-        raise BadRequest(f"{name} must be in {'(' if low_open else '['}{low:g}, {high:g}], got {value:g}", name)
-    return value
 
 
 def _text(content: Any, where: str) -> str:
@@ -257,99 +213,53 @@ def _response_format(text_format: Any) -> dict[str, Any] | None:
         raise BadRequest(str(error), "text.format") from None
 
 
-def _check_neutral(body: Mapping[str, Any]) -> dict[str, Any]:
-    """Check the fields that change no answer here; returns the template variables (``reasoning.effort``)."""
-    for name, neutral in _NEUTRAL.items():
-        if body.get(name) not in (None, neutral):
-            raise BadRequest(f"{name} {body[name]!r} is not supported", name)
-    for name in ("user", "service_tier", "prompt_cache_key", "safety_identifier", "truncation"):
-        _typed(body, name, str, "a string")
-    if body.get("truncation") not in (None, "auto", "disabled"):
-        raise BadRequest("truncation must be 'auto' or 'disabled'", "truncation")
-    text = body.get("text")
-    if text is not None:
-        if not isinstance(text, Mapping) or set(text) - {"format", "verbosity"}:
-            raise BadRequest("text supports only format and verbosity", "text")
-    include = body.get("include")
-    if include is not None and (not isinstance(include, list) or set(include) - _INCLUDABLE):
-        raise BadRequest(f"include supports only {sorted(_INCLUDABLE)}, got {include!r}", "include")
-    metadata = body.get("metadata")
-    if metadata is not None and (
-        not isinstance(metadata, Mapping)
-        or len(metadata) > 16
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-    ):
-        raise BadRequest("metadata must be an object of at most 16 string values", "metadata")
-    options = body.get("stream_options")
-    if options is not None:
-        if not body.get("stream"):
-            raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
-        if not isinstance(options, Mapping) or set(options) - {"include_obfuscation"}:
-            raise BadRequest("stream_options supports only include_obfuscation", "stream_options")
-    reasoning = body.get("reasoning")
-    if reasoning is None:
-        return {}
-    if not isinstance(reasoning, Mapping) or set(reasoning) - {"effort", "summary", "generate_summary"}:
-        raise BadRequest("reasoning supports only effort", "reasoning")
-    if reasoning.get("summary") is not None or reasoning.get("generate_summary") is not None:
-        raise BadRequest("reasoning summaries are not supported", "reasoning.summary")
-    effort = reasoning.get("effort")
-    if effort is not None and effort not in _REASONING_EFFORTS:
-        raise BadRequest(f"reasoning.effort must be one of {', '.join(_REASONING_EFFORTS)}", "reasoning.effort")
-    return {} if effort is None else {"reasoning_effort": effort}
-
-
 def parse_responses_request(body: Any) -> ResponsesRequest:
-    """Check a ``POST /v1/responses`` body.  Raises :class:`BadRequest` naming the parameter.  O(size of the body)."""
-    if not isinstance(body, Mapping):
-        raise BadRequest("the request body must be a JSON object")
-    for name in body:
-        if name not in _ACCEPTED and name not in _NEUTRAL:
-            raise BadRequest(f"unsupported parameter: {name}", name)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("model must be a non-empty string", "model")
-    template_kwargs = _check_neutral(body)
-    text_format = (body.get("text") or {}).get("format") or _TEXT_FORMAT["format"]
+    """Check a ``POST /v1/responses`` body (:class:`~prefixcache.serve.schemas.ResponsesBody`).  Raises
+    :class:`BadRequest` naming the parameter.  O(size of the body)."""
+    try:
+        checked = validate_body(ResponsesBody, body)
+    except BodyError as error:
+        raise BadRequest(str(error), error.param) from None
+    if checked.stream_options is not None:
+        if not checked.stream:
+            raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+        if set(checked.stream_options) - {"include_obfuscation"}:
+            raise BadRequest("stream_options supports only include_obfuscation", "stream_options")
+    effort = checked.reasoning.effort if checked.reasoning else None
+    template_kwargs = {} if effort is None else {"reasoning_effort": effort}
+    text_format = (checked.text.format if checked.text else None) or _TEXT_FORMAT["format"]
     response_format = _response_format(text_format)
-    stream = bool(_typed(body, "stream", bool, "a boolean"))
-    store = _typed(body, "store", bool, "a boolean") is not False
-    parallel = _typed(body, "parallel_tool_calls", bool, "a boolean") is not False
-    instructions = _typed(body, "instructions", str, "a string")
-    previous = _typed(body, "previous_response_id", str, "a string")
-    max_tokens = _typed(body, "max_output_tokens", int, "a positive integer")
-    if max_tokens is not None and max_tokens < 1:
-        raise BadRequest(f"max_output_tokens must be a positive integer, got {max_tokens}", "max_output_tokens")
-    max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-    temperature = _number(body, "temperature", 0.0, 0.0, 2.0, low_open=False)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, low_open=True)
-    tools = _tools(body.get("tools"))
-    tool_choice = _tool_choice(body.get("tool_choice"), tools)
+    max_tokens = DEFAULT_MAX_TOKENS if checked.max_output_tokens is None else checked.max_output_tokens
+    temperature = 0.0 if checked.temperature is None else float(checked.temperature)
+    top_p = 1.0 if checked.top_p is None else float(checked.top_p)
+    tools = _tools(checked.tools)
+    tool_choice = _tool_choice(checked.tool_choice, tools)
+    store = checked.store is not False
     echo = {
-        "instructions": instructions,
+        "instructions": checked.instructions,
         "max_output_tokens": max_tokens,
-        "metadata": dict(body.get("metadata") or {}),
-        "parallel_tool_calls": parallel,
-        "previous_response_id": previous,
-        "reasoning": {"effort": template_kwargs.get("reasoning_effort"), "summary": None},
+        "metadata": dict(checked.metadata or {}),
+        "parallel_tool_calls": checked.parallel_tool_calls is not False,
+        "previous_response_id": checked.previous_response_id,
+        "reasoning": {"effort": effort, "summary": None},
         "store": store,
         "temperature": temperature,
         "text": {"format": dict(text_format)},
-        "tool_choice": body.get("tool_choice") or "auto",
-        "tools": [dict(tool) for tool in body.get("tools") or ()],
+        "tool_choice": checked.tool_choice or "auto",
+        "tools": [dict(tool) for tool in checked.tools or ()],
         "top_p": top_p,
-        "truncation": body.get("truncation") or "disabled",
-        "user": body.get("user"),
+        "truncation": checked.truncation or "disabled",
+        "user": checked.user,
     }
     return ResponsesRequest(
-        model=model,
-        messages=_input_messages(body.get("input")),
-        instructions=instructions or None,
+        model=checked.model,
+        messages=_input_messages(checked.input),
+        instructions=checked.instructions or None,
         tools=tools,
         tool_choice=tool_choice,
-        stream=stream,
+        stream=bool(checked.stream),
         store=store,
-        previous_response_id=previous,
+        previous_response_id=checked.previous_response_id,
         sampling={"max_new_tokens": max_tokens, "temperature": temperature, "top_p": top_p},
         template_kwargs=template_kwargs,
         response_format=response_format,

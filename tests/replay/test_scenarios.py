@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 
 from prefixcache.errors import InvalidArgumentError, ScenarioError
+from prefixcache.replay.formats import detect_format
 from prefixcache.replay.scenarios import (
     Conversation,
     default_tools_for,
-    detect_format,
     iter_mooncake,
     load_mooncake,
     load_scenario,

@@ -258,7 +258,7 @@ REFUSED = [
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"temperature": 3}, "temperature"),
     ({"stream": "yes"}, "stream"),
-    ({"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+    ({"reasoning": {"summary": "auto"}}, "reasoning"),
     ({"conversation": "conv_1"}, "conversation"),
 ]
 
