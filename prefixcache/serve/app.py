@@ -72,6 +72,7 @@ from prefixcache.serve.protocol import (
 )
 from prefixcache.serve.responses import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from prefixcache.serve.responses_routes import AppHooks, add_response_routes
+from prefixcache.serve.samples import first_events, merged_streams
 from prefixcache.serve.snapshots import SnapshotKeeper
 from prefixcache.serve.tokenize_routes import add_tokenize_routes
 
@@ -411,17 +412,17 @@ def create_app(
                     return done
                 bodies.append(chat_response(request_id, model_name, done, logprobs_of(done.logprobs)))
             return _json(merged_choices(bodies))
-        events = run_job(start)
-        answered, head = await unless_gone(request, anext(events))  # a queued request waits here for its first token
+        jobs = [run_job(functools.partial(start, sample=i)) for i in range(chat.n)]
+        answered, heads = await unless_gone(request, first_events(jobs))  # a queued request waits for its first token
         if not answered:
             return gone()
-        kind, first = head
-        if kind == "error":
-            await events.aclose()
-            return outcome(kind, first, "/v1/chat/completions")
+        refused = next((head for head in heads if head[0] == "error"), None)
+        if refused is not None:
+            for events in jobs:
+                await events.aclose()
+            return outcome(*refused, "/v1/chat/completions")
 
-        async def chat_sse() -> AsyncIterator[str]:
-            kind_, value = kind, first
+        async def chat_sse(kind_: str, value: Any, events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[str]:
             sent = 0  # logprob entries streamed so far
             yield _sse(counted(chat_chunk(request_id, model_name, {"role": "assistant", "content": ""}), 0))
             while kind_ == "delta":
@@ -446,7 +447,9 @@ def create_app(
                     yield _sse(chat_chunk(request_id, model_name, None, usage=done.usage))
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(closing(chat_sse(), events), media_type="text/event-stream")
+        streams = [closing(chat_sse(*head, events), events) for head, events in zip(heads, jobs, strict=True)]
+        lines = streams[0] if chat.n == 1 else merged_streams(streams, continuous_usage=chat.continuous_usage)
+        return StreamingResponse(lines, media_type="text/event-stream")
 
     @route("/v1/completions", "POST")
     async def completions(request: Request) -> Response:
@@ -498,22 +501,22 @@ def create_app(
                 usage = echoed_usage(prefill, done.usage)
                 bodies.append(completion_response(request_id, model_name, text, done.finish_reason, usage, logprobs))
             return _json(merged_choices(bodies))
-        events = run_job(start)
-        answered, head = await unless_gone(request, anext(events))  # a queued request waits here for its first token
+        jobs = [run_job(functools.partial(start, sample=i)) for i in range(body.n)]
+        answered, heads = await unless_gone(request, first_events(jobs))  # a queued request waits for its first token
         if not answered:
             return gone()
-        kind, head_value = head
-        if kind == "error":
-            await events.aclose()
-            return outcome(kind, head_value, "/v1/completions")
+        refused = next((head for head in heads if head[0] == "error"), None)
+        if refused is not None:
+            for events in jobs:
+                await events.aclose()
+            return outcome(*refused, "/v1/completions")
 
         def counted(chunk: dict[str, Any], tokens: int) -> dict[str, Any]:
             if body.continuous_usage:
                 chunk["usage"] = running_usage(len(ids), tokens)
             return chunk
 
-        async def completion_sse() -> AsyncIterator[str]:
-            kind_, value = kind, head_value
+        async def completion_sse(kind_: str, value: Any, events: AsyncIterator[tuple[str, Any]]) -> AsyncIterator[str]:
             sent, offset = 0, echo_offset  # logprob entries streamed so far, and where the next one's text starts
             if body.echo:
                 yield _sse(
@@ -541,7 +544,9 @@ def create_app(
                     yield _sse(chunk)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(closing(completion_sse(), events), media_type="text/event-stream")
+        streams = [closing(completion_sse(*head, events), events) for head, events in zip(heads, jobs, strict=True)]
+        lines = streams[0] if body.n == 1 else merged_streams(streams, continuous_usage=body.continuous_usage)
+        return StreamingResponse(lines, media_type="text/event-stream")
 
     @route("/v1/cache/prefill", "POST")
     async def prefill(request: Request) -> Response:
