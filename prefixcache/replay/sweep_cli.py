@@ -21,7 +21,6 @@ from prefixcache.replay.requests import Progress
 from prefixcache.replay.scenarios import expand_paths
 from prefixcache.replay.sweep import sweep_lru
 from prefixcache.replay.sweep_report import (
-    KV_DTYPES,
     format_sweep,
     kv_bytes_per_token_from_config,
     plot_sweep,
@@ -30,7 +29,7 @@ from prefixcache.replay.sweep_report import (
 )
 from prefixcache.replay.token_store import load_requests_cached
 
-__all__ = ["add_sweep_arguments", "check_sweep_options", "or_sweep", "run_sweep"]
+__all__ = ["check_sweep_options", "or_sweep", "run_sweep"]
 
 _REFUSED = {
     "cache_tokens": "--cache-tokens",
@@ -40,26 +39,6 @@ _REFUSED = {
     "state_bytes": "--state-bytes",
     "requests_jsonl": "--requests-jsonl",
 }
-
-
-def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--sweep`` and its options to the ``replay`` parser."""
-    group = parser.add_argument_group("every cache size in one pass (--sweep)")
-    group.add_argument(
-        "--sweep",
-        action="store_true",
-        help="LRU hit rate at every cache size in one pass (stack distances), Belady's bound and the knee",
-    )
-    group.add_argument(
-        "--kv-dtype", choices=sorted(KV_DTYPES), default="bf16", help="with --model-config: KV element type for bytes"
-    )
-    group.add_argument("--no-belady", action="store_true", help="skip Belady's bound (one simulation per size)")
-    group.add_argument(
-        "--check-knee", action="store_true", help="also replay the radix tree at the knee's size (exact figure)"
-    )
-    group.add_argument(
-        "--no-token-cache", action="store_true", help="tokenize again instead of reading the stored tokens"
-    )
 
 
 def or_sweep(

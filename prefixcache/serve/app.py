@@ -155,9 +155,10 @@ def create_app(
     why, when there is none or it is refused), saves it every ``snapshot_every_s`` seconds and on a clean shutdown
     (:class:`~prefixcache.serve.snapshots.SnapshotKeeper`, ``app.state.snapshots``).  The Responses API
     (:mod:`prefixcache.serve.responses_routes`) keeps the last ``max_stored_responses`` responses
-    (``app.state.responses``).  A request body over ``max_request_bytes`` is a 413 in OpenAI's error shape, read no
-    further; a body over ``PARSE_OFF_LOOP_BYTES`` is parsed on a worker thread, so the event loop goes on serving
-    streams and ``/health`` meanwhile.  Raises InvalidArgumentError for a ``max_request_bytes`` below 1."""
+    (``app.state.responses``).  A request body over ``max_request_bytes`` (``app.state.max_request_bytes``) is a
+    413 in OpenAI's error shape, read no further; a body over ``PARSE_OFF_LOOP_BYTES`` is parsed on a worker
+    thread, so the event loop goes on serving streams and ``/health`` meanwhile.  Raises InvalidArgumentError for
+    a ``max_request_bytes`` below 1."""
     if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
         raise InvalidArgumentError(f"max_request_bytes must be a positive int, got {max_request_bytes!r}")
     keys = api_keys if api_keys is not None else ApiKeys.open()
@@ -191,6 +192,7 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.snapshots = snapshots
+    app.state.max_request_bytes = max_request_bytes
 
     async def run_job(submit: Submit) -> AsyncIterator[tuple[str, Any]]:
         """A streamed request's events: its deltas (what ``submit`` hands ``on_delta``: ``(text, logprob records)``),

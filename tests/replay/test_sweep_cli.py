@@ -132,3 +132,11 @@ def test_replay_sweep_draws_the_curve(chats: Path, tmp_path: Path, monkeypatch: 
     assert main(["replay", str(chats), "--sweep", "--block-size", "4", "--plot", str(plot), "--no-progress"]) == 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("tmp")] == []  # no temporary file left
+
+
+def test_the_command_lines_kv_dtypes_are_the_sweeps() -> None:
+    # The parser keeps its own list so that --help imports no torch; it must name exactly what the sweep sizes.
+    from prefixcache.cli.replay import KV_DTYPE_CHOICES
+    from prefixcache.replay.sweep_report import KV_DTYPES
+
+    assert sorted(KV_DTYPE_CHOICES) == sorted(KV_DTYPES)
