@@ -9,7 +9,19 @@ from typing import Any
 
 __all__ = ["BENCHMARK_NAMES", "add_parser", "run"]
 
-BENCHMARK_NAMES = ("tree", "peers", "evict", "memory", "runner", "policy", "trace", "engine", "agent", "route")
+BENCHMARK_NAMES = (
+    "tree",
+    "peers",
+    "evict",
+    "memory",
+    "runner",
+    "policy",
+    "trace",
+    "engine",
+    "agent",
+    "route",
+    "snapshot",
+)
 """The names of :data:`prefixcache.bench.BENCHMARKS`, in its order, for ``--help`` (a test keeps the two equal):
 importing the benchmarks imports torch, and ``--help`` should not."""
 
