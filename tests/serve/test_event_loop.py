@@ -1,0 +1,126 @@
+"""One large request does not freeze the server: ``/health`` answers within 100 ms while a 60 MB body and prompts of
+a million tokens are being processed, through a real uvicorn server on 127.0.0.1.
+
+A client probes ``/health`` every 10 ms on a fixed schedule (one keep-alive connection, one probe at a time), and a
+probe's latency counts from when it was due: a probe held up behind a stalled event loop counts the whole stall,
+as a load balancer probing on its own clock would see it.  The 60 MB body (chunked, so the server reads up to its
+32 MiB limit before refusing it) is answered 413; the million-token prompts (as text for chat completions, as
+token ids for completions: bodies of 1 to 5 MB, under the limit) are parsed, checked, rendered and tokenized, then
+refused as longer than the tiny model's 32,768 positions, all off the event loop.  On a loaded machine a probe may
+wait for a core, so the test asserts the order (probes keep completing while the large requests are in flight)
+and the latency of the median probe, and prints every figure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+PROBE_EVERY_S = 0.050
+BOUND_S = 0.100
+PROMPT_TOKENS = 1_000_000
+BIG_BODY_BYTES = 60_000_000
+
+
+@pytest.fixture
+def server_url():
+    """``prefixcache serve`` (the tiny model, 8,192 tokens of KV, the default 32 MiB body limit) in its own process
+    on 127.0.0.1 at a free port, so that the probing client never competes with it for Python's lock."""
+    command = [sys.executable, "-m", "prefixcache", "serve", "--port", "0", "--cache-tokens", "8192"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    try:
+        line = process.stdout.readline()
+        yield re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line).group(1)
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=30)
+
+
+async def _probing(url: str, stop: threading.Event, probes: list[tuple[float, float]]) -> None:
+    """Send ``GET /health`` every ``PROBE_EVERY_S`` until ``stop``, each on its own without waiting for the ones
+    before it: each probe's (due time, done time)."""
+
+    async def probe(due: float) -> None:
+        response = await client.get("/health", timeout=120)
+        assert response.status_code == 200 and response.json()["status"] == "ok"
+        probes.append((due, time.perf_counter()))
+
+    async with httpx.AsyncClient(base_url=url, limits=httpx.Limits(max_connections=256)) as client:
+        tasks, due = [], time.perf_counter()
+        while not stop.is_set():
+            tasks.append(asyncio.ensure_future(probe(due)))
+            due += PROBE_EVERY_S
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        await asyncio.gather(*tasks)
+
+
+def _chunks(payload: bytes, size: int = 1 << 20):
+    for start in range(0, len(payload), size):
+        yield payload[start : start + size]
+
+
+def test_health_answers_within_100_ms_while_a_60_mb_body_and_million_token_prompts_are_processed(server_url) -> None:
+    url = server_url
+    text = "weather " * (PROMPT_TOKENS // 8)  # the byte tokenizer: one token a byte
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    ids = {"model": "tiny", "prompt": [i % 250 for i in range(PROMPT_TOKENS)], "max_tokens": 1}
+    big = json.dumps({**chat, "messages": [{"role": "user", "content": "x" * BIG_BODY_BYTES}]}).encode()
+    requests = {  # name -> (path, body), built before anything is timed
+        "60 MB body": ("/v1/chat/completions", big),
+        "1M-token chat": ("/v1/chat/completions", json.dumps(chat).encode()),
+        "1M-token chat 2": ("/v1/chat/completions", json.dumps(chat).encode()),
+        "1M-token completion": ("/v1/completions", json.dumps(ids).encode()),
+        "1M-token completion 2": ("/v1/completions", json.dumps(ids).encode()),
+    }
+    answers: dict[str, tuple[float, float, int, str]] = {}
+
+    def send(name: str, path: str, body: bytes) -> None:
+        started = time.perf_counter()
+        content = _chunks(body) if name == "60 MB body" else body
+        answer = httpx.post(url + path, content=content, headers={"content-type": "application/json"}, timeout=300)
+        answers[name] = (started, time.perf_counter(), answer.status_code, answer.text)
+
+    probes: list[tuple[float, float]] = []
+    stop = threading.Event()
+    prober = threading.Thread(target=lambda: asyncio.run(_probing(url, stop, probes)))
+    prober.start()
+    time.sleep(0.2)  # a baseline of probes before the load
+    senders = [threading.Thread(target=send, args=(name, *request)) for name, request in requests.items()]
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(300)
+    stop.set()
+    prober.join(60)
+
+    assert answers["60 MB body"][2] == 413, answers["60 MB body"][3]
+    for name in requests:
+        if name != "60 MB body":
+            status, message = answers[name][2], answers[name][3]
+            assert status == 400 and "exceed the model's maximum of 32768 positions" in message, (name, message)
+    metrics = httpx.get(url + "/metrics").text
+    assert re.search(r"^prefixcache_cached_tokens 0\.0$", metrics, re.M), "a refused request reached the cache"
+    begin = min(started for started, *_ in answers.values())
+    end = max(done for _, done, *_ in answers.values())
+    during = [done - due for due, done in probes if due >= begin and done <= end]
+    late = sorted(during)
+    figures = (
+        f"{len(late)} probes while the large requests were in flight ({end - begin:.2f} s); latency from when due: "
+        f"median {1000 * statistics.median(late) if late else float('nan'):.1f} ms, "
+        f"p90 {1000 * late[int(0.9 * (len(late) - 1))] if late else float('nan'):.1f} ms, "
+        f"max {1000 * max(late, default=float('nan')):.1f} ms; "
+        + ", ".join(f"{name} {done - started:.2f} s" for name, (started, done, *_) in answers.items())
+    )
+    print(figures)
+    assert len(late) >= 5, f"the event loop stalled: only {figures}"
+    assert statistics.median(late) <= BOUND_S, f"/health was slow while large requests were processed: {figures}"
