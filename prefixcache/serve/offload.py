@@ -108,9 +108,10 @@ class RequestWork:
             started.add_done_callback(_cancel_started)
             raise
 
-    def close(self) -> None:
-        """Stop the worker threads once the work queued on them is done; later large requests fail (500)."""
-        self._pool.shutdown(wait=False)
+    def close(self, wait: bool = False) -> None:
+        """Stop the worker threads once the work queued on them is done (``wait``: block until then); later large
+        requests fail (500)."""
+        self._pool.shutdown(wait=wait)
 
 
 def _cancel_started(started: Future[Any]) -> None:
