@@ -1,14 +1,15 @@
 """One large request does not freeze the server: ``/health`` answers within 100 ms while a 60 MB body and prompts of
-a million tokens are being processed, through a real uvicorn server on 127.0.0.1.
+a million tokens are being processed, by a real ``prefixcache serve`` on 127.0.0.1.
 
-A client probes ``/health`` every 10 ms on a fixed schedule (one keep-alive connection, one probe at a time), and a
-probe's latency counts from when it was due: a probe held up behind a stalled event loop counts the whole stall,
-as a load balancer probing on its own clock would see it.  The 60 MB body (chunked, so the server reads up to its
-32 MiB limit before refusing it) is answered 413; the million-token prompts (as text for chat completions, as
-token ids for completions: bodies of 1 to 5 MB, under the limit) are parsed, checked, rendered and tokenized, then
-refused as longer than the tiny model's 32,768 positions, all off the event loop.  On a loaded machine a probe may
-wait for a core, so the test asserts the order (probes keep completing while the large requests are in flight)
-and the latency of the median probe, and prints every figure.
+A client sends ``GET /health`` every 50 ms on a fixed schedule, each probe on its own (not waiting for the ones
+before it), and a probe's latency counts from when it was due, as a load balancer probing on its own clock sees
+it: a stalled event loop makes every probe due during the stall late.  The 60 MB body (chunked, so the server reads
+up to its 32 MiB limit before refusing it) is answered 413; the million-token prompts (as text for chat
+completions, as token ids for completions: bodies of 1 and 4.9 MB, under the limit) are parsed, checked, rendered
+and tokenized, then refused as longer than the tiny model's 32,768 positions, all off the event loop.  On a loaded
+machine a probe may wait for a core, so the test asserts the order (probes keep being answered while the large
+requests are in flight) and the latency of the median probe, and prints every figure.  Today's main fails it
+(median 155-254 ms on a loaded 2-core machine: the rendering and the checks ran on the loop).
 """
 
 from __future__ import annotations
@@ -77,10 +78,8 @@ def test_health_answers_within_100_ms_while_a_60_mb_body_and_million_token_promp
     big = json.dumps({**chat, "messages": [{"role": "user", "content": "x" * BIG_BODY_BYTES}]}).encode()
     requests = {  # name -> (path, body), built before anything is timed
         "60 MB body": ("/v1/chat/completions", big),
-        "1M-token chat": ("/v1/chat/completions", json.dumps(chat).encode()),
-        "1M-token chat 2": ("/v1/chat/completions", json.dumps(chat).encode()),
-        "1M-token completion": ("/v1/completions", json.dumps(ids).encode()),
-        "1M-token completion 2": ("/v1/completions", json.dumps(ids).encode()),
+        **{f"1M-token chat {i}": ("/v1/chat/completions", json.dumps(chat).encode()) for i in range(3)},
+        **{f"1M-token completion {i}": ("/v1/completions", json.dumps(ids).encode()) for i in range(3)},
     }
     answers: dict[str, tuple[float, float, int, str]] = {}
 
@@ -112,15 +111,14 @@ def test_health_answers_within_100_ms_while_a_60_mb_body_and_million_token_promp
     assert re.search(r"^prefixcache_cached_tokens 0\.0$", metrics, re.M), "a refused request reached the cache"
     begin = min(started for started, *_ in answers.values())
     end = max(done for _, done, *_ in answers.values())
-    during = [done - due for due, done in probes if due >= begin and done <= end]
-    late = sorted(during)
+    completed = [done - due for due, done in probes if due >= begin and done <= end]
+    late = sorted(done - due for due, done in probes if begin <= due <= end)
     figures = (
-        f"{len(late)} probes while the large requests were in flight ({end - begin:.2f} s); latency from when due: "
-        f"median {1000 * statistics.median(late) if late else float('nan'):.1f} ms, "
-        f"p90 {1000 * late[int(0.9 * (len(late) - 1))] if late else float('nan'):.1f} ms, "
-        f"max {1000 * max(late, default=float('nan')):.1f} ms; "
+        f"{len(late)} probes due while the large requests were in flight ({end - begin:.2f} s), {len(completed)} "
+        f"answered before they ended; latency from when due: median {1000 * statistics.median(late):.1f} ms, "
+        f"p90 {1000 * late[int(0.9 * (len(late) - 1))]:.1f} ms, max {1000 * late[-1]:.1f} ms; "
         + ", ".join(f"{name} {done - started:.2f} s" for name, (started, done, *_) in answers.items())
     )
     print(figures)
-    assert len(late) >= 5, f"the event loop stalled: only {figures}"
+    assert len(completed) >= 5, f"the event loop stalled: {figures}"
     assert statistics.median(late) <= BOUND_S, f"/health was slow while large requests were processed: {figures}"
