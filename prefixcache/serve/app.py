@@ -6,7 +6,8 @@ changed), its namespace taken from its API key, and its model work submitted to 
 :class:`~prefixcache.engine.batching.BatchEngine`: concurrent requests run together, one batched forward per step
 (continuous batching, chunked prefill, prefix-aware admission), on the engine's one thread, so no two forwards ever
 race on the pool.  Text is decoded and stop strings matched on that thread as tokens come out
-(:func:`~prefixcache.engine.chat.submit_chat`); the event loop only renders the prompt and writes the responses.
+(:func:`~prefixcache.engine.chat.submit_chat`); the event loop only writes the responses, and parses, checks and
+renders a small request (a large one on a worker thread: :mod:`prefixcache.serve.offload`).
 Responses always carry ``usage.prompt_tokens_details.cached_tokens``; a streamed response without
 ``stream_options.include_usage`` carries the usage on its finishing chunk.  A client that disconnects mid-stream
 cancels its request, which frees its blocks at the engine's next step.  A request the engine drops itself (it
