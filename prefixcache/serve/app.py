@@ -195,7 +195,8 @@ def create_app(
     async def run_job(submit: Submit, request: Request) -> AsyncIterator[tuple[str, Any]]:
         """A streamed request's events: its deltas (what ``submit`` hands ``on_delta``: ``(text, logprob records)``),
         then its end (see :func:`~prefixcache.serve.jobs.ending`; a request refused at submit ends with ``"error"``
-        at once).  ``submit`` runs as :meth:`RequestWork.submit` runs it.  Closing this cancels the request."""
+        at once).  ``submit`` runs on the worker thread (:meth:`RequestWork.submit`).  Closing this cancels the
+        request."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -209,7 +210,7 @@ def create_app(
                 pass
 
         try:
-            handle, future = await work.submit(request, submit, on_delta)
+            handle, future = await work.submit(submit, on_delta)
         except Exception as error:  # noqa: BLE001 - refused at submit: answered as the request's error
             yield "error", error
             return
@@ -236,9 +237,9 @@ def create_app(
     async def finish_job(submit: Submit, request: Request) -> tuple[str, Any]:
         """A request's end only: one future and one wake-up of the event loop, where a stream needs a queue.  A
         client that disconnects first, or a handler cancelled while waiting, cancels the engine request (``("gone",
-        None)``).  ``submit`` runs as :meth:`RequestWork.submit` runs it."""
+        None)``).  ``submit`` runs on the worker thread (:meth:`RequestWork.submit`)."""
         try:
-            handle, future = await work.submit(request, submit, None)
+            handle, future = await work.submit(submit, None)
         except asyncio.CancelledError:
             return "cancelled", None
         except Exception as error:  # noqa: BLE001
@@ -364,7 +365,6 @@ def create_app(
         namespace = authenticate(request)
         chat = await off_loop(request, parse_chat_request, await read_json(request), runner.tokenizer.vocab_size)
         check_model(chat.model)
-        work.note_samples(request, chat.n)
         request_id = "chatcmpl-" + uuid.uuid4().hex
         prompt_tokens = [0]  # the prompt's length once rendered, for continuous usage
 
@@ -443,7 +443,6 @@ def create_app(
         namespace = authenticate(request)
         body = await off_loop(request, parse_completion_request, await read_json(request), runner.tokenizer.vocab_size)
         check_model(body.model)
-        work.note_samples(request, body.n)
         request_id = "cmpl-" + uuid.uuid4().hex
 
         def tokenized() -> tuple[Any, str]:  # the prompt's ids, and its text when echoed
@@ -451,7 +450,7 @@ def create_app(
                 return runner.tokenizer.encode(body.prompt), body.prompt
             return body.prompt, runner.tokenizer.decode(body.prompt) if body.echo else ""
 
-        ids, prompt_text = await off_loop(request, tokenized)
+        ids, prompt_text = await work.tokenizing(tokenized)
         vocab_limit = runner.tokenizer.vocab_size
 
         def start(on_delta: Callable[[Any], None] | None, sample: int = 0) -> tuple[RequestHandle, Future[Any]]:

@@ -1,14 +1,16 @@
 """Where a request's own work runs: on the event loop for a small body, on a worker thread for a large one.
 
-The work that grows with a request's body (JSON parsing, checking the fields, rendering the chat template,
-tokenizing, checking the token ids on submit, decoding an echoed prompt) is done by :class:`RequestWork` on a small
-pool of worker threads once the body is over :data:`~prefixcache.serve.jobs.PARSE_OFF_LOOP_BYTES` (64 KiB; for ``n``
-samples, the body times ``n``), so the event loop goes on answering ``/health`` and writing every other stream
-meanwhile.  A small request's work stays on the loop, where it costs less than the hop to a thread (~0.1 ms).  The
-errors are the same either way: an exception raised on the worker thread is raised to the handler that awaits it.
+The work that grows with a request's body is done by :class:`RequestWork` off the event loop, so the loop goes on
+answering ``/health`` and writing every other stream meanwhile.  JSON parsing and checking the fields run on a
+worker thread once the body is over :data:`~prefixcache.serve.jobs.PARSE_OFF_LOOP_BYTES` (64 KiB), on the loop
+below it, where they cost less than the hop to a thread.  Everything that touches the tokenizer (rendering the chat
+template, tokenizing, checking the token ids on submit) runs on one worker thread for every request, large or
+small: a Hugging Face fast tokenizer switches its ``split_special_tokens`` state between calls, so two threads
+tokenizing at once could encode a user's ``<|im_end|>`` as the special token.  The errors are the same either way:
+an exception raised on the worker thread is raised to the handler that awaits it.
 
-The pool is bounded (two threads by default): Python holds one thread at a time, so more threads would not finish
-the work sooner, only make the event loop wait longer for its turn.
+One thread is enough: Python runs one thread at a time, so more would not finish the work sooner, only make the
+event loop wait longer for its turn.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ __all__ = ["DEFAULT_WORKERS", "RequestWork", "loads_yielding"]
 
 T = TypeVar("T")
 
-DEFAULT_WORKERS = 2
-"""Worker threads of a server's request work."""
+DEFAULT_WORKERS = 1
+"""Worker threads of a server's request work (more than one only for a tokenizer that is safe on several threads
+at once, which :class:`~prefixcache.chat.hf_tokenizer.HFTokenizer` is not)."""
 
 
 def _int(text: str) -> int:
@@ -51,9 +54,9 @@ def loads_yielding(body: bytes | str) -> Any:
 
 class RequestWork:
     """A server's request work: bodies read (at most ``max_request_bytes``, else a 413) and parsed, and whatever
-    grows with them run on the event loop or on one of ``workers`` threads by their size.  Thread-safe: its methods
-    are awaited on the event loop, and what they run on a thread touches only that request's objects, the tokenizer
-    and the engine's thread-safe ``submit``.  :meth:`close` stops the threads.  Raises InvalidArgumentError for a
+    grows with them run off the event loop on ``workers`` threads (see the module).  Its methods are awaited on the
+    event loop; what they run on a thread touches only that request's objects, the tokenizer and the engine's
+    thread-safe ``submit``.  :meth:`close` stops the threads.  Raises InvalidArgumentError for a
     ``max_request_bytes`` or ``workers`` that is not a positive int."""
 
     def __init__(self, max_request_bytes: int, workers: int = DEFAULT_WORKERS) -> None:
@@ -65,15 +68,9 @@ class RequestWork:
 
     @staticmethod
     def is_large(request: Request) -> bool:
-        """Whether ``request``'s work runs on a worker thread: the body :meth:`read_json` read, times the samples
-        noted with :meth:`note_samples`, is over ``PARSE_OFF_LOOP_BYTES``.  O(1)."""
-        state = request.state
-        return getattr(state, "body_bytes", 0) * getattr(state, "samples", 1) > PARSE_OFF_LOOP_BYTES
-
-    @staticmethod
-    def note_samples(request: Request, n: int) -> None:
-        """Count ``request``'s work ``n`` times over (``n`` samples each render and submit the prompt)."""
-        request.state.samples = n
+        """Whether ``request``'s parsing and checks run on the worker thread: the body :meth:`read_json` read is
+        over ``PARSE_OFF_LOOP_BYTES``.  O(1)."""
+        return getattr(request.state, "body_bytes", 0) > PARSE_OFF_LOOP_BYTES
 
     async def read_json(self, request: Request) -> Any:
         """The request's body parsed as JSON, on a worker thread when it is large.  Raises BadRequest: 413 for a body
@@ -95,12 +92,15 @@ class RequestWork:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
 
-    async def submit(self, request: Request, submit: Callable[[Any], tuple[Any, Future[Any]]], on_delta: Any) -> Any:
-        """``submit(on_delta)`` (a job's start: prepare and submit it, returning ``(handle, future)``) as :meth:`call`
-        runs it.  When the awaiting handler is cancelled (client gone, shutdown) while a worker thread is still
-        submitting, the job it submits is cancelled as soon as it exists, so no job outlives its handler."""
-        if not self.is_large(request):
-            return submit(on_delta)
+    async def tokenizing(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the worker thread, whatever the request's size: work that touches the tokenizer."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(fn, *args))
+
+    async def submit(self, submit: Callable[[Any], tuple[Any, Future[Any]]], on_delta: Any) -> Any:
+        """``submit(on_delta)`` (a job's start: render, tokenize and submit it, returning ``(handle, future)``) on the
+        worker thread, as :meth:`tokenizing` runs it.  When the awaiting handler is cancelled (client gone,
+        shutdown) while the job is still being submitted, the job is cancelled as soon as it exists, so no job
+        outlives its handler."""
         started = self._pool.submit(submit, on_delta)
         try:
             return await asyncio.shield(asyncio.wrap_future(started))
