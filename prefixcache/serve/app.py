@@ -153,9 +153,10 @@ def create_app(
     (:class:`~prefixcache.serve.snapshots.SnapshotKeeper`, ``app.state.snapshots``).  The Responses API
     (:mod:`prefixcache.serve.responses_routes`) keeps the last ``max_stored_responses`` responses
     (``app.state.responses``).  A request body over ``max_request_bytes`` (``app.state.max_request_bytes``) is a
-    413 in OpenAI's error shape, read no further; a larger body than 64 KiB is parsed, checked, rendered and
-    tokenized on a worker thread (:class:`~prefixcache.serve.offload.RequestWork`), so the event loop goes on
-    serving streams and ``/health`` meanwhile.  Raises InvalidArgumentError for a ``max_request_bytes`` below 1."""
+    413 in OpenAI's error shape, read no further; prompts are rendered and tokenized on a worker thread, and a body
+    over 64 KiB is parsed and checked there too (:class:`~prefixcache.serve.offload.RequestWork`), so the event
+    loop goes on serving streams and ``/health`` meanwhile.  Raises InvalidArgumentError for a ``max_request_bytes``
+    below 1."""
     work = RequestWork(max_request_bytes)
     keys = api_keys if api_keys is not None else ApiKeys.open()
     engine = BatchEngine(runner, max_batch_tokens=max_batch_tokens, max_running=max_running)

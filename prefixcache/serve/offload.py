@@ -109,8 +109,8 @@ class RequestWork:
             raise
 
     def close(self, wait: bool = False) -> None:
-        """Stop the worker threads once the work queued on them is done (``wait``: block until then); later large
-        requests fail (500)."""
+        """Stop the worker threads once the work queued on them is done (``wait``: block until then); a request
+        after it fails (500), as one to the closed engine would."""
         self._pool.shutdown(wait=wait)
 
 
