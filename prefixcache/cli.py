@@ -20,6 +20,7 @@ import torch
 
 from prefixcache.cache.resume import DEFAULT_STATE_INTERVAL_BLOCKS
 from prefixcache.errors import InvalidArgumentError, PrefixCacheError, VerificationError
+from prefixcache.replay.audit import add_endpoint_arguments, run_endpoint_replay
 
 logger = logging.getLogger("prefixcache")
 
@@ -153,9 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="how conversations interleave: turn by turn (default), seeded random, or each whole in file order",
     )
     replay.add_argument("--seed", type=int, default=0, help="seed of --order random (default 0)")
-    replay.add_argument(
-        "--limit", type=parse_count, help="replay only the first N conversations (trace lines) per file"
-    )
+    replay.add_argument("--limit", type=parse_count, help="only the first N conversations (trace lines) per file")
     replay.add_argument(
         "--format",
         default="auto",
@@ -171,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.add_argument("--plot", metavar="OUT.png", help="draw hit rate vs ideal and pool occupancy (matplotlib)")
     replay.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    add_endpoint_arguments(replay)
 
     # serve joins the list where the server extra is installed (_run_bench adds it); find_spec imports nothing.
     with_serve = all(
@@ -353,6 +353,8 @@ def _run_replay(args: argparse.Namespace) -> int:
     _check_outputs(args)
     try:
         tokenizer = _load_tokenizer(args, progress)
+        if args.endpoint:
+            return run_endpoint_replay(args, tokenizer, progress)
         model = _load_model(args, progress)
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
