@@ -17,7 +17,7 @@ import dataclasses
 import json
 import sys
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,8 +182,8 @@ def run_audit(
     """
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
     url = base_url(url)
+    model = model or fetch_model(url, api_key)  # an unreachable endpoint fails first, before any work
     simulated = _simulate([r.request for r in requests], tokenizer, block_size, cache_tokens, policy)
-    model = model or fetch_model(url, api_key)
     results = send_all(
         url,
         [r.call for r in requests],
@@ -211,16 +211,6 @@ def run_audit(
     return report
 
 
-def _counting_bar(enabled: bool, total: int) -> Iterator[Callable[[int], None] | None]:
-    if not enabled:
-        yield None
-        return
-    from tqdm import tqdm
-
-    with tqdm(total=total, desc="endpoint", unit="req", leave=False, file=sys.stderr, mininterval=0.2) as bar:
-        yield lambda _index: bar.update(1)
-
-
 def run_endpoint_replay(args: argparse.Namespace, tokenizer: Tokenizer | None, progress: Progress) -> int:
     """``prefixcache replay PATH... --endpoint URL``: the audit, its table on stdout, ``--json`` and
     ``--requests-jsonl`` written; returns the exit status (0).  The output paths are checked before (by the command
@@ -246,7 +236,11 @@ def run_endpoint_replay(args: argparse.Namespace, tokenizer: Tokenizer | None, p
         file_format=args.file_format,
         progress=progress,
     )
-    bars = _counting_bar(not args.no_progress, len(requests))
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc="endpoint", unit="req", leave=False, file=sys.stderr, mininterval=0.2)
     try:
         report = run_audit(
             url,
@@ -259,10 +253,11 @@ def run_endpoint_replay(args: argparse.Namespace, tokenizer: Tokenizer | None, p
             block_size=args.block_size,
             cache_tokens=args.cache_tokens,
             policy=args.policy,
-            on_done=next(bars),
+            on_done=None if bar is None else lambda _index: bar.update(1),
         )
     finally:
-        bars.close()
+        if bar is not None:
+            bar.close()
     report.input_formats = formats
     if args.json:
         _write_text(args.json, json.dumps(audit_json(report), indent=2))
