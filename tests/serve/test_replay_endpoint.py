@@ -31,13 +31,14 @@ def served(make_app, tiny_model):
         yield server.url
 
 
-def in_process_cached_tokens(path: Path, **read) -> tuple[list[int], list[int]]:
-    """``(prompt tokens, cached tokens)`` per request of prefixcache's own cache-only replay of ``path``'s prompts as
-    an endpoint gets them: in replay order, one cache, the answers not teacher forced (the endpoint writes its own)."""
-    requests = read_requests(path, ByteTokenizer(), **read).requests
+def in_process_cached_tokens(path: Path, model=None) -> tuple[list[int], list[int]]:
+    """``(prompt tokens, cached tokens)`` per request of prefixcache's own replay of ``path``'s prompts as an endpoint
+    gets them (cache-only, or through ``model``): in replay order, one cache, the answers not teacher forced (the
+    endpoint writes its own)."""
+    requests = read_requests(path, ByteTokenizer()).requests
     prompts_only = [replace(r, answer=array(r.answer.typecode)) for r in requests]
     log: list[dict] = []
-    Replayer(None).replay(str(path), prompts_only, log=log)
+    Replayer(model, measure_uncached=False).replay(str(path), prompts_only, log=log)
     return [len(r.prompt) for r in prompts_only], [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in log]
 
 
@@ -51,10 +52,13 @@ def audit(capsys, path: Path, url: str, tmp_path: Path, *options: str) -> tuple[
     return json.loads(out_json.read_text()), lines, stdout
 
 
-def test_endpoint_cached_tokens_equal_the_in_process_replay_request_by_request(served, capsys, tmp_path) -> None:
+def test_endpoint_cached_tokens_equal_the_in_process_replay_request_by_request(
+    served, tiny_model, capsys, tmp_path
+) -> None:
     path = SCENARIOS / "multi_turn_chat.jsonl"
     report, requests, stdout = audit(capsys, path, served, tmp_path, "--concurrency", "1")
     prompt_tokens, cached_tokens = in_process_cached_tokens(path)
+    assert in_process_cached_tokens(path, tiny_model) == (prompt_tokens, cached_tokens)  # the runner's own counts
     assert len(requests) == len(cached_tokens) == 28
     assert [r["prompt_tokens_server"] for r in requests] == prompt_tokens
     assert [r["cached_tokens_server"] for r in requests] == cached_tokens
