@@ -63,7 +63,11 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-key-env", metavar="VAR", help="with --endpoint: the environment variable with the API key"
     )
     group.add_argument(
-        "--concurrency", type=int, default=1, help="with --endpoint: requests in flight at once (default 1)"
+        "--concurrency",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --endpoint: requests in flight at once (default 1)",
     )
     group.add_argument(
         "--endpoint-model", metavar="NAME", help="with --endpoint: the model (default: the first listed)"
@@ -71,6 +75,7 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--max-tokens",
         type=int,
+        metavar="N",
         default=DEFAULT_MAX_TOKENS,
         help=f"with --endpoint: tokens generated per request (default {DEFAULT_MAX_TOKENS})",
     )
