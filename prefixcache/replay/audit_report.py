@@ -199,26 +199,17 @@ def _s(x: float | None) -> str:
 def format_audit(report: AuditReport) -> str:
     """The audit table (a row per file and the total) with the lines that say how to read it."""
     capacity = "unlimited" if report.simulated_cache_tokens is None else f"{report.simulated_cache_tokens:,}"
-    headers = [
-        "file",
-        "requests",
-        "prompt (server)",
-        "prompt (replay)",
-        "cached (server)",
-        "hit (server)",
-        f"hit (sim {capacity})",
-        "hit (ideal)",
-        "TTFT p50 s",
-        "p90 s",
-        "p99 s",
-    ]
+    # One prompt column when the server counted as the replay did: the table fits 120 columns then.
+    both = not report.same_prompt_counts
+    headers = ["file", "reqs", "prompt", *(["ours"] if both else []), "cached", "hit", "sim", "ideal"]
+    headers += ["TTFT p50", "p90", "p99"]
     rows = report.rows()
     table = [
         [
             Path(r.name).name,
             f"{r.requests:,}",
             f"{r.server_prompt_tokens:,}",
-            f"{r.replay_prompt_tokens:,}",
+            *([f"{r.replay_prompt_tokens:,}"] if both else []),
             f"{r.server_cached_tokens:,}" if r.reported_requests else "-",
             _pct(r.server_hit_rate),
             _pct(r.simulated_hit_rate),
@@ -233,8 +224,17 @@ def format_audit(report: AuditReport) -> str:
     lines = [
         f"endpoint: {report.url}, model {report.model}, {total.requests:,} requests, concurrency "
         f"{report.concurrency}, max_tokens {report.max_tokens}, temperature 0",
-        tabulate(table, headers=headers, tablefmt="github", colalign=("left", *["right"] * 10), disable_numparse=True),
+        tabulate(
+            table,
+            headers=headers,
+            tablefmt="github",
+            colalign=("left", *["right"] * (len(headers) - 1)),
+            disable_numparse=True,
+        ),
     ]
+    lines.append(
+        "prompt, cached, hit: the endpoint's own counts" + ("; ours: the replay's prompt tokens" if both else "")
+    )
     fields = report.cache_fields
     if fields:
         where = ", ".join(f"{name} on {count:,}" for name, count in fields.items())
@@ -245,7 +245,9 @@ def format_audit(report: AuditReport) -> str:
             "timings.cache_n): its hit rate is unknown"
         )
     if report.same_prompt_counts:
-        lines.append(f"prompt tokens: the server counted every prompt as the replay's tokenizer ({report.tokenizer})")
+        lines.append(
+            f"prompt tokens: the server counted every prompt as the replay's tokenizer ({report.tokenizer}) did"
+        )
     else:
         lines.append(
             f"prompt tokens: the server counted {total.server_prompt_tokens:,}, the replay's tokenizer "
@@ -253,13 +255,14 @@ def format_audit(report: AuditReport) -> str:
             "rate is a ratio of its own counts (--tokenizer PATH replays with the model's own)"
         )
     lines.append(
-        f"simulation: prefixcache's radix tree, {report.policy.upper()}, block size {report.block_size}, "
-        f"{capacity} tokens, on the prompts as sent (the endpoint writes its own answers: none is teacher forced)"
+        f"sim: prefixcache's radix tree, {report.policy.upper()}, block size {report.block_size}, {capacity} "
+        "tokens; it and the ideal (an infinite cache) replay the prompts as sent, one at a time (the endpoint writes "
+        "its own answers: none is teacher forced); TTFT in seconds"
     )
     if report.concurrency > 1:
         lines.append(
             f"with {report.concurrency} requests in flight, requests that share a prefix can miss together; the "
-            "simulation and the ideal send one at a time"
+            "simulation and the ideal do not"
         )
     rate = total.server_hit_rate
     if rate is not None and report.same_prompt_counts and total.server_cached_tokens > total.ideal_cached_tokens:

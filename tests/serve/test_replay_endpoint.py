@@ -71,7 +71,11 @@ def test_endpoint_cached_tokens_equal_the_in_process_replay_request_by_request(
     assert report["input_format"] == "chat" and report["same_prompt_tokens"] is True
     assert all(r["ttft_s"] > 0 for r in requests)
     assert report["ttft_s"]["p50"] <= report["ttft_s"]["p90"] <= report["ttft_s"]["p99"]
-    assert "63.5%" in stdout and "the server counted every prompt as the replay's tokenizer" in stdout
+    assert "the server counted every prompt as the replay's tokenizer (byte-utf8+chatml-v2) did" in stdout
+    table = [line for line in stdout.splitlines() if line.startswith("|")]
+    cells = [cell.strip() for cell in table[2].split("|")[1:-1]]
+    assert cells[:7] == ["multi_turn_chat.jsonl", "28", "36,041", "22,891", "63.5%", "63.5%", "63.5%"]
+    assert max(len(line) for line in table) <= 120
 
 
 def test_a_token_id_log_goes_to_completions_and_equals_the_in_process_replay(served, capsys, tmp_path) -> None:
