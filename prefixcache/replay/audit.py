@@ -166,6 +166,7 @@ def run_audit(
     api_key: str | None = None,
     concurrency: int = 1,
     max_tokens: int = 1,
+    stream: bool = True,
     block_size: int = 16,
     cache_tokens: int | None = None,
     policy: str = "lru",
@@ -173,7 +174,7 @@ def run_audit(
 ) -> AuditReport:
     """Send ``requests`` to the endpoint at ``url`` (:func:`~prefixcache.replay.endpoint.send_all`) and put its
     figures beside the simulation at ``cache_tokens`` (``None``: unlimited) and the ideal.  ``model`` ``None``: the
-    first the endpoint lists.
+    first the endpoint lists; ``stream`` ``False``: whole responses (for a server whose streams carry no usage).
 
     Raises:
         InvalidArgumentError: a bad URL, ``concurrency`` or ``max_tokens``; httpx is not installed.
@@ -191,10 +192,11 @@ def run_audit(
         api_key=api_key,
         concurrency=concurrency,
         max_tokens=max_tokens,
+        stream=stream,
         on_done=on_done,
     )
     capacity = None if cache_tokens is None else -(-cache_tokens // block_size) * block_size
-    report = AuditReport(url, model, concurrency, max_tokens, tokenizer.name, block_size, policy, capacity)
+    report = AuditReport(url, model, concurrency, max_tokens, tokenizer.name, block_size, policy, capacity, stream)
     for audit_request, result, record in zip(requests, results, simulated, strict=True):
         request = audit_request.request
         report.requests.append(
@@ -250,6 +252,7 @@ def run_endpoint_replay(args: argparse.Namespace, tokenizer: Tokenizer | None, p
             api_key=api_key,
             concurrency=args.concurrency,
             max_tokens=args.max_tokens,
+            stream=not args.no_stream,
             block_size=args.block_size,
             cache_tokens=args.cache_tokens,
             policy=args.policy,

@@ -55,13 +55,14 @@ class RequestFigures:
 class AuditRow:
     """Totals over some requests (a file's, or all).  Tokens are counts, times seconds.
 
-    ``server_prompt_tokens`` / ``server_cached_tokens`` add up the requests whose stream reported them
-    (``reported_requests`` of them for the cached tokens); the endpoint's hit rate divides the cached tokens by the
-    prompt tokens of those same requests, so a server that leaves some out is not judged on them.
+    ``server_prompt_tokens`` / ``server_cached_tokens`` add up the requests whose answer reported them
+    (``prompt_reported_requests`` / ``reported_requests`` of them); the endpoint's hit rate divides the cached tokens
+    by the prompt tokens of those same requests, so a server that leaves some out is not judged on them.
     """
 
     name: str
     requests: int
+    prompt_reported_requests: int
     server_prompt_tokens: int
     replay_prompt_tokens: int
     server_cached_tokens: int
@@ -81,6 +82,7 @@ class AuditRow:
         return cls(
             name,
             len(figures),
+            sum(f.endpoint.prompt_tokens is not None for f in figures),
             sum(f.endpoint.prompt_tokens or 0 for f in figures),
             sum(f.replay_prompt_tokens for f in figures),
             sum(f.endpoint.cached_tokens for f in reported),
@@ -111,7 +113,8 @@ class AuditRow:
     def to_json(self) -> dict[str, Any]:
         return {
             "requests": self.requests,
-            "prompt_tokens_server": self.server_prompt_tokens,
+            "prompt_tokens_server": self.server_prompt_tokens if self.prompt_reported_requests else None,
+            "prompt_reported_requests": self.prompt_reported_requests,
             "prompt_tokens_replay": self.replay_prompt_tokens,
             "cached_tokens_server": self.server_cached_tokens,
             "cached_reported_requests": self.reported_requests,
@@ -127,7 +130,8 @@ class AuditRow:
 @dataclass(slots=True)
 class AuditReport:
     """An endpoint audit: the endpoint and how it was driven, the simulation's capacity (tokens, whole blocks;
-    ``None``: unlimited), every request's figures in the order sent, and each file's format."""
+    ``None``: unlimited), whether the requests were streamed (else ``ttft_s`` is each request's whole time), every
+    request's figures in the order sent, and each file's format."""
 
     url: str
     model: str
@@ -137,6 +141,7 @@ class AuditReport:
     block_size: int
     policy: str
     simulated_cache_tokens: int | None
+    stream: bool = True
     requests: list[RequestFigures] = field(default_factory=list)
     input_formats: dict[str, str] = field(default_factory=dict)
 
@@ -173,6 +178,7 @@ def audit_json(report: AuditReport) -> dict[str, Any]:
             "concurrency": report.concurrency,
             "max_tokens": report.max_tokens,
             "temperature": 0,
+            "stream": report.stream,
             "cache_fields": report.cache_fields,
         },
         "tokenizer": report.tokenizer,
@@ -208,7 +214,7 @@ def format_audit(report: AuditReport) -> str:
         [
             Path(r.name).name,
             f"{r.requests:,}",
-            f"{r.server_prompt_tokens:,}",
+            f"{r.server_prompt_tokens:,}" if r.prompt_reported_requests else "-",
             *([f"{r.replay_prompt_tokens:,}"] if both else []),
             f"{r.server_cached_tokens:,}" if r.reported_requests else "-",
             _pct(r.server_hit_rate),
@@ -244,7 +250,12 @@ def format_audit(report: AuditReport) -> str:
             "cached tokens: the endpoint reported none (neither usage.prompt_tokens_details.cached_tokens nor "
             "timings.cache_n): its hit rate is unknown"
         )
-    if report.same_prompt_counts:
+    if not total.prompt_reported_requests:
+        lines.append(
+            "prompt tokens: the endpoint reported none"
+            + (" (its stream carries no usage: --no-stream asks for whole responses)" if report.stream else "")
+        )
+    elif report.same_prompt_counts:
         lines.append(
             f"prompt tokens: the server counted every prompt as the replay's tokenizer ({report.tokenizer}) did"
         )
@@ -254,10 +265,11 @@ def format_audit(report: AuditReport) -> str:
             f"({report.tokenizer}) {total.replay_prompt_tokens:,}: different tokenizers or chat templates; each hit "
             "rate is a ratio of its own counts (--tokenizer PATH replays with the model's own)"
         )
+    timing = "TTFT in seconds" if report.stream else "TTFT: each whole request's seconds (--no-stream)"
     lines.append(
         f"sim: prefixcache's radix tree, {report.policy.upper()}, block size {report.block_size}, {capacity} "
         "tokens; it and the ideal (an infinite cache) replay the prompts as sent, one at a time (the endpoint writes "
-        "its own answers: none is teacher forced); TTFT in seconds"
+        f"its own answers: none is teacher forced); {timing}"
     )
     if report.concurrency > 1:
         lines.append(

@@ -79,6 +79,12 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_TOKENS,
         help=f"with --endpoint: tokens generated per request (default {DEFAULT_MAX_TOKENS})",
     )
+    group.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="with --endpoint: ask for whole responses, for a server whose streams carry no usage (llama-cpp-python); "
+        "the time then is the whole request's, not the first token's",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,11 +210,13 @@ def send_all(
     api_key: str | None = None,
     concurrency: int = 1,
     max_tokens: int = DEFAULT_MAX_TOKENS,
+    stream: bool = True,
     on_done: Callable[[int], None] | None = None,
 ) -> list[EndpointResult]:
     """Send ``calls`` to the endpoint at ``url`` (a base URL, :func:`base_url`) and return one result per call, in
     the calls' order.  Calls start in order, at most ``concurrency`` in flight, each after the previous call of its
-    ``key`` has finished.  ``on_done(i)`` is told as call ``i`` finishes (progress).
+    ``key`` has finished.  ``on_done(i)`` is told as call ``i`` finishes (progress).  ``stream`` ``False`` asks for
+    whole responses (``ttft_s`` is then the whole request's time).
 
     Raises:
         InvalidArgumentError: ``concurrency`` or ``max_tokens`` below 1; httpx is not installed.
@@ -220,17 +228,19 @@ def send_all(
     if max_tokens < 1:
         raise InvalidArgumentError(f"--max-tokens {max_tokens}: give 1 or more")
     httpx = _httpx()
-    return asyncio.run(_send_all(httpx, url, calls, model, api_key, concurrency, max_tokens, on_done))
+    sampling: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if stream:
+        sampling["stream_options"] = {"include_usage": True}
+    return asyncio.run(_send_all(httpx, url, calls, sampling, api_key, concurrency, on_done))
 
 
 async def _send_all(
     httpx: Any,
     url: str,
     calls: Sequence[EndpointCall],
-    model: str,
+    sampling: dict[str, Any],
     api_key: str | None,
     concurrency: int,
-    max_tokens: int,
     on_done: Callable[[int], None] | None,
 ) -> list[EndpointResult]:
     results: list[EndpointResult | None] = [None] * len(calls)
@@ -239,8 +249,6 @@ async def _send_all(
     tasks: list[asyncio.Task] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-    sampling = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    sampling["stream_options"] = {"include_usage": True}
 
     async def run(index: int, call: EndpointCall) -> None:
         try:
@@ -286,6 +294,20 @@ async def _stream_one(
     usage: Any = None
     timings: Any = None
     try:
+        if not body["stream"]:
+            response = await client.post(target, json=body, headers=_headers(api_key))
+            if response.status_code != 200:
+                raise EndpointError(f"{call.where}: {target}: {_http_problem(response.status_code, response.text)}")
+            try:
+                answer = response.json()
+            except ValueError:
+                raise EndpointError(
+                    f"{call.where}: {target}: the response is not JSON: {response.text[:200]!r}"
+                ) from None
+            latency = time.perf_counter() - start
+            answer = answer if isinstance(answer, dict) else {}
+            prompt_tokens, cached, field = _counts(answer.get("usage"), answer.get("timings"))
+            return EndpointResult(prompt_tokens, cached, field, latency, latency)
         async with client.stream("POST", target, json=body, headers=_headers(api_key)) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode("utf-8", "replace")
