@@ -11,6 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from prefixcache import PrefixCachingRunner
 from prefixcache.chat.tokenizer import ByteTokenizer
@@ -46,8 +48,9 @@ def audit(capsys, path: Path, url: str, tmp_path: Path, *options: str) -> tuple[
     out_json, out_requests = tmp_path / "audit.json", tmp_path / "requests.jsonl"
     argv = ["replay", str(path), "--endpoint", url, "--no-progress", "--json", str(out_json)]
     code = main([*argv, "--requests-jsonl", str(out_requests), *options])
-    stdout = capsys.readouterr().out
-    assert code == 0, stdout
+    captured = capsys.readouterr()
+    stdout = captured.out
+    assert code == 0, captured.err
     lines = [json.loads(line) for line in out_requests.read_text().splitlines()]
     return json.loads(out_json.read_text()), lines, stdout
 
@@ -183,3 +186,36 @@ def test_percentiles_interpolate_between_ranks() -> None:
     assert percentile([3.0], 0.99) == 3.0
     assert percentile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5
     assert percentile([float(i) for i in range(101)], 0.9) == pytest.approx(90.0)
+
+
+def test_llama_cpp_timings_count_as_cached_tokens_when_usage_has_none(capsys, tmp_path) -> None:
+    """llama.cpp's own server (``llama-server``) streams ``timings`` with ``cache_n`` (tokens reused) and
+    ``prompt_n`` (tokens evaluated); a stand-in that answers in that shape, to read it."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": "stand-in", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> StreamingResponse:
+        body = await request.json()
+        assert body["stream"] and body["max_tokens"] == 1 and body["temperature"] == 0 and body["model"] == "stand-in"
+        cache_n = 10 if len(body["messages"]) > 2 else 0
+        chunks = [
+            {"choices": [{"index": 0, "delta": {"content": "x"}}]},
+            {
+                "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                "timings": {"cache_n": cache_n, "prompt_n": 90},
+            },
+        ]
+        lines = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks] + ["data: [DONE]\n\n"]
+        return StreamingResponse(iter(lines), media_type="text/event-stream")
+
+    with start_background(app, "127.0.0.1", 0) as server:
+        report, requests, stdout = audit(capsys, SCENARIOS / "multi_turn_chat.jsonl", server.url, tmp_path)
+    assert report["endpoint"]["cache_fields"] == {"timings.cache_n": 28}
+    assert {r["cached_tokens_server"] for r in requests} == {0, 10}
+    assert {r["prompt_tokens_server"] for r in requests} == {90, 100}  # prompt_n + cache_n
+    assert report["hit_rate_server"] == report["cached_tokens_server"] / report["prompt_tokens_server"]
+    assert "cached tokens: timings.cache_n on 28 of 28 requests" in stdout
