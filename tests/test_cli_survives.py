@@ -73,7 +73,7 @@ def test_readme_test_command_installs_every_extra_but_dev_and_peers() -> None:
     # after the test command and runs that benchmark's tests then.
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     readme = (ROOT / "README.md").read_text()
-    extras = set(re.search(r'pip install -q -e "\.\[([a-z,]+)\]"', readme).group(1).split(","))
+    extras = set(re.search(r'pip install -q -e "\.\[([a-z,-]+)\]"', readme).group(1).split(","))
     declared = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
 
     assert extras == declared - {"dev", "peers"}

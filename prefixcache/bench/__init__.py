@@ -4,7 +4,7 @@
 block pool beside ours in the same process (``pip install --no-deps sglang``; see :mod:`prefixcache.bench.peers`),
 ``evict`` checks that one eviction stays O(log n) as the tree grows, ``memory`` counts bytes per cached token.
 ``engine`` and ``agent`` (extra ``hf``) time the runner on a real model shape against transformers' own calls, ``route``
-compares routers in front of N simulated replicas.
+compares routers in front of N simulated replicas, ``snapshot`` how long a snapshot save makes a stream wait.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from prefixcache.bench import agent, engine, evict, memory, peers, policy, route, runner, trace, tree
+from prefixcache.bench import agent, engine, evict, memory, peers, policy, route, runner, snapshot, trace, tree
 from prefixcache.bench.common import BenchResult, format_table
 from prefixcache.errors import InvalidArgumentError
 
@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
     "engine": engine.run,
     "agent": agent.run,
     "route": route.run,
+    "snapshot": snapshot.run,
 }
 """Name -> ``fn(quick: bool) -> BenchResult``; the command line runs them in this order."""
 

@@ -28,6 +28,8 @@ from prefixcache.errors import SnapshotCorruptError, SnapshotError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from prefixcache.cache.snapshot_staging import StagingBuffer
+
 _HEX_DIGITS = "0123456789abcdef"
 
 
@@ -41,10 +43,16 @@ class HostPlan:
     skipped_tokens: int
 
 
-def capture(snapshot: Snapshot, host: HostTier | None, keep_namespace: Callable[[str | None], bool] | None) -> Snapshot:
+def capture(
+    snapshot: Snapshot,
+    host: HostTier | None,
+    keep_namespace: Callable[[str | None], bool] | None,
+    staging: StagingBuffer | None = None,
+) -> Snapshot:
     """``snapshot`` with the host tier's runs (namespaces ``keep_namespace`` accepts) added: ``host_runs`` and
     ``host_num_blocks`` in the manifest, their K/V (``[num_layers, 2, num_blocks, block_size, num_kv_heads,
-    head_dim]``, CPU) as ``host_kv``.  Reads only.  The caller holds the cache's mutex.  O(host tokens)."""
+    head_dim]``, CPU) as ``host_kv``, copied into ``staging`` when given.  Reads only.  The caller holds the cache's
+    mutex.  O(host tokens)."""
     if host is None:
         return snapshot
     records: list[dict[str, Any]] = []
@@ -59,15 +67,19 @@ def capture(snapshot: Snapshot, host: HostTier | None, keep_namespace: Callable[
                 "key": f"{run.key:032x}",
                 "namespace": run.namespace,
                 "first": run.first,
-                "tokens": run.tokens.tolist(),
-                "blocks": list(range(num_blocks, num_blocks + size)),
+                "tokens": run.tokens[:],  # arrays, as snapshot.capture leaves its nodes' (written as lists)
+                "blocks": np.arange(num_blocks, num_blocks + size),
             }
         )
         ids.append(run.block_ids)
         num_blocks += size
     host_kv = None
     if host.pool.kv is not None and num_blocks:
-        host_kv = host.pool.kv.index_select(2, torch.from_numpy(np.concatenate(ids).astype(np.int64))).clone()
+        shape = list(host.pool.kv.shape)
+        shape[2] = num_blocks
+        dtype = host.pool.kv.dtype
+        host_kv = torch.empty(shape, dtype=dtype) if staging is None else staging.take(shape, dtype)
+        torch.index_select(host.pool.kv, 2, torch.from_numpy(np.concatenate(ids).astype(np.int64)), out=host_kv)
     manifest = {**snapshot.manifest, "host_runs": records, "host_num_blocks": num_blocks}
     return replace(snapshot, manifest=manifest, host_kv=host_kv)
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.cache import host_events, host_snapshot, snapshot
+from prefixcache.cache import host_events, host_snapshot, snapshot, snapshot_write
 from prefixcache.cache.admission import Admission, Lease
 from prefixcache.cache.blocks import BlockLedger
 from prefixcache.cache.events import (
@@ -47,6 +47,7 @@ from prefixcache.cache.locks import ChangeGuard, LockHandle, LockRegistry
 from prefixcache.cache.pool import BlockIds, KVBlockPool, check_count
 from prefixcache.cache.resume import StateMarker, StateStore, check_resume_options, check_state, state_bytes
 from prefixcache.cache.retention import Retention, check_retain, path_to
+from prefixcache.cache.snapshot_staging import StagingBuffer
 from prefixcache.cache.stats import CacheStats, HitCounters, check_request_id, collect_stats
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult, RadixTree
@@ -199,22 +200,16 @@ class RadixCache:
             return result
 
     def lock(self, match: MatchResult) -> LockHandle:
-        """Lock the matched path so none of its nodes (the match's node and every ancestor) can be evicted.
-
-        O(depth).  Raises:
-            LockError: the match is not this cache's, or is stale (its node was evicted or shortened since).
-        """
+        """Lock the matched path so none of its nodes (the match's node and every ancestor) can be evicted.  O(depth).
+        Raises LockError: the match is not this cache's, or is stale (its node was evicted or shortened since)."""
         with self._change:
             if not isinstance(match, MatchResult) or match.owner is not self:
                 raise LockError("lock takes a MatchResult returned by this cache's match()")
             return self._locks.lock(match.node, match.num_tokens)
 
     def unlock(self, handle: LockHandle) -> None:
-        """Release a lock taken by :meth:`lock`.  O(depth).
-
-        Raises:
-            LockError: the handle is another cache's or was already released (nothing changes).
-        """
+        """Release a lock taken by :meth:`lock`.  O(depth).  Raises LockError: the handle is another cache's or was
+        already released (nothing changes)."""
         with self._change:
             self._locks.unlock(handle)
 
@@ -469,23 +464,32 @@ class RadixCache:
         identity: Mapping[str, str] | None = None,
         keep_namespace: Callable[[str | None], bool] | None = None,
     ) -> snapshot.SnapshotSummary:
-        """Save the cached tree and its K/V into the snapshot folder ``directory``, atomically
-        (:mod:`prefixcache.cache.snapshot`): the previous snapshot stays current until the new one is complete.
-
-        ``identity`` (e.g. model and tokenizer fingerprints) is stored for :meth:`restore` to check;
-        ``keep_namespace`` picks the namespaces saved (all when None).  With a host tier its runs are saved too
-        (:mod:`prefixcache.cache.host_snapshot`); recurrent states are not.  Changes nothing in the cache (no access
-        time, counter or block moves); the mutex is held while the tree and its K/V are copied, not while files are
-        written.  O(cached tokens) plus the copy and the write of the saved blocks.
+        """:meth:`capture`, then write it into the snapshot folder ``directory`` atomically
+        (:func:`~prefixcache.cache.snapshot_write.write`): the previous snapshot stays current until the new one is
+        durable.  The mutex is held during the copy only.  O(cached tokens) plus the copy and the write of its blocks.
 
         Raises:
             SnapshotWriteError: a write or sync failed (also an OSError); the previous snapshot is kept.
             SnapshotError: safetensors is missing.
         """
+        return snapshot_write.write(self.capture(identity=identity, keep_namespace=keep_namespace), directory)
+
+    def capture(
+        self,
+        *,
+        identity: Mapping[str, str] | None = None,
+        keep_namespace: Callable[[str | None], bool] | None = None,
+        staging: StagingBuffer | None = None,
+    ) -> snapshot.Snapshot:
+        """A consistent copy of the cached tree and its K/V in host memory, for
+        :func:`~prefixcache.cache.snapshot_write.write` (on any thread: nothing the cache does later reaches it).
+        ``identity`` (e.g. model and tokenizer fingerprints) is stored for :meth:`restore` to check;
+        ``keep_namespace`` picks the namespaces (all when None); a host tier's runs are copied too, recurrent states
+        are not.  ``staging`` (:func:`~prefixcache.cache.snapshot_staging.staging_for`) holds the copy.  Changes
+        nothing in the cache.  O(cached tokens) plus one memcpy of the saved blocks, under the mutex."""
         with self._mutex:
-            captured = snapshot.capture(self._tree, identity, keep_namespace)
-            captured = host_snapshot.capture(captured, self._host, keep_namespace)
-        return snapshot.write(captured, directory)
+            captured = snapshot.capture(self._tree, identity, keep_namespace, staging)
+            return host_snapshot.capture(captured, self._host, keep_namespace, staging)
 
     def restore(
         self,
@@ -569,11 +573,7 @@ class RadixCache:
             self._events.emit(stored, [callback])
 
     def unsubscribe(self, callback: EventListener) -> None:
-        """Stop sending events to ``callback``.
-
-        Raises:
-            InvalidArgumentError: ``callback`` is not subscribed.
-        """
+        """Stop sending events to ``callback``.  Raises InvalidArgumentError: ``callback`` is not subscribed."""
         with self._mutex:
             if callback not in self._events.listeners:
                 raise InvalidArgumentError("unsubscribe: that callback is not subscribed")
@@ -587,11 +587,8 @@ class RadixCache:
     def check_invariants(self, index: BlockIndex | None = None) -> None:
         """Recompute every piece of bookkeeping from scratch and compare (:mod:`prefixcache.cache.invariants`); with
         ``index`` (fed every event since the cache was empty or since it subscribed), also that it mirrors the cache
-        (:func:`~prefixcache.cache.invariants.check_mirror`).  O(total tokens).
-
-        Raises:
-            AssertionError: naming the first broken invariant.
-        """
+        (:func:`~prefixcache.cache.invariants.check_mirror`).  O(total tokens).  Raises AssertionError: naming the
+        first broken invariant."""
         with self._mutex:
             check_invariants(self._tree, self._blocks, self._locks)
             if self._host is not None:

@@ -19,6 +19,11 @@ version, but a power loss may undo the replace, so the previous one is kept too.
 folders are removed only after the commit (a failure there is only logged); the next save removes what a crash or a
 failed save left behind.
 
+Capture, then write.  A save is two steps: :func:`capture` copies the tree and the K/V its nodes hold into host
+memory under the cache's mutex (a consistent picture: later inserts, evictions and reused blocks do not reach it),
+and :func:`~prefixcache.cache.snapshot_write.write` writes the files, on another thread if the caller likes (an
+engine copies between two of its steps and writes while it goes on).
+
 Several processes.  A save holds an exclusive ``flock`` on the snapshot folder itself and a read a shared one (POSIX;
 no lock file is made), so two processes saving into one folder take turns instead of removing each other's new
 version, and a reader never sees the version it is reading removed under it.  Within a process a mutex serializes
@@ -51,9 +56,7 @@ import json
 import logging
 import os
 import re
-import threading
 import time
-import uuid
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,17 +67,7 @@ import torch
 
 from prefixcache.cache.node import Node, new_root
 from prefixcache.cache.pool import BLOCK_ID_DTYPE, KVBlockPool
-from prefixcache.cache.snapshot_folder import (
-    canonical,
-    check_folder,
-    digest,
-    entries,
-    folder_lock,
-    read_bytes,
-    remove,
-    safetensors_module,
-    write_error,
-)
+from prefixcache.cache.snapshot_folder import canonical, digest, folder_lock, read_bytes, safetensors_module
 from prefixcache.cache.snapshot_manifest import check_nodes as check_manifest_nodes
 from prefixcache.cache.snapshot_manifest import choose
 from prefixcache.cache.tokens import TOKEN_TYPECODE
@@ -83,12 +76,12 @@ from prefixcache.errors import (
     SnapshotError,
     SnapshotMismatchError,
     SnapshotNotFoundError,
-    SnapshotWriteError,
 )
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
+    from prefixcache.cache.snapshot_staging import StagingBuffer
     from prefixcache.cache.tree import RadixTree
 
 FORMAT = "prefixcache-snapshot"
@@ -105,9 +98,6 @@ _VERSION_NAME = re.compile(re.escape(VERSION_PREFIX) + r"[A-Za-z0-9_.-]+")
 """Blocks copied between the device pool and host memory at a time."""
 
 logger = logging.getLogger(__name__)
-
-# One save at a time in this process: two savers racing on CURRENT could each remove the other's new version.
-_write_lock = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,22 +146,27 @@ def pool_shape(pool: KVBlockPool) -> dict[str, Any]:
     }
 
 
-# ---- capture and write ------------------------------------------------------------------------------------------
+# ---- capture ------------------------------------------------------------------------------------------------
 
 
 def capture(
     tree: RadixTree,
     identity: Mapping[str, str] | None = None,
     keep_namespace: Callable[[str | None], bool] | None = None,
+    staging: StagingBuffer | None = None,
 ) -> Snapshot:
-    """Copy the tree (namespaces ``keep_namespace`` accepts, all when None) and its K/V into memory.  Reads only:
-    no access time, hit count, counter or block changes.  The caller holds the cache's mutex.  O(cached tokens), plus
-    one device gather and one device-to-host copy of the saved blocks."""
+    """Copy the tree (namespaces ``keep_namespace`` accepts, all when None) and its K/V into memory, into ``staging``
+    when given (:mod:`prefixcache.cache.snapshot_staging`: then the copy is a memcpy, with no page faults).  Reads
+    only: no access time, hit count, counter or block changes; nothing the cache does later changes the copy.  The
+    caller holds the cache's mutex.  O(cached tokens) in memcpy (the manifest holds copies of the nodes' token arrays
+    and NumPy block lists, which :func:`~prefixcache.cache.snapshot_write.write` encodes as JSON lists) plus one
+    gather of the saved blocks to the host (in chunks of ``COPY_CHUNK_BLOCKS`` from a GPU, so the device never
+    holds a second copy of its cached K/V)."""
     pool = tree.pool
     retention_now = tree.retention.clock()
     namespaces: list[str | None] = []
     nodes: list[dict[str, Any]] = []
-    snapshot_index: dict[int, int] = {}  # pool block id -> index in the saved K/V
+    node_blocks: list[np.ndarray] = []
     num_tokens = 0
     for namespace, root in tree.roots.items():
         if keep_namespace is not None and not keep_namespace(namespace):
@@ -182,7 +177,7 @@ def capture(
         while stack:
             node, parent = stack.pop()
             index = len(nodes)
-            blocks = [snapshot_index.setdefault(b, len(snapshot_index)) for b in node.blocks.tolist()]
+            node_blocks.append(node.blocks)
             remaining = None
             priority = node.priority
             if priority and node.retain_until is not None:
@@ -194,8 +189,8 @@ def capture(
                     "parent": parent,
                     "namespace": ns,
                     "start": node.start,
-                    "tokens": node.tokens.tolist(),
-                    "blocks": blocks,
+                    "tokens": node.tokens[:],  # a copy: eviction shortens a node's array in place
+                    "blocks": None,
                     "shares_first": node.shares_first,
                     "last_access": node.last_access,
                     "hit_count": node.hit_count,
@@ -206,16 +201,21 @@ def capture(
             )
             num_tokens += len(node.tokens)
             stack.extend((child, index) for child in node.children.values())
+    saved, numbered = number_blocks(node_blocks)
+    for record, blocks in zip(nodes, numbered, strict=True):
+        record["blocks"] = blocks
     kv = None
     if pool.kv is not None:
-        ids = torch.tensor(list(snapshot_index), dtype=torch.long, device=pool.kv.device)
+        ids = torch.from_numpy(saved).to(pool.kv.device)
         shape = list(pool.kv.shape)
         shape[2] = len(ids)
-        kv = torch.empty(shape, dtype=pool.kv.dtype)
-        # In chunks, so a nearly full device pool never needs a second copy of its cached K/V on the device.
-        for first in range(0, len(ids), COPY_CHUNK_BLOCKS):
-            chunk = ids[first : first + COPY_CHUNK_BLOCKS]
-            kv[:, :, first : first + len(chunk)] = pool.kv.index_select(2, chunk).cpu()
+        kv = torch.empty(shape, dtype=pool.kv.dtype) if staging is None else staging.take(shape, pool.kv.dtype)
+        if pool.kv.device.type == "cpu":
+            torch.index_select(pool.kv, 2, ids, out=kv)
+        else:
+            for first in range(0, len(ids), COPY_CHUNK_BLOCKS):
+                chunk = ids[first : first + COPY_CHUNK_BLOCKS]
+                kv[:, :, first : first + len(chunk)] = pool.kv.index_select(2, chunk)
     manifest = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -224,96 +224,26 @@ def capture(
         "pool": {**pool_shape(pool), "num_blocks": pool.num_blocks},
         "clock": tree.clock,
         "namespaces": namespaces,
-        "num_blocks": len(snapshot_index),
+        "num_blocks": len(saved),
         "num_tokens": num_tokens,
         "nodes": nodes,
     }
     return Snapshot(manifest, kv)
 
 
-def write(snapshot: Snapshot, directory: str | os.PathLike[str]) -> SnapshotSummary:
-    """Write ``snapshot`` as the new current version of the snapshot folder ``directory`` (made if missing), atomically
-    (see the module docstring).  Returns what was written.
-
-    Raises:
-        SnapshotError: safetensors is not installed (``pip install 'prefixcache[snapshot]'``), or ``directory`` (or
-            a folder above it) is a file.
-        SnapshotWriteError: a write, fsync or rename failed, the last sync of the folder included (also an
-            ``OSError``, with the operating system's ``errno``); the previous version is kept (see the module
-            docstring).
-    """
-    folder = Path(directory)
-    check_folder(folder)
-    manifest = dict(snapshot.manifest)
-    files: dict[str, dict[str, Any]] = {}
-    blobs: dict[str, bytes] = {}
-    tensors = {name: t for name, t in (("kv", snapshot.kv), ("host_kv", snapshot.host_kv)) if t is not None}
-    if tensors:
-        blobs[KV_FILE] = safetensors_module().save(tensors, metadata={"format": FORMAT})
-        files[KV_FILE] = {"bytes": len(blobs[KV_FILE]), "xxh3_128": digest(blobs[KV_FILE])}
-    manifest["files"] = files
-    body = canonical(manifest)
-    document = json.dumps({"checksum": {"xxh3_128": digest(body)}, "manifest": manifest}, separators=(",", ":"))
-    with _write_lock:
-        try:
-            os.makedirs(folder, exist_ok=True)
-        except OSError as error:
-            raise write_error(folder, error) from error
-        with folder_lock(folder, exclusive=True):
-            return _write_locked(folder, document, blobs, tensors, manifest)
-
-
-def _write_locked(
-    folder: Path, document: str, blobs: dict[str, bytes], tensors: dict[str, torch.Tensor], manifest: dict[str, Any]
-) -> SnapshotSummary:
-    name = f"{VERSION_PREFIX}{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
-    temp = folder / f"{TEMP_PREFIX}{name}"
-    final = folder / name
-    committed = False  # CURRENT names the new version (in memory: durable only once the folder is synced)
-    try:
-        os.mkdir(temp)
-        for file_name, blob in blobs.items():
-            _write_file(temp / file_name, blob)
-        _write_file(temp / MANIFEST, document.encode())
-        _fsync_dir(temp)
-        os.rename(temp, final)
-        _fsync_dir(folder)
-        pointer = folder / f"{TEMP_PREFIX}{CURRENT}"
-        _write_file(pointer, (name + "\n").encode())
-        os.replace(pointer, folder / CURRENT)
-        committed = True
-        _fsync_dir(folder)
-    except OSError as error:
-        if not committed:
-            raise write_error(folder, error) from error
-        # After a power loss CURRENT may still name the previous version: it is kept, and the save has failed (as
-        # SQLite returns the I/O error of a failed sync).  The new version is complete; the next save removes one.
-        raise SnapshotWriteError(
-            f"saving a snapshot into {folder}: {CURRENT} names the new version {name}, but syncing the folder failed "
-            f"({error}), so the replace may not survive a crash; the previous version is kept",
-            error.errno,
-        ) from error
-    finally:
-        if not committed:
-            for leftover in (temp, final, folder / f"{TEMP_PREFIX}{CURRENT}"):
-                remove(leftover)
-    for entry in entries(folder):
-        # Only what saves make: other files a user keeps in the folder stay.
-        stale = entry.startswith(TEMP_PREFIX) or (entry.startswith(VERSION_PREFIX) and (folder / entry).is_dir())
-        if entry != name and stale:
-            remove(folder / entry)
-    kv_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    host_runs = manifest.get("host_runs", [])
-    return SnapshotSummary(
-        str(final),
-        len(manifest["nodes"]),
-        manifest["num_tokens"],
-        manifest["num_blocks"],
-        kv_bytes,
-        host_runs=len(host_runs),
-        host_tokens=sum(len(run["tokens"]) for run in host_runs),
-        host_blocks=manifest.get("host_num_blocks", 0),
-    )
+def number_blocks(node_blocks: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """The saved blocks of nodes holding ``node_blocks`` (pool ids): their pool ids (int64) in order of first
+    appearance, and each node's blocks as indices into that order (a block a child shares with its parent gets one
+    index).  O(b log b) in NumPy for b block ids, so a capture under the cache's mutex does no Python work per block."""
+    if not node_blocks:
+        return np.zeros(0, dtype=np.int64), []
+    flat = np.concatenate(node_blocks).astype(np.int64)
+    unique, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    rank = np.empty(len(unique), dtype=np.int64)
+    rank[order] = np.arange(len(unique))
+    ends = np.cumsum([len(blocks) for blocks in node_blocks])[:-1]
+    return unique[order], np.split(rank[inverse.reshape(-1)], ends)
 
 
 # ---- read and check ---------------------------------------------------------------------------------------------
@@ -561,22 +491,3 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     if wrong:
         raise SnapshotCorruptError(f"{path} lacks or mistypes {', '.join(wrong)} (written wrong)")
     return manifest
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new file and fsync it."""
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a folder's entries (renames, new files) durable; Windows has no fsync of a folder."""
-    if os.name == "nt":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -3,9 +3,10 @@
 :class:`BatchEngine` is the threaded front end of :class:`~prefixcache.engine.core.EngineCore` (which does the
 scheduling, batched prefill and decode, stopping and preemption; see :mod:`prefixcache.engine.core` and the admission
 policy in :mod:`prefixcache.engine.scheduler`): it checks and queues requests from any thread, runs functions
-between steps (:meth:`BatchEngine.call_soon`: snapshot save and restore), steps in a background thread or in the
-caller's, and ends everything on :meth:`BatchEngine.close`.  The server, ``generate_many`` and the framework adapters
-that batch run on it; the runner's serial calls drive the same core with one request.
+between steps (:meth:`BatchEngine.call_soon`: snapshot restore, and the copy of a :meth:`BatchEngine.save_snapshot`
+whose files a writer thread writes), steps in a background thread or in the caller's, and ends everything on
+:meth:`BatchEngine.close`.  The server, ``generate_many`` and the framework adapters that batch run on it; the
+runner's serial calls drive the same core with one request.
 
 Thread safety: :meth:`BatchEngine.submit`, :meth:`BatchEngine.call_soon` and ``cancel()`` may be called from any
 thread; one thread steps the engine (the background thread after :meth:`BatchEngine.start`, else whoever calls
@@ -17,18 +18,21 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from prefixcache.cache.snapshot import SnapshotSummary
 from prefixcache.cache.tokens import TokenIds
 from prefixcache.engine.request import EngineRequest, RequestHandle
 from prefixcache.engine.results import TokenLogprob
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.scheduler import POLICIES, admission_order
+from prefixcache.engine.snapshot_saver import SnapshotSaver
 from prefixcache.errors import InvalidArgumentError
 
 __all__ = ["POLICIES", "BatchEngine", "RequestHandle"]
@@ -68,6 +72,7 @@ class BatchEngine:
         self._closed = False
         self._stepping: int | None = None  # the id of the thread inside step(), if any
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._saver = SnapshotSaver(runner, self.call_soon)
 
     max_batch_tokens = property(lambda self: self.core.max_batch_tokens, doc="Tokens one step may hold.")
     max_running = property(lambda self: self.core.max_running, doc="Requests holding leases at once.")
@@ -158,6 +163,18 @@ class BatchEngine:
             self._lock.notify_all()
         return future
 
+    def save_snapshot(self, directory: str | os.PathLike[str]) -> Future[SnapshotSummary]:
+        """Save what the runner caches (as :meth:`PrefixCachingRunner.save_snapshot`) into the snapshot folder
+        ``directory`` without making the requests wait for the disk; returns at once, thread-safe.  The copy is taken
+        on the engine thread between two steps (the tree and a memcpy of its blocks), the files are written and
+        fsynced on a writer thread while the engine steps on (:mod:`prefixcache.engine.snapshot_saver`: one save at a
+        time, a second waits for the first, one into the same folder that has not been copied yet is joined).
+        Without :meth:`start`, the copy waits for a :meth:`step`.  The future holds the ``SnapshotSummary``, or the
+        error (:class:`~prefixcache.errors.SnapshotWriteError`: the previous version is kept; a ``RuntimeError`` when
+        the engine closes before the copy).  :meth:`close` waits for a save being written.  Raises
+        InvalidArgumentError for a ``directory`` that is not a path, or once the engine is closed."""
+        return self._saver.save(directory)
+
     @property
     def num_pending(self) -> int:
         """Requests waiting or running, plus functions queued by :meth:`call_soon`."""
@@ -211,12 +228,14 @@ class BatchEngine:
             self._closed = True
             self._lock.notify_all()
             thread = self._thread
+        self._saver.close()
         if self._stepping == threading.get_ident():
             return  # joining this thread, or taking the step lock it holds, would wait forever
         if thread is not None:
             thread.join()
         with self._step_lock:
             self._as_stepper(self._drain)
+        self._saver.join()  # after the drain: a save waiting for its copy has failed by now
 
     def _as_stepper(self, fn: Callable[[], None]) -> None:
         """``fn()`` marked as run by the thread that steps (the caller holds the step lock): the done callbacks of the

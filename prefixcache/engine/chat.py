@@ -26,7 +26,7 @@ from typing import Any, Protocol
 from prefixcache.cache.tokens import TokenIds
 from prefixcache.chat.stop import StopMatcher, TextStream, check_stop
 from prefixcache.chat.tool_calls import TOOL_CALL_OPEN, parse_tool_calls
-from prefixcache.engine.grammar import Grammar, check_response_format, structured_available
+from prefixcache.engine.grammar import Grammar, check_response_format, strict_tools, structured_available
 from prefixcache.engine.request import RequestHandle
 from prefixcache.engine.results import GenerationResult, TokenLogprob, Usage
 from prefixcache.engine.sampling import SamplingParams
@@ -246,6 +246,8 @@ def prepare_chat(
     if forced_text and structured_available(tokenizer):
         name = None if tool_choice == "required" else tool_choice["function"]["name"]
         sampling["grammar"] = Grammar.tool_call(tools, name, tokenizer)
+    elif parse_calls and response_format is None and strict_tools(tools) and structured_available(tokenizer):
+        sampling["grammar"] = Grammar.tool_calls(tools, tokenizer)
     else:
         _add_response_format(tokenizer, sampling, response_format)
     params = _sampling_params(tokenizer, sampling)
@@ -344,7 +346,10 @@ def chat_stream(
     variables (``{"enable_thinking": False}`` for Qwen3; a template that does not read one ignores it).
     ``response_format`` (OpenAI's ``json_object`` or ``json_schema``) constrains the answer to it
     (:mod:`prefixcache.engine.grammar`); a forced tool call's arguments follow its function's ``parameters`` wherever
-    llguidance is installed and reads the tokenizer (a forced call takes precedence over ``response_format``).
+    llguidance is installed and reads the tokenizer (a forced call takes precedence over ``response_format``).  Under
+    ``"auto"``, with a function marked ``"strict": true`` (and no ``response_format``), a call the model opens follows
+    its function's ``parameters`` where strict, any object where not (nothing is masked before ``<tool_call>``, then
+    the call, then text again: :func:`~prefixcache.engine.grammar.tool_calls_grammar`).
 
     Raises :class:`TemplateError` (bad messages, tools or template variables), :class:`InvalidArgumentError` (no
     messages, bad ``stop``, ``tool_choice`` or sampling), and the errors of :meth:`PrefixCachingRunner.stream`, before

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from prefixcache.chat.tool_calls import TOOL_CALL_CLOSE
+from prefixcache.chat.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from prefixcache.errors import InvalidArgumentError, InvalidTokensError
 
 __all__ = [
@@ -37,8 +37,10 @@ __all__ = [
     "check_json_schema",
     "check_response_format",
     "llguidance_tokenizer",
+    "strict_tools",
     "structured_available",
     "tool_call_grammar",
+    "tool_calls_grammar",
 ]
 
 _JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -125,6 +127,44 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, clos
     the grammar then ends on that token, the one the template renders (spelled as text, pieces would be allowed too,
     and the next turn's rendering would not repeat them).  Raises InvalidArgumentError naming the tool whose parameters
     do not compile."""
+    rules, choices = _call_rules(tools, name, strict_only=False)
+    lark = "start: (" + " | ".join(choices) + ") " + _close(close_id) + "\n" + "\n".join(rules) + "\n"
+    return _validated(_llguidance().LLMatcher.grammar_from_lark(lark), "tools")
+
+
+def strict_tools(tools: Sequence[Mapping[str, Any]] | None) -> bool:
+    """Some function of ``tools`` says ``"strict": true`` (OpenAI's: its calls follow its ``parameters`` exactly)."""
+    return any(tool.get("function", tool).get("strict") is True for tool in tools or ())
+
+
+def tool_calls_grammar(tools: Sequence[Mapping[str, Any]], close_id: int | None = None) -> str:
+    """The llguidance grammar of a free answer (``tool_choice`` ``"auto"``) whose tool calls are constrained: any text,
+    until it writes ``<tool_call>``; from there (a lazy trigger: llguidance masks nothing before it) the rest of a
+    call as the template renders it, ``\\n{"name": "NAME", "arguments": {arguments}}\\n</tool_call>``, NAME one of the
+    tools', the arguments valid against that function's ``parameters`` where it is ``strict`` (any JSON object
+    where it is not: such a call still parses); then, as :func:`~prefixcache.chat.tool_calls.parse_tool_calls` reads
+    calls, only whitespace and more calls.  The text is valid UTF-8 (a byte tokenizer's stray bytes are refused); the
+    stop tokens are allowed before the first call and after each one.  ``close_id`` as in :func:`tool_call_grammar`.
+    Raises InvalidArgumentError naming the tool whose parameters do not compile."""
+    rules, choices = _call_rules(tools, None, strict_only=True)
+    opening, head = _lark_literal(TOOL_CALL_OPEN), _lark_literal('\n{"name": "')
+    lark = (
+        "%llguidance {}\n"
+        "start: TEXT | first call (NEXT call)* SPACE\n"
+        f"first[lazy]: TEXT {opening}\n"
+        f"call: {head} (" + " | ".join(choices) + f") {_close(close_id)}\n"
+        "TEXT: /(.|\\n)*/\n"
+        f"NEXT: /[ \\t\\r\\n]*/ {opening}\n"
+        "SPACE: /[ \\t\\r\\n]*/\n" + "\n".join(rules) + "\n"
+    )
+    return _validated(_llguidance().LLMatcher.grammar_from_lark(lark), "tools")
+
+
+def _call_rules(
+    tools: Sequence[Mapping[str, Any]], name: str | None, *, strict_only: bool
+) -> tuple[list[str], list[str]]:
+    """The Lark rules of the tools' arguments and the choices of name and arguments (see :func:`tool_call_grammar`);
+    ``strict_only``: a function that is not ``strict`` takes any object."""
     rules, choices = [], []
     for index, tool in enumerate(tools):
         function = tool.get("function", tool)
@@ -134,15 +174,19 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, clos
         parameters = function.get("parameters") or {"type": "object"}
         check_json_schema(parameters, f"tools[{index}].function.parameters", lenient=True)
         parameters = parameters if isinstance(parameters, Mapping) else {}
+        if strict_only and function.get("strict") is not True:
+            parameters = {"type": "object"}
         # %json in a Lark grammar takes the compiler's options from the schema's own "x-guidance" key.
         options = {**_JSON_OPTIONS, "lenient": True}
         rules.append(f"args{index}: %json {json.dumps({**parameters, 'x-guidance': options})}")
         # The forced prefix of "required" ends inside the name's string: the rest of the name as JSON writes it.
         head = "" if name is not None else json.dumps(tool_name, ensure_ascii=False)[1:] + ', "arguments":'
         choices.append(f"{_lark_literal(head + ' ')} args{index}")
-    close = _lark_literal("}\n" + TOOL_CALL_CLOSE) if close_id is None else f'"}}\\n" <[{close_id}]>'
-    lark = "start: (" + " | ".join(choices) + ") " + close + "\n" + "\n".join(rules) + "\n"
-    return _validated(_llguidance().LLMatcher.grammar_from_lark(lark), "tools")
+    return rules, choices
+
+
+def _close(close_id: int | None) -> str:
+    return _lark_literal("}\n" + TOOL_CALL_CLOSE) if close_id is None else f'"}}\\n" <[{close_id}]>'
 
 
 def _lark_literal(text: str) -> str:
@@ -250,11 +294,13 @@ class Grammar:
     @classmethod
     def tool_call(cls, tools: Sequence[Mapping[str, Any]], name: str | None, tokenizer: Any) -> Grammar:
         """The rest of a forced tool call (:func:`tool_call_grammar`)."""
-        try:
-            close_id = tokenizer.special_token_id(TOOL_CALL_CLOSE)
-        except InvalidArgumentError:
-            close_id = None
-        return cls(tool_call_grammar(tools, name, close_id), tokenizer, "tool_call")
+        return cls(tool_call_grammar(tools, name, _close_id(tokenizer)), tokenizer, "tool_call")
+
+    @classmethod
+    def tool_calls(cls, tools: Sequence[Mapping[str, Any]], tokenizer: Any) -> Grammar:
+        """A free answer whose tool calls follow their functions' schemas where ``strict`` (:func:`tool_calls_grammar`):
+        ``tool_choice`` ``"auto"`` with strict tools."""
+        return cls(tool_calls_grammar(tools, _close_id(tokenizer)), tokenizer, "tool_calls")
 
     def start(self) -> GrammarState:
         """A fresh matcher at the grammar's start.  O(grammar size) to build its parser."""
@@ -270,6 +316,13 @@ class Grammar:
 
     def __repr__(self) -> str:
         return f"Grammar({self.kind}, {len(self.source)} chars, tokenizer={self.tokenizer_name!r})"
+
+
+def _close_id(tokenizer: Any) -> int | None:
+    try:
+        return tokenizer.special_token_id(TOOL_CALL_CLOSE)
+    except InvalidArgumentError:
+        return None
 
 
 class GrammarState:

@@ -19,11 +19,13 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import CancelledError
 from typing import Any
 
+from prefixcache.cache import snapshot_write
 from prefixcache.cache.host_tier import host_pool_for
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.cache.resume import DEFAULT_STATE_INTERVAL_BLOCKS
-from prefixcache.cache.snapshot import SnapshotSummary
+from prefixcache.cache.snapshot import Snapshot, SnapshotSummary
+from prefixcache.cache.snapshot_staging import StagingBuffer
 from prefixcache.cache.tokens import TokenIds
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
 from prefixcache.engine.chat import complete_chat
@@ -174,12 +176,19 @@ class PrefixCachingRunner:
             SnapshotWriteError: a write or sync failed (also an OSError); the previous snapshot is kept.
             SnapshotError: safetensors is missing.
         """
+        return snapshot_write.write(self.capture_snapshot(), directory)
+
+    def capture_snapshot(self, staging: StagingBuffer | None = None) -> Snapshot:
+        """What :meth:`save_snapshot` writes, copied into host memory (into ``staging`` when given): the cache's
+        :meth:`~prefixcache.cache.radix_cache.RadixCache.capture` of this fingerprint's namespaces, with the model and
+        tokenizer fingerprints.  Call it between model steps; write it with
+        :func:`~prefixcache.cache.snapshot_write.write` on any thread.  O(cached tokens) plus a memcpy of the blocks."""
         self.checks.refresh_weights()
         prefix = f"{self.fingerprint}:"
-        return self.cache.save(
-            directory,
+        return self.cache.capture(
             identity=self._snapshot_identity(),
             keep_namespace=lambda namespace: namespace is not None and namespace.startswith(prefix),
+            staging=staging,
         )
 
     def load_snapshot(self, directory: str | os.PathLike[str]) -> SnapshotSummary:

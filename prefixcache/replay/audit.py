@@ -55,6 +55,7 @@ _REFUSED_OPTIONS = {
     "host_cache_tokens": "--host-cache-tokens",
     "host_cache_memory": "--host-cache-memory",
     "state_bytes": "--state-bytes",
+    "sweep": "--sweep",
 }
 
 

@@ -294,7 +294,7 @@ class Replayer:
         report.dropped_states = stats.dropped_states
         report.kv_evicted_states = stats.kv_evicted_states
         report.num_blocks = cache.pool.num_blocks
-        report.verified = True if self.verify else None
+        report.verified = True if self.verify and report.requests else None  # none verified: no verdict
         if tally is not None:
             report.explain_kinds = dict(tally.kinds)
             report.divergences = tally.top(3)

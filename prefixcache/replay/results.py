@@ -182,7 +182,7 @@ class ReplayReport:
             uncached = [s.prefill_s_uncached for s in timed]
             total.prefill_s_uncached = None if None in uncached else sum(uncached)
         verified = [s.verified for s in self.scenarios]
-        total.verified = None if any(v is None for v in verified) else all(verified)
+        total.verified = None if not verified or any(v is None for v in verified) else all(verified)
         diffs = [s.max_abs_logit_diff for s in self.scenarios if s.max_abs_logit_diff is not None]
         total.max_abs_logit_diff = max(diffs) if diffs else None
         return total

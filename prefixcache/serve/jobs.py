@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from prefixcache.serve.protocol import BadRequest
+from prefixcache.serve.samples import summed_usage
 
 __all__ = [
     "DEFAULT_MAX_REQUEST_BYTES",
@@ -92,10 +93,8 @@ def merged_choices(bodies: Sequence[dict[str, Any]]) -> dict[str, Any]:
     of all samples."""
     body = dict(bodies[0])
     body["choices"] = [{**sample["choices"][0], "index": i} for i, sample in enumerate(bodies)]
-    usage = body.get("usage")
-    if usage is not None:
-        generated = sum(sample["usage"]["completion_tokens"] for sample in bodies)
-        body["usage"] = {**usage, "completion_tokens": generated, "total_tokens": usage["prompt_tokens"] + generated}
+    if body.get("usage") is not None:
+        body["usage"] = summed_usage([sample["usage"] for sample in bodies])
     return body
 
 

@@ -21,6 +21,7 @@ _GET_ROUTES = {
     "/metrics": "Prometheus metrics",
     "/v1/models": "The model served (OpenAI's list shape)",
     "/v1/models/{model_id}": "One model by id",
+    "/tokenizer_info": "The tokenizer's class, vocabulary size and special tokens (vLLM's)",
     "/v1/responses/{response_id}": "A stored response",
 }
 _ERROR = {
@@ -49,7 +50,7 @@ def _parameters(path: str) -> list[dict[str, Any]]:
 def openapi_document(title: str, version: str) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the server: every POST body as a component schema (``$ref`` to
     ``#/components/schemas/<Model>``), 400/401/413 in OpenAI's error shape.  O(size of the schemas)."""
-    keyed = [(model, "validation") for model in BODY_MODELS.values()]
+    keyed = [(model, "validation") for models in BODY_MODELS.values() for model in models]
     refs, definitions = models_json_schema(keyed, ref_template="#/components/schemas/{model}")
     error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     errors = {
@@ -57,14 +58,15 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
         for status, what in (("400", "a bad request"), ("401", "no or a wrong API key"), ("413", "body too large"))
     }
     paths: dict[str, Any] = {}
-    for path, model in BODY_MODELS.items():
+    for path, models in BODY_MODELS.items():
+        bodies = [refs[(model, "validation")] for model in models]
         paths[path] = {
             "post": {
-                "summary": (model.__doc__ or "").strip().split("\n")[0],
+                "summary": (models[0].__doc__ or "").strip().split("\n")[0],
                 "operationId": path.strip("/").replace("/", "_"),
                 "requestBody": {
                     "required": True,
-                    "content": {"application/json": {"schema": refs[(model, "validation")]}},
+                    "content": {"application/json": {"schema": bodies[0] if len(bodies) == 1 else {"anyOf": bodies}}},
                 },
                 "responses": {"200": {"description": "OpenAI's response object, or an SSE stream"}, **errors},
             }

@@ -2,10 +2,10 @@
 
 Each body is first validated by its schema (:mod:`prefixcache.serve.schemas`: fields, types, documented values and
 ranges, declared once and published at ``/openapi.json``); this module adds the checks that join fields or need the
-model, and builds the records.  Only what the server really does is accepted.  A field it cannot honour (``n`` > 1 with
-streaming, chat's ``echo``, any unknown field) is a 400 in OpenAI's error shape naming the parameter, never silently
-ignored; fields that change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``) pass.  The
-sampling fields are OpenAI's (``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``,
+model, and builds the records.  Only what the server really does is accepted.  A field it cannot honour (chat's
+``echo``, any unknown field) is a 400 in OpenAI's error shape naming the parameter, never silently ignored; fields that
+change nothing here (``user``, ``metadata``, ``store``, ``parallel_tool_calls``) pass.  The sampling fields are
+OpenAI's (``temperature``, ``top_p``, ``seed``, ``presence_penalty``, ``frequency_penalty``,
 ``logit_bias`` with string keys of token ids) and vLLM's extra ones (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``: the ``openai`` client sends them in ``extra_body``), each checked by
 :class:`~prefixcache.engine.sampling.SamplingParams`, the one definition of their ranges.  Log-probabilities are asked
@@ -173,8 +173,6 @@ def _common(body: Mapping[str, Any], checked: Any, max_tokens: int | None, vocab
     """What chat and completions share, from a validated body (``checked``) and its raw JSON (``body``), with
     ``max_tokens`` the given limit (None: the endpoint's default, already filled in)."""
     stream = bool(checked.stream)
-    if checked.n is not None and checked.n > 1 and stream:
-        raise BadRequest("n > 1 is served without streaming; set stream to false or n to 1", "n")
     options = checked.stream_options
     if options is not None and not stream:
         # As OpenAI and vLLM answer: the options describe a stream, and a plain response would silently drop them.

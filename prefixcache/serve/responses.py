@@ -156,7 +156,7 @@ def conversation_after(prior: Sequence[dict[str, Any]], new: Sequence[dict[str, 
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
     """Function tools (``{"type": "function", "name", "description", "parameters", "strict"}``) in the chat layer's
-    format; ``strict`` changes nothing here (arguments are not constrained, as on the chat endpoint)."""
+    format, ``strict`` kept: a strict function's calls follow its ``parameters``, as on the chat endpoint."""
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list) or not all(isinstance(tool, Mapping) for tool in tools):
@@ -174,6 +174,8 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
         function = {"name": name, "parameters": dict(parameters or {"type": "object", "properties": {}})}
         if isinstance(tool.get("description"), str):
             function["description"] = tool["description"]
+        if tool.get("strict") is True:
+            function["strict"] = True
         out.append({"type": "function", "function": function})
     return out
 

@@ -27,8 +27,11 @@ __all__ = [
     "BODY_MODELS",
     "ChatCompletionBody",
     "CompletionBody",
+    "DetokenizeBody",
     "PrefillBody",
     "ResponsesBody",
+    "TokenizeChatBody",
+    "TokenizePromptBody",
     "BodyError",
     "validate_body",
 ]
@@ -187,13 +190,44 @@ class ResponsesBody(_Strict):
     top_logprobs: None = Field(None, description="accepted only as null")
 
 
-BODY_MODELS: dict[str, type[BaseModel]] = {
-    "/v1/chat/completions": ChatCompletionBody,
-    "/v1/completions": CompletionBody,
-    "/v1/responses": ResponsesBody,
-    "/v1/cache/prefill": PrefillBody,
+class _TokenizeOptions(_Strict):
+    model: Text | None = None
+    add_special_tokens: bool | None = Field(None, description="checked only: no special tokens are added")
+    return_token_strs: bool | None = None
+
+
+class TokenizePromptBody(_TokenizeOptions):
+    """``POST /tokenize`` of a text (vLLM's): its ids as ``/v1/completions`` runs them."""
+
+    prompt: str
+
+
+class TokenizeChatBody(_TokenizeOptions):
+    """``POST /tokenize`` of messages (vLLM's): the ids ``/v1/chat/completions`` runs for them."""
+
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    tools: list[ChatTool] | None = None
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+
+
+class DetokenizeBody(_Strict):
+    """``POST /detokenize`` (vLLM's): token ids back to text."""
+
+    model: Text | None = None
+    tokens: list[int]
+
+
+BODY_MODELS: dict[str, tuple[type[BaseModel], ...]] = {
+    "/v1/chat/completions": (ChatCompletionBody,),
+    "/v1/completions": (CompletionBody,),
+    "/v1/responses": (ResponsesBody,),
+    "/v1/cache/prefill": (PrefillBody,),
+    "/tokenize": (TokenizePromptBody, TokenizeChatBody),
+    "/detokenize": (DetokenizeBody,),
 }
-"""The body model of each POST route, for ``/openapi.json``."""
+"""The body models of each POST route (one of them, where several), for ``/openapi.json``."""
 
 
 ModelT = TypeVar("ModelT", bound=BaseModel)

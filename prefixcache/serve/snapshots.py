@@ -1,10 +1,11 @@
 """Snapshots for the server: restore the cache at start, save it every few minutes and on a clean shutdown.
 
-Every save and restore runs on the :class:`~prefixcache.engine.batching.BatchEngine` thread
-(:meth:`~prefixcache.engine.batching.BatchEngine.call_soon`), between two steps, so it never races a forward pass (a
-restore fills the pool; a save reads it).  A snapshot that is missing, refused (another model, block size, dtype) or
-damaged leaves the server to start cold, and the log says why; a failed save is logged and the previous snapshot
-stays current.
+A restore runs on the :class:`~prefixcache.engine.batching.BatchEngine` thread
+(:meth:`~prefixcache.engine.batching.BatchEngine.call_soon`), between two steps, so it never races a forward pass; a
+save copies the cache there between two steps and writes its files on a writer thread
+(:meth:`~prefixcache.engine.batching.BatchEngine.save_snapshot`), so streams never wait for the disk.  A snapshot
+that is missing, refused (another model, block size, dtype) or damaged leaves the server to start cold, and the log
+says why; a failed save is logged and the previous snapshot stays current.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 class SnapshotKeeper:
     """The snapshot folder ``directory`` of a server over ``runner``: :meth:`restore` at start, :meth:`save` every
-    ``every_s`` seconds (:meth:`run_periodic`; never when None) and at shutdown, each on ``engine``'s thread.
+    ``every_s`` seconds (:meth:`run_periodic`; never when None) and at shutdown, each through ``engine``.
 
     ``restored`` is what the start loaded (None when it started cold, ``restore_error`` then says why);
     ``last_saved`` the latest save and ``save_errors`` the number of failed ones.
@@ -89,7 +90,7 @@ class SnapshotKeeper:
     async def save(self) -> SnapshotSummary | None:
         """Save the cache now; a failure is logged (the previous snapshot stays current).  Returns what was saved."""
         try:
-            saved = await asyncio.wrap_future(self.engine.call_soon(self._save))
+            saved = await asyncio.wrap_future(self.engine.save_snapshot(self.directory))
         except (SnapshotError, OSError, InvalidArgumentError, RuntimeError) as error:  # the last two: engine closed
             self.save_errors += 1
             logger.error("saving the cache snapshot to %s failed: %s", self.directory, error)
@@ -111,6 +112,3 @@ class SnapshotKeeper:
 
     def _drop(self) -> None:
         self.runner.cache.evict_all()
-
-    def _save(self) -> SnapshotSummary:
-        return self.runner.save_snapshot(self.directory)

@@ -14,7 +14,7 @@ import torch
 from test_snapshot import _version, busy_cache, describe, make_pool, node_kv, saved_and_changed
 
 from prefixcache import RadixCache
-from prefixcache.cache import snapshot
+from prefixcache.cache import snapshot, snapshot_write
 from prefixcache.errors import SnapshotError, SnapshotWriteError
 
 pytest.importorskip("safetensors", reason="needs: pip install 'prefixcache[snapshot]'")
@@ -33,8 +33,8 @@ class FaultInjector:
         self.fail_at = fail_at
         self.fault = fault
         targets = [
-            (snapshot, "_write_file"),
-            (snapshot, "_fsync_dir"),
+            (snapshot_write, "_write_file"),
+            (snapshot_write, "_fsync_dir"),
             (os, "fsync"),
             (os, "makedirs"),
             (os, "mkdir"),
@@ -131,7 +131,7 @@ def test_a_failed_sync_after_the_replace_fails_the_save_and_keeps_the_previous_v
     folder = tmp_path / "snap"
     old, new = saved_and_changed(folder)
     previous = _version(folder).name
-    real_fsync_dir, replaced = snapshot._fsync_dir, []
+    real_fsync_dir, replaced = snapshot_write._fsync_dir, []
 
     def fsync_dir(path: Path) -> None:
         if path == folder and replaced:
@@ -140,7 +140,7 @@ def test_a_failed_sync_after_the_replace_fails_the_save_and_keeps_the_previous_v
 
     real_replace = os.replace
     monkeypatch.setattr(os, "replace", lambda *a: (real_replace(*a), replaced.append(1)))
-    monkeypatch.setattr(snapshot, "_fsync_dir", fsync_dir)
+    monkeypatch.setattr(snapshot_write, "_fsync_dir", fsync_dir)
 
     with pytest.raises(SnapshotWriteError, match="previous version is kept") as raised:
         new.save(folder)

@@ -1,5 +1,6 @@
 """A forced tool call (``tool_choice`` required or named) with the Qwen2.5 tokenizer: the forced ids end on a token
-boundary of the template's own rendering of the finished call, so the next turn is cached like a free call's."""
+boundary of the template's own rendering of the finished call, so the next turn is cached like a free call's; a strict
+tool's call under ``"auto"`` is constrained and still the template's own."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 
@@ -84,3 +86,27 @@ def test_a_forced_calls_next_turn_is_cached_like_a_free_calls(qwen: HFTokenizer,
         assert_quiescent(runner.cache)
     expected = len(qwen.render_chat(ASK, TOOLS, add_generation_prompt=True)) + len(answer_ids(qwen))
     assert cached == {"auto": expected, forcing: expected}
+
+
+def test_a_strict_tools_call_under_auto_is_the_templates_own_and_the_next_turn_hits_it(qwen: HFTokenizer) -> None:
+    pytest.importorskip("llguidance")
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    prompt = qwen.render_chat(ASK, strict, add_generation_prompt=True)
+    prepared = prepare_chat(qwen, ASK, strict, tool_choice="auto")
+    assert prepared.sampling.grammar.kind == "tool_calls" and prepared.prompt_ids == prompt
+    # Every id of the template's rendering of the call is allowed in turn, and the end of turn after it.
+    state = prepared.sampling.grammar.start()
+    stops = prepared.sampling.stop_token_ids
+    for token in answer_ids(qwen):
+        assert state.allowed(qwen.vocab_size, stops, torch.device("cpu"))[token], qwen.decode([token])
+        state.accept(token, stops)
+    assert state.allowed(qwen.vocab_size, stops, torch.device("cpu"))[qwen.special_token_id("<|im_end|>")]
+    runner = scripted_runner(qwen)
+    first = complete_chat(runner, ASK, strict, tool_choice="auto", max_new_tokens=64)
+    assert first.finish_reason == "tool_calls" and first.token_ids[:-1] == tuple(answer_ids(qwen))
+    [call] = first.tool_calls
+    assistant = {"role": "assistant", "content": first.content, "tool_calls": [call]}
+    result = {"role": "tool", "tool_call_id": call["id"], "content": "18 C, sunny"}
+    cached = complete_chat(runner, [*ASK, assistant, result], strict, max_new_tokens=1).usage.cached_tokens
+    assert cached == len(prompt) + len(answer_ids(qwen))
+    assert_quiescent(runner.cache)

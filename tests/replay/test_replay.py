@@ -278,6 +278,17 @@ REPORT_KEYS = (
 )
 
 
+def test_a_replay_that_verified_no_request_gives_no_verdict(tiny: LlamaModel) -> None:
+    # An interrupted --verify run can end before its first request: "verified: yes" would claim what was not done.
+    path = ROOT / "scenarios" / "edit_earlier_message.jsonl"
+
+    report = replay_paths([path], Replayer(tiny, block_size=16, verify=True), limit=0)
+
+    assert report.total.requests == 0
+    assert report.scenarios[0].verified is None and report.total.verified is None
+    assert report.to_json()["verified"] is None
+
+
 def test_replay_with_the_model_verifies_and_hits_the_ideal(tiny: LlamaModel) -> None:
     path = ROOT / "scenarios" / "edit_earlier_message.jsonl"
 

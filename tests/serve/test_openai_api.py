@@ -214,7 +214,7 @@ def test_a_call_with_a_lone_surrogate_escape_comes_back_as_text_not_a_500(make_a
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"n": 2, "stream": True}, "n"),
+        ({"n": 0, "stream": True}, "n"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 1}}}, "response_format"),

@@ -161,6 +161,8 @@ def test_the_api_key_from_the_variable_opens_a_server_that_wants_one(
         report, requests, _ = audit(capsys, SCENARIOS / "few_shot.jsonl", server.url, tmp_path, *options)
     assert main([*argv, "--endpoint", "http://127.0.0.1:1", "--api-key-env", "AUDIT_KEY", "--verify"]) == 2
     assert "--endpoint audits a server's cache; it does not take --verify" in capsys.readouterr().err
+    assert main([*argv, "--endpoint", "http://127.0.0.1:1", "--sweep"]) == 2
+    assert "--endpoint audits a server's cache; it does not take --sweep" in capsys.readouterr().err
     assert report["requests"] == 1 and requests[0]["cached_tokens_server"] == 0
 
 

@@ -151,3 +151,43 @@ def test_layers_without_a_model_config_are_refused(capsys) -> None:
 
     assert main(["serve", "--layers", "2"]) == 2
     assert "--layers needs --model-config" in capsys.readouterr().err
+
+
+def test_max_request_bytes_sets_the_servers_body_limit_and_defaults_to_create_apps(served: dict) -> None:
+    import asyncio
+
+    from prefixcache.cli import build_parser, main
+    from prefixcache.serve.jobs import DEFAULT_MAX_REQUEST_BYTES
+
+    assert build_parser().parse_args(["serve"]).max_request_bytes == DEFAULT_MAX_REQUEST_BYTES
+    assert main(["serve"]) == 0
+    assert served["app"].state.max_request_bytes == DEFAULT_MAX_REQUEST_BYTES == 32 << 20
+    assert main(["serve", "--max-request-bytes", "1KiB"]) == 0
+    app = served["app"]
+    assert app.state.max_request_bytes == 1024
+
+    async def post(size: int) -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            return await client.post("/v1/chat/completions", content=b" " * size)
+
+    too_large = asyncio.run(post(1025))
+    assert too_large.status_code == 413
+    assert too_large.json()["error"]["code"] == "request_too_large"
+    assert "1,024 bytes" in too_large.json()["error"]["message"]
+    assert asyncio.run(post(1024)).status_code == 400  # read whole: blank is not JSON
+
+
+def test_max_request_bytes_is_in_the_serve_help_and_refuses_what_is_not_a_size(capsys) -> None:
+    from prefixcache.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert "--max-request-bytes BYTES" in capsys.readouterr().out
+    for value, message in (("lots", "not a size"), ("0", "at least 1 byte")):
+        try:
+            code = main(["serve", "--max-request-bytes", value])
+        except SystemExit as exit_:
+            code = exit_.code
+        assert code == 2
+        assert message in capsys.readouterr().err

@@ -20,7 +20,7 @@ import openai  # noqa: E402
 
 from prefixcache import PrefixCachingRunner  # noqa: E402
 from prefixcache.models.llama import build_model  # noqa: E402
-from prefixcache.testing import assert_quiescent  # noqa: E402
+from prefixcache.testing import ScriptedModel, assert_quiescent  # noqa: E402
 
 ASK = [{"role": "user", "content": "Describe a city as JSON."}]
 CITY = {
@@ -183,3 +183,31 @@ def test_a_responses_text_format_schema_is_constrained_and_the_sdk_parses_it(mak
     jsonschema.validate(json.loads(plain.output_text), CITY)
     assert plain.text.format.name == "city"
     assert_quiescent(app.state.runner.cache)
+
+
+def test_a_strict_tools_call_under_auto_follows_its_parameters_on_chat_and_responses(make_app, asgi_client) -> None:
+    # The script's city is longer than the schema's 6 characters: a strict tool's call is cut to fit, a free one's not.
+    script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Marseille"}}\n</tool_call>'
+    schema = TOOLS[0]["function"]["parameters"]
+    cities = {}
+    for strict in (True, False):
+        app = make_app(PrefixCachingRunner(ScriptedModel.from_texts([script] * 2), cache_tokens=8192))
+        chat_tools = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": strict}}]
+        responses_tools = [{"type": "function", **TOOLS[0]["function"], "strict": strict}]
+
+        async def main(chat_tools=chat_tools, responses_tools=responses_tools, app=app):
+            client = asgi_client(app)
+            chat = await client.chat.completions.create(model="scripted", messages=ASK, tools=chat_tools)
+            response = await client.responses.create(model="scripted", input="Weather?", tools=responses_tools)
+            return chat, response
+
+        chat, response = run(main())
+        [call] = chat.choices[0].message.tool_calls
+        [item] = [item for item in response.output if item.type == "function_call"]
+        arguments = [json.loads(call.function.arguments), json.loads(item.arguments)]
+        cities[strict] = [a["city"] for a in arguments]
+        if strict:
+            for value in arguments:
+                jsonschema.validate(value, schema)
+        assert_quiescent(app.state.runner.cache)
+    assert cities == {True: ["Marsei", "Marsei"], False: ["Marseille", "Marseille"]}

@@ -1,0 +1,59 @@
+"""The ``prefixcache`` command line: ``replay``, ``bench``, ``plan`` and ``serve``, one module each.
+
+``prefixcache --help``, ``--version`` and ``plan`` import no torch: each command imports the layers it runs on
+only when it runs (the package's facade is lazy too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from prefixcache.cli import bench, plan, replay, serve
+from prefixcache.cli.options import parse_count, parse_size, verbose_parent, version
+from prefixcache.errors import PrefixCacheError, VerificationError
+
+__all__ = ["build_parser", "main", "parse_count", "parse_size"]
+
+_COMMANDS = {"replay": replay, "bench": bench, "serve": serve, "plan": plan}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command (``-v`` is taken before and after the subcommand)."""
+    parser = argparse.ArgumentParser(prog="prefixcache", description="Exact prefix caching for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="log more (-v info, -vv debug)")
+    commands = parser.add_subparsers(dest="command", required=True)
+    after = verbose_parent()
+    for command in _COMMANDS.values():
+        command.add_parser(commands, [after])
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (0 ok, 1 verification failed, 2 bad input or other error, 130 Ctrl-C,
+    141 stdout closed by its reader)."""
+    args = build_parser().parse_args(argv)
+    args.verbose += args.verbose_after
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return _COMMANDS[args.command].run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # stdout closed by its reader (`| head`): end quietly, as a program killed by SIGPIPE would.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit-time flush fails silently
+        return 141
+    except VerificationError as error:
+        print(f"VERIFICATION FAILED: {error}", file=sys.stderr)
+        return 1
+    except (PrefixCacheError, OSError, MemoryError) as error:
+        print(f"error: {error or type(error).__name__}", file=sys.stderr)
+        return 2

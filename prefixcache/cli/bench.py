@@ -1,0 +1,66 @@
+"""``prefixcache bench``: run the benchmarks (:mod:`prefixcache.bench`, and ``serve`` where the server extra is
+installed) and print their figures."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from typing import Any
+
+__all__ = ["BENCHMARK_NAMES", "add_parser", "run"]
+
+BENCHMARK_NAMES = (
+    "tree",
+    "peers",
+    "evict",
+    "memory",
+    "runner",
+    "policy",
+    "trace",
+    "engine",
+    "agent",
+    "route",
+    "snapshot",
+)
+"""The names of :data:`prefixcache.bench.BENCHMARKS`, in its order, for ``--help`` (a test keeps the two equal):
+importing the benchmarks imports torch, and ``--help`` should not."""
+
+
+def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """Add the ``bench`` subcommand to ``commands`` (the subparsers of the ``prefixcache`` parser)."""
+    # serve joins the list where the server extra is installed (run adds it); find_spec imports nothing.
+    with_serve = all(
+        importlib.util.find_spec(m) is not None for m in ("fastapi", "uvicorn", "httpx", "prometheus_client")
+    )
+    names = ", ".join([*BENCHMARK_NAMES, *(["serve"] if with_serve else [])])
+    bench = commands.add_parser("bench", parents=parents, help="run benchmarks and print figures")
+    bench.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {names} (default all)")
+    bench.add_argument("--quick", action="store_true", help="small sizes (seconds); figures are not judged")
+    bench.add_argument("--json", metavar="OUT", help="write results as JSON")
+    bench.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where the engine benchmark runs (default cpu)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmarks ``args.names`` (all by default) and print their tables; 0."""
+    from prefixcache import bench
+
+    extra = {}
+    try:
+        from prefixcache.serve import bench as serve_bench
+
+        extra["serve"] = serve_bench.run
+    except ImportError:  # without the server extra there is no serve benchmark
+        pass
+    if args.device != "cpu":
+        from functools import partial
+
+        from prefixcache.bench import engine
+
+        engine.check_device(args.device)  # before any benchmark runs
+        extra["engine"] = partial(engine.run, device=args.device)
+    if args.quick:
+        print("quick run (--quick): small sizes for a smoke test; the figures are not judged against the goals\n")
+    bench.run(args.names or None, quick=args.quick, json_path=args.json, extra=extra)
+    return 0

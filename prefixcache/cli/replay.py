@@ -1,0 +1,354 @@
+"""``prefixcache replay``: replay chat transcripts or traces through the cache and report prefill savings."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from prefixcache.cli.options import parse_count, parse_size
+from prefixcache.errors import InvalidArgumentError
+from prefixcache.replay.endpoint import add_endpoint_arguments
+
+KV_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
+"""The K/V element types a sweep sizes bytes for (prefixcache.replay.sweep_report.KV_DTYPES; kept here so that
+``--help`` imports no torch)."""
+
+__all__ = ["DEFAULT_STATE_EVERY", "add_parser", "run"]
+
+DEFAULT_STATE_EVERY = 16
+"""``--state-every``'s default: ``prefixcache.cache.resume.DEFAULT_STATE_INTERVAL_BLOCKS``, the engine's interval
+(a test keeps the two equal), written here because importing the cache layer imports torch, and ``--help`` should
+not."""
+
+
+def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """Add the ``replay`` subcommand to ``commands`` (the subparsers of the ``prefixcache`` parser)."""
+    replay = commands.add_parser(
+        "replay", parents=parents, help="replay chat transcripts or traces and report prefill savings"
+    )
+    replay.add_argument(
+        "paths", nargs="+", metavar="PATH", help="scenario JSONL files (chat or Mooncake trace), or folders of them"
+    )
+    replay.add_argument(
+        "--model", default="tiny", help="embedded preset tiny (default) or small, or hf:PATH (local HF model folder)"
+    )
+    replay.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
+    replay.add_argument("--layers", type=int, help="with --model-config: keep only the first N layers")
+    replay.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer folder (default: byte tokenizer)")
+    replay.add_argument(
+        "--chat-template", metavar="FILE", help="Jinja chat template for --tokenizer (instead of the folder's own)"
+    )
+    replay.add_argument("--no-model", action="store_true", help="cache accounting only, no model (fast)")
+    replay.add_argument("--block-size", type=int, default=16, help="tokens per KV block (1..256, default 16)")
+    size = replay.add_mutually_exclusive_group()
+    size.add_argument("--cache-tokens", type=parse_count, help="pool capacity in tokens (default: unlimited)")
+    size.add_argument("--cache-memory", type=parse_size, help="pool capacity in bytes of KV, e.g. 512MiB")
+    host = replay.add_mutually_exclusive_group()
+    host.add_argument(
+        "--host-cache-tokens", type=parse_count, help="host-memory tier in tokens for evicted blocks (default none)"
+    )
+    host.add_argument("--host-cache-memory", type=parse_size, help="host-memory tier in bytes of KV, e.g. 4GiB")
+    recurrent = replay.add_argument_group("recurrent models (with --no-model)")
+    recurrent.add_argument(
+        "--state-bytes",
+        type=parse_size,
+        metavar="BYTES",
+        help="model a hybrid/recurrent model whose state snapshot costs BYTES: a prefix resumes only where a state "
+        "is kept (the end of every prompt and answer, before a prompt's last token, every --state-every blocks), "
+        "e.g. 37.7MiB",
+    )
+    recurrent.add_argument(
+        "--state-every",
+        type=int,
+        default=DEFAULT_STATE_EVERY,
+        metavar="N",
+        help="with --state-bytes: also keep a state every N blocks inside prompts, as the engine does (default 16; "
+        "0: only at prompt and answer ends and before a prompt's last token)",
+    )
+    recurrent.add_argument(
+        "--max-state-bytes",
+        type=parse_size,
+        metavar="BYTES",
+        help="with --state-bytes: budget of the kept states, least recently used evicted (default: unlimited)",
+    )
+    replay.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="eviction policy (default lru)")
+    replay.add_argument("--verify", action="store_true", help="check every request against the no-cache reference")
+    replay.add_argument(
+        "--order",
+        default="round-robin",
+        choices=["round-robin", "random", "file"],
+        help="how conversations interleave: turn by turn (default), seeded random, or each whole in file order",
+    )
+    replay.add_argument("--seed", type=int, default=0, help="seed of --order random (default 0)")
+    replay.add_argument(
+        "--limit", type=parse_count, help="replay only the first N conversations (trace lines) per file"
+    )
+    replay.add_argument(
+        "--format",
+        default="auto",
+        choices=["auto", "chat", "requests", "batch", "sharegpt", "mooncake"],
+        dest="file_format",
+        help="file format (default auto: told from the first line; requests: a chat-completions body per line)",
+    )
+    replay.add_argument("--skip-invalid", action="store_true", help="skip bad lines (reported) instead of failing")
+    replay.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    replay.add_argument("--requests-jsonl", metavar="OUT", help="write one JSON line of usage per request")
+    replay.add_argument(
+        "--explain", action="store_true", help="show where requests diverge from the cache (token, message, text)"
+    )
+    replay.add_argument("--plot", metavar="OUT.png", help="draw hit rate vs ideal and pool occupancy (matplotlib)")
+    replay.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    sweep = replay.add_argument_group("every cache size in one pass (--sweep)")
+    sweep.add_argument(
+        "--sweep",
+        action="store_true",
+        help="LRU hit rate at every cache size in one pass (stack distances), Belady's bound and the knee",
+    )
+    sweep.add_argument(
+        "--kv-dtype", choices=KV_DTYPE_CHOICES, default="bf16", help="with --model-config: KV element type for bytes"
+    )
+    sweep.add_argument("--no-belady", action="store_true", help="skip Belady's bound (one simulation per size)")
+    sweep.add_argument(
+        "--check-knee", action="store_true", help="also replay the radix tree at the knee's size (exact figure)"
+    )
+    sweep.add_argument(
+        "--no-token-cache", action="store_true", help="tokenize again instead of reading the stored tokens"
+    )
+    add_endpoint_arguments(replay)
+
+
+class _Progress:
+    """Progress on stderr from the first second: a line per loading step, a tqdm bar per phase of each file."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+
+    def step(self, message: str) -> None:
+        if self.enabled:
+            print(f"{message} ...", file=sys.stderr, flush=True)
+
+    def __call__(self, items, description: str, total: int | None, unit: str):
+        if not self.enabled:
+            return items
+        from tqdm import tqdm
+
+        return tqdm(items, total=total, desc=description, unit=unit, leave=False, file=sys.stderr, mininterval=0.2)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before any work, an output that cannot be written: a missing folder, a folder given as the file,
+    a plot format matplotlib does not know, two outputs (or an output and an input) on one path."""
+    outputs = {"--json": args.json, "--requests-jsonl": args.requests_jsonl, "--plot": args.plot}
+    seen: dict[Path, str] = {Path(p).resolve(): "an input" for p in args.paths}
+    for folder in (Path(p) for p in args.paths if Path(p).is_dir()):
+        seen.update((p.resolve(), "an input") for p in folder.glob("*.jsonl"))  # replayed as inputs too
+    for option, value in outputs.items():
+        if value is None:
+            continue
+        if not value.strip():
+            raise InvalidArgumentError(f"{option}: empty file name")
+        path = Path(value)
+        folder = path.parent
+        if path.is_dir():
+            raise InvalidArgumentError(f"{option} {value}: is a folder; give a file name")
+        if not folder.is_dir():
+            raise InvalidArgumentError(f"{option} {value}: folder {str(folder)!r} does not exist")
+        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise InvalidArgumentError(f"{option} {value}: not writable")
+        if path.resolve() in seen:
+            raise InvalidArgumentError(f"{option} {value}: the same file as {seen[path.resolve()]}")
+        seen[path.resolve()] = option
+    if args.plot:
+        from prefixcache.replay.plot import check_plot_path
+
+        check_plot_path(args.plot)
+
+
+def _load_tokenizer(args: argparse.Namespace, progress: _Progress):
+    if args.chat_template and not args.tokenizer:
+        raise InvalidArgumentError("--chat-template needs --tokenizer (the byte tokenizer has its own ChatML)")
+    if not args.tokenizer:
+        return None
+    progress.step(f"loading tokenizer {args.tokenizer}")
+    from prefixcache.chat.hf_tokenizer import HFTokenizer
+
+    template = None
+    if args.chat_template:
+        try:
+            template = Path(args.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise InvalidArgumentError(f"--chat-template {args.chat_template}: cannot read: {error}") from None
+    tokenizer = HFTokenizer(args.tokenizer, chat_template=template)
+    if not tokenizer.has_chat_template:
+        raise InvalidArgumentError(
+            f"--tokenizer {args.tokenizer}: the folder has no chat template (no chat_template in "
+            "tokenizer_config.json, no chat_template.jinja); give one with --chat-template FILE (a Jinja file)"
+        )
+    return tokenizer
+
+
+def _load_model(args: argparse.Namespace, progress: _Progress):
+    from prefixcache.models.llama import build_model
+
+    if args.no_model:
+        return None
+    if args.model_config:
+        from prefixcache.models.hf import random_model_from_config
+
+        progress.step(f"building a random-weight model from {args.model_config}")
+        return random_model_from_config(args.model_config, layers=args.layers)
+    if args.model.startswith("hf:"):
+        from prefixcache.models.hf import load_hf_model
+
+        progress.step(f"loading model {args.model[3:]}")
+        return load_hf_model(args.model[3:])
+    progress.step(f"building model {args.model}")
+    return build_model(args.model)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``replay`` command: a sweep of every cache size with ``--sweep``
+    (:mod:`prefixcache.replay.sweep_cli`), an audit of a server's cache with ``--endpoint``
+    (:mod:`prefixcache.replay.audit`), else a replay."""
+    from prefixcache.replay.sweep_cli import or_sweep
+
+    if args.endpoint:
+        return _replay(args)
+    return or_sweep(_replay, _load_tokenizer, _Progress)(args)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    """Replay ``args.paths`` and print (and write) the report; 0, or 130 when interrupted with a partial report."""
+    from prefixcache.replay.replayer import Replayer, ReplayInterrupted, check_options, replay_paths
+
+    progress = _Progress(not args.no_progress)
+    if args.plot:
+        from prefixcache.replay.plot import require_matplotlib
+
+        require_matplotlib()  # fail before a long replay, not after it
+    if args.layers is not None and not args.model_config:
+        raise InvalidArgumentError("--layers needs --model-config")
+    check_options(
+        has_model=not args.no_model,
+        cache_memory=args.cache_memory,
+        verify=args.verify,
+        host_cache_memory=args.host_cache_memory,
+        state_bytes=args.state_bytes,
+        state_every=args.state_every,
+        max_state_bytes=args.max_state_bytes,
+        host_tier=args.host_cache_tokens is not None or args.host_cache_memory is not None,
+    )
+    _check_outputs(args)
+    try:
+        tokenizer = _load_tokenizer(args, progress)
+        if args.endpoint:
+            from prefixcache.replay.audit import run_endpoint_replay
+
+            return run_endpoint_replay(args, tokenizer, progress)
+        model = _load_model(args, progress)
+    except ImportError as error:
+        raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
+    replayer = Replayer(
+        model,
+        tokenizer,
+        block_size=args.block_size,
+        cache_tokens=args.cache_tokens,
+        cache_memory=args.cache_memory,
+        policy=args.policy,
+        verify=args.verify,
+        explain=args.explain,
+        host_cache_tokens=args.host_cache_tokens,
+        host_cache_memory=args.host_cache_memory,
+        state_bytes=args.state_bytes,
+        state_every=args.state_every,
+        max_state_bytes=args.max_state_bytes,
+    )
+    replayer.check_pool_memory()
+    try:
+        report = replay_paths(
+            args.paths,
+            replayer,
+            order=args.order,
+            seed=args.seed,
+            limit=args.limit,
+            skip_invalid=args.skip_invalid,
+            file_format=args.file_format,
+            progress=progress,
+            log_requests=args.requests_jsonl is not None,
+        )
+    except ReplayInterrupted as interrupted:
+        report = interrupted.report
+    if hasattr(model, "name"):
+        report.model = model.name
+    _write_replay(args, report, replayer.tokenizer.name)
+    if report.partial:
+        print("interrupted: the report above covers the requests completed before Ctrl-C", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _write_replay(args: argparse.Namespace, report, tokenizer_name: str) -> None:
+    from prefixcache.replay.report import drift_json, format_drift, format_drift_requests, format_replay
+
+    # The files first: a stdout closed early (`| head`) must not cost them.
+    if args.json:
+        out_json = report.to_json()
+        for scenario in report.scenarios:
+            out_json["scenarios"][scenario.scenario]["drift"] = drift_json(scenario)
+        with _replacing(args.json) as out:
+            json.dump(out_json, out, indent=2)
+    if args.requests_jsonl:
+        with _replacing(args.requests_jsonl) as out:
+            for record in report.requests_log:
+                out.write(json.dumps(record) + "\n")
+    print(f"tokenizer: {tokenizer_name}")
+    print(format_replay(report))
+    for scenario in report.scenarios:
+        line = format_drift(scenario)
+        if line:
+            print(line)
+    if args.explain:
+        from prefixcache.replay.explain import format_divergences
+
+        for scenario in report.scenarios:
+            print()
+            print(format_divergences(scenario.scenario, scenario.explain_kinds or {}, scenario.divergences))
+            if scenario.drifts:
+                print(format_drift_requests(scenario))
+    if args.plot and report.scenarios:  # last: a plot that cannot be drawn (no requests) costs no other report
+        from prefixcache.replay.plot import plot_replay
+
+        with _replacing(args.plot, binary=True) as out:
+            plot_replay(report, out, image_format=Path(args.plot).suffix.lstrip(".").lower())
+        print(f"plot written to {args.plot}")
+
+
+@contextlib.contextmanager
+def _replacing(name: str, *, binary: bool = False) -> Iterator[IO[Any]]:
+    """A text file opened for writing that appears at ``name`` whole or not at all: written beside it under a
+    temporary name and renamed over it on success, removed on any error or Ctrl-C, so an old report survives.
+    A name that is not a regular file (``/dev/stdout``, a pipe) is written directly."""
+    path = Path(name)
+    if path.exists() and not path.is_file():
+        with open(path, "wb") if binary else open(path, "w", encoding="utf-8") as out:
+            yield out
+        return
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") if binary else os.fdopen(handle, "w", encoding="utf-8") as out:
+            yield out
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise

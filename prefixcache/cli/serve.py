@@ -1,0 +1,152 @@
+"""``prefixcache serve``: an OpenAI-compatible HTTP server over the prefix cache (:mod:`prefixcache.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefixcache.cli.options import parse_count, parse_size
+from prefixcache.errors import InvalidArgumentError
+
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "add_parser", "run"]
+
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20
+"""``--max-request-bytes``'s default, :data:`prefixcache.serve.jobs.DEFAULT_MAX_REQUEST_BYTES` (a test keeps the two
+equal), written here because importing the server imports torch, and ``--help`` should not."""
+
+
+def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
+    """Add the ``serve`` subcommand to ``commands`` (the subparsers of the ``prefixcache`` parser)."""
+    serve = commands.add_parser("serve", parents=parents, help="an OpenAI-compatible HTTP server over the prefix cache")
+    serve.add_argument("--model", default="tiny", help="embedded preset tiny (default) or small, or hf:PATH")
+    serve.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
+    serve.add_argument("--layers", type=int, help="with --model-config: keep only the first N layers")
+    serve.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer folder (default: byte tokenizer)")
+    serve.add_argument(
+        "--served-model-name",
+        help="the model id clients send (default: the preset, or the name of the hf:PATH or --model-config folder)",
+    )
+    serve_size = serve.add_mutually_exclusive_group()
+    serve_size.add_argument("--cache-tokens", type=parse_count, help="pool capacity in tokens (default 65,536)")
+    serve_size.add_argument("--cache-memory", type=parse_size, help="pool capacity in bytes of KV, e.g. 512MiB")
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    serve.add_argument(
+        "--max-batch-tokens",
+        type=parse_count,
+        default=512,
+        help="tokens one batched forward takes: decode rows first, then prefill chunks (vLLM's "
+        "--max-num-batched-tokens; default 512)",
+    )
+    serve.add_argument(
+        "--max-running",
+        type=parse_count,
+        default=32,
+        help="requests running at once; more wait in the queue (vLLM's --max-num-seqs; default 32)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    serve.add_argument(
+        "--max-request-bytes",
+        type=parse_size,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="BYTES",
+        help="largest request body read, e.g. 64MiB; a larger one is answered 413 in OpenAI's error shape, unread "
+        f"(default {DEFAULT_MAX_REQUEST_BYTES >> 20}MiB)",
+    )
+    serve.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="one 'KEY [NAMESPACE]' per line; each key gets its own cache namespace (/health and /metrics stay open)",
+    )
+    serve.add_argument(
+        "--snapshot",
+        metavar="DIR",
+        help="restore the cache from this snapshot folder at start (cold if missing or refused, saying why) and "
+        "save it there on a clean shutdown (needs prefixcache[snapshot])",
+    )
+    serve.add_argument(
+        "--snapshot-every",
+        metavar="MIN",
+        type=float,
+        help="also save the snapshot every MIN minutes (needs --snapshot)",
+    )
+
+
+def _default_model_name(args: argparse.Namespace) -> str:
+    """The id ``serve`` answers to without ``--served-model-name``: the preset, or the model folder's name (for a
+    ``--model-config`` file, its folder's name when it is a ``config.json``, else its stem)."""
+    if args.model_config:
+        path = Path(args.model_config).resolve()
+        if path.name == "config.json":
+            return path.parent.name
+        return path.stem if path.is_file() else path.name
+    if args.model.startswith("hf:"):
+        return Path(args.model[3:]).resolve().name
+    return args.model
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the model and serve it until interrupted; 0.  Raises InvalidArgumentError for conflicting options or a
+    missing extra."""
+    try:
+        from prefixcache.serve import ApiKeys, create_app, serve_forever
+    except ImportError as error:
+        raise InvalidArgumentError(f"{error}; the server needs: pip install 'prefixcache[server]'") from None
+    from prefixcache.engine.runner import PrefixCachingRunner
+    from prefixcache.models.llama import build_model
+
+    if args.layers is not None and not args.model_config:
+        raise InvalidArgumentError("--layers needs --model-config")
+    if args.max_request_bytes < 1:
+        raise InvalidArgumentError(f"--max-request-bytes must be at least 1 byte, got {args.max_request_bytes}")
+    if args.snapshot_every is not None and (args.snapshot is None or not args.snapshot_every > 0):
+        raise InvalidArgumentError("--snapshot-every needs --snapshot and a positive number of minutes")
+    if args.snapshot is not None and importlib.util.find_spec("safetensors") is None:
+        raise InvalidArgumentError("--snapshot needs safetensors: pip install 'prefixcache[snapshot]'")
+    if args.snapshot is not None and Path(args.snapshot).exists() and not Path(args.snapshot).is_dir():
+        raise InvalidArgumentError(f"--snapshot {args.snapshot}: is a file; give a folder (made if missing)")
+    keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
+    try:
+        tokenizer = None
+        if args.tokenizer:
+            from prefixcache.chat.hf_tokenizer import HFTokenizer
+
+            tokenizer = HFTokenizer(args.tokenizer)
+        if args.model_config:
+            from prefixcache.models.hf import random_model_from_config
+
+            model = random_model_from_config(args.model_config, layers=args.layers)
+        elif args.model.startswith("hf:"):
+            from prefixcache.models.hf import load_hf_model
+
+            model = load_hf_model(args.model[3:])
+        else:
+            model = build_model(args.model)
+    except ImportError as error:
+        raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
+    runner = PrefixCachingRunner(
+        model, tokenizer, cache_tokens=args.cache_tokens, cache_memory=args.cache_memory, block_size=args.block_size
+    )
+    # What was restored, or why the cache starts cold, is worth a line at the default verbosity.
+    logging.getLogger("prefixcache.serve.snapshots").setLevel(logging.INFO)
+    name = args.served_model_name or _default_model_name(args)
+    every_s = None if args.snapshot_every is None else 60.0 * args.snapshot_every
+    app = create_app(
+        runner,
+        model_name=name,
+        api_keys=keys,
+        snapshot_dir=args.snapshot,
+        snapshot_every_s=every_s,
+        max_batch_tokens=args.max_batch_tokens,
+        max_running=args.max_running,
+        max_request_bytes=args.max_request_bytes,
+    )
+
+    def announce(url: str) -> None:
+        print(f"serving {name!r} at {url}/v1 ({runner.pool.capacity_tokens:,} tokens of KV)", flush=True)
+
+    serve_forever(app, args.host, args.port, log_level="warning" if args.verbose == 0 else "info", announce=announce)
+    return 0

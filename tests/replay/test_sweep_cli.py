@@ -1,0 +1,142 @@
+"""``replay --sweep`` on the command line, and the token store that spares a rerun its tokenizing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from prefixcache.chat.tokenizer import ByteTokenizer
+from prefixcache.cli import main
+from prefixcache.replay.requests import load_requests
+from prefixcache.replay.token_store import cache_dir, load_requests_cached
+
+
+def conversation(conversation_id: str, *turns: str) -> dict:
+    roles = ["user", "assistant"] * len(turns)
+    messages = [{"role": "system", "content": "You are a terse assistant for tests."}]
+    return {
+        "id": conversation_id,
+        "messages": messages + [{"role": r, "content": t} for r, t in zip(roles, turns, strict=False)],
+    }
+
+
+@pytest.fixture
+def chats(tmp_path: Path) -> Path:
+    lines = [conversation(f"c{i}", f"question {i}?", f"answer {i} " * 5, "and then?", "the end " * i) for i in range(6)]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+class CountingTokenizer(ByteTokenizer):
+    """The byte tokenizer, counting its chat renderings."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def render_chat(self, *args, **kwargs):
+        self.calls += 1
+        return super().render_chat(*args, **kwargs)
+
+
+def test_a_second_load_reads_the_stored_tokens_without_calling_the_tokenizer(chats: Path, tmp_path: Path):
+    store = tmp_path / "store"
+    first = CountingTokenizer()
+    requests, skipped, stored = load_requests_cached(chats, first, directory=store)
+    assert (stored, skipped) == (False, 0) and first.calls > 0
+    again = CountingTokenizer()
+    restored, skipped, stored = load_requests_cached(chats, again, directory=store)
+    assert (stored, skipped, again.calls) == (True, 0, 0)
+    assert [(r.conversation_id, r.turn, r.prompt, r.answer, r.drift_at) for r in restored] == [
+        (r.conversation_id, r.turn, r.prompt, r.answer, r.drift_at) for r in requests
+    ]
+    assert restored == load_requests(chats, ByteTokenizer())[0]  # conversation is not compared
+
+
+def test_an_edited_file_another_order_or_no_cache_tokenizes_again(chats: Path, tmp_path: Path):
+    store = tmp_path / "store"
+    load_requests_cached(chats, ByteTokenizer(), directory=store)
+    for kwargs in ({"order": "file"}, {"use_cache": False}, {}):
+        if not kwargs:
+            chats.write_text(chats.read_text() + json.dumps(conversation("new", "hi", "hello")) + "\n")
+        tokenizer = CountingTokenizer()
+        _, _, stored = load_requests_cached(chats, tokenizer, directory=store, **kwargs)
+        assert not stored and tokenizer.calls > 0, kwargs
+    assert len(list(store.glob("*.npz"))) == 3  # the original, the file order, the edited file
+
+
+def test_a_damaged_entry_is_tokenized_again_and_rewritten(chats: Path, tmp_path: Path):
+    store = tmp_path / "store"
+    load_requests_cached(chats, ByteTokenizer(), directory=store)
+    (entry,) = store.glob("*.npz")
+    entry.write_bytes(b"not a zip")
+    tokenizer = CountingTokenizer()
+    _, _, stored = load_requests_cached(chats, tokenizer, directory=store)
+    assert not stored and tokenizer.calls > 0
+    _, _, stored = load_requests_cached(chats, ByteTokenizer(), directory=store)
+    assert stored
+
+
+def test_the_store_lives_in_the_user_cache_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.delenv("PREFIXCACHE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_dir() == tmp_path / "prefixcache" / "tokens"
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "mine"))
+    assert cache_dir() == tmp_path / "mine" / "tokens"
+
+
+def test_replay_sweep_prints_the_curve_writes_json_and_reuses_the_tokens(
+    chats: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}))
+    out = tmp_path / "sweep.json"
+    argv = ["replay", str(chats), "--no-model", "--sweep", "--block-size", "4", "--json", str(out), "--check-knee"]
+    assert main([*argv, "--model-config", str(config), "--kv-dtype", "fp16"]) == 0
+    printed = capsys.readouterr()
+    assert "knee (within 1 point of unlimited)" in printed.out and "KV bytes" in printed.out
+    (sweep,) = json.loads(out.read_text())["sweeps"]
+    assert sweep["requests"] == 12 and sweep["bytes_per_token"] == 2 * 2 * 4 * 16 * 2
+    assert sweep["unlimited_hit_rate"] == pytest.approx(
+        max(p["lru_hit_rate"] for p in sweep["points"])
+    )  # the last point is the working set
+    assert sweep["points"][-1]["capacity_tokens"] == sweep["working_set_tokens"]
+    assert sweep["exact_at_knee"] is not None
+    assert "token store" not in printed.err  # the first run tokenized
+    assert main(argv) == 0
+    assert "tokens read from the token store" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--cache-tokens", "64"], "drop --cache-tokens"),
+        (["--policy", "lfu"], "LFU"),
+        (["--kv-dtype", "fp8"], "--kv-dtype needs --model-config"),
+    ],
+)
+def test_replay_sweep_refuses_options_it_does_not_take(
+    chats: Path, extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+):
+    assert main(["replay", str(chats), "--no-model", "--sweep", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_replay_sweep_draws_the_curve(chats: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    plot = tmp_path / "curve.png"
+    assert main(["replay", str(chats), "--sweep", "--block-size", "4", "--plot", str(plot), "--no-progress"]) == 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("tmp")] == []  # no temporary file left
+
+
+def test_the_command_lines_kv_dtypes_are_the_sweeps() -> None:
+    # The parser keeps its own list so that --help imports no torch; it must name exactly what the sweep sizes.
+    from prefixcache.cli.replay import KV_DTYPE_CHOICES
+    from prefixcache.replay.sweep_report import KV_DTYPES
+
+    assert sorted(KV_DTYPE_CHOICES) == sorted(KV_DTYPES)
