@@ -14,6 +14,7 @@ from typing import IO, Any
 
 from prefixcache.cli.options import parse_count, parse_size
 from prefixcache.errors import InvalidArgumentError
+from prefixcache.replay.endpoint import add_endpoint_arguments
 
 KV_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
 """The K/V element types a sweep sizes bytes for (prefixcache.replay.sweep_report.KV_DTYPES; kept here so that
@@ -120,6 +121,7 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     sweep.add_argument(
         "--no-token-cache", action="store_true", help="tokenize again instead of reading the stored tokens"
     )
+    add_endpoint_arguments(replay)
 
 
 class _Progress:
@@ -213,9 +215,12 @@ def _load_model(args: argparse.Namespace, progress: _Progress):
 
 def run(args: argparse.Namespace) -> int:
     """The ``replay`` command: a sweep of every cache size with ``--sweep``
-    (:mod:`prefixcache.replay.sweep_cli`), else a replay."""
+    (:mod:`prefixcache.replay.sweep_cli`), an audit of a server's cache with ``--endpoint``
+    (:mod:`prefixcache.replay.audit`), else a replay."""
     from prefixcache.replay.sweep_cli import or_sweep
 
+    if args.endpoint:
+        return _replay(args)
     return or_sweep(_replay, _load_tokenizer, _Progress)(args)
 
 
@@ -243,6 +248,10 @@ def _replay(args: argparse.Namespace) -> int:
     _check_outputs(args)
     try:
         tokenizer = _load_tokenizer(args, progress)
+        if args.endpoint:
+            from prefixcache.replay.audit import run_endpoint_replay
+
+            return run_endpoint_replay(args, tokenizer, progress)
         model = _load_model(args, progress)
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
