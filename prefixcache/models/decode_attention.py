@@ -1,12 +1,14 @@
 """Attention of one new query per row over that row's live K/V: the decode step's attention, on the CPU.
 
-PyTorch's CPU ``scaled_dot_product_attention`` runs its flash kernel (blocked over queries and keys, online softmax)
-even for a single query; measured on this project's 2-core machine at 2,048 keys of Qwen2.5-0.5B's shape (14 query
-heads over 2 KV heads of 64), it took 7-9 ms a layer, about a fifth of a decode step of the 4-layer model, while the
-same arithmetic written as two matrix products and a softmax takes about 0.1-0.2 ms: the scores of one query are only
-``[H, S]`` floats, so nothing needs blocking.  The query heads of each KV head are stacked as the rows of one product
-(grouped-query attention without repeating the K/V, as llama.cpp and FlashInfer's decode kernels lay it out), and the
-keys are read where they lie (a view of the live buffer, any row stride): no copy of the context per step.
+PyTorch's CPU ``scaled_dot_product_attention`` runs its flash kernel (blocked over queries and keys, online softmax,
+one parallel region over batch x heads x query blocks) even for a single query.  Profiled on this project's 2-core
+machine with 2 torch threads and another process running, a decode step of the 4-layer Qwen2.5-0.5B shape at 2,048
+keys spent 7-9 ms a layer there (about a fifth of the step: a parallel region of two work items waits for a
+descheduled peer); measured alone with one thread it takes 0.2-0.3 ms, and the same arithmetic written as two matrix
+products and a softmax 0.1-0.25 ms: the scores of one query are only ``[H, S]`` floats, nothing needs blocking.  The
+query heads of each KV head are stacked as the rows of one product (grouped-query attention without repeating the
+K/V, as llama.cpp's and FlashInfer's decode kernels lay it out), and the keys are read where they lie (a view of the
+live buffer, any row stride): no copy of the context per step.
 
 Results equal SDPA's up to float rounding (another summation order); the softmax runs in float32.
 """

@@ -1,14 +1,14 @@
 """A Hugging Face attention function whose decode step (one query) is :func:`~.decode_attention.decode_attention`
 (extra ``prefixcache[hf]``).
 
-Transformers' ``sdpa`` attention hands a decode query to PyTorch's CPU flash kernel (7-9 ms a layer at 2,048 keys of
-Qwen2.5-0.5B's shape on this project's 2-core machine, against 0.1-0.2 ms for two matrix products; see
-:mod:`~prefixcache.models.decode_attention`).  :data:`NAME` is registered in transformers' ``AttentionInterface``
-(and, for its masks, as ``sdpa`` in ``AttentionMaskInterface``): one query with no dropout, no soft-capping, sinks or
-position bias, and no mask or a boolean one shared by the heads, goes to ``decode_attention``; every other call to
-transformers' own ``sdpa_attention_forward``, unchanged.  :func:`single_query_attention` switches a model's configs
-from ``sdpa`` to it for the duration of one of our forwards, so the user's model object is as it was outside them
-(the design of :func:`~prefixcache.models.linear.tall_skinny_linears`).
+Transformers' ``sdpa`` attention hands a decode query to PyTorch's CPU flash kernel (see
+:mod:`~prefixcache.models.decode_attention` for what that costs).  :data:`NAME` is registered in transformers'
+``AttentionInterface`` (and, for its masks, as ``sdpa`` in ``AttentionMaskInterface``): one float32 query with no
+dropout, soft-capping, sinks or position bias, and no mask or a boolean one shared by the heads, goes to
+``decode_attention``; every other call to transformers' own ``sdpa_attention_forward``, unchanged.
+:func:`single_query_attention` switches a model's configs from ``sdpa`` to it for the duration of one of our
+forwards, so the user's model object is as it was outside them (the design of
+:func:`~prefixcache.models.linear.tall_skinny_linears`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def _attention(
     kv_heads = key.shape[1]
     plain = (
         q_len == 1
+        and query.dtype == torch.float32  # half precision: SDPA accumulates the scores in float32, keep its numbers
         and not dropout
         and heads % kv_heads == 0
         and (attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1))

@@ -105,7 +105,7 @@ class LlamaModel:
 
     Build one with :func:`build_model`.  ``paged_attention`` (bool, default: on CUDA) makes :meth:`forward_cached`
     attend through the pool's block table instead of gathering the context.  ``single_query_attention`` (bool,
-    default: on the CPU) runs a decode query's attention as :func:`~prefixcache.models.decode_attention
+    default: on the CPU; float32 only) runs a decode query's attention as :func:`~prefixcache.models.decode_attention
     .decode_attention` rather than SDPA (two matrix products; the fingerprint's architecture names the default).
     Not thread-safe with respect to a shared pool: the caller (the runner) owns which slots are written.
     """
@@ -126,7 +126,7 @@ class LlamaModel:
         self.device = _resolve_device(device)
         # forward_cached attends through the pool's block table (models.paged_attention) instead of gathering.
         self.paged_attention = paged_attention_default(self.device)
-        # One decode query attends through models.decode_attention (CPU: 40-80x faster than SDPA's flash kernel).
+        # One decode query attends through models.decode_attention (two products, not SDPA's parallel flash kernel).
         self.single_query_attention = self.device.type == "cpu"
         self._config_fingerprint = config_fingerprint(config, architecture=ARCHITECTURE, dtype=dtype)
         self._fingerprint: str | None = None
@@ -472,7 +472,9 @@ class LlamaModel:
         k = k.transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D] (a view)
         v = v.transpose(0, 1).unsqueeze(0)
         if n == 1:
-            attend = decode_attention if self.single_query_attention else F.scaled_dot_product_attention
+            # Half precision keeps SDPA, which accumulates the scores in float32.
+            fast = self.single_query_attention and q.dtype == torch.float32
+            attend = decode_attention if fast else F.scaled_dot_product_attention
             o = attend(q.view(1, kv_heads, group, -1), k, v)  # [1, H_kv, group, D]
             return o.reshape(1, -1)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
