@@ -46,7 +46,7 @@ from prefixcache.models.base import (
     hash_weights,
     weights_version_of,
 )
-from prefixcache.models.hf_attention import sdpa_configs, single_query_attention
+from prefixcache.models.hf_attention import single_query_attention
 from prefixcache.models.hf_cache import PaddedBatch
 from prefixcache.models.hf_state import (
     RecurrentState,
@@ -90,8 +90,8 @@ class HFCausalLM:
     oneDNN-packed copy of the LM head weight (:class:`~prefixcache.models.linear.WeightPacks`; Qwen2.5-0.5B's head,
     8 rows: 95 -> 51 ms), made on the first such forward and again after the weight changes.  It costs the head's
     size in memory once more (544 MB for a 151,936 x 896 float32 head); ``pack_head=False`` keeps to ``W @ h.T``.
-    ``single_query_attention`` (default True): in our forwards, layers that attend with ``sdpa`` attend a decode query
-    as :func:`~prefixcache.models.decode_attention.decode_attention` (:mod:`~prefixcache.models.hf_attention`).
+    ``single_query_attention`` (default True): in our forwards, layers attending with ``sdpa`` run a decode query as
+    :func:`~prefixcache.models.decode_attention.decode_attention` (:mod:`~prefixcache.models.hf_attention`).
 
     Raises:
         UnsupportedModelError: the architecture has layers a per-token K/V pool cannot serve exactly (recurrent or
@@ -181,7 +181,6 @@ class HFCausalLM:
         self._head_module = output_embeddings(self.model)
         self._head = plain_head(self.model)
         self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
-        self._sdpa_configs = sdpa_configs(self.model)
 
     @property
     def cache_kwarg(self) -> str:
@@ -476,7 +475,7 @@ class HFCausalLM:
         (:mod:`~prefixcache.models.linear`); else the model's own forward with ``logits_to_keep``."""
         if output_embeddings(self.model) is not self._head_module:
             self._resolve_head()  # replaced since we looked (resize_token_embeddings, a new lm_head)
-        with single_query_attention(self._sdpa_configs if self.single_query_attention else []):
+        with single_query_attention(self.single_query_attention):
             if self._head is None:
                 kwargs = self._logits_kwargs(return_logits)
                 out = self.model(**inputs, use_cache=True, **kwargs, **{self._cache_kwarg: cache})

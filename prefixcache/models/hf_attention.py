@@ -1,19 +1,19 @@
-"""A Hugging Face attention function whose decode step (one query) is :func:`~.decode_attention.decode_attention`
+"""A Hugging Face ``sdpa`` attention whose decode step (one query) is :func:`~.decode_attention.decode_attention`
 (extra ``prefixcache[hf]``).
 
 Transformers' ``sdpa`` attention hands a decode query to PyTorch's CPU flash kernel (see
-:mod:`~prefixcache.models.decode_attention` for what that costs).  :data:`NAME` is registered in transformers'
-``AttentionInterface`` (and, for its masks, as ``sdpa`` in ``AttentionMaskInterface``): one float32 query with no
-dropout, soft-capping, sinks or position bias, and no mask or a boolean one shared by the heads, goes to
-``decode_attention``; every other call to transformers' own ``sdpa_attention_forward``, unchanged.
-:func:`single_query_attention` switches a model's configs from ``sdpa`` to it for the duration of one of our
-forwards, so the user's model object is as it was outside them (the design of
-:func:`~prefixcache.models.linear.tall_skinny_linears`).
+:mod:`~prefixcache.models.decode_attention` for what that costs).  Inside :func:`single_query_attention` (one of our
+forwards) the ``sdpa`` entry of transformers' ``AttentionInterface`` is this module's function: one float32 query
+with no dropout, soft-capping, sinks or position bias, and no mask or a boolean one shared by the heads, goes to
+``decode_attention``; every other call to transformers' own ``sdpa_attention_forward``, unchanged.  The name stays
+``sdpa``, so the masks transformers builds and models that test for ``"sdpa"`` by name (Falcon) are as before; the
+entry is put back when the last such block in the process ends.  Another thread's ``sdpa`` call meanwhile gets the
+same numbers up to float rounding.
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,10 +22,7 @@ import torch
 
 from prefixcache.models.decode_attention import decode_attention
 
-__all__ = ["NAME", "register", "sdpa_configs", "single_query_attention"]
-
-NAME = "prefixcache_sdpa"
-"""The attention implementation name registered with transformers."""
+__all__ = ["single_query_attention"]
 
 _DELEGATED = ("softcap", "s_aux", "sinks", "position_bias", "output_attentions")
 
@@ -56,7 +53,8 @@ def _attention(
         and not any(kwargs.get(name) is not None and kwargs.get(name) is not False for name in _DELEGATED)
     )
     if not plain:
-        return sdpa_attention_forward(
+        sdpa = _saved[0] if _saved else sdpa_attention_forward  # whatever ``sdpa`` was before the block
+        return sdpa(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     mask = None if attention_mask is None else attention_mask[..., : key.shape[-2]]  # [B, 1, 1, S]
@@ -64,39 +62,43 @@ def _attention(
     return out.reshape(batch, heads, 1, -1).transpose(1, 2).contiguous(), None
 
 
-@functools.cache
-def register() -> str:
-    """Register :data:`NAME` with transformers (once per process); returns it."""
+_lock = threading.Lock()
+_active = 0
+_saved: list[Any] = []
+
+
+def _install() -> None:
+    """Make :func:`_attention` transformers' ``sdpa`` attention (the first of nested or concurrent blocks)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(NAME, _attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)
-    return NAME
+    global _active
+    with _lock:
+        if _active == 0:
+            _saved[:] = [AttentionInterface._global_mapping["sdpa"]]
+            AttentionInterface._global_mapping["sdpa"] = _attention
+        _active += 1
 
 
-def sdpa_configs(model: torch.nn.Module) -> list[Any]:
-    """The distinct configs among ``model``'s modules (sub-configs of multimodal models included) that attend with
-    ``sdpa``.  O(modules)."""
-    seen: dict[int, Any] = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "_attn_implementation_internal", None) == "sdpa":
-            seen.setdefault(id(config), config)
-    return list(seen.values())
+def _uninstall() -> None:
+    """Put transformers' own ``sdpa`` entry back when the last block ends."""
+    from transformers import AttentionInterface
+
+    global _active
+    with _lock:
+        _active -= 1
+        if _active == 0:
+            AttentionInterface._global_mapping["sdpa"] = _saved.pop()
 
 
 @contextmanager
-def single_query_attention(configs: list[Any]) -> Iterator[None]:
-    """Inside the block, those of ``configs`` (from :func:`sdpa_configs`) that still attend with ``sdpa`` attend with
-    :data:`NAME`; they are set back to ``sdpa`` after, also on an error.  O(len(configs))."""
-    swapped = [config for config in configs if getattr(config, "_attn_implementation_internal", None) == "sdpa"]
-    if swapped:
-        name = register()
-        for config in swapped:
-            config._attn_implementation_internal = name
+def single_query_attention(enabled: bool = True) -> Iterator[None]:
+    """Inside the block (when ``enabled``), transformers' ``sdpa`` attention runs a decode query through
+    :func:`~prefixcache.models.decode_attention.decode_attention`; restored after, also on an error.  O(1)."""
+    if not enabled:
+        yield
+        return
+    _install()
     try:
         yield
     finally:
-        for config in swapped:
-            config._attn_implementation_internal = "sdpa"
+        _uninstall()

@@ -65,15 +65,17 @@ def test_embedded_decode_logits_agree_with_sdpa_and_reference() -> None:
     assert ours == theirs
 
 
-def test_hf_decode_uses_it_and_leaves_the_config_as_it_was() -> None:
+def test_hf_decode_uses_it_and_puts_transformers_sdpa_back() -> None:
     pytest.importorskip("transformers")
+    from transformers import AttentionInterface
+
     from prefixcache.engine.runner import PrefixCachingRunner
     from prefixcache.engine.sampling import SamplingParams
     from prefixcache.models import hf_attention
     from prefixcache.models.hf_tiny import tiny_random_model
 
     model = tiny_random_model("qwen2")
-    assert model.config._attn_implementation == "sdpa"
+    sdpa = AttentionInterface._global_mapping["sdpa"]
     calls = []
     original = hf_attention.decode_attention
 
@@ -88,20 +90,24 @@ def test_hf_decode_uses_it_and_leaves_the_config_as_it_was() -> None:
         ours = PrefixCachingRunner(model).generate(prompt, params)
     finally:
         hf_attention.decode_attention = original
-    assert calls and model.config._attn_implementation == "sdpa"
+    assert calls and AttentionInterface._global_mapping["sdpa"] is sdpa
     model.single_query_attention = False
     theirs = PrefixCachingRunner(model).generate(prompt, params)
     assert ours.token_ids == theirs.token_ids
 
 
-def test_hf_configs_switched_to_another_attention_are_not_touched() -> None:
+def test_nested_blocks_restore_sdpa_when_the_last_ends() -> None:
     pytest.importorskip("transformers")
-    from prefixcache.models.hf_attention import sdpa_configs, single_query_attention
-    from prefixcache.models.hf_tiny import tiny_random_model
+    from transformers import AttentionInterface
 
-    model = tiny_random_model("llama")
-    configs = sdpa_configs(model.model)
-    model.model.config._attn_implementation_internal = "eager"
-    with single_query_attention(configs):
-        assert model.model.config._attn_implementation == "eager"
-    assert model.model.config._attn_implementation == "eager"
+    from prefixcache.models.hf_attention import single_query_attention
+
+    sdpa = AttentionInterface._global_mapping["sdpa"]
+    with single_query_attention():
+        with single_query_attention():
+            assert AttentionInterface._global_mapping["sdpa"] is not sdpa
+        assert AttentionInterface._global_mapping["sdpa"] is not sdpa
+    assert AttentionInterface._global_mapping["sdpa"] is sdpa
+    with pytest.raises(RuntimeError), single_query_attention():
+        raise RuntimeError("a failed forward")
+    assert AttentionInterface._global_mapping["sdpa"] is sdpa
