@@ -17,9 +17,10 @@ Then, for each model (the HF adapter and the embedded model, on the Qwen2.5-0.5B
   causal attention, the LM head on the last position only.
 
 ``decode / floor`` and ``prefill / floor`` are what issue 30 moves (goal: within 1.25x and 1.3x).  Decode is timed
-with the single-query attention (:mod:`prefixcache.models.decode_attention`) and, in the same run, with SDPA's, the
-path before it.  Clock: wall time (``time.perf_counter``), torch at :data:`THREADS` threads as a user runs it, so a
-busy machine shows in both the rows and the floor.
+as it runs by default and, in the same run, interleaved, with the opt-in oneDNN one-row products
+(:func:`~prefixcache.models.linear.one_row_onednn`).  Clock: wall time (``time.perf_counter``) at :data:`THREADS`
+torch threads, as a user runs it, so a busy machine shows in both the rows and the floor; with one thread
+(``threads=1``), the thread's CPU time, as ``bench engine``'s other rows (other processes' time slices left out).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.base import ModelConfig
+from prefixcache.models.linear import one_row_onednn
 
 THREADS = 2
 """Torch threads of the floor rows and of the floor itself (the issue's setting: 2 threads on a 2-core machine)."""
@@ -149,14 +151,19 @@ class MachineFloor:
     repeats: int
 
 
+def clock() -> float:
+    """Seconds: the calling thread's CPU time when torch runs one thread, else wall time (see the module)."""
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
 def _best(fn: Callable[[], object], repeats: int) -> float:
-    """Fewest wall seconds of ``repeats`` calls of ``fn`` after one untimed call."""
+    """Fewest :func:`clock` seconds of ``repeats`` calls of ``fn`` after one untimed call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = clock()
         fn()
-        best = min(best, time.perf_counter() - start)
+        best = min(best, clock() - start)
     return best
 
 
@@ -213,10 +220,11 @@ def embedded_config(config_path: str | Path, layers: int, name: str = "qwen2.5-0
 
 
 def _decode_seconds(runner: PrefixCachingRunner, prompt: list[int], steps: int) -> tuple[float, tuple[int, ...]]:
-    """Wall seconds per decode step (between the first and the last of ``steps + 1`` tokens) and the tokens."""
+    """:func:`clock` seconds per decode step (between the first and the last of ``steps + 1`` tokens) and the
+    tokens."""
     stamps: list[float] = []
     params = SamplingParams(max_new_tokens=steps + 1)
-    stream = runner.stream(prompt, params, on_token=lambda _token: stamps.append(time.perf_counter()))
+    stream = runner.stream(prompt, params, on_token=lambda _token: stamps.append(clock()))
     try:
         while True:
             next(stream)
@@ -229,33 +237,32 @@ def measure_model(
     model, machine: MachineFloor, context: int, prefill_tokens: int, steps: int, repeats: int, prefill_repeats: int
 ) -> dict:
     """One model's rows: cold prefill of ``prefill_tokens`` (best of ``prefill_repeats``, a fresh cache each) and
-    decode at ``context`` keys (best of ``repeats`` runs of ``steps`` steps) with the single-query attention and
-    with SDPA's, interleaved; each against its floor.  Raises AssertionError when the two attentions' greedy tokens
-    differ."""
+    decode at ``context`` keys (best of ``repeats`` runs of ``steps`` steps) by default and with the oneDNN one-row
+    products, interleaved; each against its floor.  Raises AssertionError when the two give other greedy tokens."""
     shape = ModelShape.of(model)
     gen = torch.Generator().manual_seed(30)
     prompt = torch.randint(0, model.vocab_size, (context,), generator=gen).tolist()
     prefill = []
     for rep in range(prefill_repeats):
         runner = PrefixCachingRunner(model, cache_tokens=prefill_tokens + 2 * BLOCK_SIZE, block_size=BLOCK_SIZE)
-        start = time.perf_counter()
+        start = clock()
         runner.prefill(prompt[rep : rep + prefill_tokens])
-        prefill.append(time.perf_counter() - start)
+        prefill.append(clock() - start)
     runner = PrefixCachingRunner(model, cache_tokens=context + 4 * (steps + 1 + BLOCK_SIZE), block_size=BLOCK_SIZE)
     runner.prefill(prompt[:-1])
     decode: dict[bool, float] = {}
     tokens: dict[bool, tuple[int, ...]] = {}
-    before = model.single_query_attention
+    before = one_row_onednn()
     try:
         for rep in range(repeats):
-            for on in (True, False) if rep % 2 == 0 else (False, True):
-                model.single_query_attention = on
+            for on in (False, True) if rep % 2 == 0 else (True, False):
+                one_row_onednn(on)
                 seconds, tokens[on] = _decode_seconds(runner, prompt, steps)
                 decode[on] = min(decode.get(on, float("inf")), seconds)
     finally:
-        model.single_query_attention = before
+        one_row_onednn(before)
     if tokens[True] != tokens[False]:
-        raise AssertionError(f"{shape.name}: single-query attention changed the greedy tokens")
+        raise AssertionError(f"{shape.name}: oneDNN one-row products changed the greedy tokens")
     step_bytes = decode_step_bytes(shape, context + 1)
     flops = prefill_flops(shape, prefill_tokens)
     return {
@@ -263,8 +270,8 @@ def measure_model(
         "layers": shape.layers,
         "context": context,
         "steps": steps,
-        "decode_s": decode[True],
-        "decode_sdpa_s": decode[False],
+        "decode_s": decode[False],
+        "decode_onednn_s": decode[True],
         "decode_bytes": step_bytes,
         "decode_floor_s": step_bytes / machine.read_bytes_per_s,
         "prefill_tokens": prefill_tokens,
@@ -300,15 +307,17 @@ def build_embedded(quick: bool, layers: int, config_path: str | Path):
     return LlamaModel(embedded_config(config_path, layers), device="cpu")
 
 
-def measure_floor(quick: bool, build_hf: Callable[[int], object], config_path: str | Path) -> dict:
-    """The machine's rates and every model's rows, at :data:`THREADS` torch threads (restored after).
+def measure_floor(
+    quick: bool, build_hf: Callable[[int], object], config_path: str | Path, threads: int = THREADS
+) -> dict:
+    """The machine's rates and every model's rows, at ``threads`` torch threads (restored after).
 
     ``build_hf(layers)`` makes the HF model, :func:`build_embedded` the embedded one of the same shape from
     ``config_path``; one at a time, each freed after its rows (the 24-layer fp32 models are 2-2.5 GB each).
     """
     setup = QUICK_FLOOR if quick else FloorSetup()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(THREADS)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         machine = measure_machine(quick)
         rows = []
@@ -323,13 +332,14 @@ def measure_floor(quick: bool, build_hf: Callable[[int], object], config_path: s
                 del model
                 gc.collect()
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(before)
     return {"machine": dataclasses.asdict(machine), "rows": rows, "setup": dataclasses.asdict(setup)}
 
 
 def floor_table(floor: dict) -> Table:
     """The printed table of :func:`measure_floor`'s result."""
     m = floor["machine"]
+    clock_name = "thread CPU time" if m["threads"] == 1 else "wall time"
     rows = []
     for r in floor["rows"]:
         rows.append(
@@ -339,7 +349,7 @@ def floor_table(floor: dict) -> Table:
                 f"{r['decode_s'] * 1e3:.1f}",
                 f"{r['decode_floor_s'] * 1e3:.1f} ({r['decode_bytes'] / 1e6:,.0f} MB)",
                 f"{r['decode_s'] / r['decode_floor_s']:.2f}",
-                f"{r['decode_sdpa_s'] / r['decode_floor_s']:.2f}",
+                f"{r['decode_onednn_s'] / r['decode_floor_s']:.2f}",
             )
         )
         rows.append(
@@ -357,13 +367,13 @@ def floor_table(floor: dict) -> Table:
             f"engine floor: read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 GEMM "
             f"{m['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s ({m['threads']} torch threads, best of {m['repeats']})"
         ),
-        headers=("model", "measure", "ours", "floor (what it must move)", "ours / floor", "before: SDPA decode"),
+        headers=("model", "measure", "ours", "floor (what it must move)", "ours / floor", "opt-in oneDNN rows / floor"),
         rows=tuple(rows),
         notes=(
-            f"wall time, {m['threads']} torch threads, best of the repeats; decode floor = bytes a step reads "
+            f"{clock_name}, {m['threads']} torch threads, best of the repeats; decode floor = bytes a step reads "
             f"(weights + live K/V) / bandwidth ({m['buffer_bytes'] >> 20} MiB torch.sum); prefill floor = FLOPs / GEMM "
             f"({m['gemm_size']}-square fp32 torch.mm)",
-            "'before: SDPA decode': the same decode steps, same run, with SDPA's CPU kernel for the one query "
-            "(greedy tokens checked equal); goals (issue 30): decode <= 1.25, prefill <= 1.3",
+            "'opt-in oneDNN rows': the same decode steps, same run, interleaved, with one_row_onednn(True) (greedy "
+            "tokens checked equal); goals (issue 30): decode <= 1.25, prefill <= 1.3",
         ),
     )

@@ -46,7 +46,6 @@ from prefixcache.models.base import (
     hash_weights,
     weights_version_of,
 )
-from prefixcache.models.hf_attention import single_query_attention
 from prefixcache.models.hf_cache import PaddedBatch
 from prefixcache.models.hf_state import (
     RecurrentState,
@@ -90,8 +89,6 @@ class HFCausalLM:
     oneDNN-packed copy of the LM head weight (:class:`~prefixcache.models.linear.WeightPacks`; Qwen2.5-0.5B's head,
     8 rows: 95 -> 51 ms), made on the first such forward and again after the weight changes.  It costs the head's
     size in memory once more (544 MB for a 151,936 x 896 float32 head); ``pack_head=False`` keeps to ``W @ h.T``.
-    ``single_query_attention`` (default True): in our forwards, layers attending with ``sdpa`` run a decode query as
-    :func:`~prefixcache.models.decode_attention.decode_attention` (:mod:`~prefixcache.models.hf_attention`).
 
     Raises:
         UnsupportedModelError: the architecture has layers a per-token K/V pool cannot serve exactly (recurrent or
@@ -99,7 +96,7 @@ class HFCausalLM:
             ``position_ids``, or it has no LM head (a base model); the layers disagree on their K/V layout.
     """
 
-    def __init__(self, model: Any, *, pack_head: bool = True, single_query_attention: bool = True) -> None:
+    def __init__(self, model: Any, *, pack_head: bool = True) -> None:
         config = getattr(model, "config", None)
         if config is None or not callable(model):
             raise InvalidArgumentError(f"expected a transformers *ForCausalLM model, got {type(model).__name__}")
@@ -118,7 +115,6 @@ class HFCausalLM:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._resolve_head()
         self._head_packs = WeightPacks() if pack_head else None  # the LM head's oneDNN copy, batched CPU decode
-        self.single_query_attention = single_query_attention
         # The pool holds the K/V layers only (layout.kv_layers[i] in pool layer i); a model with none (pure Mamba-2)
         # gets a one-element placeholder per token that nothing reads.
         self.num_layers = len(self.layout.kv_layers) or 1
@@ -475,14 +471,14 @@ class HFCausalLM:
         (:mod:`~prefixcache.models.linear`); else the model's own forward with ``logits_to_keep``."""
         if output_embeddings(self.model) is not self._head_module:
             self._resolve_head()  # replaced since we looked (resize_token_embeddings, a new lm_head)
-        with single_query_attention(self.single_query_attention):
-            if self._head is None:
-                kwargs = self._logits_kwargs(return_logits)
-                out = self.model(**inputs, use_cache=True, **kwargs, **{self._cache_kwarg: cache})
-                return out.logits if return_logits else out.logits[:, -1:]
-            base, base_cache_kwarg, head = self._head
-            with tall_skinny_linears(self._linears, inputs["input_ids"].numel()):
-                hidden = base(**inputs, use_cache=True, **{base_cache_kwarg: cache}).last_hidden_state
+        if self._head is None:
+            out = self.model(
+                **inputs, use_cache=True, **self._logits_kwargs(return_logits), **{self._cache_kwarg: cache}
+            )
+            return out.logits if return_logits else out.logits[:, -1:]
+        base, base_cache_kwarg, head = self._head
+        with tall_skinny_linears(self._linears, inputs["input_ids"].numel()):
+            hidden = base(**inputs, use_cache=True, **{base_cache_kwarg: cache}).last_hidden_state
         return project(hidden if return_logits else hidden[:, -1:], head.weight, head.bias, self._head_packs)
 
     def _logits_kwargs(self, return_logits: bool) -> dict[str, int]:

@@ -32,7 +32,6 @@ from prefixcache.models.base import (
     config_fingerprint,
     weights_version_of,
 )
-from prefixcache.models.decode_attention import decode_attention
 from prefixcache.models.linear import WeightPacks, linear
 from prefixcache.models.paged_attention import PagedAttention, paged_attention_default, paged_attention_supported
 from prefixcache.models.shared_prefix import plan_shared_prefix_groups, shared_prefix_decode_attention
@@ -104,10 +103,8 @@ class LlamaModel:
     """A seeded Llama-style decoder implementing :class:`prefixcache.models.base.CausalLM`.
 
     Build one with :func:`build_model`.  ``paged_attention`` (bool, default: on CUDA) makes :meth:`forward_cached`
-    attend through the pool's block table instead of gathering the context.  ``single_query_attention`` (bool,
-    default: on the CPU; float32 only) runs a decode query's attention as :func:`~prefixcache.models.decode_attention
-    .decode_attention` rather than SDPA (two matrix products; the fingerprint's architecture names the default).
-    Not thread-safe with respect to a shared pool: the caller (the runner) owns which slots are written.
+    attend through the pool's block table instead of gathering the context.  Not thread-safe with respect to a
+    shared pool: the caller (the runner) owns which slots are written.
     """
 
     def __init__(
@@ -126,8 +123,6 @@ class LlamaModel:
         self.device = _resolve_device(device)
         # forward_cached attends through the pool's block table (models.paged_attention) instead of gathering.
         self.paged_attention = paged_attention_default(self.device)
-        # One decode query attends through models.decode_attention (two products, not SDPA's parallel flash kernel).
-        self.single_query_attention = self.device.type == "cpu"
         self._config_fingerprint = config_fingerprint(config, architecture=ARCHITECTURE, dtype=dtype)
         self._fingerprint: str | None = None
         self._packs = WeightPacks()  # oneDNN copies of the weights for batched decode on the CPU (forward_batch)
@@ -445,19 +440,19 @@ class LlamaModel:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
-            q, k, v = F.linear(h, layer.qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+            q, k, v = linear(h, layer.qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
             q = self._apply_rope(q.view(n, heads, d), cos, sin)
             k = self._apply_rope(k.view(n, kv_heads, d), cos, sin)
             k_all, v_all = kv_source(i, k, v.view(n, kv_heads, d))
             if i == last and logits_from:
                 # Only these positions' hidden states reach the LM head: their attention queries and MLP suffice.
                 q, x, start, n = q[logits_from:], x[logits_from:], start + logits_from, n - logits_from
-            x = x + F.linear(attend(q, k_all, v_all, start), layer.o)
+            x = x + linear(attend(q, k_all, v_all, start), layer.o)
             h = self._rms_norm(x, layer.mlp_norm)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down)
         h = self._rms_norm(x, self.final_norm)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """q ``[n, H, D]`` at positions ``start .. start + n - 1``; k, v ``[start + n, H_kv, D]`` -> ``[n, H * D]``.
@@ -472,10 +467,7 @@ class LlamaModel:
         k = k.transpose(0, 1).unsqueeze(0)  # [1, H_kv, S, D] (a view)
         v = v.transpose(0, 1).unsqueeze(0)
         if n == 1:
-            # Half precision keeps SDPA, which accumulates the scores in float32.
-            fast = self.single_query_attention and q.dtype == torch.float32
-            attend = decode_attention if fast else F.scaled_dot_product_attention
-            o = attend(q.view(1, kv_heads, group, -1), k, v)  # [1, H_kv, group, D]
+            o = F.scaled_dot_product_attention(q.view(1, kv_heads, group, -1), k, v)  # [1, H_kv, group, D]
             return o.reshape(1, -1)
         q = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if start == 0 and n <= _QUERY_CHUNK:

@@ -100,7 +100,7 @@ def test_floor_table_prints_the_ratio_to_the_floor() -> None:
         "model": "m",
         "context": 2048,
         "decode_s": 0.030,
-        "decode_sdpa_s": 0.045,
+        "decode_onednn_s": 0.045,
         "decode_bytes": 300_000_000,
         "decode_floor_s": 0.015,
         "prefill_tokens": 1024,
