@@ -112,3 +112,12 @@ def test_floor_table_prints_the_ratio_to_the_floor() -> None:
     table = floor_table({"machine": {**machine, "gemm_size": 2048, "repeats": 5}, "rows": [row]})
     assert table.rows[0][4:] == ("2.00", "3.00") and table.rows[1][4] == "2.00"
     assert "20.0 GB/s" in table.title
+
+
+def test_two_measurements_of_the_machine_keep_the_higher_rates() -> None:
+    from prefixcache.bench.floor import MachineFloor
+
+    busy = MachineFloor(1e10, 9e10, 2, 1 << 29, 2048, 5)
+    quiet = MachineFloor(3e10, 6e10, 2, 1 << 29, 2048, 5)
+    best = busy.best(quiet)
+    assert (best.read_bytes_per_s, best.gemm_flops_per_s, best.repeats) == (3e10, 9e10, 10)
