@@ -227,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
 def _replay(args: argparse.Namespace) -> int:
     """Replay ``args.paths`` and print (and write) the report; 0, or 130 when interrupted with a partial report."""
     from prefixcache.replay.replayer import Replayer, ReplayInterrupted, check_options, replay_paths
+    from prefixcache.replay.requests import read_options
 
     progress = _Progress(not args.no_progress)
     if args.plot:
@@ -273,15 +274,7 @@ def _replay(args: argparse.Namespace) -> int:
     replayer.check_pool_memory()
     try:
         report = replay_paths(
-            args.paths,
-            replayer,
-            order=args.order,
-            seed=args.seed,
-            limit=args.limit,
-            skip_invalid=args.skip_invalid,
-            file_format=args.file_format,
-            progress=progress,
-            log_requests=args.requests_jsonl is not None,
+            args.paths, replayer, **read_options(args, progress), log_requests=args.requests_jsonl is not None
         )
     except ReplayInterrupted as interrupted:
         report = interrupted.report

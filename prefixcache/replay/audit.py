@@ -34,7 +34,7 @@ from prefixcache.replay.endpoint import (
     send_all,
 )
 from prefixcache.replay.formats import FILE_FORMATS, LoggedRequest, load_request_log
-from prefixcache.replay.requests import Progress, ReplayRequest, read_requests, smallest_pool_tokens
+from prefixcache.replay.requests import Progress, ReplayRequest, read_options, read_requests, smallest_pool_tokens
 from prefixcache.replay.scenarios import expand_paths
 
 __all__ = [
@@ -229,16 +229,7 @@ def run_endpoint_replay(args: argparse.Namespace, tokenizer: Tokenizer | None, p
     api_key = api_key_from_env(args.api_key_env)
     url = base_url(args.endpoint)
     tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
-    requests, formats = audit_requests(
-        args.paths,
-        tokenizer,
-        order=args.order,
-        seed=args.seed,
-        limit=args.limit,
-        skip_invalid=args.skip_invalid,
-        file_format=args.file_format,
-        progress=progress,
-    )
+    requests, formats = audit_requests(args.paths, tokenizer, **read_options(args, progress))
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
