@@ -160,7 +160,9 @@ class Admission:
             if resume_at < num_matched:
                 match = tree.match(q, namespace, resume_at, self.owner, touch=False)
         self._heal_path(match.node)
-        table = match.block_table.copy()
+        # Ours to change: the match concatenated its nodes' blocks into a new array (or gave the empty one, which
+        # has nothing to write to).
+        table = match.block_table
         num_cached = match.num_tokens
         shortfall = num_matched - num_cached
         copied = num_cached % bs
