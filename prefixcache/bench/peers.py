@@ -16,7 +16,9 @@ Workloads:
 - agent: conversations behind one shared system prompt, served round-robin; each turn's prompt is the previous
   prompt + answer + a new user message, so every turn but the first finds nearly all of its prompt cached.
 
-Key preparation (token list to what each system looks up) is timed apart from the cache operations.  Every
+Key preparation (token list to what each system looks up: our ``array('I')``, every id checked to be an int, not a
+bool, in ``0 .. 2**32 - 1``; SGLang's ``RadixKey`` over ``array('q')``, whose conversion checks for ints in the int64
+range; vLLM's chained block hashes) is timed apart from the cache operations.  Every
 request's tokens hit are checked between systems: SGLang must hit exactly what we hit at block size 1; vLLM, which
 caches full blocks only, exactly our block-size-16 hit rounded down to a whole block.
 """
@@ -253,8 +255,10 @@ def run(quick: bool = False) -> BenchResult:
         notes=(
             "request cycle: match at most len-1 prompt tokens and lock them, allocate the rest of prompt + answer, "
             "insert prompt + answer, unlock; nothing is evicted (each cache holds the whole workload).",
-            "key preparation: ours list -> array('I'); SGLang list -> RadixKey(array('q')); vLLM the request's "
-            "chained sha256 block hashes.",
+            "key preparation: ours list -> array('I'), checking every id (an int, not a bool, 0 .. 2**32-1); "
+            "SGLang list -> RadixKey(array('q')), whose conversion checks only for ints in the int64 range; vLLM the "
+            "request's chained sha256 block hashes.  Each side builds the prompt + answer list and takes the "
+            "prompt's key as a slice of the whole sequence's (a copy of the ids on both trees; vLLM hashes once).",
         ),
     )
 

@@ -12,10 +12,10 @@ from prefixcache.cache.host_tier import make_host_pool
 from prefixcache.cache.locks import LockHandle
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.cache.results import EvictResult, InsertResult, MatchResult
 from prefixcache.cache.resume import StateMarker
 from prefixcache.cache.snapshot import SnapshotSummary
 from prefixcache.cache.stats import CacheStats
-from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult
 
 __all__ = [
     "AllCleared",

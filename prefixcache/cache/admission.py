@@ -45,8 +45,9 @@ import numpy as np
 from prefixcache.cache.blocks import BlockLedger
 from prefixcache.cache.locks import LockHandle, LockRegistry
 from prefixcache.cache.pool import check_count
+from prefixcache.cache.results import InsertResult
 from prefixcache.cache.stats import HitCounters
-from prefixcache.cache.tree import InsertResult, RadixTree
+from prefixcache.cache.tree import RadixTree
 from prefixcache.errors import CapacityError, InvalidArgumentError, InvalidTokensError, LockError, OutOfBlocksError
 
 if TYPE_CHECKING:
@@ -159,7 +160,9 @@ class Admission:
             if resume_at < num_matched:
                 match = tree.match(q, namespace, resume_at, self.owner, touch=False)
         self._heal_path(match.node)
-        table = match.block_table.copy()
+        # Ours to change: the match concatenated its nodes' blocks into a new array (or gave the empty one, which
+        # has nothing to write to).
+        table = match.block_table
         num_cached = match.num_tokens
         shortfall = num_matched - num_cached
         copied = num_cached % bs
@@ -322,8 +325,12 @@ class Admission:
         """
         self.check_lease(lease, "commit")
         self._check_committed(lease, q)
-        table = self.blocks.as_block_ids(lease.block_table)
-        result = self.blocks.insert(q, table, lease.first_owned_block, lease.namespace, lease.request_id)
+        first = lease.first_owned_block
+        # The lock's path spells the lease's first tokens, which q agrees with (checked above): the tree's walk
+        # starts there, and the borrowed blocks, the locked path's own, need no check (insert never reads them).
+        start = lease.lock.node if lease.lock.node.end <= len(q) else None
+        owned = self.blocks.as_block_ids(lease.block_table[first:])
+        result = self.blocks.insert_owned(q, owned, first, lease.namespace, lease.request_id, start)
         # The lease owns nothing now; should the unlock fail, release() only has the lock left to drop.
         lease.owns_blocks = False
         if state is not None:
@@ -428,8 +435,9 @@ class Admission:
 
     def _check_committed(self, lease: Lease, q: array) -> None:
         prompt = lease.token_ids
-        shared = min(len(q), len(prompt))
-        if len(q) < lease.num_cached_tokens or q[:shared] != prompt[:shared]:
+        # One slice, of the longer of the two: comparing copies is one memcmp.
+        agree = q[: len(prompt)] == prompt if len(q) >= len(prompt) else q == prompt[: len(q)]
+        if len(q) < lease.num_cached_tokens or not agree:
             raise InvalidTokensError(
                 "committed tokens must start with the prefix the lease matched and agree with its prompt: the "
                 "prompt (or a prefix of it at least as long as the match) followed by tokens computed after it"

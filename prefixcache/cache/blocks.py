@@ -13,8 +13,10 @@ from array import array
 
 import numpy as np
 
+from prefixcache.cache.node import Node
 from prefixcache.cache.pool import BlockIds, KVBlockPool, check_count
-from prefixcache.cache.tree import InsertResult, RadixTree
+from prefixcache.cache.results import InsertResult
+from prefixcache.cache.tree import RadixTree
 from prefixcache.errors import CapacityError, InvalidArgumentError, LockError, OutOfBlocksError, PoolBusyError
 
 NOT_OWNED = "block(s) not owned by the caller: freed already, held by the tree, or listed twice"
@@ -122,23 +124,56 @@ class BlockLedger:
             raise InvalidArgumentError(
                 f"{n} tokens need {need} blocks of {bs} tokens, but the block table has {len(table)}"
             )
-        owned = self.owned[table]
         if first_owned is None:
+            owned = self.owned[table]
             first = int(owned.argmax()) if owned.size else 0
             first_owned = first if owned.size and owned[first] else len(table)
-        num_owned = len(table) - first_owned
-        if np.count_nonzero(owned[first_owned:]) != num_owned or not self.distinct(table[first_owned:]):
-            raise LockError(NOT_OWNED)
         if first_owned:
             counts = self.pool._ref[table[:first_owned]]
             if counts[counts.argmin()] <= 0:
+                self._check_owned(table[first_owned:])
                 raise LockError("the block table starts with blocks that are neither owned by the caller nor cached")
-        num_cached, released = self.tree.insert(q, table, first_owned, namespace, origin)
+        return self.insert_owned(q, table[first_owned:], first_owned, namespace, origin)
+
+    def insert_owned(
+        self,
+        q: array,
+        owned: np.ndarray,
+        first_owned: int,
+        namespace: str | None,
+        origin: str | None,
+        start: Node | None = None,
+    ) -> InsertResult:
+        """:meth:`insert` for a caller that knows its borrowed blocks are cached: a lease, whose first
+        ``first_owned`` blocks are its locked path's (``start``, the lock's node, lets the tree's walk begin there,
+        see :meth:`~prefixcache.cache.tree.RadixTree.insert`).  Only the caller's own blocks ``owned`` (intp ids of
+        block indices ``first_owned`` on) are checked, as :meth:`insert` checks them: the borrowed ones are never
+        read.  O(len(owned)) numpy work plus the tree's insert.
+
+        Raises:
+            InvalidArgumentError: too few blocks for the tokens, or the sequence leaves the cached path inside
+                the borrowed blocks.
+            LockError: a block in ``owned`` is not the caller's (or is listed twice).
+        Nothing changes when it raises.
+        """
+        bs = self.pool.block_size
+        n = len(q)
+        need = -(-n // bs)
+        if first_owned + len(owned) < need:
+            raise InvalidArgumentError(
+                f"{n} tokens need {need} blocks of {bs} tokens, but the block table has {first_owned + len(owned)}"
+            )
+        self._check_owned(owned)
+        num_cached, released = self.tree.insert(q, owned, first_owned, namespace, origin, start)
         # Every block the caller owned now belongs to the new leaf or goes back to the pool.  Owned blocks have
         # one holder (the caller; checked above), so they are freed without decref's checks.
-        self.owned[table[first_owned:]] = False
+        self.owned[owned] = False
         num_released = self.pool.free_exclusive(released)
         return InsertResult(n - num_cached, num_cached, num_released)
+
+    def _check_owned(self, owned: np.ndarray) -> None:
+        if np.count_nonzero(self.owned[owned]) != len(owned) or not self.distinct(owned):
+            raise LockError(NOT_OWNED)
 
     def as_block_ids(self, block_ids: BlockIds) -> np.ndarray:
         """``block_ids`` checked to be 1-D ints in range, as an intp array.

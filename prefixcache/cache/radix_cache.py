@@ -45,12 +45,13 @@ from prefixcache.cache.host_tier import HostTier
 from prefixcache.cache.invariants import check_invariants, check_mirror
 from prefixcache.cache.locks import ChangeGuard, LockHandle, LockRegistry
 from prefixcache.cache.pool import BlockIds, KVBlockPool, check_count
+from prefixcache.cache.results import EvictResult, InsertResult, MatchResult
 from prefixcache.cache.resume import StateMarker, StateStore, check_resume_options, check_state, state_bytes
 from prefixcache.cache.retention import Retention, check_retain, path_to
 from prefixcache.cache.snapshot_staging import StagingBuffer
 from prefixcache.cache.stats import CacheStats, HitCounters, check_request_id, collect_stats
 from prefixcache.cache.tokens import TokenIds, as_token_array
-from prefixcache.cache.tree import EvictResult, InsertResult, MatchResult, RadixTree
+from prefixcache.cache.tree import RadixTree
 from prefixcache.errors import InvalidArgumentError, LockError, SnapshotError
 
 __all__ = [
@@ -231,8 +232,7 @@ class RadixCache:
     def free(self, block_ids: BlockIds) -> int:
         """Give back blocks the caller owns (from :meth:`allocate`) without caching them.  Returns blocks freed.
 
-        Raises:
-            LockError: a block is not owned by a caller (already freed, or held by the tree); nothing changes.
+        Raises: LockError: a block is not owned by a caller (already freed, or held by the tree); nothing changes.
         """
         with self._change:
             return self._blocks.free(block_ids)

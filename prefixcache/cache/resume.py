@@ -169,7 +169,7 @@ class StateStore:
         return True
 
     def resumable(self, tree: Any, q: array, namespace: str | None, match: Any, owner: object) -> Any:
-        """``match`` (a :class:`~prefixcache.cache.tree.MatchResult` of ``tree``) cut back to the deepest kept
+        """``match`` (a :class:`~prefixcache.cache.results.MatchResult` of ``tree``) cut back to the deepest kept
         state on its path (a new, untouching match), counting the tokens cut off in ``shortfall_tokens``.  O(depth)
         plus a second match when it is cut."""
         resume_at = self.deepest(match.node, match.num_tokens)[0]

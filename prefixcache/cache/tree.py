@@ -45,7 +45,6 @@ import itertools
 import logging
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -53,6 +52,7 @@ from prefixcache.cache.events import AllCleared, BlockRemoved, EventPublisher, K
 from prefixcache.cache.evictor import Evictor
 from prefixcache.cache.node import EMPTY_BLOCKS, Node, common_prefix_length, new_root
 from prefixcache.cache.pool import BLOCK_ID_DTYPE, KVBlockPool
+from prefixcache.cache.results import EvictResult, MatchResult
 from prefixcache.cache.resume import StateStore
 from prefixcache.cache.retention import Retention
 from prefixcache.errors import InvalidArgumentError
@@ -60,43 +60,6 @@ from prefixcache.errors import InvalidArgumentError
 GRANULARITIES = ("block", "leaf")
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class MatchResult:
-    """The longest cached prefix of a query.
-
-    ``num_tokens`` is exact (not rounded to blocks).  ``block_table`` (int32, ``ceil(num_tokens / block_size)``
-    block ids) addresses the KV of those tokens; when ``num_tokens % block_size != 0`` its last block is shared and
-    only its first ``num_tokens % block_size`` rows belong to this prefix.  ``node`` is what
-    :meth:`~prefixcache.RadixCache.lock` takes; the result goes stale if that node is evicted, or shortened below
-    ``num_tokens`` by block-granular eviction, before it is locked.
-    """
-
-    num_tokens: int
-    block_table: np.ndarray
-    namespace: str | None
-    node: Node = field(repr=False)
-    owner: object = field(default=None, repr=False, compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class InsertResult:
-    """What an insert did: tokens newly cached, tokens that were cached already, blocks released."""
-
-    num_new_tokens: int
-    num_cached_tokens: int
-    num_released_blocks: int
-
-
-@dataclass(frozen=True, slots=True)
-class EvictResult:
-    """What one eviction call freed: ``num_blocks`` blocks back on the free list, ``num_nodes`` leaves removed from the
-    tree, ``num_tokens`` tokens no longer cached (whole leaves and the tails cut off trimmed ones)."""
-
-    num_blocks: int
-    num_nodes: int
-    num_tokens: int
 
 
 class RadixTree:
@@ -243,17 +206,28 @@ class RadixTree:
     # ---- insert -------------------------------------------------------------------------------------------
 
     def insert(
-        self, q: array, table: np.ndarray, first_owned: int, namespace: str | None, origin: str | None
+        self,
+        q: array,
+        owned: np.ndarray,
+        first_owned: int,
+        namespace: str | None,
+        origin: str | None,
+        start: Node | None = None,
     ) -> tuple[int, np.ndarray]:
-        """Cache ``q`` whose KV is in ``table`` (at least ``ceil(len(q) / block_size)`` ids, checked by the
-        caller); ``table[first_owned:]`` are the caller's blocks, which the new leaf takes where it needs them.
+        """Cache ``q``, whose KV from block index ``first_owned`` on is in the caller's blocks ``owned`` (intp, up to
+        at least block ``ceil(len(q) / block_size) - 1``, checked by the caller); the new leaf takes those it needs.
+        The blocks before ``first_owned`` are borrowed (the tree's own, on the cached path) and never read here.
+
+        ``start``, a node locked by the caller whose path spells ``q[:start.end]`` (the lock of a lease whose tokens
+        these are), is where the walk begins: the same result as from the root, whose walk would pass through it,
+        without comparing the locked path's tokens again (its nodes' access times are refreshed all the same).
 
         Returns the number of tokens that were cached already and the caller's blocks the tree did not take
-        (the caller releases them).
+        (the caller releases them).  O(depth) dict lookups plus O(n) C-speed token comparison, from ``start``.
 
         Raises:
-            InvalidArgumentError: the sequence leaves the cached path inside the borrowed blocks
-                ``table[:first_owned]``; the tree is unchanged.
+            InvalidArgumentError: the sequence leaves the cached path inside the borrowed blocks; the tree is
+                unchanged.
         """
         bs = self.block_size
         n = len(q)
@@ -265,6 +239,12 @@ class RadixTree:
         tick = self.clock
         node = root
         pos = 0
+        if start is not None and start.parent is not None:
+            node, pos = start, start.end
+            while start.parent is not None:
+                # Locked, so none of them is an eviction candidate to re-rank.
+                start.last_access = tick
+                start = start.parent
         while pos < n:
             child = node.children.get(q[pos])
             if child is None:
@@ -290,8 +270,9 @@ class RadixTree:
             self._check_borrowed(pos, first_owned, root)
             first_new = pos // bs
             # Heal the seam before linking the leaf, so that a failure leaves the tree as it was.
-            healed = bool(pos % bs) and self.share_parent_block(node, int(table[first_new]))
-            leaf = Node(next(self._ids), node, q[pos:], pos, table[first_new:need].astype(BLOCK_ID_DTYPE))
+            first, last = first_new - first_owned, need - first_owned  # indices into owned
+            healed = bool(pos % bs) and self.share_parent_block(node, int(owned[first]))
+            leaf = Node(next(self._ids), node, q[pos:], pos, owned[first:last].astype(BLOCK_ID_DTYPE))
             if healed:
                 self.link_sharing(node, leaf)
             leaf.last_access = tick
@@ -311,11 +292,11 @@ class RadixTree:
                 covered = self.cover(leaf, q)
                 if covered:
                     self.events.emit(covered)
-            released = table[first_owned:first_new]
-            if need < len(table):
-                released = np.concatenate((released, table[need:]))
+            released = owned[:first]
+            if last < len(owned):
+                released = np.concatenate((released, owned[last:]))
         else:
-            released = table[first_owned:]
+            released = owned
         return num_cached, released
 
     def _check_borrowed(self, divergence: int, first_owned: int, root: Node) -> None:

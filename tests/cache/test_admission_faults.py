@@ -69,7 +69,7 @@ REQUEST_FUNCTIONS = [
     ("locks", "unlock"),
     ("blocks", "allocate"),
     ("blocks", "check_feasible"),
-    ("blocks", "insert"),
+    ("blocks", "insert_owned"),
     ("blocks", "as_block_ids"),
     ("blocks", "distinct"),
     ("counters", "record_query"),
