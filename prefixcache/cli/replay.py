@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from prefixcache.cli.options import parse_count, parse_size
+from prefixcache.cli.tokenizer_choice import byte_vocab_warning, choose_tokenizer
 from prefixcache.errors import InvalidArgumentError
 
 KV_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
@@ -40,9 +42,13 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     replay.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
     replay.add_argument("--layers", type=int, help="with --model-config: keep only the first N layers")
-    replay.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer folder (default: byte tokenizer)")
     replay.add_argument(
-        "--chat-template", metavar="FILE", help="Jinja chat template for --tokenizer (instead of the folder's own)"
+        "--tokenizer",
+        metavar="PATH",
+        help="local HF tokenizer folder (default: the hf:PATH model folder's own when it has one, else byte-level)",
+    )
+    replay.add_argument(
+        "--chat-template", metavar="FILE", help="Jinja chat template for the HF tokenizer (instead of the folder's own)"
     )
     replay.add_argument("--no-model", action="store_true", help="cache accounting only, no model (fast)")
     replay.add_argument("--block-size", type=int, default=16, help="tokens per KV block (1..256, default 16)")
@@ -170,11 +176,22 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def _load_tokenizer(args: argparse.Namespace, progress: _Progress):
-    if args.chat_template and not args.tokenizer:
-        raise InvalidArgumentError("--chat-template needs --tokenizer (the byte tokenizer has its own ChatML)")
-    if not args.tokenizer:
+    """The Hugging Face tokenizer to replay with (:func:`~prefixcache.cli.tokenizer_choice.choose_tokenizer`:
+    ``--tokenizer``, else the ``--model hf:PATH`` folder's own), or None for the byte tokenizer.
+
+    Raises:
+        InvalidArgumentError: ``--chat-template`` without a Hugging Face tokenizer, an unreadable template file, or
+            a tokenizer without a chat template.
+    """
+    choice = choose_tokenizer(args.tokenizer, None if args.model_config else args.model)
+    if args.chat_template and choice.path is None:
+        raise InvalidArgumentError(
+            "--chat-template needs --tokenizer or a --model hf:PATH folder with a tokenizer (the byte tokenizer has "
+            "its own ChatML)"
+        )
+    if choice.path is None:
         return None
-    progress.step(f"loading tokenizer {args.tokenizer}")
+    progress.step(f"loading tokenizer {choice.describe()}")
     from prefixcache.chat.hf_tokenizer import HFTokenizer
 
     template = None
@@ -183,11 +200,16 @@ def _load_tokenizer(args: argparse.Namespace, progress: _Progress):
             template = Path(args.chat_template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
             raise InvalidArgumentError(f"--chat-template {args.chat_template}: cannot read: {error}") from None
-    tokenizer = HFTokenizer(args.tokenizer, chat_template=template)
+    tokenizer = HFTokenizer(choice.path, chat_template=template)
     if not tokenizer.has_chat_template:
+        given = (
+            f"--model {args.model}: the model folder's tokenizer"
+            if choice.from_model_folder
+            else (f"--tokenizer {args.tokenizer}: the folder")
+        )
         raise InvalidArgumentError(
-            f"--tokenizer {args.tokenizer}: the folder has no chat template (no chat_template in "
-            "tokenizer_config.json, no chat_template.jinja); give one with --chat-template FILE (a Jinja file)"
+            f"{given} has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja); "
+            "give one with --chat-template FILE (a Jinja file)"
         )
     return tokenizer
 
@@ -246,6 +268,10 @@ def _replay(args: argparse.Namespace) -> int:
         model = _load_model(args, progress)
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
+    if model is not None and tokenizer is None:
+        warning = byte_vocab_warning(args.model, args.model_config, model.vocab_size)
+        if warning:
+            logging.getLogger(__name__).warning(warning)
     replayer = Replayer(
         model,
         tokenizer,
