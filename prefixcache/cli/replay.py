@@ -86,6 +86,11 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     replay.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="eviction policy (default lru)")
     replay.add_argument("--verify", action="store_true", help="check every request against the no-cache reference")
     replay.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="with a model: skip timing each prompt's prefill without the cache (half the time; no speed-up)",
+    )
+    replay.add_argument(
         "--order",
         default="round-robin",
         choices=["round-robin", "random", "file"],
@@ -110,6 +115,9 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     replay.add_argument("--plot", metavar="OUT.png", help="draw hit rate vs ideal and pool occupancy (matplotlib)")
     replay.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    replay.add_argument(
+        "--wide", action="store_true", help="every column of the table (default: a compact one within 120 columns)"
+    )
     sweep = replay.add_argument_group("every cache size in one pass (--sweep)")
     sweep.add_argument(
         "--sweep",
@@ -280,6 +288,7 @@ def _replay(args: argparse.Namespace) -> int:
         cache_memory=args.cache_memory,
         policy=args.policy,
         verify=args.verify,
+        measure_uncached=not args.no_baseline,
         explain=args.explain,
         host_cache_tokens=args.host_cache_tokens,
         host_cache_memory=args.host_cache_memory,
@@ -326,7 +335,7 @@ def _write_replay(args: argparse.Namespace, report, tokenizer_name: str) -> None
             for record in report.requests_log:
                 out.write(json.dumps(record) + "\n")
     print(f"tokenizer: {tokenizer_name}")
-    print(format_replay(report))
+    print(format_replay(report, wide=args.wide))
     for scenario in report.scenarios:
         line = format_drift(scenario)
         if line:
