@@ -21,7 +21,11 @@ KV_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
 """The K/V element types a sweep sizes bytes for (prefixcache.replay.sweep_report.KV_DTYPES; kept here so that
 ``--help`` imports no torch)."""
 
-__all__ = ["DEFAULT_STATE_EVERY", "add_parser", "run"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_STATE_EVERY", "add_parser", "run"]
+
+DEFAULT_PREFILL_CHUNK = 512
+"""``--prefill-chunk``'s default: :data:`prefixcache.replay.replayer.DEFAULT_PREFILL_CHUNK_TOKENS` (a test keeps the
+two equal), written here so that ``--help`` imports no torch."""
 
 DEFAULT_STATE_EVERY = 16
 """``--state-every``'s default: ``prefixcache.cache.resume.DEFAULT_STATE_INTERVAL_BLOCKS``, the engine's interval
@@ -85,6 +89,14 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     replay.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="eviction policy (default lru)")
     replay.add_argument("--verify", action="store_true", help="check every request against the no-cache reference")
+    replay.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK,
+        metavar="TOKENS",
+        help="with a model: tokens per prefill forward, the bar showing each and Ctrl-C acting between them "
+        f"(default {DEFAULT_PREFILL_CHUNK}, as serve's --max-batch-tokens; 0: a whole prompt per forward)",
+    )
     replay.add_argument(
         "--no-baseline",
         action="store_true",
@@ -260,6 +272,8 @@ def _replay(args: argparse.Namespace) -> int:
         require_matplotlib()  # fail before a long replay, not after it
     if args.layers is not None and not args.model_config:
         raise InvalidArgumentError("--layers needs --model-config")
+    if args.prefill_chunk < 0:
+        raise InvalidArgumentError(f"--prefill-chunk must be 0 (whole prompts) or more, got {args.prefill_chunk}")
     check_options(
         has_model=not args.no_model,
         cache_memory=args.cache_memory,
@@ -289,6 +303,7 @@ def _replay(args: argparse.Namespace) -> int:
         policy=args.policy,
         verify=args.verify,
         measure_uncached=not args.no_baseline,
+        prefill_chunk_tokens=args.prefill_chunk or None,
         explain=args.explain,
         host_cache_tokens=args.host_cache_tokens,
         host_cache_memory=args.host_cache_memory,
