@@ -134,5 +134,10 @@ class SnapshotWriteError(SnapshotError, OSError):
         self.errno = errno
 
 
+class EndpointError(PrefixCacheError, RuntimeError):
+    """An endpoint audited by ``replay --endpoint`` cannot be reached, answers with an HTTP error, or answers in a
+    shape that is not OpenAI's; the message names the URL and, for a request, where in the input it comes from."""
+
+
 class VerificationError(PrefixCacheError, AssertionError):
     """Cached output differed from the uncached reference beyond tolerance (``--verify``)."""

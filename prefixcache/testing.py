@@ -15,6 +15,8 @@ agent loop runs deterministically on real cached K/V.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -29,6 +31,7 @@ from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
 from prefixcache.models.base import CausalLM, LiveKV, check_cached_call, check_logits_from, check_reference_call
 
 __all__ = [
+    "require_extra",
     "CacheSnapshot",
     "FaultyModel",
     "InjectedFault",
@@ -375,3 +378,13 @@ class ScriptedModel:
             index = p + 1 - answer_start
             out.append(answer[index] if on_script and index < len(answer) else self.end_token_id)
         return out
+
+
+def require_extra(module: str, extra: str):
+    """Import ``module`` for a test module; without it, skip (``pytest.importorskip``, naming the extra to install)
+    on a user's machine, but fail in CI (``CI=true``: CI installs every extra, so a missing one is a defect)."""
+    if os.environ.get("CI") == "true":
+        return importlib.import_module(module)
+    import pytest  # only tests call this; the package does not depend on pytest
+
+    return pytest.importorskip(module, reason=f"needs: pip install 'prefixcache[{extra}]'")

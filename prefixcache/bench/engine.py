@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from prefixcache.bench.common import BenchResult, Table, ms_cells, ratio_spread, spread_text
+from prefixcache.bench.floor import floor_table, measure_floor
 from prefixcache.bench.grammar import grammar_rows, measure_grammar
 from prefixcache.bench.hybrid import hybrid_note, hybrid_rows, measure_hybrid, own_forward
 from prefixcache.engine.runner import PrefixCachingRunner
@@ -477,6 +478,8 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
         paged = [measure_paged(setup, c, where) for c in setup.decode_contexts]
         hybrid = measure_hybrid(setup.hybrid_tokens, setup.repeats, setup.quick, where)
         grammar = measure_grammar(setup.quick, setup.repeats, where)
+    # The floor rows (bench.floor) run at their own thread count, on the CPU only (the floor is the CPU's).
+    floor = measure_floor(quick, lambda n: build_bench_model(quick, n), QWEN_DIR) if where.type == "cpu" else None
     rows = []
     for c in cold:
         rows.append(
@@ -577,7 +580,8 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
         "hybrid": hybrid,
         "grammar": grammar,
     }
-    return BenchResult("engine", (table,), data)
+    data["floor"] = floor
+    return BenchResult("engine", (table,) if floor is None else (table, floor_table(floor)), data)
 
 
 def _setup_dict(setup: EngineSetup) -> dict:

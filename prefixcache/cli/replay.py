@@ -16,6 +16,7 @@ from typing import IO, Any
 from prefixcache.cli.options import parse_count, parse_size
 from prefixcache.cli.tokenizer_choice import byte_vocab_warning, choose_tokenizer
 from prefixcache.errors import InvalidArgumentError
+from prefixcache.replay.endpoint import add_endpoint_arguments
 
 KV_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
 """The K/V element types a sweep sizes bytes for (prefixcache.replay.sweep_report.KV_DTYPES; kept here so that
@@ -146,6 +147,7 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     sweep.add_argument(
         "--no-token-cache", action="store_true", help="tokenize again instead of reading the stored tokens"
     )
+    add_endpoint_arguments(replay)
 
 
 class _Progress:
@@ -255,15 +257,19 @@ def _load_model(args: argparse.Namespace, progress: _Progress):
 
 def run(args: argparse.Namespace) -> int:
     """The ``replay`` command: a sweep of every cache size with ``--sweep``
-    (:mod:`prefixcache.replay.sweep_cli`), else a replay."""
+    (:mod:`prefixcache.replay.sweep_cli`), an audit of a server's cache with ``--endpoint``
+    (:mod:`prefixcache.replay.audit`), else a replay."""
     from prefixcache.replay.sweep_cli import or_sweep
 
+    if args.endpoint:
+        return _replay(args)
     return or_sweep(_replay, _load_tokenizer, _Progress)(args)
 
 
 def _replay(args: argparse.Namespace) -> int:
     """Replay ``args.paths`` and print (and write) the report; 0, or 130 when interrupted with a partial report."""
     from prefixcache.replay.replayer import Replayer, ReplayInterrupted, check_options, replay_paths
+    from prefixcache.replay.requests import read_options
 
     progress = _Progress(not args.no_progress)
     if args.plot:
@@ -287,6 +293,10 @@ def _replay(args: argparse.Namespace) -> int:
     _check_outputs(args)
     try:
         tokenizer = _load_tokenizer(args, progress)
+        if args.endpoint:
+            from prefixcache.replay.audit import run_endpoint_replay
+
+            return run_endpoint_replay(args, tokenizer, progress)
         model = _load_model(args, progress)
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
@@ -314,15 +324,7 @@ def _replay(args: argparse.Namespace) -> int:
     replayer.check_pool_memory()
     try:
         report = replay_paths(
-            args.paths,
-            replayer,
-            order=args.order,
-            seed=args.seed,
-            limit=args.limit,
-            skip_invalid=args.skip_invalid,
-            file_format=args.file_format,
-            progress=progress,
-            log_requests=args.requests_jsonl is not None,
+            args.paths, replayer, **read_options(args, progress), log_requests=args.requests_jsonl is not None
         )
     except ReplayInterrupted as interrupted:
         report = interrupted.report

@@ -35,8 +35,19 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="the model id clients send (default: the preset, or the name of the hf:PATH or --model-config folder)",
     )
     serve_size = serve.add_mutually_exclusive_group()
-    serve_size.add_argument("--cache-tokens", type=parse_count, help="pool capacity in tokens (default 65,536)")
+    serve_size.add_argument(
+        "--cache-tokens",
+        type=parse_count,
+        help="pool capacity in tokens (default: a quarter of the free memory, at most --max-running sessions of the "
+        "model's context)",
+    )
     serve_size.add_argument("--cache-memory", type=parse_size, help="pool capacity in bytes of KV, e.g. 512MiB")
+    serve_size.add_argument(
+        "--memory-fraction",
+        type=float,
+        help="default pool: this share of the memory available after loading the model (default 0.25; vLLM's "
+        "--gpu-memory-utilization)",
+    )
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     serve.add_argument(
         "--max-batch-tokens",
@@ -100,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
         from prefixcache.serve import ApiKeys, create_app, serve_forever
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; the server needs: pip install 'prefixcache[server]'") from None
+    from prefixcache.engine.pool_size import DEFAULT_MEMORY_FRACTION, default_pool_size, describe_pool
     from prefixcache.engine.runner import PrefixCachingRunner
     from prefixcache.models.llama import build_model
 
@@ -136,9 +148,17 @@ def run(args: argparse.Namespace) -> int:
     warning = byte_vocab_warning(args.model, args.model_config, model.vocab_size) if tokenizer is None else None
     if warning:
         logging.getLogger(__name__).warning(warning)
+    cache_tokens, bound = args.cache_tokens, "--cache-tokens" if args.cache_memory is None else "--cache-memory"
+    if cache_tokens is None and args.cache_memory is None:
+        fraction = DEFAULT_MEMORY_FRACTION if args.memory_fraction is None else args.memory_fraction
+        sized = default_pool_size(model, args.block_size, memory_fraction=fraction, sessions=args.max_running)
+        by_memory = sized.bound == "memory"
+        bound = f"{fraction:g} of the free memory" if by_memory else f"{args.max_running} x the model's context"
+        cache_tokens = sized.num_tokens
     runner = PrefixCachingRunner(
-        model, tokenizer, cache_tokens=args.cache_tokens, cache_memory=args.cache_memory, block_size=args.block_size
+        model, tokenizer, cache_tokens=cache_tokens, cache_memory=args.cache_memory, block_size=args.block_size
     )
+    pool = describe_pool(runner.pool, model.max_position, bound)
     # What was restored, or why the cache starts cold, is worth a line at the default verbosity.
     logging.getLogger("prefixcache.serve.snapshots").setLevel(logging.INFO)
     name = args.served_model_name or _default_model_name(args)
@@ -155,11 +175,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def announce(url: str) -> None:
-        print(
-            f"serving {name!r} at {url}/v1 ({runner.pool.capacity_tokens:,} tokens of KV; tokenizer "
-            f"{choice.describe()})",
-            flush=True,
-        )
+        print(f"serving {name!r} at {url}/v1 ({pool}; tokenizer {choice.describe()})", flush=True)
 
     serve_forever(app, args.host, args.port, log_level="warning" if args.verbose == 0 else "info", announce=announce)
     return 0

@@ -94,6 +94,10 @@ class RequestChecks:
                 f"are 0 .. {self.model.vocab_size - 1}"
             )
         check_request_id(request_id)
+        if forced_tokens is None and isinstance(prompt_ids, (list, tuple, array)):
+            # A prompt too long for the model is refused in O(1), before its ids are converted in O(n): a C loop that
+            # holds the GIL (~1 s for 30M ids) and so stalls every other thread, a server's event loop included.
+            self.capacity(len(prompt_ids) + sampling.max_new_tokens)
         prompt = self.tokens(prompt_ids, "prompt")
         forced = None if forced_tokens is None else self.tokens(forced_tokens, "forced_tokens", allow_empty=True)
         retention = check_retention(priority, retain_s)

@@ -440,19 +440,19 @@ class LlamaModel:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.attn_norm)
-            q, k, v = F.linear(h, layer.qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+            q, k, v = linear(h, layer.qkv).split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
             q = self._apply_rope(q.view(n, heads, d), cos, sin)
             k = self._apply_rope(k.view(n, kv_heads, d), cos, sin)
             k_all, v_all = kv_source(i, k, v.view(n, kv_heads, d))
             if i == last and logits_from:
                 # Only these positions' hidden states reach the LM head: their attention queries and MLP suffice.
                 q, x, start, n = q[logits_from:], x[logits_from:], start + logits_from, n - logits_from
-            x = x + F.linear(attend(q, k_all, v_all, start), layer.o)
+            x = x + linear(attend(q, k_all, v_all, start), layer.o)
             h = self._rms_norm(x, layer.mlp_norm)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down)
         h = self._rms_norm(x, self.final_norm)
-        return F.linear(h, self.lm_head).float()
+        return linear(h, self.lm_head).float()
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
         """q ``[n, H, D]`` at positions ``start .. start + n - 1``; k, v ``[start + n, H_kv, D]`` -> ``[n, H * D]``.

@@ -15,7 +15,7 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.chat.tokenizer import Tokenizer
@@ -32,6 +32,7 @@ __all__ = [
     "interleave",
     "load_requests",
     "logged_request",
+    "read_options",
     "read_requests",
     "smallest_pool_tokens",
 ]
@@ -294,3 +295,17 @@ def smallest_pool_tokens(requests: Iterable[ReplayRequest], block_size: int) -> 
         if tokens > need:
             largest, need = request, tokens
     return need, largest
+
+
+def read_options(args: Any, progress: Progress | None) -> dict[str, Any]:
+    """The keywords of :func:`read_requests` (and of the functions that pass them on: :func:`load_requests`,
+    ``replay_paths``, ``audit_requests``, ``load_requests_cached``) that a replay command line sets: ``order``,
+    ``seed``, ``limit``, ``skip_invalid``, ``file_format`` from the parsed ``args``, and ``progress``."""
+    return {
+        "order": args.order,
+        "seed": args.seed,
+        "limit": args.limit,
+        "skip_invalid": args.skip_invalid,
+        "file_format": args.file_format,
+        "progress": progress,
+    }

@@ -17,7 +17,7 @@ from prefixcache.cache.pool import check_block_size
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.replay.plot import check_plot_path
-from prefixcache.replay.requests import Progress
+from prefixcache.replay.requests import Progress, read_options
 from prefixcache.replay.scenarios import expand_paths
 from prefixcache.replay.sweep import sweep_lru
 from prefixcache.replay.sweep_report import (
@@ -111,17 +111,8 @@ def run_sweep(args: argparse.Namespace, tokenizer: Tokenizer | None, progress: P
         per_token = kv_bytes_per_token_from_config(args.model_config, args.kv_dtype, args.layers)
     summaries, results = [], []
     for path in expand_paths(args.paths):
-        requests, _, stored = load_requests_cached(
-            path,
-            tokenizer,
-            use_cache=not args.no_token_cache,
-            order=args.order,
-            seed=args.seed,
-            limit=args.limit,
-            skip_invalid=args.skip_invalid,
-            file_format=args.file_format,
-            progress=progress,
-        )
+        use_cache = not args.no_token_cache
+        requests, _, stored = load_requests_cached(path, tokenizer, use_cache=use_cache, **read_options(args, progress))
         if stored and not args.no_progress:
             print(f"{path}: tokens read from the token store (--no-token-cache to tokenize again)", file=sys.stderr)
         start = time.perf_counter()

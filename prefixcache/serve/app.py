@@ -6,7 +6,8 @@ changed), its namespace taken from its API key, and its model work submitted to 
 :class:`~prefixcache.engine.batching.BatchEngine`: concurrent requests run together, one batched forward per step
 (continuous batching, chunked prefill, prefix-aware admission), on the engine's one thread, so no two forwards ever
 race on the pool.  Text is decoded and stop strings matched on that thread as tokens come out
-(:func:`~prefixcache.engine.chat.submit_chat`); the event loop only renders the prompt and writes the responses.
+(:func:`~prefixcache.engine.chat.submit_chat`); the event loop only writes the responses, and parses, checks and
+renders a small request (a large one on a worker thread: :mod:`prefixcache.serve.offload`).
 Responses always carry ``usage.prompt_tokens_details.cached_tokens``; a streamed response without
 ``stream_options.include_usage`` carries the usage on its finishing chunk.  A client that disconnects mid-stream
 cancels its request, which frees its blocks at the engine's next step.  A request the engine drops itself (it
@@ -40,24 +41,23 @@ from prefixcache.engine.batching import BatchEngine, RequestHandle
 from prefixcache.engine.chat import ChatCompletion, prepare_chat, prepare_completion, submit_chat
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.errors import CapacityError, InvalidArgumentError, OutOfBlocksError, PoolBusyError, PrefixCacheError
+from prefixcache.errors import CapacityError, OutOfBlocksError, PoolBusyError, PrefixCacheError
 from prefixcache.serve.auth import ApiKeys, Unauthorized
 from prefixcache.serve.echo import echoed_logprobs, echoed_usage, merge_logprobs, prompt_logprobs_job, running_usage
 from prefixcache.serve.jobs import (
     DEFAULT_MAX_REQUEST_BYTES,
-    PARSE_OFF_LOOP_BYTES,
     closing,
     deliveries,
     ending,
     gone,
     merged_choices,
-    read_body,
     sample_request_id,
     sample_seed,
     unless_gone,
 )
 from prefixcache.serve.logprobs import TokenStrings, chat_logprobs, completion_logprobs
 from prefixcache.serve.metrics import CONTENT_TYPE, ServerMetrics
+from prefixcache.serve.offload import RequestWork
 from prefixcache.serve.openapi import openapi_document
 from prefixcache.serve.protocol import (
     BadRequest,
@@ -156,11 +156,11 @@ def create_app(
     (:class:`~prefixcache.serve.snapshots.SnapshotKeeper`, ``app.state.snapshots``).  The Responses API
     (:mod:`prefixcache.serve.responses_routes`) keeps the last ``max_stored_responses`` responses
     (``app.state.responses``).  A request body over ``max_request_bytes`` (``app.state.max_request_bytes``) is a
-    413 in OpenAI's error shape, read no further; a body over ``PARSE_OFF_LOOP_BYTES`` is parsed on a worker
-    thread, so the event loop goes on serving streams and ``/health`` meanwhile.  Raises InvalidArgumentError for
-    a ``max_request_bytes`` below 1."""
-    if isinstance(max_request_bytes, bool) or not isinstance(max_request_bytes, int) or max_request_bytes < 1:
-        raise InvalidArgumentError(f"max_request_bytes must be a positive int, got {max_request_bytes!r}")
+    413 in OpenAI's error shape, read no further; prompts are rendered and tokenized on a worker thread, and a body
+    over 64 KiB is parsed and checked there too (:class:`~prefixcache.serve.offload.RequestWork`), so the event
+    loop goes on serving streams and ``/health`` meanwhile.  Raises InvalidArgumentError for a ``max_request_bytes``
+    below 1."""
+    work = RequestWork(max_request_bytes)
     keys = api_keys if api_keys is not None else ApiKeys.open()
     engine = BatchEngine(runner, max_batch_tokens=max_batch_tokens, max_running=max_running)
     metrics = ServerMetrics(runner.cache, engine)
@@ -173,6 +173,7 @@ def create_app(
         if snapshots is None:
             yield
             engine.close()
+            work.close()
             return
         await snapshots.restore()
         periodic = asyncio.create_task(snapshots.run_periodic())
@@ -182,6 +183,7 @@ def create_app(
             periodic.cancel()
             await snapshots.save()
             engine.close()
+            work.close()
 
     # Every handler reads its own body (to answer a bad one with OpenAI's error shape) and builds its own response,
     # so the routes are plain Starlette routes (app.add_route): FastAPI's per-request dependency solving and
@@ -194,10 +196,11 @@ def create_app(
     app.state.snapshots = snapshots
     app.state.max_request_bytes = max_request_bytes
 
-    async def run_job(submit: Submit) -> AsyncIterator[tuple[str, Any]]:
+    async def run_job(submit: Submit, request: Request) -> AsyncIterator[tuple[str, Any]]:
         """A streamed request's events: its deltas (what ``submit`` hands ``on_delta``: ``(text, logprob records)``),
         then its end (see :func:`~prefixcache.serve.jobs.ending`; a request refused at submit ends with ``"error"``
-        at once).  Closing this cancels the request."""
+        at once).  ``submit`` runs on the worker thread (:meth:`RequestWork.submit`).  Closing this cancels the
+        request."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -211,7 +214,7 @@ def create_app(
                 pass
 
         try:
-            handle, future = submit(on_delta)
+            handle, future = await work.submit(submit, on_delta)
         except Exception as error:  # noqa: BLE001 - refused at submit: answered as the request's error
             yield "error", error
             return
@@ -238,9 +241,11 @@ def create_app(
     async def finish_job(submit: Submit, request: Request) -> tuple[str, Any]:
         """A request's end only: one future and one wake-up of the event loop, where a stream needs a queue.  A
         client that disconnects first, or a handler cancelled while waiting, cancels the engine request (``("gone",
-        None)``)."""
+        None)``).  ``submit`` runs on the worker thread (:meth:`RequestWork.submit`)."""
         try:
-            handle, future = submit(None)
+            handle, future = await work.submit(submit, None)
+        except asyncio.CancelledError:
+            return "cancelled", None
         except Exception as error:  # noqa: BLE001
             return "error", error
         loop = asyncio.get_running_loop()
@@ -270,14 +275,8 @@ def create_app(
     def authenticate(request: Request) -> str | None:
         return keys.namespace_for(request.headers.get("authorization"))
 
-    async def read_json(request: Request) -> Any:
-        body = await read_body(request, max_request_bytes)
-        try:
-            return json.loads(body) if len(body) <= PARSE_OFF_LOOP_BYTES else await asyncio.to_thread(json.loads, body)
-        except RecursionError:
-            raise BadRequest("the request body nests objects and arrays too deep to parse") from None
-        except ValueError:
-            raise BadRequest("the request body is not valid JSON") from None
+    read_json = work.read_json
+    off_loop = work.call
 
     def check_model(name: str) -> None:
         if name != model_name:
@@ -376,7 +375,7 @@ def create_app(
     @route("/v1/chat/completions", "POST")
     async def chat_completions(request: Request) -> Response:
         namespace = authenticate(request)
-        chat = parse_chat_request(await read_json(request), runner.tokenizer.vocab_size)
+        chat = await off_loop(request, parse_chat_request, await read_json(request), runner.tokenizer.vocab_size)
         check_model(chat.model)
         request_id = "chatcmpl-" + uuid.uuid4().hex
         prompt_tokens = [0]  # the prompt's length once rendered, for continuous usage
@@ -414,7 +413,7 @@ def create_app(
                     return done
                 bodies.append(chat_response(request_id, model_name, done, logprobs_of(done.logprobs)))
             return _json(merged_choices(bodies))
-        jobs = [run_job(functools.partial(start, sample=i)) for i in range(chat.n)]
+        jobs = [run_job(functools.partial(start, sample=i), request) for i in range(chat.n)]
         answered, heads = await unless_gone(request, first_events(jobs))  # a queued request waits for its first token
         if not answered:
             return gone()
@@ -456,10 +455,16 @@ def create_app(
     @route("/v1/completions", "POST")
     async def completions(request: Request) -> Response:
         namespace = authenticate(request)
-        body = parse_completion_request(await read_json(request), runner.tokenizer.vocab_size)
+        body = await off_loop(request, parse_completion_request, await read_json(request), runner.tokenizer.vocab_size)
         check_model(body.model)
         request_id = "cmpl-" + uuid.uuid4().hex
-        ids = runner.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else body.prompt
+
+        def tokenized() -> tuple[Any, str]:  # the prompt's ids, and its text when echoed
+            if isinstance(body.prompt, str):
+                return runner.tokenizer.encode(body.prompt), body.prompt
+            return body.prompt, runner.tokenizer.decode(body.prompt) if body.echo else ""
+
+        ids, prompt_text = await work.tokenizing(tokenized)
         vocab_limit = runner.tokenizer.vocab_size
 
         def start(on_delta: Callable[[Any], None] | None, sample: int = 0) -> tuple[RequestHandle, Future[Any]]:
@@ -479,18 +484,17 @@ def create_app(
             return (None, offset) if body.logprobs is None else completion_logprobs(records, strings, offset)
 
         # echo: the prompt first; with logprobs, from a prefill that recomputes it (cached positions keep no logits).
-        echo_text, echo_logprobs, echo_offset, prefill = "", None, 0, None
-        if body.echo:
-            echo_text = body.prompt if isinstance(body.prompt, str) else runner.tokenizer.decode(ids)
-            if body.logprobs is not None:
-                first = outcome(
-                    *await finish_job(lambda _: prompt_logprobs_job(engine, ids, namespace, vocab_limit), request),
-                    "/v1/completions",
-                )
-                if isinstance(first, Response):
-                    return first
-                prefill = first.usage
-                echo_logprobs, echo_offset = echoed_logprobs(first, ids, body.logprobs, vocab_limit, strings)
+        echo_text, echo_logprobs, echo_offset, prefill = prompt_text if body.echo else "", None, 0, None
+        if body.echo and body.logprobs is not None:
+            first = outcome(
+                *await finish_job(lambda _: prompt_logprobs_job(engine, ids, namespace, vocab_limit), request),
+                "/v1/completions",
+            )
+            if isinstance(first, Response):
+                return first
+            prefill = first.usage
+            echoed = await off_loop(request, echoed_logprobs, first, ids, body.logprobs, vocab_limit, strings)
+            echo_logprobs, echo_offset = echoed
 
         if not body.stream:
             bodies = []
@@ -503,7 +507,7 @@ def create_app(
                 usage = echoed_usage(prefill, done.usage)
                 bodies.append(completion_response(request_id, model_name, text, done.finish_reason, usage, logprobs))
             return _json(merged_choices(bodies))
-        jobs = [run_job(functools.partial(start, sample=i)) for i in range(body.n)]
+        jobs = [run_job(functools.partial(start, sample=i), request) for i in range(body.n)]
         answered, heads = await unless_gone(request, first_events(jobs))  # a queued request waits for its first token
         if not answered:
             return gone()
@@ -553,7 +557,7 @@ def create_app(
     @route("/v1/cache/prefill", "POST")
     async def prefill(request: Request) -> Response:
         namespace = authenticate(request)
-        body = parse_prefill_request(await read_json(request), runner.tokenizer.vocab_size)
+        body = await off_loop(request, parse_prefill_request, await read_json(request), runner.tokenizer.vocab_size)
         if body.model is not None:
             check_model(body.model)
 
@@ -578,6 +582,7 @@ def create_app(
         route=route,
         authenticate=authenticate,
         read_json=read_json,
+        off_loop=off_loop,
         check_model=check_model,
         run_job=run_job,
         finish_job=finish_job,

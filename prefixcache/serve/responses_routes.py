@@ -44,8 +44,9 @@ class AppHooks:
     route: Callable[[str, str], Callable[[Callable[[Request], Any]], Any]]
     authenticate: Callable[[Request], str | None]
     read_json: Callable[[Request], Awaitable[Any]]
+    off_loop: Callable[..., Awaitable[Any]]
     check_model: Callable[[str], None]
-    run_job: Callable[[Any], AsyncIterator[tuple[str, Any]]]
+    run_job: Callable[[Any, Request], AsyncIterator[tuple[str, Any]]]
     finish_job: Callable[[Any, Request], Awaitable[tuple[str, Any]]]
     outcome: Callable[[str, Any, str], ChatCompletion | Response]
     unless_gone: Callable[[Request, Awaitable[Any]], Awaitable[tuple[bool, Any]]]
@@ -87,7 +88,7 @@ def add_response_routes(hooks: AppHooks, runner: Any, engine: Any, store: Respon
     @route(ENDPOINT, "POST")
     async def create(request: Request) -> Response:
         namespace = hooks.authenticate(request)
-        body = parse_responses_request(await hooks.read_json(request))
+        body = await hooks.off_loop(request, parse_responses_request, await hooks.read_json(request))
         hooks.check_model(body.model)
         prior: tuple[dict[str, Any], ...] = ()
         if body.previous_response_id is not None:
@@ -96,7 +97,7 @@ def add_response_routes(hooks: AppHooks, runner: Any, engine: Any, store: Respon
                 message = f"previous response with id {body.previous_response_id!r} not found"
                 raise BadRequest(message, "previous_response_id", 404, "previous_response_not_found")
             prior = stored.messages
-        conversation = conversation_after(prior, body.messages)
+        conversation = await hooks.off_loop(request, conversation_after, prior, body.messages)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         response_id, created_at = new_id("resp"), int(time.time())
 
@@ -121,7 +122,7 @@ def add_response_routes(hooks: AppHooks, runner: Any, engine: Any, store: Respon
             keep(body, namespace, answer, conversation, done)
             return _json(answer)
 
-        events = hooks.run_job(start)
+        events = hooks.run_job(start, request)
         answered, head = await hooks.unless_gone(request, anext(events))  # a queued request waits here
         if not answered:
             return Response(status_code=499)

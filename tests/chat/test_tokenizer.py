@@ -115,3 +115,9 @@ def test_render_chat_validates(tok: ByteTokenizer) -> None:
 def test_instances_are_interchangeable() -> None:
     assert ByteTokenizer() == ByteTokenizer()
     assert hash(ByteTokenizer()) == hash(ByteTokenizer())
+
+
+def test_a_long_text_is_encoded_in_pieces_to_the_same_ids(tok: ByteTokenizer) -> None:
+    text = "é🙂a" * 200_000  # 1.4 MB: pieces of 256 KiB split characters, which bytes do not mind
+    assert tok.encode(text) == list(text.encode("utf-8"))
+    assert tok.decode(tok.encode(text)) == text

@@ -7,7 +7,6 @@ tool calls, give token for token what each gives served alone, serially, on an e
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -18,15 +17,9 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from prefixcache.testing import require_extra  # noqa: E402
 
-def _require(module: str, extra: str):
-    # As tests/serve/conftest.py's require: a user's machine skips, CI (every extra installed) fails.
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(module)
-    return pytest.importorskip(module, reason=f"needs: pip install 'prefixcache[{extra}]'")
-
-
-_require("llguidance", "structured")
+require_extra("llguidance", "structured")
 if os.environ.get("CI") != "true":
     pytest.importorskip("jsonschema", reason="needs: pip install 'prefixcache[test]'")
 import jsonschema  # noqa: E402

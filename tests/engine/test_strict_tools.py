@@ -4,7 +4,6 @@ it writes ``<tool_call>`` the call follows its function's ``parameters`` schema.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from typing import Any
@@ -12,15 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from prefixcache.testing import require_extra  # noqa: E402
 
-def _require(module: str, extra: str):
-    # As tests/serve/conftest.py's require: a user's machine skips, CI (every extra installed) fails.
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(module)
-    return pytest.importorskip(module, reason=f"needs: pip install 'prefixcache[{extra}]'")
-
-
-_require("llguidance", "structured")
+require_extra("llguidance", "structured")
 if os.environ.get("CI") != "true":
     pytest.importorskip("jsonschema", reason="needs: pip install 'prefixcache[test]'")
 import jsonschema  # noqa: E402

@@ -258,3 +258,63 @@ def test_copies_and_pickles_start_empty() -> None:
         assert isinstance(twin, WeightPacks) and len(twin) == 0
         assert twin.get(weight) is not None
     assert len(packs) == 1
+
+
+def test_one_row_onednn_is_off_by_default_and_returns_the_setting_before() -> None:
+    from prefixcache.models.linear import one_row_onednn
+
+    assert one_row_onednn() is False
+    assert one_row_onednn(True) is False
+    try:
+        assert one_row_onednn() is True
+    finally:
+        assert one_row_onednn(False) is True
+
+
+def test_one_row_onednn_products_equal_f_linear_up_to_rounding() -> None:
+    from prefixcache.models.linear import linear, one_row_onednn, project
+
+    gen = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(300, 64, generator=gen), torch.randn(300, generator=gen)
+    row = torch.randn(1, 1, 64, generator=gen)
+    expected = torch.nn.functional.linear(row, weight, bias)
+    before = one_row_onednn(True)
+    try:
+        for out in (linear(row, weight, bias), project(row, weight, bias)):
+            assert out.shape == (1, 1, 300)
+            torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        two = torch.randn(2, 64, generator=gen)  # more than one row: not this path, same numbers as before
+        torch.testing.assert_close(linear(two, weight), torch.nn.functional.linear(two, weight))
+    finally:
+        one_row_onednn(before)
+
+
+@pytest.mark.parametrize("kind", ["embedded", "qwen2"])
+def test_decode_with_one_row_onednn_stays_exact(kind: str) -> None:
+    from prefixcache.engine.runner import PrefixCachingRunner
+    from prefixcache.engine.sampling import SamplingParams
+    from prefixcache.models.linear import one_row_onednn
+    from prefixcache.models.llama import build_model
+
+    if kind == "embedded":
+        model = build_model("tiny", device="cpu")
+    else:
+        pytest.importorskip("transformers")
+        from prefixcache.models.hf_tiny import tiny_random_model
+
+        model = tiny_random_model(kind)
+    prompt = list(range(7, 70))
+    params = SamplingParams(max_new_tokens=10)
+    plain = PrefixCachingRunner(model).generate(prompt, params).token_ids
+    before = one_row_onednn(True)
+    try:
+        runner = PrefixCachingRunner(model)
+        ours = runner.generate(prompt, params).token_ids
+        sequence = torch.tensor([*prompt, *ours[:-1]])
+        reference = model.forward_reference(sequence, return_logits=True, logits_from=len(prompt) - 1)
+        again = runner.generate([*prompt, *ours[:-1]], SamplingParams(max_new_tokens=1), return_logits=True)
+    finally:
+        one_row_onednn(before)
+    assert ours == plain
+    assert torch.equal(reference.argmax(-1), torch.tensor(ours))
+    torch.testing.assert_close(again.prompt_logits[-1], reference[-1], atol=1e-5, rtol=0)

@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable, Iterator
 
 import pytest
 
-
-def require(module: str, extra: str):
-    """Import ``module``; without it, skip on a user's machine but fail in CI (CI installs every extra)."""
-    if os.environ.get("CI") == "true":
-        return importlib.import_module(module)
-    return pytest.importorskip(module, reason=f"needs: pip install 'prefixcache[{extra}]'")
-
+from prefixcache.testing import require_extra as require  # noqa: E402
 
 require("fastapi", "server")
 httpx = require("httpx", "server")

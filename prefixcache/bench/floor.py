@@ -1,0 +1,392 @@
+"""The floor under ``bench engine``'s figures: what this machine can read and compute, and how far a decode step and a
+prefill stand above it.
+
+Absolute times do not travel between machines (nor between two runs on a shared one); a ratio to a floor measured in
+the same process does.  Two rates are measured with torch at the rows' thread count, best of several repeats:
+
+- memory read bandwidth (bytes/s): ``sum()`` over a float32 tensor many times the last-level cache (512 MiB; 64 MiB
+  with ``--quick``), so every byte comes from DRAM, as a decode step's weights do (STREAM's read kernel, in torch);
+- float32 matrix throughput (FLOP/s): a square ``2048 x 2048`` product (``2 n^3`` FLOPs).
+
+Then, for each model (the HF adapter and the embedded model, on the Qwen2.5-0.5B shape cut to 4 and 24 layers):
+
+- decode floor = :func:`decode_step_bytes` / bandwidth: a step must read every weight it multiplies by once (layers,
+  final norm, the LM head; one embedding row) and the live K/V of its context (llama.cpp's and the roofline's
+  argument: one query's products do 2 FLOPs per weight element, far below the machine's FLOPs per byte);
+- prefill floor = :func:`prefill_flops` / GEMM throughput: ``2 * tokens`` FLOPs per weight element of the layers,
+  causal attention, the LM head on the last position only.
+
+``decode / floor`` and ``prefill / floor`` are what issue 30 moves (goal: within 1.25x and 1.3x).  Decode is timed
+as it runs by default and, in the same run, interleaved, with the opt-in oneDNN one-row products
+(:func:`~prefixcache.models.linear.one_row_onednn`).  Clock: wall time (``time.perf_counter``) at :data:`THREADS`
+torch threads, as a user runs it, so a busy machine shows in both the rows and the floor; with one thread
+(``threads=1``), the thread's CPU time, as ``bench engine``'s other rows (other processes' time slices left out).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from prefixcache.bench.common import Table
+from prefixcache.engine.runner import PrefixCachingRunner
+from prefixcache.engine.sampling import SamplingParams
+from prefixcache.errors import InvalidArgumentError
+from prefixcache.models.base import ModelConfig
+from prefixcache.models.linear import one_row_onednn
+
+THREADS = 2
+"""Torch threads of the floor rows and of the floor itself (the issue's setting: 2 threads on a 2-core machine)."""
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The sizes that set a decoder's bytes per step and FLOPs per token; counts, ``element_size`` in bytes.
+
+    ``qkv_bias``: the Q/K/V projections carry a bias (Qwen2).  The LM head is read in full every step whether or not
+    it is tied to the embedding; the embedding itself gives one row per token.
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    element_size: int
+    qkv_bias: bool = False
+
+    @staticmethod
+    def of(model) -> ModelShape:
+        """The shape of an embedded :class:`~prefixcache.models.llama.LlamaModel` (its ``ModelConfig``) or of an
+        :class:`~prefixcache.models.hf.HFCausalLM` of a Llama-like config.  Raises InvalidArgumentError for a config
+        without these sizes."""
+        config = model.config
+        element = torch.empty((), dtype=model.dtype).element_size()
+        if isinstance(config, ModelConfig):
+            return ModelShape(
+                config.name,
+                config.num_layers,
+                config.hidden_size,
+                config.num_heads,
+                config.num_kv_heads,
+                config.head_dim,
+                config.intermediate_size,
+                config.vocab_size,
+                element,
+            )
+        try:
+            heads = config.num_attention_heads
+            return ModelShape(
+                model.name,
+                config.num_hidden_layers,
+                config.hidden_size,
+                heads,
+                config.num_key_value_heads,
+                getattr(config, "head_dim", None) or config.hidden_size // heads,
+                config.intermediate_size,
+                config.vocab_size,
+                element,
+                qkv_bias=config.model_type == "qwen2",
+            )
+        except AttributeError as error:
+            raise InvalidArgumentError(f"{model.name}: no Llama-like sizes in its config ({error})") from None
+
+    @property
+    def layer_matmul_elements(self) -> int:
+        """Weight elements one layer multiplies by: Q/K/V, output, gate/up and down projections."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+
+    @property
+    def layer_elements(self) -> int:
+        """Every weight element of one layer: the products', the Q/K/V bias, the two norms."""
+        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        return self.layer_matmul_elements + bias + 2 * self.hidden
+
+
+def decode_step_bytes(shape: ModelShape, context: int) -> int:
+    """Bytes one decode step of one row must read, attending ``context`` keys (its own included): every layer's
+    weights, the final norm, the whole LM head, one embedding row, and K and V of ``context`` positions in every
+    layer.  Raises InvalidArgumentError for ``context < 1``."""
+    if context < 1:
+        raise InvalidArgumentError(f"context must be >= 1, got {context}")
+    weights = shape.layers * shape.layer_elements + shape.vocab * shape.hidden + 2 * shape.hidden
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * context
+    return (weights + kv) * shape.element_size
+
+
+def prefill_flops(shape: ModelShape, tokens: int) -> int:
+    """FLOPs of a cold prefill of ``tokens`` positions that keeps the last position's logits: ``2 * tokens`` per
+    layer weight element, causal attention (scores and weighted values: ``4 * heads * head_dim`` per query-key pair,
+    ``tokens * (tokens + 1) / 2`` pairs a layer), and the LM head for one position.  Norms, rotary and softmax are
+    left out (O(tokens * hidden), under 1% here).  Raises InvalidArgumentError for ``tokens < 1``."""
+    if tokens < 1:
+        raise InvalidArgumentError(f"tokens must be >= 1, got {tokens}")
+    products = 2 * tokens * shape.layers * shape.layer_matmul_elements
+    attention = shape.layers * 4 * shape.heads * shape.head_dim * (tokens * (tokens + 1) // 2)
+    return products + attention + 2 * shape.vocab * shape.hidden
+
+
+@dataclass(frozen=True, slots=True)
+class MachineFloor:
+    """This machine's measured rates: read bandwidth (bytes/s) over ``buffer_bytes``, float32 GEMM (FLOP/s) of
+    ``gemm_size``-square matrices, best of ``repeats``, at ``threads`` torch threads."""
+
+    read_bytes_per_s: float
+    gemm_flops_per_s: float
+    threads: int
+    buffer_bytes: int
+    gemm_size: int
+    repeats: int
+
+    def best(self, other: MachineFloor) -> MachineFloor:
+        """The higher of each rate of two measurements of the same sizes (a busy moment only lowers a rate)."""
+        return dataclasses.replace(
+            self,
+            read_bytes_per_s=max(self.read_bytes_per_s, other.read_bytes_per_s),
+            gemm_flops_per_s=max(self.gemm_flops_per_s, other.gemm_flops_per_s),
+            repeats=self.repeats + other.repeats,
+        )
+
+
+def clock() -> float:
+    """Seconds: the calling thread's CPU time when torch runs one thread, else wall time (see the module)."""
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
+def _best(fn: Callable[[], object], repeats: int) -> float:
+    """Fewest :func:`clock` seconds of ``repeats`` calls of ``fn`` after one untimed call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock()
+        fn()
+        best = min(best, clock() - start)
+    return best
+
+
+def measure_read_bandwidth(num_bytes: int, repeats: int) -> float:
+    """Bytes per second of ``torch.sum`` over a float32 tensor of ``num_bytes`` (best of ``repeats``)."""
+    data = torch.ones(num_bytes // 4, dtype=torch.float32)
+    return data.numel() * 4 / _best(data.sum, repeats)
+
+
+def measure_gemm(size: int, repeats: int) -> float:
+    """FLOP/s of a float32 ``size x size`` by ``size x size`` product (``2 * size**3`` FLOPs, best of ``repeats``)."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
+    out = torch.empty(size, size)
+    return 2 * size**3 / _best(lambda: torch.mm(a, b, out=out), repeats)
+
+
+def measure_machine(quick: bool, repeats: int = 5) -> MachineFloor:
+    """Both rates at the current torch thread count (512 MiB read, 2048-square GEMM; quick: 64 MiB, 512)."""
+    buffer_bytes, size = (64 << 20, 512) if quick else (512 << 20, 2048)
+    return MachineFloor(
+        measure_read_bandwidth(buffer_bytes, repeats),
+        measure_gemm(size, repeats),
+        torch.get_num_threads(),
+        buffer_bytes,
+        size,
+        repeats,
+    )
+
+
+def embedded_config(config_path: str | Path, layers: int, name: str = "qwen2.5-0.5b-shape") -> ModelConfig:
+    """An embedded-model config of the sizes in a Hugging Face Llama-like ``config.json`` (or its folder), cut to
+    ``layers`` layers; seeded random weights as every embedded preset.  Raises InvalidArgumentError when unreadable."""
+    path = Path(config_path)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        c = json.loads(path.read_text())
+        heads = c["num_attention_heads"]
+        return ModelConfig(
+            name=f"{name}({layers} layers)",
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=c["num_key_value_heads"],
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            intermediate_size=c["intermediate_size"],
+            max_position=c["max_position_embeddings"],
+            rope_theta=float(c.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        )
+    except (OSError, ValueError, KeyError) as error:
+        raise InvalidArgumentError(f"cannot read a model config from {str(path)!r}: {error}") from None
+
+
+def _decode_seconds(runner: PrefixCachingRunner, prompt: list[int], steps: int) -> tuple[float, tuple[int, ...]]:
+    """:func:`clock` seconds per decode step (between the first and the last of ``steps + 1`` tokens) and the
+    tokens."""
+    stamps: list[float] = []
+    params = SamplingParams(max_new_tokens=steps + 1)
+    stream = runner.stream(prompt, params, on_token=lambda _token: stamps.append(clock()))
+    try:
+        while True:
+            next(stream)
+    except StopIteration as done:
+        result = done.value
+    return (stamps[-1] - stamps[0]) / steps, tuple(result.token_ids)
+
+
+def measure_model(model, context: int, prefill_tokens: int, steps: int, repeats: int, prefill_repeats: int) -> dict:
+    """One model's rows: cold prefill of ``prefill_tokens`` (best of ``prefill_repeats``, a fresh cache each) and
+    decode at ``context`` keys (best of ``repeats`` runs of ``steps`` steps) by default and with the oneDNN one-row
+    products, interleaved; with the bytes and FLOPs of their floors.  Raises AssertionError when the two give other
+    greedy tokens."""
+    shape = ModelShape.of(model)
+    gen = torch.Generator().manual_seed(30)
+    prompt = torch.randint(0, model.vocab_size, (context,), generator=gen).tolist()
+    prefill = []
+    for rep in range(prefill_repeats):
+        runner = PrefixCachingRunner(model, cache_tokens=prefill_tokens + 2 * BLOCK_SIZE, block_size=BLOCK_SIZE)
+        start = clock()
+        runner.prefill(prompt[rep : rep + prefill_tokens])
+        prefill.append(clock() - start)
+    runner = PrefixCachingRunner(model, cache_tokens=context + 4 * (steps + 1 + BLOCK_SIZE), block_size=BLOCK_SIZE)
+    runner.prefill(prompt[:-1])
+    decode: dict[bool, float] = {}
+    tokens: dict[bool, tuple[int, ...]] = {}
+    before = one_row_onednn()
+    try:
+        for rep in range(repeats):
+            for on in (False, True) if rep % 2 == 0 else (True, False):
+                one_row_onednn(on)
+                seconds, tokens[on] = _decode_seconds(runner, prompt, steps)
+                decode[on] = min(decode.get(on, float("inf")), seconds)
+    finally:
+        one_row_onednn(before)
+    if tokens[True] != tokens[False]:
+        raise AssertionError(f"{shape.name}: oneDNN one-row products changed the greedy tokens")
+    step_bytes = decode_step_bytes(shape, context + 1)
+    flops = prefill_flops(shape, prefill_tokens)
+    return {
+        "model": shape.name,
+        "layers": shape.layers,
+        "context": context,
+        "steps": steps,
+        "decode_s": decode[False],
+        "decode_onednn_s": decode[True],
+        "decode_bytes": step_bytes,
+        "prefill_tokens": prefill_tokens,
+        "prefill_s": min(prefill),
+        "prefill_flops": flops,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class FloorSetup:
+    """Sizes of the floor rows: layer counts of the Qwen2.5-0.5B shape, decode context (keys), decode steps, prefill
+    tokens, repeats (decode; prefill per layer count: the 24-layer prefill costs most)."""
+
+    layers: tuple[int, ...] = (4, 24)
+    context: int = 2048
+    steps: int = 8
+    prefill_tokens: int = 1024
+    repeats: int = 3
+    prefill_repeats: tuple[int, ...] = (2, 1)
+
+
+QUICK_FLOOR = FloorSetup(layers=(2,), context=256, steps=4, prefill_tokens=128, repeats=2, prefill_repeats=(1,))
+
+
+def build_embedded(quick: bool, layers: int, config_path: str | Path):
+    """The embedded model of the floor rows on the CPU: the shape in ``config_path`` cut to ``layers`` layers, or
+    (``quick``) the ``tiny`` preset."""
+    from prefixcache.models.llama import LlamaModel, build_model
+
+    if quick:
+        return build_model("tiny", device="cpu")
+    return LlamaModel(embedded_config(config_path, layers), device="cpu")
+
+
+def measure_floor(
+    quick: bool, build_hf: Callable[[int], object], config_path: str | Path, threads: int = THREADS
+) -> dict:
+    """The machine's rates and every model's rows, at ``threads`` torch threads (restored after).
+
+    ``build_hf(layers)`` makes the HF model, :func:`build_embedded` the embedded one of the same shape from
+    ``config_path``; one at a time, each freed after its rows (the 24-layer fp32 models are 2-2.5 GB each).  The rates
+    are measured before and after the rows and the higher kept (:meth:`MachineFloor.best`): on a shared machine a
+    rate measured in a busy second put the floor above the rows' own times.
+    """
+    setup = QUICK_FLOOR if quick else FloorSetup()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        machine = measure_machine(quick)
+        rows = []
+        for layers, prefill_repeats in zip(setup.layers, setup.prefill_repeats, strict=True):
+            for build in (build_hf, lambda n: build_embedded(quick, n, config_path)):
+                model = build(layers)
+                rows.append(
+                    measure_model(
+                        model, setup.context, setup.prefill_tokens, setup.steps, setup.repeats, prefill_repeats
+                    )
+                )
+                del model
+                gc.collect()
+        after = measure_machine(quick)
+        machine = machine.best(after)
+        for row in rows:
+            row["decode_floor_s"] = row["decode_bytes"] / machine.read_bytes_per_s
+            row["prefill_floor_s"] = row["prefill_flops"] / machine.gemm_flops_per_s
+    finally:
+        torch.set_num_threads(before)
+    return {"machine": dataclasses.asdict(machine), "rows": rows, "setup": dataclasses.asdict(setup)}
+
+
+def floor_table(floor: dict) -> Table:
+    """The printed table of :func:`measure_floor`'s result."""
+    m = floor["machine"]
+    clock_name = "thread CPU time" if m["threads"] == 1 else "wall time"
+    rows = []
+    for r in floor["rows"]:
+        rows.append(
+            (
+                r["model"],
+                f"decode at {r['context']:,} (ms/token)",
+                f"{r['decode_s'] * 1e3:.1f}",
+                f"{r['decode_floor_s'] * 1e3:.1f} ({r['decode_bytes'] / 1e6:,.0f} MB)",
+                f"{r['decode_s'] / r['decode_floor_s']:.2f}",
+                f"{r['decode_onednn_s'] / r['decode_floor_s']:.2f}",
+            )
+        )
+        rows.append(
+            (
+                r["model"],
+                f"cold prefill {r['prefill_tokens']:,} (ms)",
+                f"{r['prefill_s'] * 1e3:,.0f}",
+                f"{r['prefill_floor_s'] * 1e3:,.0f} ({r['prefill_flops'] / 1e9:,.0f} GFLOP)",
+                f"{r['prefill_s'] / r['prefill_floor_s']:.2f}",
+                "",
+            )
+        )
+    return Table(
+        title=(
+            f"engine floor: read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 GEMM "
+            f"{m['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s ({m['threads']} torch threads, best of {m['repeats']})"
+        ),
+        headers=("model", "measure", "ours", "floor (what it must move)", "ours / floor", "opt-in oneDNN rows / floor"),
+        rows=tuple(rows),
+        notes=(
+            f"{clock_name}, {m['threads']} torch threads, best of the repeats; decode floor = bytes a step reads "
+            f"(weights + live K/V) / bandwidth ({m['buffer_bytes'] >> 20} MiB torch.sum); prefill floor = FLOPs / GEMM "
+            f"({m['gemm_size']}-square fp32 torch.mm)",
+            "'opt-in oneDNN rows': the same decode steps, same run, interleaved, with one_row_onednn(True) (greedy "
+            "tokens checked equal); goals (issue 30): decode <= 1.25, prefill <= 1.3",
+        ),
+    )

@@ -1,0 +1,123 @@
+"""The floor of ``bench engine`` (``prefixcache.bench.floor``): the bytes a decode step must read and the FLOPs a
+prefill must compute, checked against sums done by hand for the Qwen2.5-0.5B shape, and the shapes read off both
+model kinds.  No timings are asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefixcache.bench.floor import (
+    ModelShape,
+    decode_step_bytes,
+    embedded_config,
+    floor_table,
+    measure_gemm,
+    measure_read_bandwidth,
+    prefill_flops,
+)
+from prefixcache.errors import InvalidArgumentError
+from prefixcache.models.llama import build_model
+
+# Qwen2.5-0.5B cut to 4 layers, fp32: hidden 896, 14 heads over 2 KV heads of 64, MLP 4864, vocab 151,936.
+QWEN4 = ModelShape("qwen", 4, 896, 14, 2, 64, 4864, 151_936, 4, qkv_bias=True)
+
+
+def test_a_layer_multiplies_by_qkv_output_and_mlp_weights() -> None:
+    # Q/K/V 896 x 1152, output 896 x 896, gate, up and down 896 x 4864 each.
+    assert QWEN4.layer_matmul_elements == 896 * 1152 + 896 * 896 + 3 * 896 * 4864 == 14_909_440
+    # plus the Q/K/V bias (1152) and two norms (2 x 896)
+    assert QWEN4.layer_elements == 14_909_440 + 1152 + 1792
+
+
+def test_decode_step_reads_every_weight_the_whole_head_and_the_live_kv() -> None:
+    weights = 4 * 14_912_384 + 151_936 * 896 + 2 * 896  # layers, LM head, final norm and one embedding row
+    kv = 2 * 4 * 2 * 64 * 2048  # K and V, 4 layers, 2 heads of 64, 2,048 keys
+    assert decode_step_bytes(QWEN4, 2048) == (weights + kv) * 4 == 791_532_544
+
+
+def test_decode_bytes_grow_by_one_token_of_kv_per_key() -> None:
+    assert decode_step_bytes(QWEN4, 2049) - decode_step_bytes(QWEN4, 2048) == 2 * 4 * 2 * 64 * 4
+
+
+def test_prefill_flops_count_products_causal_attention_and_one_head_row() -> None:
+    products = 2 * 1024 * 4 * 14_909_440
+    attention = 4 * 4 * 14 * 64 * (1024 * 1025 // 2)
+    head = 2 * 151_936 * 896
+    assert prefill_flops(QWEN4, 1024) == products + attention + head == 129_933_934_592
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_floor_sizes_below_one_token_are_refused(bad: int) -> None:
+    with pytest.raises(InvalidArgumentError):
+        decode_step_bytes(QWEN4, bad)
+    with pytest.raises(InvalidArgumentError):
+        prefill_flops(QWEN4, bad)
+
+
+def test_embedded_model_shape_comes_from_its_config() -> None:
+    shape = ModelShape.of(build_model("tiny", device="cpu"))
+    assert (shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.head_dim) == (2, 64, 4, 2, 16)
+    assert (shape.intermediate, shape.vocab, shape.element_size, shape.qkv_bias) == (176, 512, 4, False)
+
+
+def test_hf_qwen2_shape_has_its_qkv_bias() -> None:
+    pytest.importorskip("transformers")
+    from prefixcache.models.hf_tiny import tiny_random_model
+
+    model = tiny_random_model("qwen2")
+    shape = ModelShape.of(model)
+    assert shape.qkv_bias and shape.layers == model.config.num_hidden_layers
+    params = sum(p.numel() for name, p in model.model.named_parameters() if "layers." in name)
+    assert shape.layers * shape.layer_elements == params
+
+
+def test_embedded_config_reads_a_hugging_face_config(tmp_path) -> None:
+    config = {
+        "vocab_size": 1000,
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 256,
+        "max_position_embeddings": 512,
+        "rope_theta": 1e6,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    c = embedded_config(tmp_path, layers=3)
+    assert (c.num_layers, c.head_dim, c.rope_theta, c.vocab_size) == (3, 32, 1e6, 1000)
+    with pytest.raises(InvalidArgumentError):
+        embedded_config(tmp_path / "missing", layers=3)
+
+
+def test_rates_are_positive_figures() -> None:
+    assert measure_read_bandwidth(1 << 20, repeats=1) > 0
+    assert measure_gemm(32, repeats=1) > 0
+
+
+def test_floor_table_prints_the_ratio_to_the_floor() -> None:
+    row = {
+        "model": "m",
+        "context": 2048,
+        "decode_s": 0.030,
+        "decode_onednn_s": 0.045,
+        "decode_bytes": 300_000_000,
+        "decode_floor_s": 0.015,
+        "prefill_tokens": 1024,
+        "prefill_s": 2.0,
+        "prefill_flops": 10**11,
+        "prefill_floor_s": 1.0,
+    }
+    machine = {"read_bytes_per_s": 2e10, "gemm_flops_per_s": 1e11, "threads": 2, "buffer_bytes": 1 << 29}
+    table = floor_table({"machine": {**machine, "gemm_size": 2048, "repeats": 5}, "rows": [row]})
+    assert table.rows[0][4:] == ("2.00", "3.00") and table.rows[1][4] == "2.00"
+    assert "20.0 GB/s" in table.title
+
+
+def test_two_measurements_of_the_machine_keep_the_higher_rates() -> None:
+    from prefixcache.bench.floor import MachineFloor
+
+    busy = MachineFloor(1e10, 9e10, 2, 1 << 29, 2048, 5)
+    quiet = MachineFloor(3e10, 6e10, 2, 1 << 29, 2048, 5)
+    best = busy.best(quiet)
+    assert (best.read_bytes_per_s, best.gemm_flops_per_s, best.repeats) == (3e10, 9e10, 10)
