@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAT = ROOT / "scenarios" / "multi_turn_chat.jsonl"
 
 CTRL_C_LIMIT_S = 2.0
-"""How long after SIGINT the replay may take to print its partial report: the 1 s the issue asks for, plus 1 s of
-margin for a loaded machine (seen: 0.6-1.3 s to exit, with the load at 4 on 2 cores)."""
+"""How long after SIGINT the replay may take to exit: the 1 s the issue asks for, plus 1 s of margin for a loaded
+machine (seen: the report printed 0.003-0.07 s after the signal, the process gone 0.23-0.45 s after it, with the
+load at 5 on 2 cores)."""
 
 
 def one_prompt(path: Path, characters: int) -> Path:
@@ -71,20 +72,17 @@ def test_chunked_prefill_verifies_and_caches_as_one_forward(tiny) -> None:
     assert chunked.max_abs_logit_diff <= 1e-4
 
 
-def test_ctrl_c_during_a_long_prefill_exits_130_within_a_second(tmp_path: Path) -> None:
+def test_ctrl_c_during_a_long_prefill_exits_130_within_a_second_with_the_partial_report(tmp_path: Path) -> None:
     # The small preset on a 32,000-token prompt: tens of seconds of prefill on 2 cores, seconds on a fast machine.
     path = one_prompt(tmp_path / "long.jsonl", 32_000)
     out = tmp_path / "report.json"
     command = [sys.executable, "-m", "prefixcache", "replay", str(path), "--model", "small", "--json", str(out)]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stderr = bytearray()
-    acted = threading.Event()
 
     def read_stderr() -> None:
         for chunk in iter(lambda: process.stderr.read1(4096), b""):
             stderr.extend(chunk)
-            if b"interrupted: the report above" in stderr:
-                acted.set()
 
     reader = threading.Thread(target=read_stderr)
     reader.start()
@@ -96,14 +94,14 @@ def test_ctrl_c_during_a_long_prefill_exits_130_within_a_second(tmp_path: Path) 
     assert started.search(bytes(stderr)), "no prefill chunk shown within 300 s"
     process.send_signal(signal.SIGINT)
     signalled = time.monotonic()
-    acted.wait(timeout=120)
-    acted_s = time.monotonic() - signalled
-    stdout = process.stdout.read().decode()
-    process.wait(timeout=60)
+    stdout = process.stdout.read().decode()  # until the process closes it: its end
+    process.wait(timeout=120)
+    exit_s = time.monotonic() - signalled
     reader.join(timeout=10)
 
     assert process.returncode == 130
-    assert acted_s < CTRL_C_LIMIT_S, f"Ctrl-C took {acted_s:.2f} s to act"
+    assert exit_s < CTRL_C_LIMIT_S, f"the replay took {exit_s:.2f} s to exit after Ctrl-C"
+    assert b"interrupted: the report above covers the requests completed before Ctrl-C" in stderr
     assert "| long (partial) |        0 |" in stdout
     assert json.loads(out.read_text())["partial"] is True
 
