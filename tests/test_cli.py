@@ -108,8 +108,8 @@ def test_replay_prints_the_table(capsys: pytest.CaptureFixture[str]) -> None:
 
     out = capsys.readouterr().out
     assert "model: none (cache accounting only), block size 16" in out
-    assert "hit rate" in out and "ideal cached" in out
-    assert str(CHAT) in out
+    assert "| scenario        | requests | prompt tok | cached tok | hit rate | ideal |" in out
+    assert "\n| multi_turn_chat |" in out and str(CHAT) in out  # the file's name in the table, its path above
 
 
 def test_replay_block_size_reaches_the_report(tmp_path: Path) -> None:

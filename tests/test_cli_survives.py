@@ -120,7 +120,7 @@ def test_ctrl_c_prints_the_partial_table_writes_partial_json_and_exits_130(tmp_p
 
     assert process.returncode == 130
     assert "Traceback" not in stderr.decode()
-    assert "PARTIAL: interrupted" in stdout and f"{scenario} (partial)" in stdout
+    assert "PARTIAL: interrupted" in stdout and "| agent_tool_loop (partial) |" in stdout
     report = json.loads(out.read_text())
     assert report["partial"] is True and report["scenarios"][str(scenario)]["partial"] is True
     assert 2 <= report["requests"] < total

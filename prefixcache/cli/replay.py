@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 import tempfile
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from prefixcache.cli.options import parse_count, parse_size
+from prefixcache.cli.tokenizer_choice import byte_vocab_warning, choose_tokenizer
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.replay.endpoint import add_endpoint_arguments
 
@@ -20,7 +22,11 @@ KV_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
 """The K/V element types a sweep sizes bytes for (prefixcache.replay.sweep_report.KV_DTYPES; kept here so that
 ``--help`` imports no torch)."""
 
-__all__ = ["DEFAULT_STATE_EVERY", "add_parser", "run"]
+__all__ = ["DEFAULT_PREFILL_CHUNK", "DEFAULT_STATE_EVERY", "add_parser", "run"]
+
+DEFAULT_PREFILL_CHUNK = 512
+"""``--prefill-chunk``'s default: :data:`prefixcache.replay.replayer.DEFAULT_PREFILL_CHUNK_TOKENS` (a test keeps the
+two equal), written here so that ``--help`` imports no torch."""
 
 DEFAULT_STATE_EVERY = 16
 """``--state-every``'s default: ``prefixcache.cache.resume.DEFAULT_STATE_INTERVAL_BLOCKS``, the engine's interval
@@ -41,9 +47,13 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     replay.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
     replay.add_argument("--layers", type=int, help="with --model-config: keep only the first N layers")
-    replay.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer folder (default: byte tokenizer)")
     replay.add_argument(
-        "--chat-template", metavar="FILE", help="Jinja chat template for --tokenizer (instead of the folder's own)"
+        "--tokenizer",
+        metavar="PATH",
+        help="local HF tokenizer folder (default: the hf:PATH model folder's own when it has one, else byte-level)",
+    )
+    replay.add_argument(
+        "--chat-template", metavar="FILE", help="Jinja chat template for the HF tokenizer (instead of the folder's own)"
     )
     replay.add_argument("--no-model", action="store_true", help="cache accounting only, no model (fast)")
     replay.add_argument("--block-size", type=int, default=16, help="tokens per KV block (1..256, default 16)")
@@ -81,6 +91,19 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     replay.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="eviction policy (default lru)")
     replay.add_argument("--verify", action="store_true", help="check every request against the no-cache reference")
     replay.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=DEFAULT_PREFILL_CHUNK,
+        metavar="TOKENS",
+        help="with a model: tokens per prefill forward, the bar showing each and Ctrl-C acting between them "
+        f"(default {DEFAULT_PREFILL_CHUNK}, as serve's --max-batch-tokens; 0: a whole prompt per forward)",
+    )
+    replay.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="with a model: skip timing each prompt's prefill without the cache (half the time; no speed-up)",
+    )
+    replay.add_argument(
         "--order",
         default="round-robin",
         choices=["round-robin", "random", "file"],
@@ -105,6 +128,9 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     replay.add_argument("--plot", metavar="OUT.png", help="draw hit rate vs ideal and pool occupancy (matplotlib)")
     replay.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    replay.add_argument(
+        "--wide", action="store_true", help="every column of the table (default: a compact one within 120 columns)"
+    )
     sweep = replay.add_argument_group("every cache size in one pass (--sweep)")
     sweep.add_argument(
         "--sweep",
@@ -172,11 +198,22 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def _load_tokenizer(args: argparse.Namespace, progress: _Progress):
-    if args.chat_template and not args.tokenizer:
-        raise InvalidArgumentError("--chat-template needs --tokenizer (the byte tokenizer has its own ChatML)")
-    if not args.tokenizer:
+    """The Hugging Face tokenizer to replay with (:func:`~prefixcache.cli.tokenizer_choice.choose_tokenizer`:
+    ``--tokenizer``, else the ``--model hf:PATH`` folder's own), or None for the byte tokenizer.
+
+    Raises:
+        InvalidArgumentError: ``--chat-template`` without a Hugging Face tokenizer, an unreadable template file, or
+            a tokenizer without a chat template.
+    """
+    choice = choose_tokenizer(args.tokenizer, None if args.model_config else args.model)
+    if args.chat_template and choice.path is None:
+        raise InvalidArgumentError(
+            "--chat-template needs --tokenizer or a --model hf:PATH folder with a tokenizer (the byte tokenizer has "
+            "its own ChatML)"
+        )
+    if choice.path is None:
         return None
-    progress.step(f"loading tokenizer {args.tokenizer}")
+    progress.step(f"loading tokenizer {choice.describe()}")
     from prefixcache.chat.hf_tokenizer import HFTokenizer
 
     template = None
@@ -185,11 +222,16 @@ def _load_tokenizer(args: argparse.Namespace, progress: _Progress):
             template = Path(args.chat_template).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as error:
             raise InvalidArgumentError(f"--chat-template {args.chat_template}: cannot read: {error}") from None
-    tokenizer = HFTokenizer(args.tokenizer, chat_template=template)
+    tokenizer = HFTokenizer(choice.path, chat_template=template)
     if not tokenizer.has_chat_template:
+        given = (
+            f"--model {args.model}: the model folder's tokenizer"
+            if choice.from_model_folder
+            else (f"--tokenizer {args.tokenizer}: the folder")
+        )
         raise InvalidArgumentError(
-            f"--tokenizer {args.tokenizer}: the folder has no chat template (no chat_template in "
-            "tokenizer_config.json, no chat_template.jinja); give one with --chat-template FILE (a Jinja file)"
+            f"{given} has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja); "
+            "give one with --chat-template FILE (a Jinja file)"
         )
     return tokenizer
 
@@ -236,6 +278,8 @@ def _replay(args: argparse.Namespace) -> int:
         require_matplotlib()  # fail before a long replay, not after it
     if args.layers is not None and not args.model_config:
         raise InvalidArgumentError("--layers needs --model-config")
+    if args.prefill_chunk < 0:
+        raise InvalidArgumentError(f"--prefill-chunk must be 0 (whole prompts) or more, got {args.prefill_chunk}")
     check_options(
         has_model=not args.no_model,
         cache_memory=args.cache_memory,
@@ -256,6 +300,10 @@ def _replay(args: argparse.Namespace) -> int:
         model = _load_model(args, progress)
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
+    if model is not None and tokenizer is None:
+        warning = byte_vocab_warning(args.model, args.model_config, model.vocab_size)
+        if warning:
+            logging.getLogger(__name__).warning(warning)
     replayer = Replayer(
         model,
         tokenizer,
@@ -264,6 +312,8 @@ def _replay(args: argparse.Namespace) -> int:
         cache_memory=args.cache_memory,
         policy=args.policy,
         verify=args.verify,
+        measure_uncached=not args.no_baseline,
+        prefill_chunk_tokens=args.prefill_chunk or None,
         explain=args.explain,
         host_cache_tokens=args.host_cache_tokens,
         host_cache_memory=args.host_cache_memory,
@@ -302,7 +352,7 @@ def _write_replay(args: argparse.Namespace, report, tokenizer_name: str) -> None
             for record in report.requests_log:
                 out.write(json.dumps(record) + "\n")
     print(f"tokenizer: {tokenizer_name}")
-    print(format_replay(report))
+    print(format_replay(report, wide=args.wide))
     for scenario in report.scenarios:
         line = format_drift(scenario)
         if line:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.cli.options import parse_count, parse_size
+from prefixcache.cli.tokenizer_choice import byte_vocab_warning, choose_tokenizer
 from prefixcache.errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "add_parser", "run"]
@@ -24,7 +25,11 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     serve.add_argument("--model", default="tiny", help="embedded preset tiny (default) or small, or hf:PATH")
     serve.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
     serve.add_argument("--layers", type=int, help="with --model-config: keep only the first N layers")
-    serve.add_argument("--tokenizer", metavar="PATH", help="local HF tokenizer folder (default: byte tokenizer)")
+    serve.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="local HF tokenizer folder (default: the hf:PATH model folder's own when it has one, else byte-level)",
+    )
     serve.add_argument(
         "--served-model-name",
         help="the model id clients send (default: the preset, or the name of the hf:PATH or --model-config folder)",
@@ -123,10 +128,11 @@ def run(args: argparse.Namespace) -> int:
     keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
     try:
         tokenizer = None
-        if args.tokenizer:
+        choice = choose_tokenizer(args.tokenizer, None if args.model_config else args.model)
+        if choice.path is not None:
             from prefixcache.chat.hf_tokenizer import HFTokenizer
 
-            tokenizer = HFTokenizer(args.tokenizer)
+            tokenizer = HFTokenizer(choice.path)
         if args.model_config:
             from prefixcache.models.hf import random_model_from_config
 
@@ -139,6 +145,9 @@ def run(args: argparse.Namespace) -> int:
             model = build_model(args.model)
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
+    warning = byte_vocab_warning(args.model, args.model_config, model.vocab_size) if tokenizer is None else None
+    if warning:
+        logging.getLogger(__name__).warning(warning)
     cache_tokens, bound = args.cache_tokens, "--cache-tokens" if args.cache_memory is None else "--cache-memory"
     if cache_tokens is None and args.cache_memory is None:
         fraction = DEFAULT_MEMORY_FRACTION if args.memory_fraction is None else args.memory_fraction
@@ -166,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def announce(url: str) -> None:
-        print(f"serving {name!r} at {url}/v1 ({pool})", flush=True)
+        print(f"serving {name!r} at {url}/v1 ({pool}; tokenizer {choice.describe()})", flush=True)
 
     serve_forever(app, args.host, args.port, log_level="warning" if args.verbose == 0 else "info", announce=announce)
     return 0

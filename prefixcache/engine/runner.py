@@ -224,8 +224,15 @@ class PrefixCachingRunner:
         request_id: str | None = None,
         priority: int | None = None,
         retain_s: float | None = None,
+        max_batch_tokens: int | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> GenerationResult:
         """Serve one request: prefill the uncached part of ``prompt_ids``, then decode.
+
+        ``max_batch_tokens`` prefills (and computes a forced answer) in chunks of at most that many tokens, one
+        forward each (None: in one forward); ``on_step(position)`` is called after every forward with the number of
+        the request's tokens whose K/V are written (the cached prefix included), so a caller can show a long
+        prefill's progress, and a Ctrl-C lands between chunks.
 
         With ``forced_tokens`` (teacher forcing, used by replay) those tokens are appended as the answer without
         sampling: their K/V are computed in one pass and cached with the prompt.  ``request_id`` names the request
@@ -249,6 +256,8 @@ class PrefixCachingRunner:
             request_id=request_id,
             priority=priority,
             retain_s=retain_s,
+            max_batch_tokens=max_batch_tokens,
+            on_step=on_step,
         )
         try:
             while True:
@@ -273,6 +282,8 @@ class PrefixCachingRunner:
         request_id: str | None = None,
         priority: int | None = None,
         retain_s: float | None = None,
+        max_batch_tokens: int | None = None,
+        on_step: Callable[[int], None] | None = None,
     ) -> Generator[int, None, GenerationResult]:
         """Like :meth:`generate`, yielding each new token id as it is produced; the generator's return value
         (``StopIteration.value``) is the :class:`GenerationResult`.  Closing the generator early, or an exception
@@ -293,7 +304,8 @@ class PrefixCachingRunner:
             retain_s=retain_s,
         )
         request.external_verdict = True
-        return _drive(self.new_core(max_batch_tokens=None, policy="fcfs"), request, on_token)
+        core = self.new_core(max_batch_tokens=max_batch_tokens, policy="fcfs")
+        return _drive(core, request, on_token, on_step)
 
     def new_core(self, **options: Any) -> EngineCore:
         """An :class:`~prefixcache.engine.core.EngineCore` on this runner's model, cache and checks (``options``:
@@ -373,10 +385,14 @@ class PrefixCachingRunner:
 
 
 def _drive(
-    core: EngineCore, request: EngineRequest, on_token: Callable[[int], Any] | None = None
+    core: EngineCore,
+    request: EngineRequest,
+    on_token: Callable[[int], Any] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> Generator[int, Any, GenerationResult]:
     """Step ``core`` with ``request`` alone in it, yielding each token as the request produces it, ``on_token``
-    called with it just before (its return value never stops the request); a ``"stop"`` sent after a sampled token
+    called with it just before (its return value never stops the request), ``on_step(request.position)`` after each
+    step that computed some of it; a ``"stop"`` sent after a sampled token
     is the request's verdict (:meth:`EngineCore.conclude`).  Closing the generator, or an exception thrown into it
     or raised by ``on_token``, releases everything the request holds and caches nothing of it."""
     core.add(request)
@@ -385,7 +401,10 @@ def _drive(
         # Alone in its core, the request moves at every step (admitted or failed, then computed or waiting for
         # its verdict, which the loop gives), so the loop ends.
         while not request.handle.future.done():
+            before = request.position
             core.step()
+            if on_step is not None and request.position != before:
+                on_step(request.position)
             if not request.awaiting_verdict:
                 continue  # admitted, failed, or finished without a token to show
             command = None

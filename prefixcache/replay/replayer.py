@@ -24,8 +24,6 @@ The hit rate then counts resumed tokens only; the shortfall is reported beside i
 from __future__ import annotations
 
 import logging
-import time
-from array import array
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -38,7 +36,7 @@ from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.cache.resume import DEFAULT_STATE_INTERVAL_BLOCKS, StateMarker
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
 from prefixcache.engine.runner import PrefixCachingRunner
-from prefixcache.errors import CapacityError, VerificationError
+from prefixcache.errors import CapacityError, InvalidArgumentError
 from prefixcache.models.base import CausalLM
 from prefixcache.replay.explain import (
     DivergenceTally,
@@ -48,6 +46,7 @@ from prefixcache.replay.explain import (
 )
 from prefixcache.replay.ideal import IdealCache
 from prefixcache.replay.options import check_options as check_options
+from prefixcache.replay.reference import UncachedReference
 from prefixcache.replay.requests import ORDERS as ORDERS
 from prefixcache.replay.requests import Progress, read_requests, smallest_pool_tokens
 from prefixcache.replay.requests import ReplayRequest as ReplayRequest
@@ -63,6 +62,9 @@ from prefixcache.replay.scenarios import expand_paths
 logger = logging.getLogger(__name__)
 
 
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
+"""Tokens per prefill forward in a model replay (the server's ``--max-batch-tokens`` default): a long prompt's
+progress shows chunk by chunk and a Ctrl-C acts between chunks."""
 DEFAULT_ATOL = 1e-4
 """``--verify``'s tolerance on fp32 logits: cached against uncached."""
 RECURRENT_ATOL = 5e-3
@@ -95,6 +97,9 @@ class Replayer:
     ``state_bytes`` (cache-only) models a recurrent model (see the module docstring): states of that many bytes,
     also every ``state_every`` blocks inside prompts when not 0, within ``max_state_bytes`` (default: enough that
     the budget evicts no state, an infinite state cache for this replay, as for the pool).
+    With a model, prompts (and teacher-forced answers) are computed in forwards of at most ``prefill_chunk_tokens``
+    tokens (None: one forward each), the uncached baseline too, so a tqdm bar given as ``progress`` shows each
+    prefill chunk by chunk (in its postfix) and a Ctrl-C acts between chunks.
     """
 
     def __init__(
@@ -115,6 +120,7 @@ class Replayer:
         state_bytes: int | None = None,
         state_every: int = DEFAULT_STATE_INTERVAL_BLOCKS,
         max_state_bytes: int | None = None,
+        prefill_chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK_TOKENS,
     ) -> None:
         check_options(
             has_model=model is not None,
@@ -144,6 +150,11 @@ class Replayer:
         self.state_bytes = state_bytes
         self.state_every = state_every
         self.max_state_bytes = max_state_bytes
+        if prefill_chunk_tokens is not None and (isinstance(prefill_chunk_tokens, bool) or prefill_chunk_tokens < 1):
+            raise InvalidArgumentError(
+                f"prefill_chunk_tokens must be a positive int or None, got {prefill_chunk_tokens}"
+            )
+        self.prefill_chunk_tokens = prefill_chunk_tokens
 
     def replay(
         self,
@@ -175,7 +186,10 @@ class Replayer:
                     f"{len(longest.prompt) + len(longest.answer)} positions; the model has {self.model.max_position}"
                 )
         runner, cache = self._make_cache(requests, ideal_hits)
-        scratch = self._scratch_pool(requests) if runner is not None and self.measure_uncached else None
+        reference = None
+        if runner is not None:
+            reference = UncachedReference(self.model, self.block_size, self.atol, self.prefill_chunk_tokens)
+        scratch = reference.scratch_pool(requests) if reference is not None and self.measure_uncached else None
         namespace = None
         tree_namespace = runner.namespace_key(None) if runner is not None else namespace
         tally = DivergenceTally() if self.explain else None
@@ -192,6 +206,7 @@ class Replayer:
             report.prefill_s_uncached = 0.0 if scratch is not None else None
             report.max_abs_logit_diff = 0.0 if self.verify else None
         iterator = progress(requests) if progress is not None else requests
+        note = getattr(iterator, "set_postfix_str", None)  # a tqdm bar: each prefill's progress shown beside it
         previous_end: dict[str, int] = {}
         try:
             for index, request in enumerate(iterator):
@@ -199,13 +214,19 @@ class Replayer:
                 if runner is None:
                     cached, copied, ttft = self._account(cache, request, namespace)
                 else:
-                    result = runner.generate(request.prompt, forced_tokens=request.answer, return_logits=self.verify)
+                    result = runner.generate(
+                        request.prompt,
+                        forced_tokens=request.answer,
+                        return_logits=self.verify,
+                        max_batch_tokens=self.prefill_chunk_tokens,
+                        on_step=_prefill_note(note, len(request.prompt)),
+                    )
                     cached, copied, ttft = result.usage.cached_tokens, result.usage.copied_tokens, result.usage.ttft_s
                     if self.verify:
-                        diff, uncached_s = self._verify(request, cached, result.prompt_logits)
+                        diff, uncached_s = reference.verify(request, cached, result.prompt_logits)
                         report.max_abs_logit_diff = max(report.max_abs_logit_diff, diff)
                     elif scratch is not None:
-                        uncached_s = self._uncached_prefill_s(request.prompt, scratch)
+                        uncached_s = reference.prefill_s(request.prompt, scratch)
                     report.prefill_s_cached += ttft
                     if scratch is not None:
                         report.prefill_s_uncached += uncached_s
@@ -399,62 +420,18 @@ class Replayer:
                 f"give a smaller --cache-memory (or --cache-tokens)"
             )
 
-    def _scratch_pool(self, requests: Sequence[ReplayRequest]) -> KVBlockPool:
-        model = self.model
-        longest = max((len(r.prompt) for r in requests), default=1)
-        return KVBlockPool(
-            -(-longest // self.block_size),
-            self.block_size,
-            num_layers=model.num_layers,
-            num_kv_heads=model.num_kv_heads,
-            head_dim=model.head_dim,
-            dtype=model.dtype,
-            device=model.device,
-        )
 
-    def _uncached_prefill_s(self, prompt: array, scratch: KVBlockPool) -> float:
-        """Time to prefill the whole prompt with no cache: same model, same kernel, scratch blocks."""
-        table = scratch.block_table_tensor(range(scratch.blocks_for_tokens(len(prompt))))
-        ids = torch.tensor(prompt, dtype=torch.long, device=self.model.device)
-        start = time.perf_counter()
-        logits = self.model.forward_cached(ids, 0, scratch.kv, table)
-        int(torch.argmax(logits[-1]))
-        return time.perf_counter() - start
+def _prefill_note(note: Callable[..., object] | None, prompt_tokens: int) -> Callable[[int], None] | None:
+    """``on_step`` for a request of ``prompt_tokens``: ``note("prefill 1,024/30,000 tok")`` while its prompt is
+    computed (None without a bar)."""
+    if note is None:
+        return None
 
-    def _verify(self, request: ReplayRequest, cached: int, prompt_logits: torch.Tensor) -> tuple[float, float]:
-        """``(max abs logit difference, seconds)`` of the uncached reference of ``request.prompt``.
+    def on_step(position: int) -> None:
+        if position <= prompt_tokens:
+            note(f"prefill {position:,}/{prompt_tokens:,} tok", refresh=True)
 
-        The reference is a full forward of the prompt with no cache whose LM head runs only on the positions the
-        cached run computed (from ``cached`` on), so it is also the uncached prefill that the report's speed-up
-        divides by: a second full forward per request would double a verified replay's cost for the same figure.
-        """
-        prompt = torch.tensor(request.prompt, dtype=torch.long)
-        start = time.perf_counter()
-        reference = self.model.forward_reference(prompt, return_logits=True, logits_from=cached).float().cpu()
-        seconds = time.perf_counter() - start
-        diff = float((prompt_logits - reference).abs().max())
-        same_tokens = _same_greedy(
-            prompt_logits, reference, self.atol if getattr(self.model, "recurrent", False) else 0
-        )
-        if diff > self.atol or not same_tokens:
-            raise VerificationError(
-                f"{request.scenario} conversation {request.conversation_id} turn {request.turn}: cached logits "
-                f"differ from the uncached reference by {diff:.3g} (tolerance {self.atol}); "
-                f"greedy tokens {'equal' if same_tokens else 'DIFFER'}"
-            )
-        return diff, seconds
-
-
-def _same_greedy(logits: torch.Tensor, reference: torch.Tensor, tie: float) -> bool:
-    """Whether the greedy tokens of ``logits`` are the reference's, a position where they differ allowed when the
-    reference's own top two are within ``tie`` of each other (a split scan's rounding may flip a near tie; 0: none)."""
-    ours, theirs = logits.argmax(-1), reference.argmax(-1)
-    differ = (ours != theirs).nonzero().flatten()
-    if not len(differ):
-        return True
-    rows = reference[differ]
-    gaps = rows.gather(1, theirs[differ, None]) - rows.gather(1, ours[differ, None])
-    return bool((gaps <= tie).all())
+    return on_step
 
 
 def free_memory_bytes(device: torch.device | str) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import PurePath
 from typing import Any
 
 from tabulate import tabulate
@@ -44,13 +45,137 @@ def _row(s: ScenarioReport, with_model: bool, host_tier: bool = False, recurrent
             f"{s.prefill_s_cached:.2f}" if s.prefill_s_cached is not None else "-",
             f"{s.prefill_s_uncached:.2f}" if s.prefill_s_uncached is not None else "-",
             f"{speedup:.2f}x" if speedup is not None else "-",
-            {True: "yes", False: "NO", None: "-"}[s.verified],
+            _VERDICT[s.verified],
         ]
     return row
 
 
-def format_replay(report: ReplayReport) -> str:
-    """The replay table: one row per scenario file and a total row."""
+COMPACT_WIDTH = 120
+"""Columns the default (compact) replay table fits in, eliding long file names in the middle when it must."""
+
+_NAME_MIN = 12  # characters of a file name the compact table keeps however wide the other columns are
+
+
+def format_replay(report: ReplayReport, *, wide: bool = False) -> str:
+    """The replay table under its title lines: one row per scenario file and a total row.
+
+    By default the compact table (:func:`compact_table`, at most :data:`COMPACT_WIDTH` columns for the usual
+    figures); ``wide`` gives every column, under the file names as given.
+    """
+    table = _wide_table(report) if wide else compact_table(report)
+    return _title(report) + "\n" + table
+
+
+def _title(report: ReplayReport) -> str:
+    title = f"model: {report.model or 'none (cache accounting only)'}, block size {report.block_size}"
+    if report.state_bytes is not None:
+        every = f", also every {report.state_every} blocks in prompts" if report.state_every else ""
+        title += (
+            f"; recurrent model: states of {report.state_bytes:,} bytes at the end of prompts and answers, before a "
+            f"prompt's last token{every} "
+            "(cached = resumed tokens; shortfall = matched but not resumable)"
+        )
+    title += "".join(f"\n{line}" for line in format_inputs(report))
+    if report.partial:
+        title = (
+            f"PARTIAL: interrupted; the table covers the {report.total.requests:,} requests completed before it\n"
+            + title
+        )
+    return title
+
+
+def compact_table(report: ReplayReport, width: int = COMPACT_WIDTH) -> str:
+    """The default table: file (its name without folders and ``.jsonl``, with as many folders as tell two apart),
+    requests, prompt and
+    cached tokens, hit rate and the ideal's; evictions when any; the host tier's rate and the recurrent shortfall
+    when replayed so; with a model the cached prefill seconds, the speed-up when the baseline was timed, and
+    ``verified`` under ``--verify``.  Names are elided in the middle (to no fewer than 12 characters) until the
+    table fits ``width`` columns.  O(files)."""
+    scenarios = list(report.scenarios)
+    if len(scenarios) > 1:
+        scenarios.append(report.total)
+    names = _short_names([s.scenario for s in report.scenarios]) + ["total"] * (len(scenarios) > 1)
+    columns: list[tuple[str, Any]] = [
+        ("requests", lambda s: s.requests),
+        ("prompt tok", lambda s: s.prompt_tokens),
+        ("cached tok", lambda s: s.cached_tokens),
+        ("hit rate", lambda s: _pct(s.hit_rate)),
+        ("ideal", lambda s: _pct(s.ideal_hit_rate)),
+    ]
+    if any(s.evictions for s in scenarios):
+        columns.append(("evictions", lambda s: s.evictions))
+    if report.host_tier:
+        columns.append(("host rate", lambda s: _pct(s.host_hit_rate)))
+    if report.state_bytes is not None:
+        columns += [("shortfall", lambda s: s.resume_shortfall_tokens), ("states kept", lambda s: s.num_states)]
+    if report.model is not None:
+        columns.append(("prefill s", lambda s: _seconds(s.prefill_s_cached)))
+        if any(s.prefill_s_uncached is not None for s in scenarios):
+            columns.append(("speed-up", lambda s: f"{s.speedup:.2f}x" if s.speedup is not None else "-"))
+        if any(s.verified is not None for s in scenarios):
+            columns.append(("verified", lambda s: _VERDICT[s.verified]))
+    headers = ["scenario"] + [header for header, _ in columns]
+    rows = [[_cell(value(s)) for _, value in columns] for s in scenarios]
+    suffixes = [" (partial)" if s.partial and name != "total" else "" for name, s in zip(names, scenarios, strict=True)]
+
+    def render(limit: int | None) -> str:
+        shown = [_elide(name, limit) + suffix for name, suffix in zip(names, suffixes, strict=True)]
+        return _pipe_table(headers, [[n, *r] for n, r in zip(shown, rows, strict=True)])
+
+    table = render(None)
+    over = max(map(len, table.splitlines())) - width
+    longest = max(map(len, names))
+    if over > 0 and longest > _NAME_MIN:
+        table = render(max(_NAME_MIN, longest - over))
+    return table
+
+
+def _cell(value: object) -> str:
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _pipe_table(headers: list[str], rows: list[list[str]]) -> str:
+    """A Markdown pipe table with no padding beyond one space: the first column left-aligned, the others
+    right-aligned (``--:``), as the README's tables are."""
+    widths = [max(len(header), *(len(row[i]) for row in rows)) for i, header in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        padded = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(headers), rule, *(line(row) for row in rows)])
+
+
+def _short_names(paths: list[str]) -> list[str]:
+    """The shortest trailing parts of ``paths`` (``.jsonl`` dropped) that tell them apart: ``multi_turn_chat``, or
+    ``a/chat`` beside ``b/chat``; the paths as given when only the whole path does."""
+    parts = [PurePath(path.removesuffix(".jsonl")).parts for path in paths]
+    for depth in range(1, max((len(p) for p in parts), default=0) + 1):
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names):
+            return names
+    return list(paths)
+
+
+def _elide(name: str, limit: int | None) -> str:
+    """``name`` cut to ``limit`` characters by an ellipsis in its middle (unchanged when it fits or ``limit`` is
+    None)."""
+    if limit is None or len(name) <= limit:
+        return name
+    head = (limit - 1) // 2
+    return name[:head] + "…" + name[len(name) - (limit - 1 - head) :]
+
+
+def _seconds(value: float | None) -> str:
+    return f"{value:.2f}" if value is not None else "-"
+
+
+_VERDICT = {True: "yes", False: "NO", None: "-"}
+
+
+def _wide_table(report: ReplayReport) -> str:
+    """Every column (``--wide``), under the file names as given."""
     with_model = report.model is not None
     headers = [
         "scenario",
@@ -76,21 +201,7 @@ def format_replay(report: ReplayReport) -> str:
     rows = [_row(s, with_model, report.host_tier, recurrent) for s in report.scenarios]
     if len(report.scenarios) > 1:
         rows.append(_row(report.total, with_model, report.host_tier, recurrent))
-    title = f"model: {report.model or 'none (cache accounting only)'}, block size {report.block_size}"
-    if recurrent:
-        every = f", also every {report.state_every} blocks in prompts" if report.state_every else ""
-        title += (
-            f"; recurrent model: states of {report.state_bytes:,} bytes at the end of prompts and answers, before a "
-            f"prompt's last token{every} "
-            "(cached = resumed tokens; shortfall = matched but not resumable)"
-        )
-    title += "".join(f"\n{line}" for line in format_inputs(report))
-    if report.partial:
-        title = (
-            f"PARTIAL: interrupted; the table covers the {report.total.requests:,} requests completed before it\n"
-            + title
-        )
-    return title + "\n" + tabulate(rows, headers=headers, tablefmt="github", intfmt=",")
+    return tabulate(rows, headers=headers, tablefmt="github", intfmt=",")
 
 
 def format_inputs(report: ReplayReport) -> list[str]:
