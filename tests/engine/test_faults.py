@@ -250,7 +250,7 @@ def test_pool_really_exhausted_by_a_paused_stream_fails_the_newcomer_cleanly(mod
     assert runner.cache.pool.num_free_blocks == 8
 
 
-@pytest.mark.parametrize("method", ["commit", "insert"])
+@pytest.mark.parametrize("method", ["commit", "insert_owned"])
 def test_insert_failing_caches_nothing_and_releases_everything(model, method) -> None:
     runner, _ = make_runner(model)
     warm(runner, model)
@@ -314,7 +314,8 @@ def test_any_sequence_of_faults_leaves_the_cache_exact_and_quiescent(model, plan
         faulty.arm(call if kind in ("model", "model-scribble", "interrupt") else None, scribble=kind != "model")
         if kind == "interrupt":
             faulty.exception = KeyboardInterrupt
-        patch = kind if kind in ("allocate", "insert") else None
+        # A request's commit files its blocks through insert_owned (the tree walk starts at the lease's lock).
+        patch = {"allocate": "allocate", "insert": "insert_owned"}.get(kind)
         failed, faults_before = False, faulty.faults
         try:
             if patch is None:
