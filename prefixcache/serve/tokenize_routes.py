@@ -50,14 +50,13 @@ def add_tokenize_routes(hooks: AppHooks, runner: Any) -> None:
     text or ids) and raises :class:`BadRequest` (400, or 404 for another model's name) naming the parameter."""
     route, tokenizer = hooks.route, runner.tokenizer
 
-    @route("/tokenize", "POST")
-    async def tokenize(request: Request) -> Response:
-        hooks.authenticate(request)
-        body = await hooks.read_json(request)
+    def checked_tokenize(body: Any) -> TokenizePromptBody | TokenizeChatBody:
         chat_form = isinstance(body, Mapping) and "messages" in body
-        checked = _checked(TokenizeChatBody if chat_form else TokenizePromptBody, body)
-        if checked.model is not None:
-            hooks.check_model(checked.model)
+        return _checked(TokenizeChatBody if chat_form else TokenizePromptBody, body)
+
+    def tokenized(body: Any, checked: TokenizePromptBody | TokenizeChatBody) -> dict[str, Any]:
+        """The answer of ``/tokenize``: on the worker thread, where every request's tokenizing runs (a Hugging Face
+        tokenizer must not be used by two threads at once; see :mod:`prefixcache.serve.offload`)."""
         if isinstance(checked, TokenizeChatBody):
             fields = {name: body[name] for name in ("messages", "tools", *_TEMPLATE) if name in body}
             chat = parse_chat_request({"model": checked.model or "-", **fields})
@@ -68,18 +67,30 @@ def add_tokenize_routes(hooks: AppHooks, runner: Any) -> None:
             ids = tokenizer.encode(checked.prompt)
         # add_special_tokens is checked only: encode adds none, as /v1/completions runs the text.
         strings = [tokenizer.decode([token]) for token in ids] if checked.return_token_strs else None
-        return _json({"count": len(ids), "max_model_len": None, "tokens": ids, "token_strs": strings})
+        return {"count": len(ids), "max_model_len": None, "tokens": ids, "token_strs": strings}
+
+    @route("/tokenize", "POST")
+    async def tokenize(request: Request) -> Response:
+        hooks.authenticate(request)
+        body = await hooks.read_json(request)
+        checked = await hooks.off_loop(request, checked_tokenize, body)
+        if checked.model is not None:
+            hooks.check_model(checked.model)
+        return _json(await hooks.tokenizing(tokenized, body, checked))
+
+    def detokenized(tokens: list[int]) -> dict[str, Any]:
+        if not all(0 <= token < tokenizer.vocab_size for token in tokens):
+            message = f"tokens must be a list of token ids in [0, {tokenizer.vocab_size})"
+            raise BadRequest(message, "tokens")
+        return {"prompt": tokenizer.decode(tokens)}
 
     @route("/detokenize", "POST")
     async def detokenize(request: Request) -> Response:
         hooks.authenticate(request)
-        checked = _checked(DetokenizeBody, await hooks.read_json(request))
+        checked = await hooks.off_loop(request, _checked, DetokenizeBody, await hooks.read_json(request))
         if checked.model is not None:
             hooks.check_model(checked.model)
-        if not all(0 <= token < tokenizer.vocab_size for token in checked.tokens):
-            message = f"tokens must be a list of token ids in [0, {tokenizer.vocab_size})"
-            raise BadRequest(message, "tokens")
-        return _json({"prompt": tokenizer.decode(checked.tokens)})
+        return _json(await hooks.tokenizing(detokenized, checked.tokens))
 
     # A Hugging Face tokenizer names its own tokens and template; the byte tokenizer's EOS is <|endoftext|> (the
     # lower of its two end ids) and its ChatML template is code, not Jinja.
