@@ -241,3 +241,13 @@ def test_a_logged_prompt_id_beyond_32_bits_is_one_line_naming_it(
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert f"{scenario}:1:" in err and f"prompt token id {token_id} is not below the vocabulary size" in err
+
+
+def test_replay_help_names_every_input_format(capsys: pytest.CaptureFixture[str]) -> None:
+    # PATH's help once said "chat or Mooncake trace" only, after request logs, Batch and ShareGPT were read too.
+    with pytest.raises(SystemExit) as exited:
+        main(["replay", "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for kind in ("chat transcripts", "request logs", "OpenAI Batch", "ShareGPT", "Mooncake", "one JSON array"):
+        assert kind in text, kind
