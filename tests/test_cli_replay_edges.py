@@ -216,3 +216,38 @@ def test_a_closed_stdout_ends_quietly_with_141_and_still_writes_the_json(tmp_pat
     assert process.returncode == 141
     assert stderr == ""
     assert json.loads(out.read_text())["requests"] == 2
+
+
+@pytest.mark.parametrize("token_id", [2**32, 10**30])
+@pytest.mark.parametrize(
+    "record",
+    [
+        lambda ids: {"model": "m", "prompt": ids},
+        lambda ids: {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "m", "prompt": ids},
+        },
+    ],
+    ids=["requests", "batch"],
+)
+def test_a_logged_prompt_id_beyond_32_bits_is_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], record, token_id: int
+) -> None:
+    # Once an OverflowError traceback (exit 1): the ids were put in a uint32 array before the vocabulary check.
+    scenario = write_jsonl(tmp_path / "r.jsonl", record([1, token_id]))
+    assert replay(scenario) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert f"{scenario}:1:" in err and f"prompt token id {token_id} is not below the vocabulary size" in err
+
+
+def test_replay_help_names_every_input_format(capsys: pytest.CaptureFixture[str]) -> None:
+    # PATH's help once said "chat or Mooncake trace" only, after request logs, Batch and ShareGPT were read too.
+    with pytest.raises(SystemExit) as exited:
+        main(["replay", "--help"])
+    assert exited.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for kind in ("chat transcripts", "request logs", "OpenAI Batch", "ShareGPT", "Mooncake", "one JSON array"):
+        assert kind in text, kind

@@ -40,7 +40,11 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
         "replay", parents=parents, help="replay chat transcripts or traces and report prefill savings"
     )
     replay.add_argument(
-        "paths", nargs="+", metavar="PATH", help="scenario JSONL files (chat or Mooncake trace), or folders of them"
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="input files (chat transcripts, request logs, OpenAI Batch, ShareGPT or Mooncake traces; JSON Lines "
+        "or one JSON array; see --format), or folders of *.jsonl files",
     )
     replay.add_argument(
         "--model", default="tiny", help="embedded preset tiny (default) or small, or hf:PATH (local HF model folder)"

@@ -115,6 +115,12 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise InvalidArgumentError(f"{name} must be a number, got {value!r}")
+            try:  # kept as a float: torch cannot scale logits by an int beyond int64 (2**70), nor Python beyond 1e308
+                object.__setattr__(self, name, float(value))
+            except OverflowError:
+                raise InvalidArgumentError(
+                    f"{name} must be a finite number, got an int of {value.bit_length()} bits"
+                ) from None
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63
         ):

@@ -161,13 +161,13 @@ def logged_request(request: LoggedRequest, tokenizer: Tokenizer, scenario: str) 
             return ReplayRequest(
                 scenario, request.id, 0, array(TOKEN_TYPECODE, tokenizer.encode(request.prompt)), empty
             )
-        ids = array(TOKEN_TYPECODE, request.prompt or ())
-        if ids and max(ids) >= tokenizer.vocab_size:
+        given = request.prompt or ()
+        if given and max(given) >= tokenizer.vocab_size:  # checked before the array, which holds no id >= 2**32
             raise InvalidTokensError(
-                f"prompt token id {max(ids)} is not below the vocabulary size {tokenizer.vocab_size:,} of "
+                f"prompt token id {max(given)} is not below the vocabulary size {tokenizer.vocab_size:,} of "
                 f"{tokenizer.name} (--tokenizer names the tokenizer the ids are from)"
             )
-        return ReplayRequest(scenario, request.id, 0, ids, empty)
+        return ReplayRequest(scenario, request.id, 0, array(TOKEN_TYPECODE, given), empty)
     extra = {"template_kwargs": request.template_kwargs} if request.template_kwargs else {}
     prompt = array(
         TOKEN_TYPECODE, tokenizer.render_chat(request.messages, request.tools, add_generation_prompt=True, **extra)

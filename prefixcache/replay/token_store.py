@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import tempfile
-import zipfile
 from array import array
 from pathlib import Path
 
@@ -97,8 +96,8 @@ def load_requests_cached(
             requests, skipped = _read(entry, str(path))
             logger.info("%s: %d requests from the token store (%s)", path, len(requests), entry)
             return requests, skipped, True
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
-            logger.warning("ignoring unreadable token store entry %s: %s", entry, error)
+        except Exception as error:  # noqa: BLE001 - empty (EOFError), an .npy, a meta of other types (TypeError), ...
+            logger.warning("ignoring unreadable token store entry %s: %s: %s", entry, type(error).__name__, error)
     requests, skipped = load_requests(path, tokenizer, file_format=file_format, progress=progress, **kwargs)
     if entry is not None:
         try:

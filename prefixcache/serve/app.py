@@ -583,6 +583,7 @@ def create_app(
         authenticate=authenticate,
         read_json=read_json,
         off_loop=off_loop,
+        tokenizing=work.tokenizing,
         check_model=check_model,
         run_job=run_job,
         finish_job=finish_job,

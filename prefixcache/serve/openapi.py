@@ -24,6 +24,7 @@ _GET_ROUTES = {
     "/tokenizer_info": "The tokenizer's class, vocabulary size and special tokens (vLLM's)",
     "/v1/responses/{response_id}": "A stored response",
 }
+_DELETE_ROUTES = {"/v1/responses/{response_id}": "Delete a stored response"}
 _ERROR = {
     "type": "object",
     "properties": {
@@ -76,6 +77,9 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
         if _parameters(path):
             operation["parameters"] = _parameters(path)
         paths.setdefault(path, {})["get"] = operation
+    for path, summary in _DELETE_ROUTES.items():
+        operation = {"summary": summary, "responses": {"200": {"description": "the id, deleted: true"}}}
+        paths.setdefault(path, {})["delete"] = {**operation, "parameters": _parameters(path)}
     schemas = {**definitions.get("$defs", {}), "Error": _ERROR}
     return {
         "openapi": "3.1.0",

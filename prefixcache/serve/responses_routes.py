@@ -45,6 +45,7 @@ class AppHooks:
     authenticate: Callable[[Request], str | None]
     read_json: Callable[[Request], Awaitable[Any]]
     off_loop: Callable[..., Awaitable[Any]]
+    tokenizing: Callable[..., Awaitable[Any]]
     check_model: Callable[[str], None]
     run_job: Callable[[Any, Request], AsyncIterator[tuple[str, Any]]]
     finish_job: Callable[[Any, Request], Awaitable[tuple[str, Any]]]

@@ -13,7 +13,6 @@ finishing one the sum).  A sample's error event ends the whole stream: the other
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Sequence
@@ -93,10 +92,11 @@ async def merged_streams(
         for wait in waits:
             wait.cancel()
         for wait in waits:
-            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                try:
-                    await wait
-                except Exception:  # noqa: BLE001 - the response has ended; close the other samples all the same
-                    logger.exception("a sample's stream failed as the merged stream closed")
+            try:
+                await wait
+            except (asyncio.CancelledError, StopAsyncIteration):  # cancelled here, or a sample that had just ended
+                pass
+            except Exception:  # noqa: BLE001 - the response has ended; close the other samples all the same
+                logger.exception("a sample's stream failed as the merged stream closed")
         for stream in streams:
             await stream.aclose()  # type: ignore[attr-defined]

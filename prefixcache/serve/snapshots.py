@@ -95,6 +95,12 @@ class SnapshotKeeper:
             self.save_errors += 1
             logger.error("saving the cache snapshot to %s failed: %s", self.directory, error)
             return None
+        except Exception as error:  # a bug, a MemoryError: never the end of the periodic saves or of the shutdown
+            self.save_errors += 1
+            logger.exception(
+                "saving the cache snapshot to %s failed: %s: %s", self.directory, type(error).__name__, error
+            )
+            return None
         self.last_saved = saved
         logger.info("saved %s cached tokens (%s nodes) to %s", f"{saved.num_tokens:,}", saved.num_nodes, saved.path)
         return saved

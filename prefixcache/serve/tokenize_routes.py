@@ -50,14 +50,14 @@ def add_tokenize_routes(hooks: AppHooks, runner: Any) -> None:
     text or ids) and raises :class:`BadRequest` (400, or 404 for another model's name) naming the parameter."""
     route, tokenizer = hooks.route, runner.tokenizer
 
-    @route("/tokenize", "POST")
-    async def tokenize(request: Request) -> Response:
-        hooks.authenticate(request)
-        body = await hooks.read_json(request)
+    def checked_tokenize(body: Any) -> TokenizePromptBody | TokenizeChatBody:
         chat_form = isinstance(body, Mapping) and "messages" in body
-        checked = _checked(TokenizeChatBody if chat_form else TokenizePromptBody, body)
-        if checked.model is not None:
-            hooks.check_model(checked.model)
+        return _checked(TokenizeChatBody if chat_form else TokenizePromptBody, body)
+
+    def tokenized(body: Any, checked: TokenizePromptBody | TokenizeChatBody) -> Response:
+        """The answer of ``/tokenize``: on the worker thread, where every request's tokenizing runs (a Hugging Face
+        tokenizer must not be used by two threads at once; see :mod:`prefixcache.serve.offload`), its JSON too (a
+        million ids take the event loop ~0.2 s to write)."""
         if isinstance(checked, TokenizeChatBody):
             fields = {name: body[name] for name in ("messages", "tools", *_TEMPLATE) if name in body}
             chat = parse_chat_request({"model": checked.model or "-", **fields})
@@ -70,16 +70,28 @@ def add_tokenize_routes(hooks: AppHooks, runner: Any) -> None:
         strings = [tokenizer.decode([token]) for token in ids] if checked.return_token_strs else None
         return _json({"count": len(ids), "max_model_len": None, "tokens": ids, "token_strs": strings})
 
+    @route("/tokenize", "POST")
+    async def tokenize(request: Request) -> Response:
+        hooks.authenticate(request)
+        body = await hooks.read_json(request)
+        checked = await hooks.off_loop(request, checked_tokenize, body)
+        if checked.model is not None:
+            hooks.check_model(checked.model)
+        return await hooks.tokenizing(tokenized, body, checked)
+
+    def detokenized(tokens: list[int]) -> Response:
+        if not all(0 <= token < tokenizer.vocab_size for token in tokens):
+            message = f"tokens must be a list of token ids in [0, {tokenizer.vocab_size})"
+            raise BadRequest(message, "tokens")
+        return _json({"prompt": tokenizer.decode(tokens)})
+
     @route("/detokenize", "POST")
     async def detokenize(request: Request) -> Response:
         hooks.authenticate(request)
-        checked = _checked(DetokenizeBody, await hooks.read_json(request))
+        checked = await hooks.off_loop(request, _checked, DetokenizeBody, await hooks.read_json(request))
         if checked.model is not None:
             hooks.check_model(checked.model)
-        if not all(0 <= token < tokenizer.vocab_size for token in checked.tokens):
-            message = f"tokens must be a list of token ids in [0, {tokenizer.vocab_size})"
-            raise BadRequest(message, "tokens")
-        return _json({"prompt": tokenizer.decode(checked.tokens)})
+        return await hooks.tokenizing(detokenized, checked.tokens)
 
     # A Hugging Face tokenizer names its own tokens and template; the byte tokenizer's EOS is <|endoftext|> (the
     # lower of its two end ids) and its ChatML template is code, not Jinja.

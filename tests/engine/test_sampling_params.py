@@ -30,6 +30,8 @@ BAD = [
     ({"repetition_penalty": -1.0}, "repetition_penalty"),
     ({"repetition_penalty": math.inf}, "repetition_penalty"),
     ({"repetition_penalty": math.nan}, "repetition_penalty"),
+    ({"repetition_penalty": 10**400}, "repetition_penalty"),  # an int no float holds
+    ({"temperature": -(10**400)}, "temperature"),
     ({"logit_bias": {1: 100.5}}, "logit_bias"),
     ({"logit_bias": {1: -101}}, "logit_bias"),
     ({"logit_bias": {1: math.nan}}, "logit_bias"),
@@ -93,3 +95,15 @@ def test_bad_values_through_chat_are_refused_before_anything_runs(kwargs: dict, 
         runner.chat([{"role": "user", "content": "hi"}], **kwargs)
     assert_quiescent(runner.cache)
     assert runner.cache.stats().cached_tokens == 0
+
+
+def test_a_penalty_given_as_an_int_beyond_int64_is_a_float_and_runs(tiny: LlamaModel) -> None:
+    # JSON's 1180591620717411303424 is a Python int: torch could not divide the logits by it (an OverflowError on
+    # the engine thread, a 500 from the server).
+    params = SamplingParams(max_new_tokens=3, repetition_penalty=2**70, temperature=2**70, top_p=1)
+    assert (params.repetition_penalty, params.temperature, params.top_p) == (2.0**70, 2.0**70, 1.0)
+    assert all(type(getattr(params, name)) is float for name in ("repetition_penalty", "temperature", "top_p"))
+    runner = PrefixCachingRunner(tiny, cache_tokens=512, block_size=4)
+    result = runner.generate([1, 2, 3, 1, 2], params)
+    assert len(result.token_ids) == 3
+    assert_quiescent(runner.cache)

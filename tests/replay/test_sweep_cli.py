@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from prefixcache.chat.tokenizer import ByteTokenizer
@@ -75,6 +76,37 @@ def test_a_damaged_entry_is_tokenized_again_and_rewritten(chats: Path, tmp_path:
     tokenizer = CountingTokenizer()
     _, _, stored = load_requests_cached(chats, tokenizer, directory=store)
     assert not stored and tokenizer.calls > 0
+    _, _, stored = load_requests_cached(chats, ByteTokenizer(), directory=store)
+    assert stored
+
+
+def _npy(entry: Path) -> None:
+    np.save(entry.open("wb"), np.zeros(3))
+
+
+def _wrong_meta(entry: Path) -> None:
+    with np.load(entry) as stored:
+        arrays = dict(stored)
+    meta = json.loads(arrays["meta"].tobytes()) | {"ids": 5}
+    np.savez(entry.open("wb"), **{**arrays, "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)})
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [lambda entry: entry.write_bytes(b""), _npy, _wrong_meta],
+    ids=["empty-file", "an-npy-not-an-npz", "meta-of-wrong-types"],
+)
+def test_an_entry_damaged_in_any_way_is_tokenized_again(chats: Path, tmp_path: Path, damage):
+    # An empty entry once failed the replay with numpy's EOFError, an .npy or a meta of the wrong types with a
+    # TypeError: an entry that cannot be read is ignored, whatever is wrong with it.
+    store = tmp_path / "store"
+    load_requests_cached(chats, ByteTokenizer(), directory=store)
+    (entry,) = store.glob("*.npz")
+    damage(entry)
+    tokenizer = CountingTokenizer()
+    requests, _, stored = load_requests_cached(chats, tokenizer, directory=store)
+    assert not stored and tokenizer.calls > 0
+    assert requests == load_requests(chats, ByteTokenizer())[0]
     _, _, stored = load_requests_cached(chats, ByteTokenizer(), directory=store)
     assert stored
 

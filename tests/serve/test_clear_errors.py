@@ -130,3 +130,15 @@ def test_an_upload_cut_off_mid_body_is_one_line_at_info(make_app, caplog) -> Non
     records = [r for r in caplog.records if "disconnected" in r.getMessage()]
     assert [(r.levelno, r.exc_info) for r in records] == [(logging.INFO, None)]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_repetition_penalty_beyond_int64_is_answered_not_a_500(make_app, path: str) -> None:
+    # The schema accepts any number; an int too big for torch once failed on the engine thread (a 500).
+    app = make_app(runner())
+    body = {"model": "scripted", "max_tokens": 2, "messages": MESSAGES, "prompt": "hi"}
+    body.pop("prompt" if path.endswith("chat/completions") else "messages")
+    assert send(app, "POST", path, {**body, "repetition_penalty": 2**70}).status_code == 200
+    refused = send(app, "POST", path, {**body, "repetition_penalty": 10**400})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "repetition_penalty"

@@ -93,6 +93,42 @@ def test_a_request_is_rendered_on_the_worker_thread_and_a_large_body_answers_as_
     assert large["usage"]["prompt_tokens" if endpoint != "responses" else "input_tokens"] >= len(PROMPT)
 
 
+class DecodeRecorder(ThreadRecorder):
+    """Also notes the thread each decode runs on (the tokenizer routes decode on request)."""
+
+    def decode(self, ids):
+        self.threads.append(threading.current_thread().name)
+        return self._tokenizer.decode(ids)
+
+
+TOKENIZER_ROUTES = {
+    "tokenize text": ("/tokenize", {"model": "tiny", "prompt": PROMPT, "return_token_strs": True}),
+    "tokenize chat": ("/tokenize", {"messages": [{"role": "user", "content": PROMPT}], "return_token_strs": True}),
+    "detokenize": ("/detokenize", {"tokens": list(PROMPT.encode())}),
+}
+
+
+@pytest.mark.parametrize("route", TOKENIZER_ROUTES)
+def test_the_tokenizer_routes_use_the_tokenizer_on_the_worker_thread_only(make_app, tiny_model, route) -> None:
+    # /tokenize and /detokenize once tokenized on the event loop, beside the worker thread tokenizing other
+    # requests at the same time (the race a Hugging Face tokenizer's split_special_tokens state has), and a large
+    # body's text stalled the loop.
+    path, body = TOKENIZER_ROUTES[route]
+    answers = []
+    for pad in (False, True):
+        runner = PrefixCachingRunner(tiny_model, cache_tokens=8192)
+        recorder = DecodeRecorder(runner.tokenizer)
+        runner.tokenizer = recorder
+        app = make_app(runner, model_name="tiny")
+        recorder.threads.clear()  # the app decodes its EOS token once, as it is made
+        answer = _post(app, path, body, pad=pad)
+        assert answer.status_code == 200, answer.text
+        answers.append(answer.json())
+        assert recorder.threads and {name.split("_")[0] for name in recorder.threads} == {"prefixcache-request"}
+    assert answers[0] == answers[1]
+    assert _post(app, path, {**body, "model": "other"}, pad=False).status_code == 404
+
+
 BAD = {
     "chat role": ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}),
     "chat capacity": (

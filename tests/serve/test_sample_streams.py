@@ -90,3 +90,31 @@ def test_an_error_in_one_sample_ends_the_stream_and_closes_the_others() -> None:
     out = merge([failing, endless])
     assert out[-2:] == [error, "data: [DONE]\n\n"]
     assert len(out) < 10 and sorted(closed) == [0, 1]
+
+
+def test_a_client_leaving_after_a_sample_has_ended_logs_no_error(caplog) -> None:
+    # The merge is closed (client gone) while one sample's stream has just ended (its pending read holds a
+    # StopAsyncIteration): that is an end, not a failure to log with a traceback.
+    closed: list[int] = []
+    forever = asyncio.Event()
+
+    async def waiting() -> AsyncIterator[str]:
+        try:
+            await forever.wait()
+            yield chunk("never")
+        finally:
+            closed.append(1)
+
+    async def leave_after_the_first_line() -> str:
+        merged = merged_streams([sample([chunk("a", "stop")], closed, 0), waiting()])
+        first = await anext(merged)
+        for _ in range(10):  # sample 0's next read runs to its end meanwhile
+            await asyncio.sleep(0)
+        await merged.aclose()
+        return first
+
+    with caplog.at_level("ERROR", logger="prefixcache.serve.samples"):
+        first = asyncio.run(leave_after_the_first_line())
+    assert json.loads(first.removeprefix("data: "))["choices"][0]["delta"] == {"content": "a"}
+    assert sorted(closed) == [0, 1]
+    assert [record.getMessage() for record in caplog.records] == []

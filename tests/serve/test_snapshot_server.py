@@ -213,3 +213,31 @@ def test_a_snapshot_load_failing_with_any_error_starts_the_server_cold(
 
     assert cached_before == 0 and usage["prompt_tokens_details"]["cached_tokens"] == 0
     assert "KeyError" in app.state.snapshots.restore_error and "starting with an empty cache" in caplog.text
+
+
+def test_a_save_failing_with_any_error_is_logged_and_the_periodic_saves_and_shutdown_go_on(
+    tiny: LlamaModel, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An error other than the snapshot and OS errors (a bug, a MemoryError copying the cache) once escaped
+    # SnapshotKeeper.save: it ended the periodic saves for good, and at shutdown skipped closing the engine.
+    runner = PrefixCachingRunner(tiny, cache_tokens=4096)
+    failures: list[BaseException] = [KeyError("origin")]
+
+    def capture_or_fail(staging=None):
+        if failures:
+            raise failures[0] if isinstance(failures[0], MemoryError) else failures.pop()
+        return PrefixCachingRunner.capture_snapshot(runner, staging)
+
+    monkeypatch.setattr(runner, "capture_snapshot", capture_or_fail)
+    app = create_app(runner, model_name="tiny", snapshot_dir=tmp_path / "snap", snapshot_every_s=0.05)
+    keeper = app.state.snapshots
+    with caplog.at_level(logging.ERROR, "prefixcache.serve.snapshots"), start_background(app) as server:
+        turn(server.url, [{"role": "user", "content": "remember this prompt"}])
+        deadline = time.monotonic() + 30
+        while keeper.last_saved is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert keeper.save_errors == 1 and keeper.last_saved is not None  # the saves after the failure ran
+        failures.append(MemoryError())  # every save from now on fails, the shutdown's too
+    assert "KeyError" in caplog.text and "MemoryError" in caplog.text
+    with pytest.raises(InvalidArgumentError, match="closed"):
+        app.state.engine.submit([1, 2, 3])
