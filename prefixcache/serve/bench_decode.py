@@ -1,0 +1,146 @@
+"""Per-token decode time served against in-process (``prefixcache bench serve``'s third table).
+
+The same long greedy generations (``ignore_eos``, so every run makes all its tokens) run on one server's
+:class:`~prefixcache.engine.batching.BatchEngine`, interleaved in one process: in-process (submitted to the engine
+directly, each token timed in ``on_token`` on the engine thread) and served (a streamed ``/v1/completions`` request
+over HTTP on 127.0.0.1, each token timed as its SSE event reaches the client).  A run's per-token time is the mean gap
+between its first and last token (the prefill and the first token left out), in milliseconds; the figure is the
+median over runs, for one stream at a time and for a few concurrent streams (one batched decode step per token).
+The client is a plain ``http.client`` connection per stream reading lines, so its own cost per token stays small
+against the server's.  Goal (issue 30): served within 3% of in-process.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prefixcache.engine.runner import PrefixCachingRunner
+from prefixcache.engine.sampling import SamplingParams
+from prefixcache.models.llama import build_model
+from prefixcache.serve.app import create_app
+from prefixcache.serve.server import start_background
+
+__all__ = ["GOAL_RATIO", "decode_figures"]
+
+GOAL_RATIO = 1.03
+"""Served per-token time / in-process per-token time must stay below this."""
+
+PROMPT_TOKENS = 64
+
+ASCII_ONLY = {token: -100.0 for token in range(128, 259)}
+"""A logit bias that keeps the ``small`` preset's byte tokenizer to ASCII (and off its special ids): every token is
+one text delta, so the client can tell tokens apart by their SSE events."""
+
+
+def _per_token_ms(stamps: list[float]) -> float:
+    """The mean gap between the first and the last of ``stamps`` (seconds), in ms."""
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1) * 1e3
+
+
+def _prompt(vocab_size: int, salt: int) -> list[int]:
+    # A different prompt every run: nothing cached, each run prefills its own prompt and decodes from the same length.
+    return [32 + (7 * i + 13 * salt) % 95 for i in range(PROMPT_TOKENS)]
+
+
+def _in_process(engine: Any, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    """Per-token ms of each of ``prompts`` submitted together to ``engine``, timed on the engine thread."""
+    handles, stamps = [], []
+    for prompt in prompts:
+        times: list[float] = []
+        stamps.append(times)
+        sampling = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, logit_bias=ASCII_ONLY)
+        handles.append(engine.submit(prompt, sampling, on_token=lambda _, t=times: t.append(time.perf_counter())))
+    for handle in handles:
+        handle.future.result()
+    return [_per_token_ms(times) for times in stamps]
+
+
+def _served_one(host: str, port: int, prompt: list[int], new_tokens: int, stamps: list[float]) -> None:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "stream": True, "ignore_eos": True}
+    body["logit_bias"] = {str(token): bias for token, bias in ASCII_ONLY.items()}
+    connection = http.client.HTTPConnection(host, port, timeout=120)
+    connection.connect()
+    connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+        for line in response:
+            if line.startswith(b'data: {"id"'):
+                stamps.append(time.perf_counter())
+    finally:
+        connection.close()
+
+
+def _served(host: str, port: int, prompts: list[list[int]], new_tokens: int) -> list[float]:
+    """Per-token ms of each of ``prompts`` streamed at once over HTTP, one client thread each, timed on arrival."""
+    stamps: list[list[float]] = [[] for _ in prompts]
+    errors: list[BaseException] = []
+
+    def client(i: int) -> None:
+        try:
+            _served_one(host, port, prompts[i], new_tokens, stamps[i])
+        except BaseException as error:  # noqa: BLE001 - raised after the run
+            errors.append(error)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    # The last event with text is the finishing chunk's predecessor: keep one stamp per generated token.
+    return [_per_token_ms(times[:new_tokens]) for times in stamps]
+
+
+def _pairs(runs: int, measure: Callable[[str, int], float]) -> tuple[list[float], list[float]]:
+    """``runs`` interleaved pairs (ABBA order) of ``measure(mode, run)``, one warm-up pair first."""
+    local, remote = [], []
+    for i in range(runs + 1):
+        order = ("local", "served") if i % 2 == 0 else ("served", "local")
+        figures = {mode: measure(mode, i) for mode in order}
+        if i > 0:
+            local.append(figures["local"])
+            remote.append(figures["served"])
+    return local, remote
+
+
+def decode_figures(quick: bool = False, model: Any = None) -> dict[str, Any]:
+    """Per-token decode ms in-process and served, one stream and ``concurrent`` streams, with their ratios, on the
+    embedded ``small`` preset (or ``model``): ``quick`` 3 pairs of 64 new tokens, else 9 pairs of 192."""
+    model = model if model is not None else build_model("small", device="cpu")
+    runs, new_tokens, concurrent = (3, 64, 4) if quick else (9, 192, 4)
+    runner = PrefixCachingRunner(model, cache_tokens=(PROMPT_TOKENS + new_tokens + 32) * concurrent * 2)
+    app = create_app(runner, model_name="bench")
+    engine = app.state.engine
+    vocab = runner.tokenizer.vocab_size
+    load_before = os.getloadavg()[0]
+    out: dict[str, Any] = {"new_tokens": new_tokens, "runs": runs, "concurrent": concurrent}
+    with start_background(app) as server:
+        for streams, key in ((1, "single"), (concurrent, "concurrent")):
+
+            def measure(mode: str, run: int, streams: int = streams) -> float:
+                prompts = [
+                    _prompt(vocab, 1000 * streams + 10 * run + j + (mode == "served") * 500) for j in range(streams)
+                ]
+                if mode == "local":
+                    return statistics.mean(_in_process(engine, prompts, new_tokens))
+                return statistics.mean(_served(server.host, server.port, prompts, new_tokens))
+
+            local, remote = _pairs(runs, measure)
+            out[f"{key}_in_process_ms"] = statistics.median(local)
+            out[f"{key}_served_ms"] = statistics.median(remote)
+            out[f"{key}_ratio"] = statistics.median(r / lo for lo, r in zip(local, remote, strict=True))
+    engine.close()
+    out["load_average_1m"] = (load_before + os.getloadavg()[0]) / 2
+    return out
