@@ -329,6 +329,10 @@ def _decode_table(decode: dict[str, Any]) -> Table:
                 ratio,
                 "{:.3f} - {:.3f}".format(*decode[f"{key}_ratio_quartiles"]),
                 verdict,
+                decode[f"{key}_engine_cpu_in_process_ms"],
+                decode[f"{key}_engine_cpu_served_ms"],
+                decode[f"{key}_engine_cpu_ratio"],
+                decode[f"{key}_added_cpu_ms"],
                 decode["runs"],
             )
         )
@@ -342,11 +346,17 @@ def _decode_table(decode: dict[str, Any]) -> Table:
             "served / in-process",
             "ratio quartiles",
             f"goal < {GOAL_RATIO}",
+            "engine CPU ms/token in-process",
+            "engine CPU ms/token served",
+            "engine CPU served / in-process",
+            "process CPU added ms/token",
             "pairs",
         ),
         tuple(rows),
         (
             "per-token = mean gap from the first to the last token of a run (timed on the engine thread in-process, "
             "as each SSE event arrives when served); medians over interleaved pairs; ratio = median of per-pair ratios",
+            "engine CPU = CPU time of the engine's thread per token (load-proof); process CPU added = served minus "
+            "in-process CPU time of all threads (event loop, client, engine) per token of a stream",
         ),
     )
