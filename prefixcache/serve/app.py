@@ -43,6 +43,7 @@ from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import CapacityError, OutOfBlocksError, PoolBusyError, PrefixCacheError
 from prefixcache.serve.auth import ApiKeys, Unauthorized
+from prefixcache.serve.delivery import job_events
 from prefixcache.serve.echo import echoed_logprobs, echoed_usage, merge_logprobs, prompt_logprobs_job, running_usage
 from prefixcache.serve.jobs import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -196,37 +197,8 @@ def create_app(
     app.state.snapshots = snapshots
     app.state.max_request_bytes = max_request_bytes
 
-    async def run_job(submit: Submit, request: Request) -> AsyncIterator[tuple[str, Any]]:
-        """A streamed request's events: its deltas (what ``submit`` hands ``on_delta``: ``(text, logprob records)``),
-        then its end (see :func:`~prefixcache.serve.jobs.ending`; a request refused at submit ends with ``"error"``
-        at once).  ``submit`` runs on the worker thread (:meth:`RequestWork.submit`).  Closing this cancels the
-        request."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-        def on_delta(delta: Any) -> None:  # on the engine thread
-            loop.call_soon_threadsafe(events.put_nowait, ("delta", delta))
-
-        def ended(future: Future[Any]) -> None:
-            try:
-                loop.call_soon_threadsafe(events.put_nowait, ending(future))
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-                pass
-
-        try:
-            handle, future = await work.submit(submit, on_delta)
-        except Exception as error:  # noqa: BLE001 - refused at submit: answered as the request's error
-            yield "error", error
-            return
-        future.add_done_callback(ended)
-        try:
-            while True:
-                kind, value = await events.get()
-                yield kind, value
-                if kind != "delta":
-                    return
-        finally:
-            handle.cancel()
+    def run_job(submit: Submit, request: Request) -> AsyncIterator[tuple[str, Any]]:
+        return job_events(work, submit, request)  # the engine thread only posts; the loop frames (serve.delivery)
 
     async def finish_samples(start: Callable[..., Any], request: Request, n: int) -> list[tuple[str, Any]]:
         """The ends (:func:`finish_job`) of ``n`` samples, ``start(on_delta, sample=i)`` submitted together and

@@ -14,6 +14,8 @@
    settings, no HTTP), and against one client in-process (serial ``runner.chat``).  With a cache large enough that
    nothing is evicted, the hit tokens differ only through requests overlapping in time (see the table's note); HTTP
    and in-process at the same concurrency must agree up to timing, and no request may fail.
+3. Per-token decode time served against in-process: long greedy streams on the ``small`` preset, one at a time and
+   a few together (:mod:`prefixcache.serve.bench_decode`).  Goal: served within 3% of in-process.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.models.llama import build_model
 from prefixcache.replay.scenarios import default_tools_for, load_scenario
 from prefixcache.serve.app import create_app
+from prefixcache.serve.bench_decode import GOAL_RATIO, decode_figures
 from prefixcache.serve.server import start_background
 
 __all__ = ["run"]
@@ -229,10 +232,11 @@ def _replay_three_ways(per_conversation: list[list[tuple[list[dict], list | None
 
 
 def run(quick: bool = False) -> BenchResult:
-    """Run both measurements: 300 request pairs, and 32 tau-bench conversations of at most 6 turns (``quick``: 30
-    pairs, 16 conversations of at most 2 turns)."""
+    """Run the three measurements: 300 request pairs, 32 tau-bench conversations of at most 6 turns, and 24 pairs of
+    96-token decodes (``quick``: 30 pairs, 16 conversations of at most 2 turns, 6 pairs of 48 tokens)."""
     overhead = _overhead(30 if quick else 300)
     tau = _tau_bench(16 if quick else 32, 2 if quick else 6)
+    decode = decode_figures(quick)
     verdict = "met" if overhead["overhead_p50_ms"] < GOAL_OVERHEAD_MS else "not met"
     tables = [
         Table(
@@ -308,4 +312,51 @@ def run(quick: bool = False) -> BenchResult:
                 notes,
             )
         )
-    return BenchResult("serve", tuple(tables), {"overhead": overhead, "tau_bench": tau})
+    tables.append(_decode_table(decode))
+    return BenchResult("serve", tuple(tables), {"overhead": overhead, "tau_bench": tau, "decode": decode})
+
+
+def _decode_table(decode: dict[str, Any]) -> Table:
+    rows = []
+    for key, streams in (("single", 1), ("concurrent", decode["concurrent"])):
+        ratio = decode[f"{key}_ratio"]
+        verdict = "met" if ratio < GOAL_RATIO else "not met"
+        rows.append(
+            (
+                streams,
+                decode[f"{key}_in_process_ms"],
+                decode[f"{key}_served_ms"],
+                ratio,
+                "{:.3f} - {:.3f}".format(*decode[f"{key}_ratio_quartiles"]),
+                verdict,
+                decode[f"{key}_engine_cpu_in_process_ms"],
+                decode[f"{key}_engine_cpu_served_ms"],
+                decode[f"{key}_engine_cpu_ratio"],
+                decode[f"{key}_added_cpu_ms"],
+                decode["runs"],
+            )
+        )
+    return Table(
+        f"serve: per-token decode, in-process vs streamed over HTTP (small preset, {decode['new_tokens']} new tokens, "
+        f"greedy, load avg 1m {decode['load_average_1m']:.2f})",
+        (
+            "streams",
+            "in-process ms/token",
+            "served ms/token",
+            "served / in-process",
+            "ratio quartiles",
+            f"goal < {GOAL_RATIO}",
+            "engine CPU ms/token in-process",
+            "engine CPU ms/token served",
+            "engine CPU served / in-process",
+            "process CPU added ms/token",
+            "pairs",
+        ),
+        tuple(rows),
+        (
+            "per-token = mean gap from the first to the last token of a run (timed on the engine thread in-process, "
+            "as each SSE event arrives when served); medians over interleaved pairs; ratio = median of per-pair ratios",
+            "engine CPU = CPU time of the engine's thread per token (load-proof); process CPU added = served minus "
+            "in-process CPU time of all threads (event loop, client, engine) per token of a stream",
+        ),
+    )

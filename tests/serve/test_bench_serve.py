@@ -37,3 +37,15 @@ def test_the_serial_replay_reuses_everything_but_each_prompt_s_new_part() -> Non
     figures = bench._replay_three_ways(conversations)
     assert figures["serial_hit_rate"] > 0.5
     assert figures["serial_hit_tokens"] >= 2 * len(system["content"])
+
+
+def test_the_decode_pairs_time_every_token_both_ways() -> None:
+    from prefixcache.models.llama import build_model
+    from prefixcache.serve.bench_decode import decode_figures
+
+    figures = decode_figures(model=build_model("tiny", device="cpu"), runs=2, new_tokens=6)
+    assert figures["runs"] == 2 and figures["new_tokens"] == 6
+    for key in ("single", "concurrent"):
+        assert figures[f"{key}_in_process_ms"] > 0 and figures[f"{key}_served_ms"] > 0, key
+        low, high = figures[f"{key}_ratio_quartiles"]
+        assert 0 < low <= figures[f"{key}_ratio"] <= high, key
