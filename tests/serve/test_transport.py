@@ -62,11 +62,13 @@ def wake_ups(app, body: dict) -> tuple[int, list[str]]:
     return asyncio.run(main())
 
 
-def test_a_request_wakes_the_event_loop_per_token_only_when_it_streams(make_app) -> None:
+def test_a_request_wakes_the_event_loop_per_step_only_when_it_streams(make_app) -> None:
     runner = PrefixCachingRunner(ScriptedModel.from_texts(["abcdefghijklmnopqrst"]), cache_tokens=4096)
     app = make_app(runner)
     body = {"model": "scripted", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 20}
     plain, _ = wake_ups(app, body)
     assert plain == 2  # the request submitted (on the worker thread that tokenizes), and its end
     streamed, lines = wake_ups(app, {**body, "stream": True})
-    assert streamed >= 20 and len(lines) >= 20
+    # A stream wakes the loop once per engine step at most (serve.delivery's mailbox: the steps a busy loop has not
+    # drained yet ride one wake-up), and every token still reaches the client.
+    assert plain < streamed <= 20 + plain and len(lines) >= 20
