@@ -37,7 +37,7 @@ not."""
 def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     """Add the ``replay`` subcommand to ``commands`` (the subparsers of the ``prefixcache`` parser)."""
     replay = commands.add_parser(
-        "replay", parents=parents, help="replay chat transcripts or traces and report prefill savings"
+        "replay", parents=parents, help="replay transcripts, request logs or traces and report prefill savings"
     )
     replay.add_argument(
         "paths",
