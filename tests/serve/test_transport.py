@@ -70,5 +70,5 @@ def test_a_request_wakes_the_event_loop_per_step_only_when_it_streams(make_app) 
     assert plain == 2  # the request submitted (on the worker thread that tokenizes), and its end
     streamed, lines = wake_ups(app, {**body, "stream": True})
     # A stream wakes the loop once per engine step at most (serve.delivery's mailbox: the steps a busy loop has not
-    # drained yet ride one wake-up), and every token still reaches the client.
-    assert plain < streamed <= 20 + plain and len(lines) >= 20
+    # drained yet ride one wake-up, all of them on a loaded machine), and every token still reaches the client.
+    assert plain <= streamed <= 20 + plain and len(lines) >= 20
