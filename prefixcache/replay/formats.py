@@ -68,10 +68,12 @@ FILE_FORMATS: Mapping[str, str] = {
 """Each format's ``--format`` name and what the replay says it read."""
 
 ACCEPTED_FORMATS = (
-    'chat transcripts {"messages": [...]}; request logs, an OpenAI chat-completions body per line '
-    '{"model", "messages"}; OpenAI Batch input {"custom_id", "method", "url", "body"}; ShareGPT '
-    '{"conversations": [{"from", "value"}]}; Mooncake traces {"hash_ids"} (JSON Lines or one JSON array; '
-    "--format forces one)"
+    '\n  chat transcripts {"messages": [...]}'
+    '\n  request logs, an OpenAI chat-completions body per line {"model", "messages"}'
+    '\n  OpenAI Batch input {"custom_id", "method", "url", "body"}'
+    '\n  ShareGPT {"conversations": [{"from", "value"}]}'
+    '\n  Mooncake traces {"hash_ids"}'
+    "\n(JSON Lines or one JSON array; --format forces one)"
 )
 """The formats a replay reads, for error messages."""
 
@@ -187,13 +189,13 @@ def detect_format(path: str | Path, *, skip_invalid: bool = False) -> str:
             continue
         if error is not None:
             reason = str(error).removeprefix(f"{path}:{line_no}: ")
-            raise ScenarioError(f"{reason}; replay reads {ACCEPTED_FORMATS}", str(path), line_no)
+            raise ScenarioError(f"{reason}; replay reads:{ACCEPTED_FORMATS}", str(path), line_no)
         if isinstance(obj, dict):
             keys = ", ".join(repr(key) for key in list(obj)[:8]) or "no keys"
             what = f"an object with {keys}"
         else:
             what = f"a JSON {type(obj).__name__}"
-        raise ScenarioError(f"cannot tell the format: {what}; expected one of: {ACCEPTED_FORMATS}", str(path), line_no)
+        raise ScenarioError(f"cannot tell the format: {what}; expected one of:{ACCEPTED_FORMATS}", str(path), line_no)
     if skip_invalid:
         raise ScenarioError("no usable line: no conversations or requests", str(path))
     raise ScenarioError("empty file: no conversations or requests", str(path))

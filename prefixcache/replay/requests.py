@@ -21,6 +21,7 @@ from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.chat.tokenizer import Tokenizer
 from prefixcache.errors import InvalidArgumentError, InvalidTokensError, ScenarioError, TemplateError
 from prefixcache.replay.formats import FILE_FORMATS, LoggedRequest, detect_format, load_request_log, load_sharegpt
+from prefixcache.replay.lines import iter_json_records
 from prefixcache.replay.scenarios import Conversation, default_tools_for, iter_mooncake, load_scenario
 
 __all__ = [
@@ -210,6 +211,8 @@ def read_requests(
     name = str(path)
     progress = progress or _no_progress
     fmt = detect_format(path, skip_invalid=skip_invalid) if file_format == "auto" else file_format
+    if file_format != "auto" and path.is_file() and next(iter_json_records(path), None) is None:
+        raise ScenarioError("empty file: no conversations or requests", name)  # as detection says it
     if fmt == "mooncake":
         empty = array(TOKEN_TYPECODE)
         skipped: list[ScenarioError] = []

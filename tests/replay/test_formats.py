@@ -161,7 +161,7 @@ def test_a_file_that_is_not_json_is_refused_naming_the_formats(tmp_path: Path) -
         detect_format(path)
 
     assert info.value.line_no == 1
-    assert "not valid JSON: Expecting value at column 1; replay reads chat transcripts" in str(info.value)
+    assert "not valid JSON: Expecting value at column 1; replay reads:\n  chat transcripts" in str(info.value)
 
 
 def test_request_bodies_are_read_as_a_server_reads_them(tmp_path: Path) -> None:
@@ -444,3 +444,12 @@ def test_a_gateway_log_of_real_agent_runs_sends_the_transcripts_prompts_token_fo
 
     assert logged.file_format == "requests" and len(logged.requests) == len(replayed.requests) > 10
     assert [r.prompt for r in logged.requests] == [r.prompt for r in replayed.requests]
+
+
+@pytest.mark.parametrize("forced", ["chat", "requests", "batch", "sharegpt", "mooncake"])
+def test_an_empty_file_with_a_forced_format_is_refused_as_with_detection(forced: str, tmp_path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+
+    with pytest.raises(ScenarioError, match="empty file"):
+        read_requests(empty, ByteTokenizer(), file_format=forced)
