@@ -33,7 +33,7 @@ from prefixcache.replay.endpoint import (
     fetch_model,
     send_all,
 )
-from prefixcache.replay.formats import FILE_FORMATS, LoggedRequest, load_request_log
+from prefixcache.replay.formats import FILE_FORMATS, LoggedRequest
 from prefixcache.replay.requests import Progress, ReplayRequest, read_options, read_requests, smallest_pool_tokens
 from prefixcache.replay.scenarios import expand_paths
 
@@ -113,10 +113,7 @@ def audit_requests(
             progress=progress,
         )
         formats[loaded.path] = loaded.file_format
-        bodies: dict[str, tuple[str, dict[str, Any]]] = {}
-        if loaded.file_format in ("requests", "batch"):
-            log = load_request_log(path, file_format=loaded.file_format, limit=limit, skip_invalid=skip_invalid)
-            bodies = {logged.id: _logged_call(logged) for logged in log.requests}
+        bodies = {logged.id: _logged_call(logged) for logged in loaded.logged}
         for request in loaded.requests:
             if request.conversation_id in bodies:
                 endpoint_path, body = bodies[request.conversation_id]

@@ -140,12 +140,14 @@ def interleave(per_conversation: Sequence[Sequence[ReplayRequest]], order: str, 
 class LoadedFile:
     """One input file read into replay requests: its format (a key of
     :data:`~prefixcache.replay.formats.FILE_FORMATS`, as detected or forced), the requests in replay order, and how
-    many bad lines were skipped."""
+    many bad lines were skipped; for a request log or Batch file, ``logged`` holds its parsed records (their bodies,
+    for a caller that sends them on)."""
 
     path: str
     file_format: str
     requests: list[ReplayRequest]
     skipped: int
+    logged: list[LoggedRequest] = field(default_factory=list)
 
 
 def logged_request(request: LoggedRequest, tokenizer: Tokenizer, scenario: str) -> ReplayRequest:
@@ -239,7 +241,7 @@ def read_requests(
                 skipped.append(problem)
         for error in skipped:
             logger.warning("skipped %s", error)
-        return LoadedFile(name, fmt, requests, len(skipped))
+        return LoadedFile(name, fmt, requests, len(skipped), list(log.requests))
     if fmt == "sharegpt":
         scenario = load_sharegpt(path, skip_invalid=skip_invalid, progress=progress)
     else:
