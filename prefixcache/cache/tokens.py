@@ -120,6 +120,8 @@ def _from_tensor(tensor: Any) -> array:
         )
     if tensor.dim() != 1:
         raise InvalidTokensError(f"token ids must be 1-D, got a tensor of shape {tuple(tensor.shape)}")
+    if tensor.layout != torch.strided:  # a sparse tensor has no storage to read ids from
+        raise InvalidTokensError(f"token ids must be a dense tensor, got layout {tensor.layout}")
     if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
         raise InvalidTokensError(f"token ids must be an integer tensor, got dtype {tensor.dtype}")
     try:

@@ -90,3 +90,20 @@ def test_an_array_of_the_stored_typecode_is_returned_as_is() -> None:
     tokens = array("I", IDS)
 
     assert as_token_array(tokens) is tokens
+
+
+def test_a_sparse_tensor_is_refused_as_token_ids_and_the_cache_is_untouched() -> None:
+
+    from prefixcache.cache.pool import KVBlockPool
+    from prefixcache.cache.radix_cache import RadixCache
+    from prefixcache.testing import assert_quiescent
+
+    cache = RadixCache(KVBlockPool(8, 4))
+    sparse = torch.tensor([1, 2, 3]).to_sparse()
+    with pytest.raises(InvalidTokensError, match="dense tensor"):
+        cache.acquire(sparse)
+    lease = cache.acquire([1, 2, 3], num_tokens=4)
+    with pytest.raises(InvalidTokensError, match="dense tensor"):
+        cache.commit(lease, sparse)
+    cache.release(lease)
+    assert_quiescent(cache)
