@@ -3,10 +3,13 @@
 :meth:`Admission.acquire` matches at most ``len - 1`` prompt tokens (the last prompt token is always computed: its
 logits start decoding), locks the whole blocks of the match, and copies the rows of a partially matched last block
 into a block the request owns.  That copy is *copy-on-write* as in vLLM's PagedAttention (Kwon et al., "Efficient
-Memory Management for Large Language Model Serving with PagedAttention", 2023): a shared block is never written in
-place, because its later rows belong to another sequence.  :meth:`Admission.reserve` grows the request's block
-table, :meth:`Admission.commit` inserts the request's tokens and unlocks, :meth:`Admission.release` gives
-everything back after a failure.  Callers hold the cache's mutex.
+Memory Management for Large Language Model Serving with PagedAttention", 2023): a shared block is not written in
+place when its later rows belong to another sequence.  When they belong to nobody (the match takes all of a node that
+ends inside its last block, no child shares that block and no other request extends it), the request writes the
+block's free rows in place and owns the block beside the node (``extending`` in :mod:`prefixcache.cache.blocks`):
+no copy, no extra block, and its insert makes the new leaf share the block.  :meth:`Admission.reserve` grows the
+request's block table, :meth:`Admission.commit` inserts the request's tokens and unlocks, :meth:`Admission.release`
+gives everything back after a failure.  Callers hold the cache's mutex.
 
 Feasibility first.  With the number of tokens to admit, :meth:`Admission.acquire` counts the blocks the request needs
 beyond its shared prefix against free plus evictable blocks before it evicts or copies anything, and refuses with
@@ -14,19 +17,18 @@ beyond its shared prefix against free plus evictable blocks before it evicts or 
 refused request counts in ``rejected_requests`` and nowhere else.
 
 No double pin at a mid-block seam.  A lock pins whole nodes.  Where a cached sequence was extended from inside a block,
-the parent node holds one copy of that block and the child its own (copy-on-write), so locking a path through the
-child used to pin both: a prompt of exactly the pool's size could need one block more than the pool, forever.  The fix
-is to remove the duplicate rather than to lock around it: :meth:`~prefixcache.cache.tree.RadixTree.heal_seam` lets the
+the parent node holds one copy of that block and the child its own (copy-on-write), so locking a path through the child
+used to pin both: a prompt of exactly the pool's size could need one block more than the pool, forever.  The fix is to
+remove the duplicate rather than to lock around it: :meth:`~prefixcache.cache.seams.SeamHealing.heal_seam` lets the
 parent share the child's copy (same tokens, same KV rows) and frees its own, at insert and for every seam on a matched
 path before it is locked.  Locking less (only up to the first seam) would have meant copying every block after a seam,
-which in a multi-turn chat is every turn.  A heal may happen under the request's own lock (its table holds the
-child's copy, not the parent's).  Where two branches leave one block at the same point, the branch sharing the
-parent's copy blocks the other's heal until it is evicted; the request's lock would then pin both copies for its
-whole life, so a request of exactly the pool's size failed mid-decode.  Admission therefore heals again whenever it
-allocates, counts such blocked seams as blocks it can get back, and when only they make up the difference evicts
-every unlocked node first (allocation would have evicted them all anyway).  A seam is left only while another
-running request locks the parent's copy or the sibling sharing it; then that request is running, and the guarantee
-is for a pool with nothing else running.
+which in a multi-turn chat is every turn.  A heal may happen under the request's own lock (its table holds the child's
+copy, not the parent's).  Where two branches leave one block at the same point, the branch sharing the parent's copy
+blocks the other's heal until it is evicted; the request's lock would then pin both copies for its whole life, so a
+request of exactly the pool's size failed mid-decode.  Admission therefore heals again whenever it allocates, counts
+such blocked seams as blocks it can get back, and when only they make up the difference evicts every unlocked node first
+(allocation would have evicted them all anyway).  A seam is left only while another running request locks the parent's
+copy or the sibling sharing it; then that request is running, and the guarantee is for a pool with nothing else running.
 
 Resume points.  A cache of a recurrent (hybrid or state-space) model resumes a prefix only where a state is kept
 (:mod:`prefixcache.cache.resume`): with ``states`` set, :meth:`Admission.acquire` ends the match at the deepest kept
@@ -151,7 +153,7 @@ class Admission:
         promotion = None
         if self.host is not None:
             promotion = self.host.promote(tree, self.blocks, self.locks, q, namespace, num_tokens, self.owner)
-        match = tree.match(q, namespace, len(q) - 1, self.owner)
+        match = tree.match(q, namespace, len(q) - 1, self.owner, refresh_partial=False)
         num_matched = match.num_tokens
         states = self.states
         resume_state = None
@@ -168,7 +170,8 @@ class Admission:
         copied = num_cached % bs
         aligned = num_cached - copied
         own = tree.own_tokens(match.node, num_cached, request_id) if request_id is not None else 0
-        end = tree.lock_point(match.node, aligned)
+        in_place = bool(copied) and self._extendable(match.node, num_cached)
+        end = match.node if in_place else tree.lock_point(match.node, aligned, stamp=tree.clock)
         handle: LockHandle | None = None
         borrowed: int | None = None  # the copy source while it holds a temporary reference
         owned: list[np.ndarray] = []  # blocks allocated (or taken over) for this lease so far
@@ -176,12 +179,19 @@ class Admission:
             handle = self.locks.lock(end)
             first_owned = len(table) - (1 if copied else 0)
             if num_tokens is not None:
-                need = max(-(-num_tokens // bs), len(table)) - first_owned
+                need = max(-(-num_tokens // bs), len(table)) - len(table) + (bool(copied) and not in_place)
                 if need > pool.num_free_blocks:
                     self.blocks.check_feasible(
                         need, f"admitting {num_tokens} tokens", own_locked=first_owned, healable=self._waiting(end)
                     )
-            if copied:
+            if in_place:
+                # The block's later rows are free: the request writes them, the node keeps reading its own.
+                block = int(table[-1])
+                pool.incref([block])
+                owned.append(table[-1:])
+                self.blocks.owned[block] = self.blocks.extending[block] = True
+                copied = 0
+            elif copied:
                 source = int(table[-1])
                 pool.incref([source])
                 borrowed = source
@@ -244,8 +254,45 @@ class Admission:
             raise
         return lease
 
+    def _settle_extension(self, lease: Lease, q: array) -> int:
+        """Before the insert of ``q``: where the lease extends a cached block in place but ``q``'s cached path now
+        runs past that node's end inside the block, through another request's branch holding its own copy of it,
+        the new leaf would hang below that branch and cannot share the node's block: give it a copy (the lease's
+        rows), the node keeps its block.  Returns how many tokens of ``q`` to insert: all of them, or, with no block
+        to be had for the copy, only the cached ones (nothing new is kept; the lease's blocks go back)."""
+        first = lease.first_owned_block
+        if first >= len(lease.block_table) or not self.blocks.extending[lease.block_table[first]]:
+            return len(q)
+        block = int(lease.block_table[first])
+        match = self.tree.match(q, lease.namespace, len(q), self.owner, touch=False)
+        bs = self.block_size
+        if match.num_tokens >= len(q) or match.num_tokens // bs != first or int(match.block_table[first]) == block:
+            return len(q)
+        try:
+            copy = int(self.blocks.allocate(1, "the copy of a block extended in place")[0])
+        except OutOfBlocksError:
+            # Eviction may have shortened the branch; what the tree holds now is what may go in.
+            return self.tree.match(q, lease.namespace, len(q), self.owner, touch=False).num_tokens
+        pool = self.blocks.pool
+        pool.copy_rows(block, copy, bs)
+        lease.block_table[first] = copy
+        self.blocks.owned[block] = self.blocks.extending[block] = False
+        pool.decref([block])
+        return len(q)
+
+    def _extendable(self, node: Node, num_cached: int) -> bool:
+        """Whether a match of ``num_cached`` tokens ending inside a block may write that block's later rows in place
+        rather than copy it: the match takes all of ``node``, whose last block it is, and no child shares that block
+        nor another lease writes it (it holds rows of nobody else past the node's end)."""
+        return (
+            node.parent is not None
+            and node.end == num_cached
+            and node.sharing_child is None
+            and not self.blocks.extending[node.blocks.item(-1)]
+        )
+
     def _heal_path(self, node) -> None:
-        # A seam on the matched path would make the lock pin two copies of one block (see tree.heal_seam).
+        # A seam on the matched path would make the lock pin two copies of one block (see cache.seams).
         bs = self.block_size
         tree = self.tree
         while node.parent is not None:
@@ -284,7 +331,7 @@ class Admission:
             pool.decref([borrowed])
         if owned:
             index = np.concatenate(owned).astype(np.intp)
-            self.blocks.owned[index] = False
+            self.blocks.owned[index] = self.blocks.extending[index] = False
             pool.decref(index)
         if handle is not None:
             self.locks.unlock(handle)
@@ -329,8 +376,9 @@ class Admission:
         # The lock's path spells the lease's first tokens, which q agrees with (checked above): the tree's walk
         # starts there, and the borrowed blocks, the locked path's own, need no check (insert never reads them).
         start = lease.lock.node if lease.lock.node.end <= len(q) else None
+        keep = self._settle_extension(lease, q)
         owned = self.blocks.as_block_ids(lease.block_table[first:])
-        result = self.blocks.insert_owned(q, owned, first, lease.namespace, lease.request_id, start)
+        result = self.blocks.insert_owned(q[:keep], owned, first, lease.namespace, lease.request_id, start)
         # The lease owns nothing now; should the unlock fail, release() only has the lock left to drop.
         lease.owns_blocks = False
         if state is not None:
@@ -367,6 +415,12 @@ class Admission:
             )
         full, rows = divmod(n, bs)
         first_owned = lease.first_owned_block
+        if full > first_owned and self._settle_extension(lease, q[: full * bs]) < full * bs:
+            full = rows = 0  # no block for the copy the new leaf needs: the tree gets nothing now
+        if rows and full == first_owned and self.blocks.extending[lease.block_table[full]]:
+            match = self.tree.match(q, lease.namespace, n, self.owner, touch=False)
+            if match.num_tokens < n and match.block_table[full] == lease.block_table[full]:
+                return self._insert_extended_prefix(lease, q, state, nbytes)
         table = self.blocks.as_block_ids(lease.block_table[:full])
         if rows:
             try:
@@ -398,6 +452,26 @@ class Admission:
         lease.lock = handle
         lease.block_table[:full] = match.block_table
         lease.first_owned_block = full
+        _extend_prompt(lease, q)
+        if state is not None:
+            self.keep_state(q, lease.namespace, len(q), state, nbytes)
+        return result
+
+    def _insert_extended_prefix(self, lease: Lease, q: array, state: object, nbytes: int) -> InsertResult:
+        """:meth:`insert_prefix` where ``q`` ends inside the block the lease extends in place, right below that
+        block's node: the tree takes ``q`` with the block itself (the new leaf shares it with the node) and the lease
+        goes on writing the block's later rows, now past the new leaf's end, under a lock on that leaf."""
+        full = len(q) // self.block_size
+        block = int(lease.block_table[full])
+        table = self.blocks.as_block_ids(lease.block_table[: full + 1])
+        result = self.blocks.insert(q, table, full, lease.namespace, lease.request_id)
+        # The lease's hold on the block became the leaf's: take one again, and lock the leaf before the old path.
+        match = self.tree.match(q, lease.namespace, len(q), self.owner)
+        handle = self.locks.lock(match.node)
+        self.blocks.pool.incref([block])
+        self.blocks.owned[block] = self.blocks.extending[block] = True
+        self.locks.unlock(lease.lock)
+        lease.lock = handle
         _extend_prompt(lease, q)
         if state is not None:
             self.keep_state(q, lease.namespace, len(q), state, nbytes)
@@ -462,7 +536,7 @@ class Admission:
             )
         # Each step leaves the lease consistent, so a release that raises midway can be called again.
         self.blocks.pool.decref(owned)
-        flags[owned] = False
+        flags[owned] = self.blocks.extending[owned] = False
         lease.owns_blocks = False
         self.locks.unlock(lease.lock)
         lease.closed = True

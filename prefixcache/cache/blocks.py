@@ -4,7 +4,11 @@ Each block's reference count (:class:`~prefixcache.cache.pool.KVBlockPool`) is t
 plus one while a caller owns it: from :meth:`BlockLedger.allocate` until the caller hands it to the tree
 (:meth:`BlockLedger.insert`) or gives it back (:meth:`BlockLedger.free`).  The ledger keeps one flag per block for
 that "plus one", so a block can never be handed over twice, freed twice, or freed while the tree holds it.
-Callers hold the cache's mutex.
+
+One kind of block is both: a lease that extends a cached partial block in place
+(:meth:`~prefixcache.cache.admission.Admission.acquire`) owns that block while the tree's node keeps holding its first
+rows.  ``extending`` flags those blocks; they go back by ``decref`` (the tree's hold stays), never by the fast path for
+blocks whose only holder is the caller.  Callers hold the cache's mutex.
 """
 
 from __future__ import annotations
@@ -23,13 +27,15 @@ NOT_OWNED = "block(s) not owned by the caller: freed already, held by the tree, 
 
 
 class BlockLedger:
-    """The blocks callers own (``owned[block_id]``), allocation that evicts from ``tree`` when the pool is short,
-    and inserts that move a caller's blocks into the tree.  All checks are O(len(block ids)) numpy passes."""
+    """The blocks callers own (``owned[block_id]``; ``extending[block_id]`` where the tree holds the block too, see
+    the module docstring), allocation that evicts from ``tree`` when the pool is short, and inserts that move a
+    caller's blocks into the tree.  All checks are O(len(block ids)) numpy passes."""
 
     def __init__(self, pool: KVBlockPool, tree: RadixTree) -> None:
         self.pool = pool
         self.tree = tree
         self.owned = np.zeros(pool.num_blocks, dtype=bool)
+        self.extending = np.zeros(pool.num_blocks, dtype=bool)
         # Scratch for the duplicate test of a block table (see distinct); its contents mean nothing between calls.
         self._slot = np.zeros(pool.num_blocks, dtype=np.int32)
         self._positions = np.arange(0, dtype=np.int32)  # 0, 1, 2...: grown to the longest table checked
@@ -102,7 +108,17 @@ class BlockLedger:
         if np.count_nonzero(self.owned[index]) != index.size or not self.distinct(index):
             raise LockError(NOT_OWNED)
         self.owned[index] = False
-        return self.pool.free_exclusive(index)
+        return self.give_back(index)
+
+    def give_back(self, index: np.ndarray) -> int:
+        """Drop the caller's hold on blocks it owned (intp ids, flags already cleared by the caller): blocks the
+        tree holds too (``extending``) keep the tree's hold, the rest are freed.  Returns blocks freed."""
+        shared = self.extending[index]
+        if not shared.any():
+            return self.pool.free_exclusive(index)
+        self.extending[index] = False
+        self.pool.decref(index[shared])
+        return self.pool.free_exclusive(index[~shared])
 
     def insert(
         self, q: array, table: np.ndarray, first_owned: int | None, namespace: str | None, origin: str | None
@@ -165,10 +181,11 @@ class BlockLedger:
             )
         self._check_owned(owned)
         num_cached, released = self.tree.insert(q, owned, first_owned, namespace, origin, start)
-        # Every block the caller owned now belongs to the new leaf or goes back to the pool.  Owned blocks have
-        # one holder (the caller; checked above), so they are freed without decref's checks.
+        # Every block the caller owned now belongs to the new leaf or goes back to the pool (or, extended in place,
+        # to the tree's node alone).
         self.owned[owned] = False
-        num_released = self.pool.free_exclusive(released)
+        num_released = self.give_back(released)
+        self.extending[owned] = False
         return InsertResult(n - num_cached, num_cached, num_released)
 
     def _check_owned(self, owned: np.ndarray) -> None:

@@ -405,7 +405,7 @@ class HostTier:
         handle = locks.lock(tree.lock_point(match.node, b0 * bs))
         try:
             # A device match ending inside block b0 leaves a seam: the promoted leaf starts with its own copy of that
-            # block, and the parent's copy stays pinned beside it when a sibling shares it (see tree.heal_seam).
+            # block, and the parent's copy stays pinned beside it when a sibling shares it (see cache.seams).
             available = pool.num_free_blocks + tree.evictable_blocks - (m % bs != 0)
             num = sum(k for _, k in hits)
             if num_tokens is not None:

@@ -1,11 +1,11 @@
 """Invariants of a cache, recomputed from scratch: what the property and fault tests call after every step.
 
-Checks: the pool's free list holds exactly the blocks of count 0; every count equals its holders (tree nodes
-holding the block plus one if a caller owns it); node blocks are in range and never caller-owned; edges are
-non-empty, keyed by first token, at the right positions, with the right number of blocks; lock counts equal the
-live handles through each node; locked and evictable token totals; the eviction candidates are exactly the
-unlocked leaves, filed under their current priority (retention priority first); the node count; block hashes while
-events are listened to; ``shares_first`` exactly where a node's first block is its parent's last; the evictable
+Checks: the pool's free list holds exactly the blocks of count 0; every count equals its holders (tree nodes holding the
+block plus one if a caller owns it); node blocks are in range and caller-owned only when a lease extends them in place
+(``extending``); edges are non-empty, keyed by first token, at the right positions, with the right number of blocks;
+lock counts equal the live handles through each node; locked and evictable token totals; the eviction candidates are
+exactly the unlocked leaves, filed under their current priority (retention priority first); the node count; block hashes
+while events are listened to; ``shares_first`` exactly where a node's first block is its parent's last; the evictable
 block total (own blocks of unlocked nodes); retained token and block totals, within the cap; recurrent states
 (:mod:`prefixcache.cache.resume`) only at positions their node covers, filed once in the LRU order, their byte total
 the sum and within the budget, and none at all in a cache that does not resume states.
@@ -123,8 +123,10 @@ def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) 
     if all_blocks.size and (all_blocks.min() < 0 or all_blocks.max() >= pool.num_blocks):
         fail("a node refers to a block outside the pool")
     holders = np.bincount(all_blocks, minlength=pool.num_blocks)
-    if (holders[blocks.owned] > 0).any():
-        fail("a block is both owned by a caller and held by the tree")
+    if (blocks.extending & ~blocks.owned).any():
+        fail("a block is flagged as extended in place but no caller owns it")
+    if (holders[blocks.owned & ~blocks.extending] > 0).any():
+        fail("a block is both owned by a caller and held by the tree, and not extended in place")
     holders += blocks.owned
     if not np.array_equal(holders, pool._ref):
         bad = np.flatnonzero(holders != pool._ref)[:5].tolist()

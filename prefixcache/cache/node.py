@@ -24,7 +24,7 @@ class Node:
     ``last_access`` the tree's logical clock at its last match or insert and ``hit_count`` its matches (read by
     eviction policies); ``evict_key`` the key it is filed under while it is an eviction candidate, else None.
     ``shares_first`` says whether the first block is also held by the parent (a split inside a block, or a seam
-    healed by :meth:`~prefixcache.cache.tree.RadixTree.heal_seam`): that block is freed only with the parent, so the
+    healed by :meth:`~prefixcache.cache.seams.SeamHealing.heal_seam`): that block is freed only with the parent, so the
     node's *own* blocks, the ones evicting it frees, are ``num_own_blocks == len(blocks) - shares_first``, kept as a
     field wherever either changes because lock and unlock add it up on every node they pass.  ``priority`` and
     ``retain_until`` are its retention (:mod:`prefixcache.cache.retention`): 0 and None when not retained.

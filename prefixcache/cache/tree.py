@@ -20,18 +20,16 @@ leaves: :meth:`RadixTree.evict` takes blocks from the tail of the first candidat
 its edge at a block boundary, and removes the leaf only once nothing of it is left (its parent may then become a
 candidate).  ``granularity="leaf"`` restores whole-leaf eviction.  Either way each block freed costs O(log c) in the
 number ``c`` of candidates: trimming a leaf costs O(1) and keeps its place in the policy order (the policy ranks by
-access time and hits, not size), removing one costs one O(log c) pop.
+access time and hits, not size), removing one costs one O(log c) pop.  A leaf that shares its first block with its
+parent keeps the tokens in that block when it gives up everything it owns: they cost no block.
 
-Seams.  When a request extends a cached sequence that ends inside a block, the new leaf's first block is the
-request's own copy of that block (copy-on-write), so the parent's last block and the leaf's first block hold the same
-rows twice.  A lock through the leaf would pin both, and a prompt that fits an empty pool could need one block more
-than the pool has (issue 11).  :meth:`RadixTree.heal_seam` removes the duplicate: when no lock other than those
-through the leaf is on the parent's copy (a match through the leaf reads the leaf's copy), the parent switches to the
-leaf's copy, whose first rows are the same tokens' KV, and its own copy is freed.  Insert heals the seam it creates,
-admission heals the seams on a matched path before locking it and again, under its own lock, when it allocates.  A
-sibling sharing the parent's copy (two branches inside one block) blocks the heal until eviction takes it, which is
-why admission heals after evicting, and counts such seams as blocks it can get back
-(:meth:`RadixTree.seam_waits_for_eviction`).  A seam stays only while another running request needs the parent's copy.
+With the ages kept at block precision (a lookup that ends inside a node's edge leaves the unmatched tail's age alone
+when admission splits the node there, :meth:`RadixTree.match` and :meth:`RadixTree.lock_point`), partial blocks
+extended in place and seams healed at eviction (:mod:`prefixcache.cache.seams`), the tree evicts as an LRU stack of
+blocks does, so ``replay --sweep`` (Mattson's stack distances) predicts its hit rate at every pool size; what is left
+between the two is described in :mod:`prefixcache.replay.sweep`.
+
+Seams (a block held twice where an edge starts inside it) and their healing: :mod:`prefixcache.cache.seams`.
 
 This module is the tree alone: search, insert, split, lock counts on paths, evicting blocks and leaves.  Who owns
 which block (:mod:`prefixcache.cache.blocks`), request admission (:mod:`prefixcache.cache.admission`), hit accounting
@@ -55,6 +53,7 @@ from prefixcache.cache.pool import BLOCK_ID_DTYPE, KVBlockPool
 from prefixcache.cache.results import EvictResult, MatchResult
 from prefixcache.cache.resume import StateStore
 from prefixcache.cache.retention import Retention
+from prefixcache.cache.seams import SeamHealing
 from prefixcache.errors import InvalidArgumentError
 
 GRANULARITIES = ("block", "leaf")
@@ -62,7 +61,7 @@ GRANULARITIES = ("block", "leaf")
 logger = logging.getLogger(__name__)
 
 
-class RadixTree:
+class RadixTree(SeamHealing):
     """The nodes of every namespace (one root each), their lock counts and the eviction candidates.
 
     Sizes kept incrementally (O(1) to read): ``num_nodes``, ``cached_tokens``, ``evictable_tokens`` (on unlocked
@@ -118,10 +117,20 @@ class RadixTree:
 
     # ---- lookup -------------------------------------------------------------------------------------------
 
-    def match(self, q: array, namespace: str | None, limit: int, owner: object, touch: bool = True) -> MatchResult:
+    def match(
+        self,
+        q: array,
+        namespace: str | None,
+        limit: int,
+        owner: object,
+        touch: bool = True,
+        refresh_partial: bool = True,
+    ) -> MatchResult:
         """Longest cached prefix of ``q[:limit]``: refreshes the matched path's access time and hit count (unless
         ``touch`` is False: a scheduler's look-ahead), never changes the tree's shape.  ``owner`` is stamped on the
-        result (the cache that may lock it)."""
+        result (the cache that may lock it).  A match that ends inside a node's edge refreshes that whole node,
+        unless ``refresh_partial`` is False: admission then splits the node where its lock ends and stamps only the
+        matched part (:meth:`lock_point`), so an unmatched tail keeps its own age, as a block-level LRU keeps it."""
         root = self.roots.get(namespace)
         if root is None:
             return MatchResult(0, EMPTY_BLOCKS, namespace, new_root(namespace), owner)
@@ -145,13 +154,18 @@ class RadixTree:
             if child.start % bs and parts:
                 parts[-1] = parts[-1][:-1]
             parts.append(child.blocks)
-            if touch:
-                child.last_access = tick
-                child.hit_count += 1
             node = child
             pos += matched
             if matched < len(edge):
+                if touch and refresh_partial:
+                    child.last_access = tick
+                    child.hit_count += 1
+                else:
+                    touch = False
                 break
+            if touch:
+                child.last_access = tick
+                child.hit_count += 1
         if touch and node.evict_key is not None:
             self.evictor.refresh(node)
         # Only the final node can be a candidate (a leaf); its ancestors are re-filed when they become leaves.
@@ -192,15 +206,20 @@ class RadixTree:
                     self.evictor.add(node)
             node = node.parent
 
-    def lock_point(self, node: Node, aligned: int) -> Node:
+    def lock_point(self, node: Node, aligned: int, stamp: int | None = None) -> Node:
         """The node whose lock protects exactly the first ``aligned`` tokens (the whole blocks of a match): the node
         holding token ``aligned - 1``, split at ``aligned`` if its edge goes on, so the lock pins neither an
         unmatched tail nor the partial block the request has copied (a lone request that fits the pool must be
-        able to evict them).  Lookup never splits; admission does.  The root when ``aligned == 0``."""
+        able to evict them).  Lookup never splits; admission does.  The root when ``aligned == 0``.  When it
+        splits, the upper half takes the access time ``stamp`` if given (the match's, which left the node as it
+        was: see :meth:`match`) and one hit; the lower half keeps the node's."""
         while node.parent is not None and node.start >= aligned:
             node = node.parent
         if node.parent is not None and node.end > aligned:
             node = self.split(node, aligned - node.start)
+            if stamp is not None:
+                node.last_access = stamp
+                node.hit_count += 1
         return node
 
     # ---- insert -------------------------------------------------------------------------------------------
@@ -269,9 +288,13 @@ class RadixTree:
         if pos < n:
             self._check_borrowed(pos, first_owned, root)
             first_new = pos // bs
-            # Heal the seam before linking the leaf, so that a failure leaves the tree as it was.
+            # Heal the seam before linking the leaf, so that a failure leaves the tree as it was.  A block the
+            # caller extended in place is already the parent's last: the caller's hold on it becomes the leaf's.
             first, last = first_new - first_owned, need - first_owned  # indices into owned
-            healed = bool(pos % bs) and self.share_parent_block(node, int(owned[first]))
+            block = int(owned[first])
+            healed = bool(pos % bs) and (
+                (block == node.blocks.item(-1) and self.check_unshared(node)) or self.share_parent_block(node, block)
+            )
             leaf = Node(next(self._ids), node, q[pos:], pos, owned[first:last].astype(BLOCK_ID_DTYPE))
             if healed:
                 self.link_sharing(node, leaf)
@@ -379,6 +402,7 @@ class RadixTree:
                 # what decref actually freed and the count here only sizes the batch.
                 batch: list[np.ndarray] = []
                 shared: list[int] = []  # leaves' shared first blocks (their parents keep them), released last
+                orphans: list[Node] = []  # parents whose shared last block lost its sharing child: heal after release
                 expected = 0
                 while freed + expected < num_blocks and len(evictor):
                     # Popped at once, as a whole leaf mostly goes; a trimmed one is filed back under its key.
@@ -386,7 +410,9 @@ class RadixTree:
                     blocks = leaf.blocks
                     own = leaf.num_own_blocks
                     want = num_blocks - freed - expected
-                    if by_block and own > want:
+                    # A leaf that shares its first block keeps the tokens in it when it has to give up all it owns:
+                    # they cost nothing (the parent holds that block), as a block-level LRU keeps that block.
+                    if by_block and want < len(blocks):
                         keep = len(blocks) - want
                         new_end = (leaf.start // bs + keep) * bs
                         cut = leaf.end - new_end
@@ -422,12 +448,12 @@ class RadixTree:
                     if demoted:
                         events.extend(demoted)
                     if leaf.shares_first:
-                        # The parent's copy may now duplicate a remaining child's; the next request through that
-                        # child, or the next allocation of one running through it, heals the seam (scanning the
-                        # siblings here would cost O(children) per leaf).
                         shared.append(blocks[0])
                         blocks = blocks[1:]
                         parent.sharing_child = None
+                        if self.a_child_can_heal(parent):
+                            orphans.append(parent)
+                            expected += 1
                     batch.append(blocks)
                     expected += own
                     size = len(leaf.tokens)
@@ -458,6 +484,13 @@ class RadixTree:
                             error = error or exc
                     if error is not None:
                         raise error
+                # The parent's copy duplicates a remaining child's: heal that seam, so the copy goes with the leaf
+                # as a block-level LRU drops it (after the release: a heal that raises changes nothing).
+                for parent in orphans:
+                    if not parent.evicted:
+                        before = pool.num_free_blocks
+                        self.heal_a_child(parent)
+                        freed += pool.num_free_blocks - before
         finally:
             # Even when interrupted: count and announce what left the tree.  The sizes are updated here, once, not
             # per leaf: the evicted nodes are unlocked, so evictable and cached sizes drop alike.
@@ -478,74 +511,6 @@ class RadixTree:
                 self.events.emit(events)
         return EvictResult(freed, nodes, tokens)
 
-    def heal_seam(self, node: Node) -> bool:
-        """Remove the duplicate block at a seam (see the module docstring): ``node`` starts inside a block of which
-        it holds its own copy while its parent holds another.  Returns whether it healed (see
-        :meth:`share_parent_block` for when it does).  O(length of the sharing chain)."""
-        if (
-            node.shares_first
-            or not node.start % self.block_size
-            or not self.share_parent_block(node.parent, node.blocks.item(0), node.lock_count)
-        ):
-            return False
-        self.link_sharing(node.parent, node)
-        if node.lock_count == 0:
-            self.evictable_blocks -= 1
-        if node.priority:
-            self.retention.removed(node, 0, 1)
-        return True
-
-    def seam_waits_for_eviction(self, node: Node) -> bool:
-        """Whether the seam at ``node`` would heal once every unlocked node is evicted: it is a seam, and the only
-        thing in the way is another child, unlocked, that shares the parent's copy.  O(length of the sharing
-        chain)."""
-        parent = node.parent
-        if node.shares_first or not node.start % self.block_size or parent is None or parent.parent is None:
-            return False
-        other = parent.sharing_child
-        if other is None or other is node or other.lock_count or parent.lock_count != node.lock_count:
-            return False
-        return _old_copy_holders(parent)[-1].lock_count == node.lock_count
-
-    def share_parent_block(self, parent: Node, block: int, child_locks: int = 0) -> bool:
-        """Make ``parent`` hold ``block`` (a child's copy of its last block) instead of its own copy, and free that
-        copy.  The ancestors sharing that copy with ``parent`` (splits inside one block) switch with it.  Only when
-        nothing else depends on the old copy: the parent is not the root, no other child shares it, and every lock
-        on the sharing chain is one of the ``child_locks`` locks through the child.  A lock through the child pins a
-        match that went on into the child, whose block table took the child's copy for that block (see
-        :meth:`match`), so no running request reads the old copy; any other lock might.  Atomic: raises with nothing
-        changed, or switches.  O(length of the sharing chain)."""
-        if parent.parent is None or parent.lock_count != child_locks or parent.sharing_child is not None:
-            return False
-        chain = _old_copy_holders(parent)
-        if chain[-1].lock_count != child_locks:
-            return False
-        old = parent.blocks.item(-1)
-        pool = self.pool
-        added = removed = 0
-        try:
-            for _ in chain:
-                pool.incref([block])
-                added += 1
-            for _ in chain:
-                pool.decref([old])
-                removed += 1
-        except BaseException:
-            for _ in range(removed):
-                pool.incref([old])
-            for _ in range(added):
-                pool.decref([block])
-            raise
-        for holder in chain:
-            holder.blocks[-1] = block
-        return True
-
-    def link_sharing(self, parent: Node, child: Node) -> None:
-        """Record that ``child``'s first block is now ``parent``'s last (after :meth:`share_parent_block`)."""
-        child.shares_first = True
-        child.num_own_blocks = len(child.blocks) - 1
-        parent.sharing_child = child
-
     # ---- inspection ---------------------------------------------------------------------------------------
 
     def cached_sequences(self, namespace: str | None) -> list[list[int]]:
@@ -560,15 +525,6 @@ class RadixTree:
                 out.append(path)
             stack.extend((child, path) for child in node.children.values())
         return out
-
-
-def _old_copy_holders(parent: Node) -> list[Node]:
-    """``parent`` and the ancestors holding its last block too (splits inside one block: upward while that block is
-    also a node's first and only one).  O(length of that chain)."""
-    chain = [parent]
-    while len(chain[-1].blocks) == 1 and chain[-1].shares_first:
-        chain.append(chain[-1].parent)
-    return chain
 
 
 def _release(pool: KVBlockPool, block_ids: np.ndarray) -> int:

@@ -26,22 +26,22 @@ model has that path on top of the stack, so neither evicts it; a request larger 
 replay, so sizes below ``min_blocks`` are the model's alone.
 
 Where the tree is not a pure stack algorithm.  :meth:`SweepResult.hit_tokens` is exact for the block model above
-(``tests/replay/test_sweep.py`` checks it against a direct simulation at every size) and equals the radix tree at
-every size where conversations share nothing and every length is a whole number of blocks.  Elsewhere the tree's
-eviction deviates from any single recency stack in three ways:
+(``tests/replay/test_sweep.py`` checks it against a direct simulation at every size).  The radix tree evicts as this
+stack does: a lookup refreshes only the blocks it matched, a partial block is extended in place where no other branch
+holds rows past its end, eviction trims a leaf down to the block it shares with its parent and heals a sibling's seam
+when the sharing leaf goes (:mod:`prefixcache.cache.tree`, :mod:`prefixcache.cache.seams`).  Two things remain that one
+recency stack cannot follow, both at the smallest pools only:
 
-- a lookup that ends inside a node refreshes the whole node (:meth:`prefixcache.cache.tree.RadixTree.match`), so the
-  unmatched tail of a sibling's edge becomes as recent as the request, at the sizes where it is still cached;
-- a request that copies a partially matched block (copy-on-write) holds both copies until its commit heals the
-  seam, one block less for everything else while it allocates;
-- where two branches leave one block at the same point, the parent's copy outlives the branch sharing it until the
-  next request through the other branch heals the seam.
+- the request in flight may take a block it does not keep (a copy for a partial block another branch writes, or a
+  block for tokens its commit finds cached), which at a full pool evicts one least recently used block;
+- "a sequence ending inside a cached block touches it" assumes the block that extends it is still cached, which at a
+  pool too small to keep it is not.
 
-Each moves a few blocks at the eviction boundary, either way.  Measured against separate ``--cache-tokens`` replays
-from the smallest pool to the working set on the shared data (byte tokenizer, block size 16; 6 to 12 sizes a file),
-the hit rates differ by at most 0.23 points on tau-bench, 0.06 on MT-Bench, 0.29 on OpenAssistant, 0.09 on the
-Mooncake synthetic trace and 0.35 on the Mooncake conversation trace, and agree to a few tokens where nothing is
-evicted; ``--check-knee`` replays the tree at the knee for the exact figure there.
+Measured against separate ``--cache-tokens`` replays at 6 sizes from the smallest pool to the working set on the
+shared data (byte tokenizer, block size 16, ``tests/replay/test_sweep_shared.py``): equal token for token on
+tau-bench, MT-Bench and both Mooncake traces, and on OpenAssistant at all but the smallest pool (9 tokens apart,
+0.002 points); equal everywhere when nothing is evicted.  ``--check-knee`` replays the tree at the knee for the exact
+figure there.
 """
 
 from __future__ import annotations

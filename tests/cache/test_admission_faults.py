@@ -24,8 +24,12 @@ def setup() -> RadixCache:
         lease = cache.acquire(seq, num_tokens=len(seq))
         cache.commit(lease, seq)
     pin = cache.lock(cache.match(PROMPT[:6]))  # keeps the seam at token 6 from healing at insert
-    lease = cache.acquire(PROMPT[:10], num_tokens=10)
-    cache.commit(lease, PROMPT[:10])
+    # A request writing block 1's free rows in place makes the next one copy that block: a seam.
+    extending = cache.acquire([*PROMPT[:6], 0, 0], num_tokens=8)
+    lease = cache.acquire(PROMPT[:10], num_tokens=12)
+    assert (extending.num_copied_tokens, lease.num_copied_tokens) == (0, 2)
+    cache.commit(lease, [*PROMPT[:10], 9, 9])  # the request's match ends inside this edge: it copies
+    cache.release(extending)
     cache.unlock(pin)
     return cache
 

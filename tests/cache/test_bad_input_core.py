@@ -34,7 +34,8 @@ class World:
 
     namespace "a": [1..10] locked (3 blocks) plus [11] below it (committed, 1 block); namespace None: [5, 6, 7]
     unlocked (1 block); one block owned by the caller; one block freed; a released lock; a committed lease; an open
-    lease on [1, 2, 3, 4]; a stale match.  Two blocks are free.
+    lease on [1, 2, 3, 4]; a stale match.  Three blocks are free ([11] went into the last block of [1..10], whose
+    later rows were free: extended in place, not copied).
     """
 
     cache: RadixCache
@@ -68,7 +69,7 @@ def build_world() -> World:
     owned_block = int(cache.allocate(1)[0])
     freed_block = int(cache.allocate(1)[0])
     cache.free([freed_block])
-    assert cache.stats().free_blocks == 2
+    assert cache.stats().free_blocks == 3
     assert cache.pool.ref_count(freed_block) == 0
     return World(
         cache, int(tree_blocks[0]), owned_block, freed_block, released_handle, committed_lease, open_lease, stale_match
@@ -168,7 +169,7 @@ CASES = {
         lambda w: w.cache.allocate(9), CapacityError, "9 blocks needed but the pool only has 8 blocks"
     ),
     "allocation short because the rest is locked": Case(
-        lambda w: w.cache.allocate(5), PoolBusyError, "5 blocks needed, only 4 can be had now (2 free + 2 evictable)"
+        lambda w: w.cache.allocate(5), PoolBusyError, "5 blocks needed, only 4 can be had now (3 free + 1 evictable)"
     ),
     "negative allocation": Case(lambda w: w.cache.allocate(-1), InvalidArgumentError, "non-negative int"),
     "float allocation": Case(lambda w: w.cache.allocate(1.0), InvalidArgumentError, "non-negative int"),

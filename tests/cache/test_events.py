@@ -142,9 +142,12 @@ def test_evicting_a_leaf_removes_the_blocks_ending_inside_it(make_cache, put) ->
     events = []
     cache.subscribe(events.append)
     events.clear()
-    cache.evict(1)  # LRU: the older leaf, positions [3, 5): it owns block 1 = [3, 4]
+    cache.evict(1)  # LRU: the older leaf, positions [3, 5): it gives up its own partial block [5] first
+    assert events == []  # a partial block has no hash
+    cache.evict(1)  # then [4], with the full block [3, 4] it ended inside (the other leaf takes the parent's block)
     h0 = _h(namespace_root_hash(None), [1, 2])
     assert events == [BlockRemoved(None, (_h(h0, [3, 4]),))]
+    assert cache.cached_sequences() == [[1, 2, 3, 9, 9, 9]]
 
 
 def test_evicting_everything_ends_with_all_cleared(make_cache, put) -> None:

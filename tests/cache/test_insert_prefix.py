@@ -44,8 +44,8 @@ def test_running_request_prompt_is_hit_by_another_while_its_lease_stays_open() -
 
     # The request goes on writing into its own third block; the tree's copy keeps the prompt's two rows.
     write_rows(cache, lease.block_table, 10, [7, 7, 7])
-    other = cache.acquire(prompt + [1, 2], num_tokens=12)
-    assert other.num_cached_tokens == 10 and other.num_copied_tokens == 2
+    other = cache.acquire(prompt + [1, 2], num_tokens=12)  # extends the tree's copy in place: its later rows are free
+    assert other.num_cached_tokens == 10 and other.num_copied_tokens == 0
     assert rows_of(cache, other.block_table, 10) == [(float(t), float(p)) for p, t in enumerate(prompt)]
     assert rows_of(cache, lease.block_table, 13)[10:] == [(7.0, 10.0), (7.0, 11.0), (7.0, 12.0)]
     cache.release(other)
@@ -96,6 +96,32 @@ def test_insert_prefix_after_a_match_ending_inside_a_block() -> None:
     cache.release(other)
     cache.release(lease)  # a cancelled request: its own blocks go back, the inserted prompt stays cached
     assert cache.cached_sequences() == [prompt]
+    assert_quiescent(cache)
+
+
+def test_insert_prefix_inside_a_block_extended_in_place_shares_it_and_goes_on_extending() -> None:
+    cache = make_cache(num_blocks=4)
+    cached = list(range(10, 16))  # 6 tokens: block 1 half full
+    lease = cache.acquire(cached, num_tokens=6)
+    write_rows(cache, lease.block_table, 0, cached)
+    cache.commit(lease, cached)
+    prompt = [*cached, 30, 31, 32]
+    lease = cache.acquire(prompt, num_tokens=12)
+    assert (lease.num_cached_tokens, lease.num_copied_tokens) == (6, 0)  # block 1's rows 6, 7 are the lease's
+    write_rows(cache, lease.block_table, 6, prompt[6:])
+
+    cache.insert_prefix(lease, prompt[:7])  # ends inside block 1 again: the tree takes that block, no copy
+
+    cache.check_invariants()
+    assert cache.cached_sequences() == [prompt[:7]]
+    assert cache.stats().used_blocks == 3  # blocks 0, 1 and the lease's block 2
+    other = cache.acquire([*prompt[:7], 99], num_tokens=8)  # block 1 is being extended: this one copies it
+    assert (other.num_cached_tokens, other.num_copied_tokens) == (7, 3)
+    assert rows_of(cache, other.block_table, 7) == [(float(t), float(p)) for p, t in enumerate(prompt[:7])]
+    cache.release(other)
+    cache.commit(lease, [*prompt, 40, 41, 42])
+    assert cache.cached_sequences() == [[*prompt, 40, 41, 42]]
+    assert cache.stats().used_blocks == 3
     assert_quiescent(cache)
 
 

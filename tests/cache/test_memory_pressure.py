@@ -136,10 +136,10 @@ def test_a_seam_whose_parent_copy_is_locked_by_a_running_request_is_healed_once_
     cache = RadixCache(KVBlockPool(10, BS))
     prompt = tokens(160, 5)
     cache_sequence(cache, prompt[:20])
-    holder = cache.acquire(prompt[:20] + [7] * 20, num_tokens=40)  # locks block 0 only
+    holder = cache.acquire(prompt[:20] + [7] * 20, num_tokens=40)  # extends block 1 in place
     lock = cache.lock(cache.match(prompt[:20]))  # pins the parent's copy of block 1
-    cache_sequence(cache, prompt[:40])
-    assert cache.stats().used_blocks == 4 + 2  # two copies of block 1 while pinned, plus the holder's 2 blocks
+    cache_sequence(cache, prompt[:40])  # block 1 is being written by the holder: this one copies it
+    assert cache.stats().used_blocks == 4 + 1  # two copies of block 1 while pinned, plus the holder's block 2
     cache.unlock(lock)
     cache.release(holder)
     assert cache.stats().used_blocks == 4
@@ -178,9 +178,9 @@ def test_an_exception_after_the_lock_in_acquire_leaves_no_lock_held() -> None:
 
 def test_copy_on_write_whose_only_block_is_its_source_takes_the_source_over() -> None:
     cache = RadixCache(KVBlockPool(4, BS))
-    cache_sequence(cache, tokens(40, 1))
+    cache_sequence(cache, tokens(44, 1))
     running = cache.acquire(tokens(16, 9), num_tokens=16)
-    lease = cache.acquire(tokens(40, 1) + [3])
+    lease = cache.acquire(tokens(40, 1) + [1001])  # leaves the cached sequence inside its last block: a copy
     # No free block; the only evictable one is the partial block itself, so admission takes it over, no copy.
     assert lease.num_cached_tokens == 40 and lease.num_copied_tokens == 8
     cache.release(lease)

@@ -295,19 +295,65 @@ def test_a_match_whose_node_was_evicted_cannot_be_locked(make_cache, put) -> Non
 
 def test_acquire_that_cannot_get_its_copy_block_recomputes_the_partial_rows(make_cache, put) -> None:
     cache = make_cache(num_blocks=2, block_size=4)
-    put(cache, [1, 2, 3, 4, 5, 6])
-    handle = cache.lock(cache.match([1, 2, 3, 4, 5, 6]))
+    put(cache, [1, 2, 3, 4, 5, 6, 7])
+    handle = cache.lock(cache.match([1, 2, 3, 4, 5, 6, 7]))
 
-    lease = cache.acquire([1, 2, 3, 4, 5, 6, 9])
+    lease = cache.acquire([1, 2, 3, 4, 5, 6, 9])  # leaves [.., 7] inside block 1: rows 4, 5 need a copy
 
     assert (lease.num_cached_tokens, lease.num_copied_tokens, lease.first_owned_block) == (4, 0, 1)
     assert len(lease.block_table) == 1
     cache.check_invariants()
     cache.release(lease)
-    assert cache.stats().locked_tokens == 6
+    assert cache.stats().locked_tokens == 7
     cache.unlock(handle)
     assert cache.stats().locked_tokens == 0
     cache.check_invariants()
+
+
+def test_a_match_taking_all_of_a_partial_block_extends_it_in_place_without_a_free_block(make_cache, put) -> None:
+    cache = make_cache(num_blocks=2, block_size=4)
+    put(cache, [1, 2, 3, 4, 5, 6])
+    handle = cache.lock(cache.match([1, 2, 3, 4, 5, 6]))
+    tree_blocks = cache.match([1, 2, 3, 4, 5, 6]).block_table.tolist()
+
+    lease = cache.acquire([1, 2, 3, 4, 5, 6, 9], num_tokens=8)
+
+    assert (lease.num_cached_tokens, lease.num_copied_tokens, lease.first_owned_block) == (6, 0, 1)
+    assert lease.block_table.tolist() == tree_blocks  # the tree's own block 1: rows 6, 7 are the request's
+    cache.check_invariants()
+    cache.commit(lease, [1, 2, 3, 4, 5, 6, 9, 8])
+    assert cache.cached_sequences() == [[1, 2, 3, 4, 5, 6, 9, 8]]
+    assert cache.stats().used_blocks == 2  # the new leaf shares block 1 with [5, 6]
+    cache.unlock(handle)
+    cache.check_invariants()
+
+
+def test_an_extension_overtaken_inside_its_block_by_another_branch_commits_with_a_copy(make_cache, put) -> None:
+    cache = make_cache(num_blocks=8, block_size=4, num_layers=1)
+    put(cache, [1, 2, 3, 4, 5, 6])
+    ext = cache.acquire([1, 2, 3, 4, 5, 6, 7, 9, 10], num_tokens=9)  # writes rows 6.. of block 1 in place
+    other = cache.acquire([1, 2, 3, 4, 5, 6, 7, 20, 21], num_tokens=9)  # the block is taken: this one copies it
+    assert (ext.num_copied_tokens, other.num_copied_tokens) == (0, 2)
+    kv = cache.pool.kv
+    for lease, tail in ((ext, [7, 9, 10]), (other, [7, 20, 21])):
+        for pos, token in enumerate(tail, start=6):
+            kv[:, :, int(lease.block_table[pos // 4]), pos % 4] = float(token)
+    cache.commit(other, [1, 2, 3, 4, 5, 6, 7, 20, 21])
+    ext_block = int(ext.block_table[1])
+
+    # [.., 6, 7] is cached below [.., 6] now, inside block 1: the new leaf cannot share the node's block.
+    result = cache.commit(ext, [1, 2, 3, 4, 5, 6, 7, 9, 10])
+
+    assert (result.num_new_tokens, result.num_cached_tokens) == (2, 7)
+    cache.check_invariants()
+    assert sorted(cache.cached_sequences()) == [[1, 2, 3, 4, 5, 6, 7, 9, 10], [1, 2, 3, 4, 5, 6, 7, 20, 21]]
+    match = cache.match([1, 2, 3, 4, 5, 6, 7, 9, 10, 0])
+    assert match.num_tokens == 9 and int(match.block_table[1]) != ext_block  # the leaf's own copy
+    assert (
+        kv[0, 0, int(match.block_table[1]), 3, 0, 0].item() == 9.0
+        and kv[0, 0, int(match.block_table[2]), 0, 0, 0].item() == 10.0
+    )
+    assert cache.match([1, 2, 3, 4, 5, 6]).block_table.tolist()[1] == ext_block  # the node keeps its block
 
 
 def test_allocate_evicts_only_the_blocks_it_is_short_of(make_cache, put) -> None:

@@ -112,6 +112,11 @@ class RadixCacheMachine(RuleBasedStateMachine):
         for ns, prefix in self.locked_prefixes():
             assert self.lcp(ns, prefix) == len(prefix), f"locked {prefix} in {ns!r} was evicted"
 
+    def extended(self, lease) -> bool:
+        """Whether ``lease`` writes a cached block in place (its first owned block is also its node's)."""
+        first = lease.first_owned_block
+        return first < len(lease.block_table) and bool(self.cache._blocks.extending[lease.block_table[first]])
+
     def prefix_id(self, prefix: Seq) -> int:
         return self.prefix_ids.setdefault(prefix, len(self.prefix_ids) + 1)
 
@@ -264,7 +269,10 @@ class RadixCacheMachine(RuleBasedStateMachine):
         lease = self.cache.acquire(prompt, ns)  # never short: with no block for the copy, the rows are recomputed
         self.sync_after_eviction(before)
 
-        if lease.num_copied_tokens or not cached % bs:
+        if cached % bs and lease.num_cached_tokens == cached and not lease.num_copied_tokens:
+            # The match took all of a node ending inside its last block: the lease writes that block in place.
+            assert self.extended(lease)
+        elif lease.num_copied_tokens or not cached % bs:
             assert (lease.num_cached_tokens, lease.num_copied_tokens) == (cached, cached % bs)
         else:
             assert lease.num_cached_tokens == cached - cached % bs, "a dry pool falls back to the block boundary"
@@ -289,22 +297,41 @@ class RadixCacheMachine(RuleBasedStateMachine):
     @rule(pick=picks)
     def commit(self, pick: int) -> None:
         ns, lease, full = self.leases.pop(pick % len(self.leases))
+        bs, first = self.block_size, lease.first_owned_block
         cached = self.lcp(ns, full)
-        assert cached >= lease.first_owned_block * self.block_size, "the locked blocks of the match stay cached"
-        owned = len(lease.block_table) - lease.first_owned_block
-        released = owned if cached == len(full) else cached // self.block_size - lease.first_owned_block
+        assert cached >= first * bs, "the locked blocks of the match stay cached"
+        owned = len(lease.block_table) - first
+        released = owned if cached == len(full) else cached // bs - first
+        extended = self.extended(lease)
+        # Another lease's branch runs past the extended node's end inside that block: the new leaf gets a copy of it.
+        needs_copy = extended and lease.num_cached_tokens < cached < len(full) and cached // bs == first
+        before = self.evictions()
 
         result = self.cache.commit(lease, full)
 
+        self.remember(full)
+        if needs_copy:
+            # The copy may evict (the tree is the reference then); with no block for it nothing new goes in.
+            for other in NAMESPACES:
+                self.ref[other] = {tuple(seq) for seq in self.cache.cached_sequences(other)}
+            inserted = result.num_cached_tokens + result.num_new_tokens
+            if self.lcp(ns, full) == len(full):
+                assert inserted == len(full)
+            else:
+                assert (result.num_new_tokens, inserted) == (0, self.lcp(ns, full))
+            return
+        assert self.evictions() == before
+        # The extended block goes back to its node, not to the pool, when the tree holds its tokens already.
+        released -= extended and released > 0
         assert result == InsertResult(len(full) - cached, cached, released)
         self.ref[ns].add(full)
-        self.remember(full)
 
     @precondition(lambda self: self.leases)
     @rule(pick=picks)
     def release(self, pick: int) -> None:
         _, lease, _ = self.leases.pop(pick % len(self.leases))
         before = self.cache.stats()
+        extended = self.extended(lease)
         seams, node = 0, lease.lock.node
         while node.parent is not None:
             seams += node.start % self.block_size != 0
@@ -314,7 +341,7 @@ class RadixCacheMachine(RuleBasedStateMachine):
 
         # Unlocking may also heal seams on the path (the parent adopts the child's copy of a shared block), which
         # frees one duplicate block per seam and leaves what is cached unchanged.
-        owned = len(lease.block_table) - lease.first_owned_block
+        owned = len(lease.block_table) - lease.first_owned_block - extended  # an extended block stays its node's
         after = self.cache.stats()
         assert 0 <= after.free_blocks - before.free_blocks - owned <= seams
         assert after.cached_tokens == before.cached_tokens

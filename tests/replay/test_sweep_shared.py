@@ -1,12 +1,10 @@
 """The sweep against separate ``--cache-tokens`` replays at 6 sizes, on the real transcripts and traces in
 ``../shared/data`` (byte tokenizer, block size 16).
 
-The radix tree is not a pure stack algorithm (see :mod:`prefixcache.replay.sweep`): a lookup that ends inside a node
-refreshes the node's unmatched tail, a copied partial block is held twice until its commit, and a seam blocked by a
-sibling keeps a duplicate block.  So the two agree exactly where nothing is evicted and within ``TOLERANCE_POINTS``
-elsewhere; measured on the whole files, the largest differences were 0.29 points (OpenAssistant, at 70% of the
-working set), 0.23 (tau-bench, 50%), 0.35 (Mooncake conversation trace, 10%), 0.09 (Mooncake synthetic, 25%) and
-0.06 (MT-Bench, 75%).  ``PREFIXCACHE_SLOW_TESTS=1`` runs MT-Bench, tau-bench and the Mooncake traces whole; by default
+The radix tree evicts as an LRU stack of blocks does (see :mod:`prefixcache.replay.sweep`), so the two agree token
+for token at every size but the smallest pool, where the request in flight may take a block it does not keep
+(measured on the whole files: OpenAssistant 9 tokens apart there, 0.002 points; every other file and size equal).
+``PREFIXCACHE_SLOW_TESTS=1`` runs MT-Bench, tau-bench and the Mooncake traces whole; by default
 their first conversations (lines) only.
 """
 
@@ -22,7 +20,7 @@ from prefixcache.replay.requests import load_requests
 from prefixcache.replay.sweep import sweep_lru
 
 SLOW = os.environ.get("PREFIXCACHE_SLOW_TESTS") == "1"
-TOLERANCE_POINTS = 0.5
+SMALLEST_POOL_TOLERANCE_POINTS = 0.01
 FRACTIONS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)  # of the working set, from the smallest pool that replays the file
 FILES = [
     ("oasst_en100_tree_paths.jsonl", None),
@@ -44,5 +42,8 @@ def test_the_sweep_matches_separate_replays_at_six_sizes(shared_data, name: str,
     for fraction in FRACTIONS:
         blocks = round(low + fraction * (high - low))
         real = Replayer(None, block_size=16, cache_tokens=blocks * 16).replay(str(path), requests)
-        gap = 100 * abs(result.hit_tokens(blocks) - real.cached_tokens) / real.prompt_tokens
-        assert gap <= TOLERANCE_POINTS, (blocks, result.hit_tokens(blocks), real.cached_tokens)
+        if fraction:
+            assert result.hit_tokens(blocks) == real.cached_tokens, blocks
+        else:
+            gap = 100 * abs(result.hit_tokens(blocks) - real.cached_tokens) / real.prompt_tokens
+            assert gap <= SMALLEST_POOL_TOLERANCE_POINTS, (blocks, result.hit_tokens(blocks), real.cached_tokens)
