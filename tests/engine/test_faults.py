@@ -360,12 +360,12 @@ def test_a_lone_request_that_fits_the_pool_never_runs_out_of_blocks() -> None:
 def test_a_lone_request_whose_match_ends_at_an_edge_end_inside_a_block_can_use_the_whole_pool() -> None:
     cache = RadixCache(KVBlockPool(8, BLOCK_SIZE))
     cache.insert(list(range(1, 11)), cache.allocate(3))  # one edge of 10 tokens: 2 whole blocks and 2 rows
-    lease = cache.acquire(list(range(1, 11)) + [99])  # shares the 2 whole blocks, copies the 2 rows
+    lease = cache.acquire(list(range(1, 11)) + [99])  # shares the 2 whole blocks, extends the third in place
 
-    table = cache.reserve(lease, 8 * BLOCK_SIZE)  # the whole pool: the edge's third block must be evictable
+    table = cache.reserve(lease, 8 * BLOCK_SIZE)  # the whole pool: the edge's third block is the lease's too
 
-    assert (lease.num_cached_tokens, lease.num_copied_tokens) == (10, 2)
+    assert (lease.num_cached_tokens, lease.num_copied_tokens) == (10, 0)
     assert sorted(table.tolist()) == list(range(8))
     stats = cache.stats()
-    assert (stats.free_blocks, stats.cached_tokens, stats.locked_tokens, stats.evicted_tokens) == (0, 8, 8, 2)
+    assert (stats.free_blocks, stats.cached_tokens, stats.locked_tokens, stats.evicted_tokens) == (0, 10, 10, 0)
     cache.check_invariants()

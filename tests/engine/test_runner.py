@@ -72,11 +72,30 @@ def test_copied_tokens_are_the_rows_of_a_partially_matched_block(
 ) -> None:
     runner = PrefixCachingRunner(tiny, block_size=block_size)
     prompt = ids(cached + 9, seed=cached)
+    # A cached branch that goes on past the match inside its last block: those rows are the branch's, so copied.
+    runner.prefill([*prompt[:cached], (prompt[cached] + 1) % tiny.vocab_size, *prompt[cached + 1 :]])
+
+    result = runner.generate(prompt, GREEDY_NONE, return_logits=True)
+
+    assert (result.usage.cached_tokens, result.usage.copied_tokens) == (cached, cached % block_size)
+    assert max_diff(result.prompt_logits, reference_logits(tiny, prompt)[cached:]) < TOL
+
+
+@pytest.mark.parametrize(("block_size", "cached"), CACHED_CASES, ids=CASE_IDS)
+def test_a_match_taking_all_of_a_cached_prompt_extends_its_partial_block_in_place(
+    tiny: LlamaModel, block_size: int, cached: int
+) -> None:
+    runner = PrefixCachingRunner(tiny, block_size=block_size)
+    prompt = ids(cached + 9, seed=cached)
     runner.prefill(prompt[:cached])
 
-    usage = runner.generate(prompt, GREEDY_NONE).usage
+    result = runner.generate(prompt, GREEDY_NONE, return_logits=True)
 
-    assert (usage.cached_tokens, usage.copied_tokens) == (cached, cached % block_size)
+    assert (result.usage.cached_tokens, result.usage.copied_tokens) == (cached, 0)  # no rows copied
+    assert max_diff(result.prompt_logits, reference_logits(tiny, prompt)[cached:]) < TOL
+    again = runner.generate(prompt, GREEDY_NONE, return_logits=True)  # through the block written in place
+    assert again.usage.cached_tokens == len(prompt) - 1
+    assert max_diff(again.prompt_logits, reference_logits(tiny, prompt)[-1:]) < TOL
 
 
 def test_greedy_generation_with_the_cache_equals_greedy_recompute(tiny: LlamaModel) -> None:
