@@ -453,3 +453,13 @@ def test_an_empty_file_with_a_forced_format_is_refused_as_with_detection(forced:
 
     with pytest.raises(ScenarioError, match="empty file"):
         read_requests(empty, ByteTokenizer(), file_format=forced)
+
+
+@pytest.mark.parametrize("file_format", ["auto", *FILE_FORMATS])
+def test_a_missing_file_is_not_found_whatever_the_format(file_format: str, tmp_path: Path) -> None:
+    missing = tmp_path / "absent.jsonl"
+
+    with pytest.raises(ScenarioError) as raised:
+        read_requests(missing, ByteTokenizer(), file_format=file_format)
+
+    assert str(raised.value) == f"{missing}: not found: no such file or folder"
