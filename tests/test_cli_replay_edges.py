@@ -275,3 +275,20 @@ def test_a_path_that_is_no_file_or_folder_is_told_so_not_that_it_is_missing(
     assert replay("/dev/null") == 2
 
     assert capsys.readouterr().err == "error: /dev/null: not a regular file or folder\n"
+
+
+EMPTY = {"empty": "", "blank lines": "\n \n\n", "empty array": "[]\n"}
+
+
+@pytest.mark.parametrize("content", EMPTY.values(), ids=EMPTY.keys())
+@pytest.mark.parametrize("file_format", FORMATS)
+@pytest.mark.parametrize("mode", MODES)
+def test_an_empty_file_is_one_line_and_exit_2_in_every_mode_and_format(
+    tmp_path: Path, mode: str, file_format: str, content: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(content)
+
+    assert replay(empty, *MODES[mode], "--format", file_format) == 2
+
+    assert capsys.readouterr().err == f"error: {empty}: empty file: no conversations or requests\n"
