@@ -146,7 +146,7 @@ def test_missing_file_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFi
     assert replay(missing, "--no-model") == 2
 
     err = capsys.readouterr().err
-    assert str(missing) in err and "no such scenario file" in err
+    assert err == f"error: {missing}: not found: no such file or folder\n"
 
 
 def test_bad_line_exits_2_naming_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -88,7 +88,7 @@ def test_expand_paths_keeps_the_first_naming_of_each_file(tmp_path: Path) -> Non
     b = write_jsonl(tmp_path / "b.jsonl", CONVERSATION)
 
     assert expand_paths([b, tmp_path, a]) == [b, a]
-    with pytest.raises(ScenarioError, match="no such scenario file"):
+    with pytest.raises(ScenarioError, match="missing.jsonl: not found: no such file or folder"):
         expand_paths([a, tmp_path / "missing.jsonl"])
 
 
@@ -251,3 +251,44 @@ def test_replay_help_names_every_input_format(capsys: pytest.CaptureFixture[str]
     text = " ".join(capsys.readouterr().out.split())
     for kind in ("chat transcripts", "request logs", "OpenAI Batch", "ShareGPT", "Mooncake", "one JSON array"):
         assert kind in text, kind
+
+
+MODES = {"replay": [], "sweep": ["--sweep"], "endpoint": ["--endpoint", "http://127.0.0.1:9"]}
+FORMATS = ["auto", "chat", "requests", "batch", "sharegpt", "mooncake"]
+
+
+@pytest.mark.parametrize("file_format", FORMATS)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_missing_file_is_one_line_and_exit_2_in_every_mode_and_format(
+    tmp_path: Path, mode: str, file_format: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "absent.jsonl"
+
+    assert replay(missing, *MODES[mode], "--format", file_format) == 2
+
+    assert capsys.readouterr().err == f"error: {missing}: not found: no such file or folder\n"
+
+
+def test_a_path_that_is_no_file_or_folder_is_told_so_not_that_it_is_missing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert replay("/dev/null") == 2
+
+    assert capsys.readouterr().err == "error: /dev/null: not a regular file or folder\n"
+
+
+EMPTY = {"empty": "", "blank lines": "\n \n\n", "empty array": "[]\n"}
+
+
+@pytest.mark.parametrize("content", EMPTY.values(), ids=EMPTY.keys())
+@pytest.mark.parametrize("file_format", FORMATS)
+@pytest.mark.parametrize("mode", MODES)
+def test_an_empty_file_is_one_line_and_exit_2_in_every_mode_and_format(
+    tmp_path: Path, mode: str, file_format: str, content: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(content)
+
+    assert replay(empty, *MODES[mode], "--format", file_format) == 2
+
+    assert capsys.readouterr().err == f"error: {empty}: empty file: no conversations or requests\n"

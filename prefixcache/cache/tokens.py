@@ -37,7 +37,8 @@ def as_token_array(token_ids: TokenIds, *, allow_empty: bool = False) -> array:
 
     Raises:
         InvalidTokensError: empty (unless ``allow_empty``), not 1-D, not integers (floats, bools in a tensor,
-            nested lists, strings), negative, above ``MAX_TOKEN_ID``, or a tensor that is not on the CPU.
+            nested lists, strings), bytes-like (``bytes``, ``bytearray``, ``memoryview``), negative, above
+            ``MAX_TOKEN_ID``, or a tensor that is not dense or not on the CPU.
     """
     if type(token_ids) is array and token_ids.typecode == TOKEN_TYPECODE and (allow_empty or len(token_ids)):
         # Already what the tree stores (the form hot callers pre-convert to): skip the dispatch below.
@@ -56,7 +57,14 @@ def as_token_array(token_ids: TokenIds, *, allow_empty: bool = False) -> array:
         out = _from_tensor(token_ids)
     elif _is_ndarray(token_ids):
         out = _from_ndarray(token_ids)
-    elif isinstance(token_ids, (str, bytes, dict, set, frozenset)) or not hasattr(token_ids, "__iter__"):
+    elif isinstance(token_ids, (bytes, bytearray, memoryview)):
+        # Iterating a bytes-like object gives one int per byte, which would pass as ids 0..255: raw bytes (text not
+        # yet tokenized, a buffer of another width) are never a caller's token ids.
+        raise InvalidTokensError(
+            f"token ids must be a list/tuple/array/1-D integer tensor of ints, got {type(token_ids).__name__}: "
+            "bytes are not token ids (tokenize text first; wrap a buffer of ids in array('I', ...) or numpy)"
+        )
+    elif isinstance(token_ids, (str, dict, set, frozenset)) or not hasattr(token_ids, "__iter__"):
         raise InvalidTokensError(
             f"token ids must be a list/tuple/array/1-D integer tensor of ints, got {type(token_ids).__name__}"
         )

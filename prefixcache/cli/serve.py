@@ -111,7 +111,12 @@ def run(args: argparse.Namespace) -> int:
         from prefixcache.serve import ApiKeys, create_app, serve_forever
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; the server needs: pip install 'prefixcache[server]'") from None
-    from prefixcache.engine.pool_size import DEFAULT_MEMORY_FRACTION, default_pool_size, describe_pool
+    from prefixcache.engine.pool_size import (
+        DEFAULT_MEMORY_FRACTION,
+        check_default_pool,
+        default_pool_size,
+        describe_pool,
+    )
     from prefixcache.engine.runner import PrefixCachingRunner
     from prefixcache.models.llama import build_model
 
@@ -152,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     if cache_tokens is None and args.cache_memory is None:
         fraction = DEFAULT_MEMORY_FRACTION if args.memory_fraction is None else args.memory_fraction
         sized = default_pool_size(model, args.block_size, memory_fraction=fraction, sessions=args.max_running)
+        pool_warning = check_default_pool(sized, args.block_size)
+        if pool_warning:
+            logging.getLogger(__name__).warning(pool_warning)
         by_memory = sized.bound == "memory"
         bound = f"{fraction:g} of the free memory" if by_memory else f"{args.max_running} x the model's context"
         cache_tokens = sized.num_tokens

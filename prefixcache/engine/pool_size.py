@@ -21,8 +21,10 @@ from prefixcache.errors import InvalidArgumentError
 __all__ = [
     "DEFAULT_MEMORY_FRACTION",
     "DEFAULT_SESSIONS",
+    "MIN_POOL_BLOCKS",
     "PoolSize",
     "available_memory",
+    "check_default_pool",
     "default_pool_size",
     "describe_pool",
 ]
@@ -32,6 +34,10 @@ DEFAULT_MEMORY_FRACTION = 0.25
 
 DEFAULT_SESSIONS = 32
 """The default pool holds at most this many full-context sessions (the engine's default ``max_running``)."""
+
+MIN_POOL_BLOCKS = 2
+"""The smallest default pool a server starts with: a one-block pool holds no prompt past one block and cannot give a
+request a block to decode into while its prompt's block is held."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +108,33 @@ def default_pool_size(
     tokens, bound = (by_memory, "memory") if by_memory < by_sessions else (by_sessions, "sessions")
     tokens = max(block_size, tokens // block_size * block_size)
     return PoolSize(tokens, tokens * per_token, bound, model.max_position)
+
+
+def check_default_pool(size: PoolSize, block_size: int) -> str | None:
+    """Check a default pool (:func:`default_pool_size`) before a server is built on it: ``None`` when it holds a
+    request of the model's full context (``size.context_tokens``), else a warning line to print, saying how long a
+    request can be and how to get a larger pool.  O(1).
+
+    Raises:
+        InvalidArgumentError: the pool has fewer than :data:`MIN_POOL_BLOCKS` blocks of ``block_size`` tokens (too
+            little memory available), naming its size and the options that set one.
+    """
+    if block_size < 1:
+        raise InvalidArgumentError(f"block_size must be positive, got {block_size!r}")
+    num_blocks = size.num_tokens // block_size
+    if num_blocks < MIN_POOL_BLOCKS:
+        raise InvalidArgumentError(
+            f"the default pool would be {num_blocks} block{'s' if num_blocks != 1 else ''} of {block_size} tokens "
+            f"({size.num_tokens:,} tokens of KV, {size.num_bytes / 2**20:,.2f} MiB, sized by {size.bound}); a server "
+            f"needs at least {MIN_POOL_BLOCKS}: give --cache-tokens or --cache-memory, or a larger --memory-fraction"
+        )
+    if size.num_tokens < size.context_tokens:
+        return (
+            f"the default pool ({size.num_tokens:,} tokens of KV, sized by {size.bound}) cannot hold one request of "
+            f"the model's full context ({size.context_tokens:,} tokens): a longer prompt and answer will be refused; "
+            "give --cache-tokens or --cache-memory, or a larger --memory-fraction"
+        )
+    return None
 
 
 def describe_pool(pool, context_tokens: int, bound: str) -> str:

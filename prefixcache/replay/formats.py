@@ -32,14 +32,14 @@ import itertools
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from prefixcache.chat.template import check_template_kwargs, join_text_parts, validate_messages, validate_tools
 from prefixcache.errors import InvalidArgumentError, ScenarioError, TemplateError
-from prefixcache.replay.lines import iter_json_records
+from prefixcache.replay.lines import Record, iter_json_records
 from prefixcache.replay.scenarios import MESSAGE_KEYS, ScenarioFile, load_scenario
 
 __all__ = [
@@ -51,6 +51,8 @@ __all__ = [
     "LoggedRequest",
     "RequestLog",
     "detect_format",
+    "input_format",
+    "input_lines",
     "load_request_log",
     "load_sharegpt",
     "sharegpt_to_chat",
@@ -172,16 +174,52 @@ def _format_of(obj: Any) -> str | None:
     return None
 
 
-def detect_format(path: str | Path, *, skip_invalid: bool = False) -> str:
+EMPTY_FILE = "empty file: no conversations or requests"
+"""What an input file without a record is told (after its name), whatever the format or mode."""
+
+
+def input_lines(path: str | Path) -> Iterator[Record]:
+    """The records of one replay input file (:func:`~prefixcache.replay.lines.iter_json_records`), the first read at
+    once: the one place a replay, ``--sweep`` and ``--endpoint`` meet a file, so that a file none can use fails here,
+    in one line naming it, whatever the format (told or forced).  O(first record; an array file is parsed whole), the
+    rest as iterated.
+
+    Raises :class:`ScenarioError` naming the file: it does not exist
+    (:data:`~prefixcache.replay.lines.NOT_FOUND`), cannot be opened, or holds no record (:data:`EMPTY_FILE`: empty,
+    only blank lines, or ``[]``).
+    """
+    path = Path(path)
+    records = iter_json_records(path)
+    first = next(records, None)
+    if first is None:
+        raise ScenarioError(EMPTY_FILE, str(path))
+    return itertools.chain((first,), records)
+
+
+def input_format(path: str | Path, file_format: str = "auto", *, skip_invalid: bool = False) -> str:
+    """The format ``path`` is read as: ``file_format`` when forced, else told by :func:`detect_format`; either way
+    after :func:`input_lines`' checks, so a forced format refuses a missing or empty file as detection does.
+    O(first record).
+
+    Raises :class:`ScenarioError` as :func:`input_lines` and :func:`detect_format`.
+    """
+    records = input_lines(path)
+    if file_format != "auto":
+        return file_format
+    return detect_format(path, skip_invalid=skip_invalid, records=records)
+
+
+def detect_format(path: str | Path, *, skip_invalid: bool = False, records: Iterable[Record] | None = None) -> str:
     """The format of ``path`` (a key of :data:`FILE_FORMATS`), told from its first record (rules in the module
-    docstring).  Reads only up to that record (an array file is parsed whole).  With ``skip_invalid`` the first
-    record of a known format decides, and the records before it are skipped and reported by the loader.
+    docstring).  Reads only up to that record (an array file is parsed whole), from ``records`` when given (its
+    :func:`input_lines`).  With ``skip_invalid`` the first record of a known format decides, and the records before it
+    are skipped and reported by the loader.
 
     Raises :class:`ScenarioError` naming the file, the line and the formats accepted if that record is not JSON or
     of no known format; naming the file if it has no (usable) record, or cannot be read.
     """
     path = Path(path)
-    for line_no, obj, error in iter_json_records(path):
+    for line_no, obj, error in input_lines(path) if records is None else records:
         found = _format_of(obj)
         if found is not None:
             return found
@@ -198,7 +236,7 @@ def detect_format(path: str | Path, *, skip_invalid: bool = False) -> str:
         raise ScenarioError(f"cannot tell the format: {what}; expected one of:{ACCEPTED_FORMATS}", str(path), line_no)
     if skip_invalid:
         raise ScenarioError("no usable line: no conversations or requests", str(path))
-    raise ScenarioError("empty file: no conversations or requests", str(path))
+    raise ScenarioError(EMPTY_FILE, str(path))
 
 
 def sharegpt_to_chat(obj: Any) -> dict[str, Any]:

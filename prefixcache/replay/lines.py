@@ -16,17 +16,22 @@ from typing import Any
 
 from prefixcache.errors import ScenarioError
 
-__all__ = ["Record", "iter_json_lines", "iter_json_records"]
+__all__ = ["NOT_FOUND", "Record", "iter_json_lines", "iter_json_records"]
 
 Record = tuple[int, Any, "ScenarioError | None"]
 """``(line_no, parsed, None)`` for a usable record, ``(line_no, None, error)`` for one that is not JSON."""
 
 _WHITESPACE = " \t\r\n"
 
+NOT_FOUND = "not found: no such file or folder"
+"""What an input path that does not exist is told (after its name), whatever the format or mode."""
+
 
 def _open(path: Path):
     try:
         return path.open("rb")
+    except FileNotFoundError:
+        raise ScenarioError(NOT_FOUND, str(path)) from None
     except OSError as exc:
         raise ScenarioError(f"cannot open: {exc.strerror or exc}", str(path)) from None
 
@@ -41,7 +46,7 @@ def iter_json_records(path: str | Path) -> Iterator[Record]:
     line at a time; an array file is read whole (memory: a few times its size), and a syntax error in it ends the
     records there (the error is the last record).  A UTF-8 byte order mark at the start is read past.  Errors are
     yielded rather than raised so that a caller skipping bad records can keep reading.
-    Raises :class:`ScenarioError` (no line) if the file cannot be opened.
+    Raises :class:`ScenarioError` (no line) if the file cannot be opened (:data:`NOT_FOUND` if it does not exist).
     """
     path = Path(path)
     with _open(path) as handle:

@@ -20,8 +20,7 @@ from typing import Any, TypeVar
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.chat.tokenizer import Tokenizer
 from prefixcache.errors import InvalidArgumentError, InvalidTokensError, ScenarioError, TemplateError
-from prefixcache.replay.formats import FILE_FORMATS, LoggedRequest, detect_format, load_request_log, load_sharegpt
-from prefixcache.replay.lines import iter_json_records
+from prefixcache.replay.formats import FILE_FORMATS, LoggedRequest, input_format, load_request_log, load_sharegpt
 from prefixcache.replay.scenarios import Conversation, default_tools_for, iter_mooncake, load_scenario
 
 __all__ = [
@@ -205,16 +204,15 @@ def read_requests(
         InvalidArgumentError: an unknown ``file_format``.
         ScenarioError: a file of no known format (naming the line and the formats accepted), a bad line (unless
             ``skip_invalid``, which also skips bad lines before the first usable one), a conversation or request the
-            tokenizer's chat template cannot render or whose token ids it does not have (same), an unreadable file.
+            tokenizer's chat template cannot render or whose token ids it does not have (same), a file that is
+            missing, unreadable or empty whatever the format (:func:`~prefixcache.replay.formats.input_lines`).
     """
     if file_format != "auto" and file_format not in FILE_FORMATS:
         raise InvalidArgumentError(f"unknown format {file_format!r}; choose auto, {', '.join(FILE_FORMATS)}")
     path = Path(path)
     name = str(path)
     progress = progress or _no_progress
-    fmt = detect_format(path, skip_invalid=skip_invalid) if file_format == "auto" else file_format
-    if file_format != "auto" and path.is_file() and next(iter_json_records(path), None) is None:
-        raise ScenarioError("empty file: no conversations or requests", name)  # as detection says it
+    fmt = input_format(path, file_format, skip_invalid=skip_invalid)
     if fmt == "mooncake":
         empty = array(TOKEN_TYPECODE)
         skipped: list[ScenarioError] = []

@@ -37,7 +37,7 @@ from typing import Any
 
 from prefixcache.chat.template import validate_messages, validate_tools
 from prefixcache.errors import InvalidArgumentError, ScenarioError, TemplateError
-from prefixcache.replay.lines import iter_json_records
+from prefixcache.replay.lines import NOT_FOUND, iter_json_records
 
 __all__ = [
     "MESSAGE_KEYS",
@@ -265,7 +265,8 @@ def expand_paths(paths: Sequence[str | Path]) -> list[Path]:
 
     A file named more than once (again, through its folder, or by another spelling of its path) is kept once, where
     first named, with a warning: each file is a scenario of the report, keyed by its path.
-    Raises :class:`ScenarioError` for a path that does not exist or a folder with no ``*.jsonl`` file.
+    Raises :class:`ScenarioError` for a path that does not exist (``PATH: not found: no such file or folder``), is
+    neither a regular file nor a folder, or is a folder with no ``*.jsonl`` file.
     """
     files: dict[Path, Path] = {}
     for raw in paths:
@@ -276,8 +277,10 @@ def expand_paths(paths: Sequence[str | Path]) -> list[Path]:
                 raise ScenarioError("folder has no *.jsonl scenario files", str(path))
         elif path.is_file():
             found = [path]
+        elif not path.exists():
+            raise ScenarioError(NOT_FOUND, str(path))
         else:
-            raise ScenarioError("no such scenario file", str(path))
+            raise ScenarioError("not a regular file or folder", str(path))
         for file in found:
             first = files.setdefault(file.resolve(), file)
             if first is not file:

@@ -33,8 +33,10 @@ __all__ = ["cache_dir", "entry_path", "load_requests_cached"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
-"""Bumped whenever the stored layout or the way requests are built changes, so older entries stop matching."""
+FORMAT_VERSION = 3
+"""Bumped whenever the stored layout or the way requests are built changes, so older entries stop matching.  3: an
+empty file is refused whatever the format (an older entry of no requests for an empty file read with a forced
+``--format`` would replay nothing)."""
 
 
 def cache_dir() -> Path:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -55,6 +55,7 @@ __all__ = [
     "PrefillRequest",
     "chat_chunk",
     "chat_response",
+    "check_unique_tool_names",
     "completion_response",
     "error_body",
     "parse_chat_request",
@@ -87,6 +88,25 @@ class BadRequest(Exception):
         self.param = param
         self.status = status
         self.code = code
+
+
+def check_unique_tool_names(names: Sequence[Any], param: str) -> None:
+    """Refuse a tool list that names one function twice: the model's call names one of them, and which is left to
+    chance (OpenAI refuses it too).  ``names`` are the tools' function names in order, ``param`` the field path with
+    ``{}`` for the index (``"tools[{}].function.name"``).  O(len(names)).
+
+    Raises:
+        BadRequest: naming the later duplicate's field, and the index of the tool that has the name first.
+    """
+    first: dict[Any, int] = {}
+    for index, name in enumerate(names):
+        if name in first:
+            raise BadRequest(
+                f"{param.format(index)} {name!r} is already the name of tools[{first[name]}]; each tool needs its "
+                "own function name",
+                param.format(index),
+            )
+        first[name] = index
 
 
 def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
@@ -288,6 +308,7 @@ def parse_chat_request(body: Any, vocab_size: int | None = None) -> ChatRequest:
             check_json_depth(tool, f"tools[{index}]")
         except TemplateError as error:
             raise BadRequest(str(error), f"tools[{index}]") from None
+    check_unique_tool_names([tool.function.name for tool in checked.tools or ()], "tools[{}].function.name")
     logprobs = _chat_logprobs(checked)
     return ChatRequest(
         model=common.model,

@@ -35,7 +35,7 @@ from prefixcache.engine.chat import ChatCompletion, check_tool_choice
 from prefixcache.engine.grammar import check_response_format
 from prefixcache.engine.results import Usage
 from prefixcache.errors import InvalidArgumentError, TemplateError
-from prefixcache.serve.protocol import DEFAULT_MAX_TOKENS, BadRequest
+from prefixcache.serve.protocol import DEFAULT_MAX_TOKENS, BadRequest, check_unique_tool_names
 from prefixcache.serve.schemas import BodyError, ResponsesBody, validate_body
 
 __all__ = [
@@ -177,6 +177,7 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
         if tool.get("strict") is True:
             function["strict"] = True
         out.append({"type": "function", "function": function})
+    check_unique_tool_names([tool["function"]["name"] for tool in out], "tools[{}].name")
     return out
 
 

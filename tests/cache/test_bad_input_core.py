@@ -112,7 +112,15 @@ CASES = {
     "float id": Case(acquire([1, 2.5]), InvalidTokensError, "index 1 is 2.5 of type float"),
     "nested list": Case(match([[1, 2], [3]]), InvalidTokensError, "of type list"),
     "str": Case(match("hello"), InvalidTokensError, "got str"),
-    "bytes": Case(match(b"\x01\x02"), InvalidTokensError, "got bytes"),
+    "bytes": Case(match(b"\x01\x02"), InvalidTokensError, "got bytes: bytes are not token ids"),
+    "bytes to insert": Case(insert_owned(b"\x01"), InvalidTokensError, "got bytes: bytes are not token ids"),
+    "bytearray": Case(match(bytearray(b"\x01\x02")), InvalidTokensError, "got bytearray: bytes are not token ids"),
+    "bytearray to insert": Case(insert_owned(bytearray([5])), InvalidTokensError, "got bytearray"),
+    "memoryview": Case(acquire(memoryview(b"\x01\x02")), InvalidTokensError, "got memoryview: bytes are not token"),
+    "memoryview of array('I')": Case(
+        acquire(memoryview(array("I", [1, 2, 3, 4, 50])), "a"), InvalidTokensError, "got memoryview"
+    ),
+    "memoryview to insert": Case(insert_owned(memoryview(bytearray([5]))), InvalidTokensError, "got memoryview"),
     "None as tokens": Case(acquire(None), InvalidTokensError, "got NoneType"),
     "2-D numpy array": Case(match(np.array([[1, 2], [3, 4]])), InvalidTokensError, "must be 1-D"),
     "float numpy array": Case(match(np.array([1.0, 2.0])), InvalidTokensError, "integer array, got dtype float64"),

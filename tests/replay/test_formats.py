@@ -21,7 +21,14 @@ from prefixcache.chat.tokenizer import ByteTokenizer
 from prefixcache.cli import build_parser, main
 from prefixcache.errors import ScenarioError
 from prefixcache.models import build_model
-from prefixcache.replay.formats import FILE_FORMATS, detect_format, load_request_log, load_sharegpt
+from prefixcache.replay.formats import (
+    FILE_FORMATS,
+    detect_format,
+    input_format,
+    input_lines,
+    load_request_log,
+    load_sharegpt,
+)
 from prefixcache.replay.lines import iter_json_records
 from prefixcache.replay.replayer import Replayer, replay_paths
 from prefixcache.replay.requests import read_requests
@@ -453,3 +460,35 @@ def test_an_empty_file_with_a_forced_format_is_refused_as_with_detection(forced:
 
     with pytest.raises(ScenarioError, match="empty file"):
         read_requests(empty, ByteTokenizer(), file_format=forced)
+
+
+@pytest.mark.parametrize("file_format", ["auto", *FILE_FORMATS])
+def test_a_missing_file_is_not_found_whatever_the_format(file_format: str, tmp_path: Path) -> None:
+    missing = tmp_path / "absent.jsonl"
+
+    with pytest.raises(ScenarioError) as raised:
+        read_requests(missing, ByteTokenizer(), file_format=file_format)
+
+    assert str(raised.value) == f"{missing}: not found: no such file or folder"
+
+
+def test_input_lines_reads_the_first_record_at_once_and_refuses_a_file_without_one(tmp_path: Path) -> None:
+    path = tmp_path / "two.jsonl"
+    path.write_text('\n{"a": 1}\n\n[2]\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("[]")
+
+    assert [(line_no, obj) for line_no, obj, _ in input_lines(path)] == [(2, {"a": 1}), (4, [2])]
+    with pytest.raises(ScenarioError) as raised:
+        input_lines(empty)  # no iteration needed
+    assert str(raised.value) == f"{empty}: empty file: no conversations or requests"
+
+
+def test_a_forced_format_is_kept_and_auto_is_told_after_the_same_checks(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 8, "output_length": 1, "hash_ids": [1]}\n')
+
+    assert input_format(path) == "mooncake"
+    assert input_format(path, "chat") == "chat"
+    with pytest.raises(ScenarioError, match="not found: no such file or folder"):
+        input_format(tmp_path / "absent.jsonl", "chat")

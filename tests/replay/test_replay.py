@@ -387,7 +387,7 @@ def test_skip_invalid_replays_the_good_lines_and_counts_the_bad(tmp_path: Path) 
 
 
 def test_missing_scenario_file_is_a_scenario_error(tmp_path: Path) -> None:
-    with pytest.raises(ScenarioError, match="no such scenario file"):
+    with pytest.raises(ScenarioError, match="absent.jsonl: not found: no such file or folder"):
         replay_paths([tmp_path / "absent.jsonl"], Replayer(None))
 
 

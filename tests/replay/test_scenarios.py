@@ -153,7 +153,7 @@ def test_skip_invalid_records_bad_lines_and_loads_the_rest(tmp_path: Path) -> No
 
 
 def test_missing_file_raises_scenario_error(tmp_path: Path) -> None:
-    with pytest.raises(ScenarioError, match="cannot open"):
+    with pytest.raises(ScenarioError, match="absent.jsonl: not found: no such file or folder"):
         load_scenario(tmp_path / "absent.jsonl", skip_invalid=True)
 
 

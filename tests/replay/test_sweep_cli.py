@@ -172,3 +172,23 @@ def test_the_command_lines_kv_dtypes_are_the_sweeps() -> None:
     from prefixcache.replay.sweep_report import KV_DTYPES
 
     assert sorted(KV_DTYPE_CHOICES) == sorted(KV_DTYPES)
+
+
+def test_an_entry_an_older_version_stored_for_an_empty_file_is_not_replayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from prefixcache.errors import ScenarioError
+    from prefixcache.replay import token_store
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    store = tmp_path / "store"
+    options = {"order": "round-robin", "seed": 0, "limit": None, "skip_invalid": False, "format": "chat"}
+    with monkeypatch.context() as older:  # what version 2 wrote for an empty file with --format chat: no requests
+        older.setattr(token_store, "FORMAT_VERSION", 2)
+        token_store._write(token_store.entry_path(empty, ByteTokenizer().name, store, **options), [], 0)
+        assert load_requests_cached(empty, ByteTokenizer(), directory=store, file_format="chat") == ([], 0, True)
+
+    assert token_store.FORMAT_VERSION == 3
+    with pytest.raises(ScenarioError, match="empty.jsonl: empty file: no conversations or requests"):
+        load_requests_cached(empty, ByteTokenizer(), directory=store, file_format="chat")
