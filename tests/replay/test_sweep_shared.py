@@ -2,8 +2,10 @@
 ``../shared/data`` (byte tokenizer, block size 16).
 
 The radix tree evicts as an LRU stack of blocks does (see :mod:`prefixcache.replay.sweep`), so the two agree token
-for token at every size but the smallest pool, where the request in flight may take a block it does not keep
-(measured on the whole files: OpenAssistant 9 tokens apart there, 0.002 points; every other file and size equal).
+for token but where the request in flight holds blocks it does not keep, at a full pool: measured on the whole files,
+OpenAssistant 9 tokens apart at the smallest pool (0.0017 points) and tau-bench 48 tokens at a quarter of the working
+set (0.0001 points), every other file and size equal.  Hit rates must agree within ``TOLERANCE_POINTS``, half the
+0.01% the replay prints, so the printed rates are equal.
 ``PREFIXCACHE_SLOW_TESTS=1`` runs MT-Bench, tau-bench and the Mooncake traces whole; by default
 their first conversations (lines) only.
 """
@@ -20,7 +22,7 @@ from prefixcache.replay.requests import load_requests
 from prefixcache.replay.sweep import sweep_lru
 
 SLOW = os.environ.get("PREFIXCACHE_SLOW_TESTS") == "1"
-SMALLEST_POOL_TOLERANCE_POINTS = 0.01
+TOLERANCE_POINTS = 0.005
 FRACTIONS = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)  # of the working set, from the smallest pool that replays the file
 FILES = [
     ("oasst_en100_tree_paths.jsonl", None),
@@ -42,8 +44,5 @@ def test_the_sweep_matches_separate_replays_at_six_sizes(shared_data, name: str,
     for fraction in FRACTIONS:
         blocks = round(low + fraction * (high - low))
         real = Replayer(None, block_size=16, cache_tokens=blocks * 16).replay(str(path), requests)
-        if fraction:
-            assert result.hit_tokens(blocks) == real.cached_tokens, blocks
-        else:
-            gap = 100 * abs(result.hit_tokens(blocks) - real.cached_tokens) / real.prompt_tokens
-            assert gap <= SMALLEST_POOL_TOLERANCE_POINTS, (blocks, result.hit_tokens(blocks), real.cached_tokens)
+        gap = 100 * abs(result.hit_tokens(blocks) - real.cached_tokens) / real.prompt_tokens
+        assert gap <= TOLERANCE_POINTS, (blocks, result.hit_tokens(blocks), real.cached_tokens)
