@@ -266,7 +266,9 @@ class Admission:
         block = int(lease.block_table[first])
         match = self.tree.match(q, lease.namespace, len(q), self.owner, touch=False)
         bs = self.block_size
-        if match.num_tokens >= len(q) or match.num_tokens // bs != first or int(match.block_table[first]) == block:
+        if match.num_tokens >= len(q) or len(match.block_table) <= first or match.num_tokens // bs != first:
+            return len(q)
+        if int(match.block_table[first]) == block:
             return len(q)
         try:
             copy = int(self.blocks.allocate(1, "the copy of a block extended in place")[0])
@@ -419,8 +421,12 @@ class Admission:
             full = rows = 0  # no block for the copy the new leaf needs: the tree gets nothing now
         if rows and full == first_owned and self.blocks.extending[lease.block_table[full]]:
             match = self.tree.match(q, lease.namespace, n, self.owner, touch=False)
-            if match.num_tokens < n and match.block_table[full] == lease.block_table[full]:
+            if full * bs < match.num_tokens < n and match.block_table[full] == lease.block_table[full]:
                 return self._insert_extended_prefix(lease, q, state, nbytes)
+        if full < first_owned:
+            # q ends inside the locked prefix (a longer one went in before): the tree holds it, nothing to copy.
+            self._extended_prompt(lease, q, state, nbytes)
+            return InsertResult(0, n, 0)
         table = self.blocks.as_block_ids(lease.block_table[:full])
         if rows:
             try:
@@ -433,9 +439,7 @@ class Admission:
         n = full * bs + rows
         if n <= first_owned * bs:
             # Nothing beyond the locked prefix that a whole block could hold.
-            _extend_prompt(lease, q)
-            if state is not None:
-                self.keep_state(q, lease.namespace, len(q), state, nbytes)
+            self._extended_prompt(lease, q, state, nbytes)
             return InsertResult(0, n, 0)
         try:
             result = self.blocks.insert(q[:n], table, first_owned, lease.namespace, lease.request_id)
@@ -443,9 +447,15 @@ class Admission:
             if rows:
                 self.blocks.free(table[-1:])
             raise
+        tree = self.tree
+        if full == first_owned:
+            # The lease's table is as it was and its lock still pins it; moving the lock up to the block boundary
+            # would leave the node of a block extended in place unlocked, evictable (its block counted evictable
+            # although the lease holds it) and healable under the lease.
+            self._extended_prompt(lease, q, state, nbytes)
+            return result
         # The tree holds q[:n] now (the request's blocks, or equal ones inserted before): lock it before unlocking
         # the old path, so no block of the lease is unprotected in between.
-        tree = self.tree
         match = tree.match(q, lease.namespace, full * bs, self.owner)
         handle = self.locks.lock(tree.lock_point(match.node, full * bs))
         self.locks.unlock(lease.lock)
@@ -456,6 +466,12 @@ class Admission:
         if state is not None:
             self.keep_state(q, lease.namespace, len(q), state, nbytes)
         return result
+
+    def _extended_prompt(self, lease: Lease, q: array, state: object, nbytes: int) -> None:
+        # The end of every insert_prefix: q becomes the lease's prompt if longer, and its state is kept if given.
+        _extend_prompt(lease, q)
+        if state is not None:
+            self.keep_state(q, lease.namespace, len(q), state, nbytes)
 
     def _insert_extended_prefix(self, lease: Lease, q: array, state: object, nbytes: int) -> InsertResult:
         """:meth:`insert_prefix` where ``q`` ends inside the block the lease extends in place, right below that

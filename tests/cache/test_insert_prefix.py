@@ -125,6 +125,57 @@ def test_insert_prefix_inside_a_block_extended_in_place_shares_it_and_goes_on_ex
     assert_quiescent(cache)
 
 
+def test_insert_prefix_already_cached_through_a_branch_keeps_the_extended_block_locked() -> None:
+    # Found by a randomized differential run: the lease extends block 1 in place, another request commits a branch
+    # spelling the lease's next tokens inside that block, so the lease's insert_prefix inserts nothing new.  It used
+    # to move the lock up to the block boundary: the extended node was left unlocked, counted evictable although the
+    # lease still holds its block (evict_all freed less than stats said), and once evicted commit raised IndexError.
+    cache = make_cache(num_blocks=8)
+    cached = list(range(10, 16))  # 6 tokens: block 1 half full
+    lease = cache.acquire(cached, num_tokens=6)
+    write_rows(cache, lease.block_table, 0, cached)
+    cache.commit(lease, cached)
+    lease = cache.acquire([*cached, 30], num_tokens=8)
+    assert (lease.num_cached_tokens, lease.num_copied_tokens) == (6, 0)  # extends block 1 in place
+    write_rows(cache, lease.block_table, 6, [30])
+    other = cache.acquire([*cached, 30, 31], num_tokens=8)  # copies block 1, then caches a branch through it
+    write_rows(cache, other.block_table, 6, [30, 31])
+    cache.commit(other, [*cached, 30, 31])
+
+    cache.insert_prefix(lease, [*cached, 30])
+
+    cache.check_invariants()
+    assert lease.lock.node.end == 6  # still pins the node whose block the lease writes
+    evictable = cache.stats().evictable_blocks
+    assert cache.evict_all().num_blocks == evictable
+    write_rows(cache, lease.block_table, 7, [40])
+    assert cache.commit(lease, [*cached, 30, 40]).num_new_tokens == 2
+    assert cache.cached_sequences() == [[*cached, 30, 40]]
+    match = cache.match([*cached, 30, 40])
+    assert rows_of(cache, match.block_table, 8) == [(float(t), float(p)) for p, t in enumerate([*cached, 30, 40])]
+    assert_quiescent(cache)
+
+
+def test_insert_prefix_shorter_than_an_earlier_one_ending_inside_a_block_leaks_nothing() -> None:
+    # Found by a randomized differential run: a second insert_prefix ending inside a block of the prefix the first
+    # one locked allocated a copy of that block and never gave it back.
+    cache = make_cache(num_blocks=8)
+    prompt = list(range(60, 70))  # 10 tokens
+    lease = cache.acquire(prompt, num_tokens=12)
+    write_rows(cache, lease.block_table, 0, prompt)
+    cache.insert_prefix(lease, prompt)
+    assert lease.first_owned_block == 2
+    used = cache.stats().used_blocks
+
+    result = cache.insert_prefix(lease, prompt[:5])  # ends inside block 1, which the tree holds already
+
+    assert (result.num_new_tokens, result.num_cached_tokens) == (0, 5)
+    assert cache.stats().used_blocks == used
+    cache.check_invariants()
+    cache.release(lease)
+    assert_quiescent(cache)
+
+
 def test_no_block_for_the_copy_inserts_the_whole_blocks_only() -> None:
     cache = make_cache(num_blocks=3)
     prompt = list(range(200, 210))  # needs all 3 blocks; no fourth for the copy of the partial one
