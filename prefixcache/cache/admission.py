@@ -276,10 +276,14 @@ class Admission:
             # Eviction may have shortened the branch; what the tree holds now is what may go in.
             return self.tree.match(q, lease.namespace, len(q), self.owner, touch=False).num_tokens
         pool = self.blocks.pool
-        pool.copy_rows(block, copy, bs)
+        try:
+            pool.copy_rows(block, copy, bs)
+            pool.decref([block])  # the lease's hold; the node's stays
+        except BaseException:
+            self.blocks.free([copy])
+            raise
         lease.block_table[first] = copy
         self.blocks.owned[block] = self.blocks.extending[block] = False
-        pool.decref([block])
         return len(q)
 
     def _extendable(self, node: Node, num_cached: int) -> bool:
@@ -380,7 +384,14 @@ class Admission:
         start = lease.lock.node if lease.lock.node.end <= len(q) else None
         keep = self._settle_extension(lease, q)
         owned = self.blocks.as_block_ids(lease.block_table[first:])
-        result = self.blocks.insert_owned(q[:keep], owned, first, lease.namespace, lease.request_id, start)
+        try:
+            result = self.blocks.insert_owned(q[:keep], owned, first, lease.namespace, lease.request_id, start)
+        except BaseException:
+            if owned.size and not self.blocks.owned[owned].any():
+                # The insert went through and only giving a block back raised: the blocks are the tree's or the
+                # pool's now, release() has only the lock left to drop.
+                lease.owns_blocks = False
+            raise
         # The lease owns nothing now; should the unlock fail, release() only has the lock left to drop.
         lease.owns_blocks = False
         if state is not None:

@@ -116,9 +116,15 @@ class BlockLedger:
         shared = self.extending[index]
         if not shared.any():
             return self.pool.free_exclusive(index)
-        self.extending[index] = False
-        self.pool.decref(index[shared])
-        return self.pool.free_exclusive(index[~shared])
+        extended = index[shared]
+        self.extending[extended] = False
+        freed = self.pool.free_exclusive(index[~shared])
+        try:
+            return freed + self.pool.decref(extended)
+        except BaseException:
+            # decref changes nothing when it raises: once more, so that no block leaks, then the error goes through.
+            self.pool.decref(extended)
+            raise
 
     def insert(
         self, q: array, table: np.ndarray, first_owned: int | None, namespace: str | None, origin: str | None

@@ -122,3 +122,39 @@ def test_a_release_that_fails_midway_can_be_called_again(owner: str, name: str) 
     cache.check_invariants()
     cache.release(lease)
     assert_quiescent(cache)
+
+
+def extending_setup(branch: bool) -> tuple[RadixCache, Lease]:
+    """A lease writing block 1 in place; with ``branch``, another request's branch inside that block cached since."""
+    cache = RadixCache(KVBlockPool(8, BS))
+    lease = cache.acquire(PROMPT[:6], num_tokens=6)
+    cache.commit(lease, PROMPT[:6])
+    lease = cache.acquire(PROMPT[:7], num_tokens=8)
+    assert lease.num_copied_tokens == 0  # block 1's free rows are the lease's
+    if branch:
+        other = cache.acquire(PROMPT[:8], num_tokens=8)
+        cache.commit(other, PROMPT[:8])
+    return cache, lease
+
+
+@pytest.mark.parametrize(
+    ("branch", "tokens", "name"),
+    [
+        (False, PROMPT[:6], "decref"),  # commit gives the extended block back to its node alone
+        (True, [*PROMPT[:7], 0], "copy_rows"),  # commit copies the extended block for a leaf below the branch
+        (True, [*PROMPT[:7], 0], "decref"),
+    ],
+)
+def test_a_fault_in_the_commit_of_a_block_extended_in_place_leaves_the_cache_quiescent(
+    branch: bool, tokens: list[int], name: str
+) -> None:
+    # Found by a randomized fault run: a fault here left the lease's blocks neither its own nor given back (release
+    # raised LockError, a block leaked), or the copy allocated but in no table (a block owned forever).
+    cache, lease = extending_setup(branch)
+    with fail_on_call(cache.pool, name, 1), pytest.raises(InjectedFault):
+        cache.commit(lease, tokens)
+    if not lease.closed:
+        cache.release(lease)
+    assert_quiescent(cache)
+    cache.evict_all()
+    assert cache.stats().free_blocks == cache.stats().num_blocks
