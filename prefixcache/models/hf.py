@@ -66,7 +66,7 @@ from prefixcache.models.hf_support import (
     probe_kv_layout,
     read_config,
 )
-from prefixcache.models.linear import WeightPacks, large_cpu_linears, project, tall_skinny_linears
+from prefixcache.models.linear import WeightPacks, large_cpu_linears, lay_out_for_decode, project, tall_skinny_linears
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ class HFCausalLM:
     oneDNN-packed copy of the LM head weight (:class:`~prefixcache.models.linear.WeightPacks`; Qwen2.5-0.5B's head,
     8 rows: 95 -> 51 ms), made on the first such forward and again after the weight changes.  It costs the head's
     size in memory once more (544 MB for a 151,936 x 896 float32 head); ``pack_head=False`` keeps to ``W @ h.T``.
+    ``decode_layout`` (default True): on the CPU in float32, the widening large layers (LM head, MLP gate and up) get
+    weights column-major in place, same values (:func:`.linear.lay_out_for_decode`): decode reads them faster.
 
     Raises:
         UnsupportedModelError: the architecture has layers a per-token K/V pool cannot serve exactly (recurrent or
@@ -96,7 +98,7 @@ class HFCausalLM:
             ``position_ids``, or it has no LM head (a base model); the layers disagree on their K/V layout.
     """
 
-    def __init__(self, model: Any, *, pack_head: bool = True) -> None:
+    def __init__(self, model: Any, *, pack_head: bool = True, decode_layout: bool = True) -> None:
         config = getattr(model, "config", None)
         if config is None or not callable(model):
             raise InvalidArgumentError(f"expected a transformers *ForCausalLM model, got {type(model).__name__}")
@@ -113,6 +115,7 @@ class HFCausalLM:
             )
         # Older or custom heads without logits_to_keep compute every position's logits; we still return the last.
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._decode_layout = decode_layout
         self._resolve_head()
         self._head_packs = WeightPacks() if pack_head else None  # the LM head's oneDNN copy, batched CPU decode
         # The pool holds the K/V layers only (layout.kv_layers[i] in pool layer i); a model with none (pure Mamba-2)
@@ -177,6 +180,8 @@ class HFCausalLM:
         self._head_module = output_embeddings(self.model)
         self._head = plain_head(self.model)
         self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
+        if self._decode_layout:
+            lay_out_for_decode(self.model)
 
     @property
     def cache_kwarg(self) -> str:

@@ -32,7 +32,7 @@ from prefixcache.models.base import (
     config_fingerprint,
     weights_version_of,
 )
-from prefixcache.models.linear import WeightPacks, linear
+from prefixcache.models.linear import WeightPacks, linear, one_row_layout
 from prefixcache.models.paged_attention import PagedAttention, paged_attention_default, paged_attention_supported
 from prefixcache.models.shared_prefix import plan_shared_prefix_groups, shared_prefix_decode_attention
 
@@ -164,15 +164,16 @@ class LlamaModel:
             self.layers.append(
                 _LayerWeights(
                     attn_norm=ones(c.hidden_size),
-                    qkv=qkv,
+                    qkv=one_row_layout(qkv),
                     o=normal(c.hidden_size, q_dim),
                     mlp_norm=ones(c.hidden_size),
-                    gate_up=normal(2 * c.intermediate_size, c.hidden_size),
+                    gate_up=one_row_layout(normal(2 * c.intermediate_size, c.hidden_size)),
                     down=normal(c.hidden_size, c.intermediate_size),
                 )
             )
         self.final_norm = ones(c.hidden_size)
-        self.lm_head = normal(c.vocab_size, c.hidden_size, std=2.0 / math.sqrt(c.hidden_size))
+        # Widening weights column-major: a decode step's one-row products read them faster (see one_row_layout).
+        self.lm_head = one_row_layout(normal(c.vocab_size, c.hidden_size, std=2.0 / math.sqrt(c.hidden_size)))
 
     def fingerprint(self) -> str:
         """xxh64 hex of architecture version, config (seed included), dtype and every weight's bytes; equal across

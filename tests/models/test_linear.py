@@ -13,6 +13,7 @@ from prefixcache.models.linear import (
     WeightPacks,
     large_cpu_linears,
     linear,
+    one_row_layout,
     project,
     tall_skinny_linears,
 )
@@ -318,3 +319,32 @@ def test_decode_with_one_row_onednn_stays_exact(kind: str) -> None:
     assert ours == plain
     assert torch.equal(reference.argmax(-1), torch.tensor(ours))
     torch.testing.assert_close(again.prompt_logits[-1], reference[-1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(300, 96), (97, 96)])
+def test_a_widening_weight_is_laid_out_column_major_with_the_same_values(shape: tuple[int, int]) -> None:
+    weight = torch.randn(*shape)
+
+    laid = one_row_layout(weight)
+
+    assert laid.stride() == (1, shape[0]) and torch.equal(laid, weight)
+    assert one_row_layout(laid) is laid  # already column-major: kept
+    for rows in (1, 3, 200):
+        x = torch.randn(rows, shape[1])
+        assert torch.allclose(linear(x, laid), torch.nn.functional.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [torch.randn(96, 300), torch.randn(96, 96), torch.randn(300, 96, dtype=torch.float64), torch.randn(3, 4, 5)],
+    ids=["narrowing", "square", "float64", "3-d"],
+)
+def test_other_weights_keep_their_layout(weight: torch.Tensor) -> None:
+    assert one_row_layout(weight) is weight
+
+
+def test_the_embedded_model_keeps_its_widening_weights_column_major(tiny) -> None:
+    layer = tiny.layers[0]
+    for weight in (tiny.lm_head, layer.qkv, layer.gate_up):
+        assert weight.stride() == (1, weight.shape[0])
+    assert layer.down.is_contiguous() and tiny.embed.is_contiguous()
