@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -186,3 +190,49 @@ def byte_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     tokenizer.train_from_iterator(TRAINING_TEXTS, trainer)
     return _save_tokenizer(tokenizer, tmp_path_factory.mktemp("byte_bpe"), eos_token="<|im_end|>")
+
+
+# `python -m prefixcache` with Python's own Ctrl-C handler: a run started under nohup or in a script's background
+# inherits an ignored SIGINT, which Python keeps (and which the tests of Ctrl-C would then wait on forever).
+_INTERRUPTIBLE_CLI = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'prefixcache'; runpy.run_module('prefixcache', run_name='__main__')"
+)
+
+
+class CliProcesses:
+    """``start(args, **popen_kwargs)``: ``python -m prefixcache ARGS`` in a new process that Ctrl-C reaches even where
+    this test run ignores SIGINT; ``interrupt(process)``: send it SIGINT and kill it if it is still running 120 s
+    later (a test reading its output then fails instead of hanging).  Every process is killed at the test's end."""
+
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen] = []
+        self.timers: list[threading.Timer] = []
+
+    def start(self, args: Sequence[str], **popen_kwargs) -> subprocess.Popen:
+        process = subprocess.Popen([sys.executable, "-c", _INTERRUPTIBLE_CLI, *args], **popen_kwargs)
+        self.processes.append(process)
+        return process
+
+    def interrupt(self, process: subprocess.Popen) -> None:
+        process.send_signal(signal.SIGINT)
+        timer = threading.Timer(120, process.kill)
+        timer.daemon = True
+        timer.start()
+        self.timers.append(timer)
+
+    def close(self) -> None:
+        for timer in self.timers:
+            timer.cancel()
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def cli_processes() -> Iterator[CliProcesses]:
+    """A :class:`CliProcesses` whose processes end with the test."""
+    processes = CliProcesses()
+    yield processes
+    processes.close()

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -72,12 +70,14 @@ def test_chunked_prefill_verifies_and_caches_as_one_forward(tiny) -> None:
     assert chunked.max_abs_logit_diff <= 1e-4
 
 
-def test_ctrl_c_during_a_long_prefill_exits_130_within_a_second_with_the_partial_report(tmp_path: Path) -> None:
+def test_ctrl_c_during_a_long_prefill_exits_130_within_a_second_with_the_partial_report(
+    tmp_path: Path, cli_processes
+) -> None:
     # The small preset on a 32,000-token prompt: tens of seconds of prefill on 2 cores, seconds on a fast machine.
     path = one_prompt(tmp_path / "long.jsonl", 32_000)
     out = tmp_path / "report.json"
-    command = [sys.executable, "-m", "prefixcache", "replay", str(path), "--model", "small", "--json", str(out)]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    command = ["replay", str(path), "--model", "small", "--json", str(out)]
+    process = cli_processes.start(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     stderr = bytearray()
 
     def read_stderr() -> None:
@@ -92,7 +92,7 @@ def test_ctrl_c_during_a_long_prefill_exits_130_within_a_second_with_the_partial
         time.sleep(0.01)
     assert process.poll() is None, "the replay ended before it could be interrupted"
     assert started.search(bytes(stderr)), "no prefill chunk shown within 300 s"
-    process.send_signal(signal.SIGINT)
+    cli_processes.interrupt(process)
     signalled = time.monotonic()
     stdout = process.stdout.read().decode()  # until the process closes it: its end
     process.wait(timeout=120)

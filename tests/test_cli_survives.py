@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -87,12 +86,12 @@ def test_ci_runs_the_readme_command_without_a_venv_of_its_own() -> None:
     assert 'bash -euo pipefail -c "$test_command"' in ci
 
 
-def test_ctrl_c_prints_the_partial_table_writes_partial_json_and_exits_130(tmp_path: Path) -> None:
+def test_ctrl_c_prints_the_partial_table_writes_partial_json_and_exits_130(tmp_path: Path, cli_processes) -> None:
     out = tmp_path / "report.json"
     scenario = SCENARIOS / "agent_tool_loop.jsonl"
     total = len(load_requests(scenario, ByteTokenizer())[0])
-    process = subprocess.Popen(
-        [sys.executable, "-m", "prefixcache", "replay", str(scenario), "--verify", "--json", str(out)],
+    process = cli_processes.start(
+        ["replay", str(scenario), "--verify", "--json", str(out)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -113,7 +112,7 @@ def test_ctrl_c_prints_the_partial_table_writes_partial_json_and_exits_130(tmp_p
             break
         time.sleep(0.05)
     assert process.poll() is None, "the replay ended before it could be interrupted"
-    process.send_signal(signal.SIGINT)
+    cli_processes.interrupt(process)
     stdout = process.stdout.read().decode()
     process.wait(timeout=120)
     reader.join(timeout=10)

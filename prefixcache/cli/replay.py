@@ -142,7 +142,10 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="LRU hit rate at every cache size in one pass (stack distances), Belady's bound and the knee",
     )
     sweep.add_argument(
-        "--kv-dtype", choices=KV_DTYPE_CHOICES, default="bf16", help="with --model-config: KV element type for bytes"
+        "--kv-dtype",
+        choices=KV_DTYPE_CHOICES,
+        default="bf16",
+        help="with --model-config: KV element type for bytes (default bf16)",
     )
     sweep.add_argument("--no-belady", action="store_true", help="skip Belady's bound (one simulation per size)")
     sweep.add_argument(
