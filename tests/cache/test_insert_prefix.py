@@ -25,6 +25,13 @@ def write_rows(cache: RadixCache, table, start: int, tokens: list[int]) -> None:
         kv[0, :, int(table[pos // BS]), pos % BS] = torch.tensor([float(token), float(pos)])
 
 
+def commit_written(cache: RadixCache, tokens: list[int]) -> None:
+    """Cache ``tokens`` as a request would: admitted, rows written (:func:`write_rows`), committed."""
+    lease = cache.acquire(tokens, num_tokens=len(tokens))
+    write_rows(cache, lease.block_table, 0, tokens)
+    cache.commit(lease, tokens)
+
+
 def rows_of(cache: RadixCache, table, n: int) -> list[tuple[float, float]]:
     kv = cache.pool.kv
     return [tuple(kv[0, 0, int(table[p // BS]), p % BS, 0].tolist()) for p in range(n)]
@@ -80,9 +87,7 @@ def test_second_copy_of_a_prefix_is_released_and_the_lease_reads_the_first() -> 
 def test_insert_prefix_after_a_match_ending_inside_a_block() -> None:
     cache = make_cache()
     cached = list(range(10, 16))  # 6 tokens: the next request's match ends inside block 1
-    lease = cache.acquire(cached, num_tokens=6)
-    write_rows(cache, lease.block_table, 0, cached)
-    cache.commit(lease, cached)
+    commit_written(cache, cached)
     prompt = cached + list(range(30, 37))  # 13 tokens
     lease = cache.acquire(prompt, num_tokens=16)
     assert lease.num_cached_tokens == 6 and lease.first_owned_block == 1
@@ -102,9 +107,7 @@ def test_insert_prefix_after_a_match_ending_inside_a_block() -> None:
 def test_insert_prefix_inside_a_block_extended_in_place_shares_it_and_goes_on_extending() -> None:
     cache = make_cache(num_blocks=4)
     cached = list(range(10, 16))  # 6 tokens: block 1 half full
-    lease = cache.acquire(cached, num_tokens=6)
-    write_rows(cache, lease.block_table, 0, cached)
-    cache.commit(lease, cached)
+    commit_written(cache, cached)
     prompt = [*cached, 30, 31, 32]
     lease = cache.acquire(prompt, num_tokens=12)
     assert (lease.num_cached_tokens, lease.num_copied_tokens) == (6, 0)  # block 1's rows 6, 7 are the lease's
@@ -132,9 +135,7 @@ def test_insert_prefix_already_cached_through_a_branch_keeps_the_extended_block_
     # lease still holds its block (evict_all freed less than stats said), and once evicted commit raised IndexError.
     cache = make_cache(num_blocks=8)
     cached = list(range(10, 16))  # 6 tokens: block 1 half full
-    lease = cache.acquire(cached, num_tokens=6)
-    write_rows(cache, lease.block_table, 0, cached)
-    cache.commit(lease, cached)
+    commit_written(cache, cached)
     lease = cache.acquire([*cached, 30], num_tokens=8)
     assert (lease.num_cached_tokens, lease.num_copied_tokens) == (6, 0)  # extends block 1 in place
     write_rows(cache, lease.block_table, 6, [30])
