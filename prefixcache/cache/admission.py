@@ -266,9 +266,8 @@ class Admission:
         block = int(lease.block_table[first])
         match = self.tree.match(q, lease.namespace, len(q), self.owner, touch=False)
         bs = self.block_size
-        if match.num_tokens >= len(q) or len(match.block_table) <= first or match.num_tokens // bs != first:
-            return len(q)
-        if int(match.block_table[first]) == block:
+        inside = first * bs < match.num_tokens < min(len(q), (first + 1) * bs)  # the path's block `first` is partial
+        if not inside or int(match.block_table[first]) == block:
             return len(q)
         try:
             copy = int(self.blocks.allocate(1, "the copy of a block extended in place")[0])
@@ -290,12 +289,8 @@ class Admission:
         """Whether a match of ``num_cached`` tokens ending inside a block may write that block's later rows in place
         rather than copy it: the match takes all of ``node``, whose last block it is, and no child shares that block
         nor another lease writes it (it holds rows of nobody else past the node's end)."""
-        return (
-            node.parent is not None
-            and node.end == num_cached
-            and node.sharing_child is None
-            and not self.blocks.extending[node.blocks.item(-1)]
-        )
+        extended = self.blocks.extending[node.blocks.item(-1)] if node.parent is not None else True
+        return node.end == num_cached and node.sharing_child is None and not extended
 
     def _heal_path(self, node) -> None:
         # A seam on the matched path would make the lock pin two copies of one block (see cache.seams).
