@@ -264,6 +264,8 @@ class Admission:
         if first >= len(lease.block_table) or not self.blocks.extending[lease.block_table[first]]:
             return len(q)
         block = int(lease.block_table[first])
+        if self._grows_at_extended_node(lease, q, block):
+            return len(q)  # the new leaf hangs below the extended node and shares its block
         match = self.tree.match(q, lease.namespace, len(q), self.owner, touch=False)
         bs = self.block_size
         inside = first * bs < match.num_tokens < min(len(q), (first + 1) * bs)  # the path's block `first` is partial
@@ -285,10 +287,18 @@ class Admission:
         self.blocks.owned[block] = self.blocks.extending[block] = False
         return len(q)
 
+    @staticmethod
+    def _grows_at_extended_node(lease: Lease, q: array, block: int) -> bool:
+        """Whether ``q`` leaves the cached path right at the end of the node whose ``block`` the lease extends in place
+        (its lock's node): no child there starts with ``q``'s next token.  O(1), not a walk of the whole path."""
+        node = lease.lock.node
+        if node.parent is None or node.blocks.item(-1) != block:
+            return False
+        return node.end >= len(q) or q[node.end] not in node.children
+
     def _extendable(self, node: Node, num_cached: int) -> bool:
-        """Whether a match of ``num_cached`` tokens ending inside a block may write that block's later rows in place
-        rather than copy it: the match takes all of ``node``, whose last block it is, and no child shares that block
-        nor another lease writes it (it holds rows of nobody else past the node's end)."""
+        """Whether a match of ``num_cached`` tokens ending inside a block may write its later rows in place: the match
+        takes all of ``node``, whose last block it is, and no child shares that block nor another lease writes it."""
         extended = self.blocks.extending[node.blocks.item(-1)] if node.parent is not None else True
         return node.end == num_cached and node.sharing_child is None and not extended
 
@@ -383,8 +393,7 @@ class Admission:
             result = self.blocks.insert_owned(q[:keep], owned, first, lease.namespace, lease.request_id, start)
         except BaseException:
             if owned.size and not self.blocks.owned[owned].any():
-                # The insert went through and only giving a block back raised: the blocks are the tree's or the
-                # pool's now, release() has only the lock left to drop.
+                # Only giving a block back raised, after the insert: release() has only the lock left to drop.
                 lease.owns_blocks = False
             raise
         # The lease owns nothing now; should the unlock fail, release() only has the lock left to drop.
@@ -426,8 +435,7 @@ class Admission:
         if full > first_owned and self._settle_extension(lease, q[: full * bs]) < full * bs:
             full = rows = 0  # no block for the copy the new leaf needs: the tree gets nothing now
         if rows and full == first_owned and self.blocks.extending[lease.block_table[full]]:
-            match = self.tree.match(q, lease.namespace, n, self.owner, touch=False)
-            if full * bs < match.num_tokens < n and match.block_table[full] == lease.block_table[full]:
+            if lease.lock.node.end < n and self._grows_at_extended_node(lease, q, int(lease.block_table[full])):
                 return self._insert_extended_prefix(lease, q, state, nbytes)
         if full < first_owned:
             # q ends inside the locked prefix (a longer one went in before): the tree holds it, nothing to copy.
@@ -455,9 +463,8 @@ class Admission:
             raise
         tree = self.tree
         if full == first_owned:
-            # The lease's table is as it was and its lock still pins it; moving the lock up to the block boundary
-            # would leave the node of a block extended in place unlocked, evictable (its block counted evictable
-            # although the lease holds it) and healable under the lease.
+            # The lease's table and lock stay: a lock moved up to the block boundary would leave the node of a block
+            # extended in place unlocked, evictable (its block counted so, though the lease holds it) and healable.
             self._extended_prompt(lease, q, state, nbytes)
             return result
         # The tree holds q[:n] now (the request's blocks, or equal ones inserted before): lock it before unlocking
@@ -468,9 +475,7 @@ class Admission:
         lease.lock = handle
         lease.block_table[:full] = match.block_table
         lease.first_owned_block = full
-        _extend_prompt(lease, q)
-        if state is not None:
-            self.keep_state(q, lease.namespace, len(q), state, nbytes)
+        self._extended_prompt(lease, q, state, nbytes)
         return result
 
     def _extended_prompt(self, lease: Lease, q: array, state: object, nbytes: int) -> None:
@@ -494,9 +499,7 @@ class Admission:
         self.blocks.owned[block] = self.blocks.extending[block] = True
         self.locks.unlock(lease.lock)
         lease.lock = handle
-        _extend_prompt(lease, q)
-        if state is not None:
-            self.keep_state(q, lease.namespace, len(q), state, nbytes)
+        self._extended_prompt(lease, q, state, nbytes)
         return result
 
     def put_state(self, lease: Lease, num_tokens: int, state: object, nbytes: int) -> bool:

@@ -118,13 +118,7 @@ class BlockLedger:
             return self.pool.free_exclusive(index)
         extended = index[shared]
         self.extending[extended] = False
-        freed = self.pool.free_exclusive(index[~shared])
-        try:
-            return freed + self.pool.decref(extended)
-        except BaseException:
-            # decref changes nothing when it raises: once more, so that no block leaks, then the error goes through.
-            self.pool.decref(extended)
-            raise
+        return self.pool.free_exclusive(index[~shared]) + self.pool.release(extended)
 
     def insert(
         self, q: array, table: np.ndarray, first_owned: int | None, namespace: str | None, origin: str | None

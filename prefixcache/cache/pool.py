@@ -213,6 +213,16 @@ class KVBlockPool:
                 raise LockError("incref of a free block")
             self._ref[ids] = counts + 1
 
+    def release(self, block_ids: BlockIds) -> int:
+        """:meth:`decref` for holds that must go even when interrupted: an interrupted first attempt (decref changes
+        nothing when it raises) is repeated once before the error goes through, so no block leaks.  Returns the
+        number of blocks freed."""
+        try:
+            return self.decref(block_ids)
+        except BaseException:
+            self.decref(block_ids)
+            raise
+
     def decref(self, block_ids: BlockIds) -> int:
         """Drop one holder from each block; blocks whose count reaches 0 go back on the free list.
 

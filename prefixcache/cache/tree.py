@@ -156,16 +156,13 @@ class RadixTree(SeamHealing):
             parts.append(child.blocks)
             node = child
             pos += matched
-            if matched < len(edge):
-                if touch and refresh_partial:
-                    child.last_access = tick
-                    child.hit_count += 1
-                else:
-                    touch = False
-                break
+            partial = matched < len(edge)
+            touch = touch and (refresh_partial or not partial)
             if touch:
                 child.last_access = tick
                 child.hit_count += 1
+            if partial:
+                break
         if touch and node.evict_key is not None:
             self.evictor.refresh(node)
         # Only the final node can be a candidate (a leaf); its ancestors are re-filed when they become leaves.
@@ -472,14 +469,14 @@ class RadixTree(SeamHealing):
                         del self.roots[parent.namespace]
                 released = batch[0] if len(batch) == 1 else np.concatenate(batch)
                 try:
-                    freed += _release(pool, released)
+                    freed += pool.release(released)
                 finally:
                     # After the batch, one at a time: a parent evicted in the same batch releases the same block, and
                     # a chain of nested leaves inside one block shares that block at every level.
                     error: BaseException | None = None
                     for block in shared:
                         try:
-                            freed += _release(pool, np.array([block], dtype=np.intp))
+                            freed += pool.release(np.array([block], dtype=np.intp))
                         except BaseException as exc:  # noqa: BLE001 - released on the retry; the rest go too
                             error = error or exc
                     if error is not None:
@@ -525,13 +522,3 @@ class RadixTree(SeamHealing):
                 out.append(path)
             stack.extend((child, path) for child in node.children.values())
         return out
-
-
-def _release(pool: KVBlockPool, block_ids: np.ndarray) -> int:
-    """``pool.decref(block_ids)`` for blocks the tree no longer holds: an interrupted first attempt (decref changes
-    nothing when it raises) is repeated once before the error goes through, so no block leaks."""
-    try:
-        return pool.decref(block_ids)
-    except BaseException:
-        pool.decref(block_ids)
-        raise

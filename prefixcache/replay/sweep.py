@@ -42,8 +42,7 @@ Measured against separate ``--cache-tokens`` replays at 6 sizes from the smalles
 whole shared files (byte tokenizer, block size 16, ``tests/replay/test_sweep_shared.py``): equal token for token on
 MT-Bench and both Mooncake traces at every size; OpenAssistant 9 tokens apart at the smallest pool (0.0017 points),
 tau-bench 48 tokens of 50.7 million at a quarter of the working set (0.0001 points), equal at the other sizes; equal
-everywhere when nothing is evicted.  ``--check-knee`` replays the tree at the knee for the exact
-figure there.
+everywhere when nothing is evicted.  ``--check-knee`` replays the tree at the knee for the exact figure there.
 """
 
 from __future__ import annotations
