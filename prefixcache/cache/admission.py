@@ -443,13 +443,9 @@ class Admission:
             return InsertResult(0, n, 0)
         table = self.blocks.as_block_ids(lease.block_table[:full])
         if rows:
-            try:
-                copy = self.blocks.allocate(1, "the copy of a partly written block")
-            except OutOfBlocksError:
-                rows = 0
-            else:
-                self.blocks.pool.copy_rows(int(lease.block_table[full]), int(copy[0]), rows)
-                table = np.concatenate((table, copy.astype(np.intp)))
+            copy = self.blocks.copy_of(int(lease.block_table[full]), rows, "the copy of a partly written block")
+            rows = 0 if copy is None else rows
+            table = table if copy is None else np.concatenate((table, copy))
         n = full * bs + rows
         if n <= first_owned * bs:
             # Nothing beyond the locked prefix that a whole block could hold.
@@ -458,10 +454,13 @@ class Admission:
         try:
             result = self.blocks.insert(q[:n], table, first_owned, lease.namespace, lease.request_id)
         except BaseException:
-            if rows:
+            if not self.blocks.owned[table[first_owned:]].any():
+                lease.first_owned_block = full  # only giving a duplicate back raised, after the tree took the rest
+            elif rows:
                 self.blocks.free(table[-1:])
             raise
         tree = self.tree
+        lease.first_owned_block = full  # the tree's blocks now: should anything below raise, release() skips them
         if full == first_owned:
             # The lease's table and lock stay: a lock moved up to the block boundary would leave the node of a block
             # extended in place unlocked, evictable (its block counted so, though the lease holds it) and healable.
@@ -471,10 +470,8 @@ class Admission:
         # the old path, so no block of the lease is unprotected in between.
         match = tree.match(q, lease.namespace, full * bs, self.owner)
         handle = self.locks.lock(tree.lock_point(match.node, full * bs))
-        self.locks.unlock(lease.lock)
-        lease.lock = handle
+        lease.lock = self.locks.move(lease.lock, handle)
         lease.block_table[:full] = match.block_table
-        lease.first_owned_block = full
         self._extended_prompt(lease, q, state, nbytes)
         return result
 
@@ -491,14 +488,16 @@ class Admission:
         full = len(q) // self.block_size
         block = int(lease.block_table[full])
         table = self.blocks.as_block_ids(lease.block_table[: full + 1])
-        result = self.blocks.insert(q, table, full, lease.namespace, lease.request_id)
-        # The lease's hold on the block became the leaf's: take one again, and lock the leaf before the old path.
-        match = self.tree.match(q, lease.namespace, len(q), self.owner)
-        handle = self.locks.lock(match.node)
-        self.blocks.pool.incref([block])
+        try:
+            result = self.blocks.insert(q, table, full, lease.namespace, lease.request_id)
+            self.blocks.pool.incref([block])  # the lease's hold on the block became the leaf's: take one again
+        except BaseException:
+            if not self.blocks.owned[block]:
+                lease.first_owned_block = full + 1  # the tree's block alone now: release() leaves it there
+            raise
         self.blocks.owned[block] = self.blocks.extending[block] = True
-        self.locks.unlock(lease.lock)
-        lease.lock = handle
+        match = self.tree.match(q, lease.namespace, len(q), self.owner)
+        lease.lock = self.locks.move(lease.lock, self.locks.lock(match.node))
         self._extended_prompt(lease, q, state, nbytes)
         return result
 

@@ -110,6 +110,20 @@ class BlockLedger:
         self.owned[index] = False
         return self.give_back(index)
 
+    def copy_of(self, block: int, rows: int, what: str) -> np.ndarray | None:
+        """A block of the caller's own (intp ids, one) holding ``block``'s first ``rows`` rows, or None when none can
+        be had (eviction included).  Should the copy raise, the new block goes back."""
+        try:
+            copy = self.allocate(1, what).astype(np.intp)
+        except OutOfBlocksError:
+            return None
+        try:
+            self.pool.copy_rows(block, int(copy[0]), rows)
+        except BaseException:
+            self.free(copy)
+            raise
+        return copy
+
     def give_back(self, index: np.ndarray) -> int:
         """Drop the caller's hold on blocks it owned (intp ids, flags already cleared by the caller): blocks the
         tree holds too (``extending``) keep the tree's hold, the rest are freed.  Returns blocks freed."""
@@ -184,8 +198,10 @@ class BlockLedger:
         # Every block the caller owned now belongs to the new leaf or goes back to the pool (or, extended in place,
         # to the tree's node alone).
         self.owned[owned] = False
-        num_released = self.give_back(released)
-        self.extending[owned] = False
+        try:
+            num_released = self.give_back(released)
+        finally:
+            self.extending[owned] = False
         return InsertResult(n - num_cached, num_cached, num_released)
 
     def _check_owned(self, owned: np.ndarray) -> None:

@@ -67,6 +67,16 @@ class LockRegistry:
         handle.released = True
         del self.handles[handle.handle_id]
 
+    def move(self, old: LockHandle, new: LockHandle) -> LockHandle:
+        """Unlock ``old`` for ``new`` (locked already) and return ``new``; should that unlock raise, ``new`` is
+        unlocked and ``old`` stays held, so that its owner (a lease) still holds exactly one lock."""
+        try:
+            self.unlock(old)
+        except BaseException:
+            self.unlock(new)
+            raise
+        return new
+
 
 class ChangeGuard:
     """``with guard:`` holds the cache's mutex for a call that changes the cache, and refuses the call when it comes

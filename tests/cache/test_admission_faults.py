@@ -158,3 +158,65 @@ def test_a_fault_in_the_commit_of_a_block_extended_in_place_leaves_the_cache_qui
     assert_quiescent(cache)
     cache.evict_all()
     assert cache.stats().free_blocks == cache.stats().num_blocks
+
+
+INSERT_PREFIX_FUNCTIONS = [
+    ("tree", "match"),
+    ("tree", "lock_point"),
+    ("tree", "split"),
+    ("tree", "insert"),
+    ("tree", "lock_path"),
+    ("tree", "unlock_path"),
+    ("locks", "lock"),
+    ("locks", "unlock"),
+    ("blocks", "allocate"),
+    ("blocks", "insert_owned"),
+    ("pool", "allocate"),
+    ("pool", "incref"),
+    ("pool", "decref"),
+    ("pool", "copy_rows"),
+]
+
+
+def insert_prefix_setup(extending: bool) -> tuple[RadixCache, Lease]:
+    """A lease that has written its prompt: one extending block 1 in place (``extending``), or one with no match."""
+    cache = RadixCache(KVBlockPool(8, BS))
+    if extending:
+        lease = cache.acquire(PROMPT[:6], num_tokens=6)
+        cache.commit(lease, PROMPT[:6])
+    lease = cache.acquire(PROMPT, num_tokens=NUM_TOKENS)
+    assert lease.num_copied_tokens == 0
+    return cache, lease
+
+
+def run_insert_prefix(cache: RadixCache, lease: Lease, length: int) -> None:
+    """A running request caches its first ``length`` tokens, then finishes; gives everything back on any error."""
+    try:
+        cache.insert_prefix(lease, PROMPT[:length])
+        cache.commit(lease, PROMPT + [5] * 8)
+    except BaseException:
+        if not lease.closed:
+            cache.release(lease)
+        raise
+
+
+@pytest.mark.parametrize("length", [7, 10, 13])  # inside the extended block, past it inside a block, further on
+@pytest.mark.parametrize("extending", [True, False])
+@pytest.mark.parametrize(("owner", "name"), INSERT_PREFIX_FUNCTIONS)
+def test_a_fault_in_insert_prefix_leaves_the_lease_releasable_and_the_cache_quiescent(
+    owner: str, name: str, extending: bool, length: int
+) -> None:
+    # Found by a randomized fault run: a fault in insert_prefix after its allocation of the partial block's copy
+    # (copy_rows) left that copy owned by nobody's table, and one after the insert (the lock of the new path, the
+    # unlock of the old, the hold on a block extended in place taken again) left the lease's table naming blocks the
+    # tree had taken: release() raised LockError, the lease's later blocks leaked, a new lock stayed held forever.
+    cache, lease = insert_prefix_setup(extending)
+    with fail_on_call(targets(cache)[owner], name, 10**9) as calls:
+        run_insert_prefix(cache, lease, length)
+    for k in range(1, calls[0] + 1):
+        cache, lease = insert_prefix_setup(extending)
+        with fail_on_call(targets(cache)[owner], name, k), pytest.raises(InjectedFault):
+            run_insert_prefix(cache, lease, length)
+        assert_quiescent(cache)
+        cache.evict_all()
+        assert cache.stats().free_blocks == cache.stats().num_blocks
