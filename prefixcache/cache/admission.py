@@ -271,19 +271,16 @@ class Admission:
         inside = first * bs < match.num_tokens < min(len(q), (first + 1) * bs)  # the path's block `first` is partial
         if not inside or int(match.block_table[first]) == block:
             return len(q)
-        try:
-            copy = int(self.blocks.allocate(1, "the copy of a block extended in place")[0])
-        except OutOfBlocksError:
+        copy = self.blocks.copy_of(block, bs, "the copy of a block extended in place")
+        if copy is None:
             # Eviction may have shortened the branch; what the tree holds now is what may go in.
             return self.tree.match(q, lease.namespace, len(q), self.owner, touch=False).num_tokens
-        pool = self.blocks.pool
         try:
-            pool.copy_rows(block, copy, bs)
-            pool.decref([block])  # the lease's hold; the node's stays
+            self.blocks.pool.decref([block])  # the lease's hold; the node's stays
         except BaseException:
-            self.blocks.free([copy])
+            self.blocks.free(copy)
             raise
-        lease.block_table[first] = copy
+        lease.block_table[first] = copy[0]
         self.blocks.owned[block] = self.blocks.extending[block] = False
         return len(q)
 
