@@ -4,8 +4,13 @@ prefill stand above it.
 Absolute times do not travel between machines (nor between two runs on a shared one); a ratio to a floor measured in
 the same process does.  Two rates are measured with torch at the rows' thread count, best of several repeats:
 
-- memory read bandwidth (bytes/s): ``sum()`` over a float32 tensor many times the last-level cache (512 MiB; 64 MiB
-  with ``--quick``), so every byte comes from DRAM, as a decode step's weights do (STREAM's read kernel, in torch);
+- memory read bandwidth (bytes/s): the faster of two reads of a float32 tensor many times the last-level cache
+  (512 MiB; 64 MiB with ``--quick``), so every byte comes from DRAM, as a decode step's weights do: ``sum()``
+  (STREAM's read kernel, in torch) and a matrix-vector product of the same bytes viewed ``[rows, 4096]`` by a
+  vector of ones (the BLAS kernel a decode step runs).  Which is faster depends on the CPU: on an AMD EPYC host of
+  this project's the sum read 34 GB/s against the product's 18-24; on an Intel Xeon host, with two threads, the sum
+  17-20 GB/s and the product 23-30, so a floor from the sum alone sat below what the model's own products reached
+  (decode / floor 0.91 on the embedded 4-layer shape) and was no floor;
 - float32 matrix throughput (FLOP/s): a square ``2048 x 2048`` product (``2 n^3`` FLOPs).
 
 Then, for each model (the HF adapter and the embedded model, on the Qwen2.5-0.5B shape cut to 4 and 24 layers):
@@ -149,6 +154,8 @@ class MachineFloor:
     buffer_bytes: int
     gemm_size: int
     repeats: int
+    sum_read_bytes_per_s: float = 0.0
+    gemv_read_bytes_per_s: float = 0.0
 
     def best(self, other: MachineFloor) -> MachineFloor:
         """The higher of each rate of two measurements of the same sizes (a busy moment only lowers a rate)."""
@@ -157,6 +164,8 @@ class MachineFloor:
             read_bytes_per_s=max(self.read_bytes_per_s, other.read_bytes_per_s),
             gemm_flops_per_s=max(self.gemm_flops_per_s, other.gemm_flops_per_s),
             repeats=self.repeats + other.repeats,
+            sum_read_bytes_per_s=max(self.sum_read_bytes_per_s, other.sum_read_bytes_per_s),
+            gemv_read_bytes_per_s=max(self.gemv_read_bytes_per_s, other.gemv_read_bytes_per_s),
         )
 
 
@@ -176,10 +185,22 @@ def _best(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def measure_read_bandwidth(num_bytes: int, repeats: int) -> float:
-    """Bytes per second of ``torch.sum`` over a float32 tensor of ``num_bytes`` (best of ``repeats``)."""
-    data = torch.ones(num_bytes // 4, dtype=torch.float32)
-    return data.numel() * 4 / _best(data.sum, repeats)
+GEMV_COLUMNS = 4096
+"""Columns of the matrix view of the read buffer in :func:`measure_read_bandwidth`'s product (16 KiB rows)."""
+
+
+def measure_read_bandwidth(num_bytes: int, repeats: int) -> tuple[float, float]:
+    """Bytes per second reading a float32 tensor of ``num_bytes`` (rounded down to whole rows of
+    :data:`GEMV_COLUMNS`), best of ``repeats`` each: ``(torch.sum, torch.mv of [rows, GEMV_COLUMNS] by ones)``.
+    The vector and the output (a few KiB) are left out of the bytes.  Raises InvalidArgumentError below one row."""
+    rows = num_bytes // (4 * GEMV_COLUMNS)
+    if rows < 1:
+        raise InvalidArgumentError(f"the read buffer must hold at least {4 * GEMV_COLUMNS} bytes, got {num_bytes}")
+    data = torch.ones(rows * GEMV_COLUMNS, dtype=torch.float32)
+    matrix, ones = data.view(rows, GEMV_COLUMNS), torch.ones(GEMV_COLUMNS)
+    out = torch.empty(rows)
+    size = data.numel() * 4
+    return size / _best(data.sum, repeats), size / _best(lambda: torch.mv(matrix, ones, out=out), repeats)
 
 
 def measure_gemm(size: int, repeats: int) -> float:
@@ -191,15 +212,19 @@ def measure_gemm(size: int, repeats: int) -> float:
 
 
 def measure_machine(quick: bool, repeats: int = 5) -> MachineFloor:
-    """Both rates at the current torch thread count (512 MiB read, 2048-square GEMM; quick: 64 MiB, 512)."""
+    """Both rates at the current torch thread count (512 MiB read, 2048-square GEMM; quick: 64 MiB, 512); the read
+    bandwidth is the faster of :func:`measure_read_bandwidth`'s two reads."""
     buffer_bytes, size = (64 << 20, 512) if quick else (512 << 20, 2048)
+    by_sum, by_gemv = measure_read_bandwidth(buffer_bytes, repeats)
     return MachineFloor(
-        measure_read_bandwidth(buffer_bytes, repeats),
+        max(by_sum, by_gemv),
         measure_gemm(size, repeats),
         torch.get_num_threads(),
         buffer_bytes,
         size,
         repeats,
+        by_sum,
+        by_gemv,
     )
 
 
@@ -349,6 +374,12 @@ def measure_floor(
     return {"machine": dataclasses.asdict(machine), "rows": rows, "setup": dataclasses.asdict(setup)}
 
 
+def _read_kernels(machine: dict) -> str:
+    """`` (sum X, mv Y)``: the two reads behind the bandwidth, where the measurement has them."""
+    by_sum, by_gemv = machine.get("sum_read_bytes_per_s"), machine.get("gemv_read_bytes_per_s")
+    return f" (sum {by_sum / 1e9:.1f}, mv {by_gemv / 1e9:.1f})" if by_sum and by_gemv else ""
+
+
 def floor_table(floor: dict) -> Table:
     """The printed table of :func:`measure_floor`'s result."""
     m = floor["machine"]
@@ -377,14 +408,15 @@ def floor_table(floor: dict) -> Table:
         )
     return Table(
         title=(
-            f"engine floor: read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s, fp32 GEMM "
+            f"engine floor: read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s{_read_kernels(m)}, fp32 GEMM "
             f"{m['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s ({m['threads']} torch threads, best of {m['repeats']})"
         ),
         headers=("model", "measure", "ours", "floor (what it must move)", "ours / floor", "opt-in oneDNN rows / floor"),
         rows=tuple(rows),
         notes=(
             f"{clock_name}, {m['threads']} torch threads, best of the repeats; decode floor = bytes a step reads "
-            f"(weights + live K/V) / bandwidth ({m['buffer_bytes'] >> 20} MiB torch.sum); prefill floor = FLOPs / GEMM "
+            f"(weights + live K/V) / bandwidth (the faster of torch.sum and torch.mv by ones over "
+            f"{m['buffer_bytes'] >> 20} MiB); prefill floor = FLOPs / GEMM "
             f"({m['gemm_size']}-square fp32 torch.mm)",
             "'opt-in oneDNN rows': the same decode steps, same run, interleaved, with one_row_onednn(True) (greedy "
             "tokens checked equal); goals (issue 30): decode <= 1.25, prefill <= 1.3",

@@ -4,6 +4,7 @@ model kinds.  No timings are asserted."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -91,8 +92,26 @@ def test_embedded_config_reads_a_hugging_face_config(tmp_path) -> None:
 
 
 def test_rates_are_positive_figures() -> None:
-    assert measure_read_bandwidth(1 << 20, repeats=1) > 0
+    by_sum, by_gemv = measure_read_bandwidth(1 << 20, repeats=1)
+    assert by_sum > 0 and by_gemv > 0
     assert measure_gemm(32, repeats=1) > 0
+    with pytest.raises(InvalidArgumentError, match="at least 16384 bytes"):
+        measure_read_bandwidth(1000, repeats=1)
+
+
+def test_the_floor_reads_at_the_faster_of_the_sum_and_the_product(monkeypatch) -> None:
+    import prefixcache.bench.floor as floor
+
+    monkeypatch.setattr(floor, "measure_read_bandwidth", lambda size, repeats: (1.5e10, 2.5e10))
+    monkeypatch.setattr(floor, "measure_gemm", lambda size, repeats: 1e11)
+    machine = floor.measure_machine(quick=True, repeats=1)
+    assert (machine.read_bytes_per_s, machine.sum_read_bytes_per_s, machine.gemv_read_bytes_per_s) == (
+        2.5e10,
+        1.5e10,
+        2.5e10,
+    )
+    table = floor_table({"machine": dataclasses.asdict(machine), "rows": []})
+    assert "25.0 GB/s (sum 15.0, mv 25.0)" in table.title
 
 
 def test_floor_table_prints_the_ratio_to_the_floor() -> None:
@@ -117,7 +136,8 @@ def test_floor_table_prints_the_ratio_to_the_floor() -> None:
 def test_two_measurements_of_the_machine_keep_the_higher_rates() -> None:
     from prefixcache.bench.floor import MachineFloor
 
-    busy = MachineFloor(1e10, 9e10, 2, 1 << 29, 2048, 5)
-    quiet = MachineFloor(3e10, 6e10, 2, 1 << 29, 2048, 5)
+    busy = MachineFloor(1e10, 9e10, 2, 1 << 29, 2048, 5, 1e10, 0.8e10)
+    quiet = MachineFloor(3e10, 6e10, 2, 1 << 29, 2048, 5, 2e10, 3e10)
     best = busy.best(quiet)
     assert (best.read_bytes_per_s, best.gemm_flops_per_s, best.repeats) == (3e10, 9e10, 10)
+    assert (best.sum_read_bytes_per_s, best.gemv_read_bytes_per_s) == (2e10, 3e10)
