@@ -49,3 +49,19 @@ def test_the_decode_pairs_time_every_token_both_ways() -> None:
         assert figures[f"{key}_in_process_ms"] > 0 and figures[f"{key}_served_ms"] > 0, key
         low, high = figures[f"{key}_ratio_quartiles"]
         assert 0 < low <= figures[f"{key}_ratio"] <= high, key
+    table = bench._decode_table({**figures, "label": "tiny preset"})
+    assert "(tiny preset, 6 new tokens" in table.title
+    assert [row[0] for row in table.rows] == [1, figures["concurrent"]]
+
+
+def test_the_second_decode_row_has_qwen_s_24_layers_and_the_byte_vocabulary() -> None:
+    import pytest
+
+    from prefixcache.models.llama import PRESETS
+
+    config = bench.qwen_layers_config()
+    if config is None:
+        pytest.skip("../shared/data/tokenizers/qwen2.5-0.5b-instruct/config.json is absent (a user's clone)")
+    sizes = (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.intermediate_size)
+    assert sizes == (24, 896, 14, 2, 4864)
+    assert config.vocab_size == PRESETS["small"].vocab_size == 512
