@@ -145,27 +145,35 @@ def prefill_flops(shape: ModelShape, tokens: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class MachineFloor:
-    """This machine's measured rates: read bandwidth (bytes/s) over ``buffer_bytes``, float32 GEMM (FLOP/s) of
-    ``gemm_size``-square matrices, best of ``repeats``, at ``threads`` torch threads."""
+    """This machine's measured rates: read bandwidth (bytes/s) over ``buffer_bytes`` by ``torch.sum`` and by
+    ``torch.mv`` (:func:`measure_read_bandwidth`), float32 GEMM (FLOP/s) of ``gemm_size``-square matrices, best of
+    ``repeats``, at ``threads`` torch threads."""
 
-    read_bytes_per_s: float
+    sum_read_bytes_per_s: float
+    gemv_read_bytes_per_s: float
     gemm_flops_per_s: float
     threads: int
     buffer_bytes: int
     gemm_size: int
     repeats: int
-    sum_read_bytes_per_s: float = 0.0
-    gemv_read_bytes_per_s: float = 0.0
+
+    @property
+    def read_bytes_per_s(self) -> float:
+        """The floor's read bandwidth: the faster of the two reads."""
+        return max(self.sum_read_bytes_per_s, self.gemv_read_bytes_per_s)
+
+    def as_dict(self) -> dict:
+        """The fields and :attr:`read_bytes_per_s`, as ``measure_floor`` returns them."""
+        return {**dataclasses.asdict(self), "read_bytes_per_s": self.read_bytes_per_s}
 
     def best(self, other: MachineFloor) -> MachineFloor:
         """The higher of each rate of two measurements of the same sizes (a busy moment only lowers a rate)."""
         return dataclasses.replace(
             self,
-            read_bytes_per_s=max(self.read_bytes_per_s, other.read_bytes_per_s),
-            gemm_flops_per_s=max(self.gemm_flops_per_s, other.gemm_flops_per_s),
-            repeats=self.repeats + other.repeats,
             sum_read_bytes_per_s=max(self.sum_read_bytes_per_s, other.sum_read_bytes_per_s),
             gemv_read_bytes_per_s=max(self.gemv_read_bytes_per_s, other.gemv_read_bytes_per_s),
+            gemm_flops_per_s=max(self.gemm_flops_per_s, other.gemm_flops_per_s),
+            repeats=self.repeats + other.repeats,
         )
 
 
@@ -217,14 +225,7 @@ def measure_machine(quick: bool, repeats: int = 5) -> MachineFloor:
     buffer_bytes, size = (64 << 20, 512) if quick else (512 << 20, 2048)
     by_sum, by_gemv = measure_read_bandwidth(buffer_bytes, repeats)
     return MachineFloor(
-        max(by_sum, by_gemv),
-        measure_gemm(size, repeats),
-        torch.get_num_threads(),
-        buffer_bytes,
-        size,
-        repeats,
-        by_sum,
-        by_gemv,
+        by_sum, by_gemv, measure_gemm(size, repeats), torch.get_num_threads(), buffer_bytes, size, repeats
     )
 
 
@@ -371,13 +372,7 @@ def measure_floor(
             row["prefill_floor_s"] = row["prefill_flops"] / machine.gemm_flops_per_s
     finally:
         torch.set_num_threads(before)
-    return {"machine": dataclasses.asdict(machine), "rows": rows, "setup": dataclasses.asdict(setup)}
-
-
-def _read_kernels(machine: dict) -> str:
-    """`` (sum X, mv Y)``: the two reads behind the bandwidth, where the measurement has them."""
-    by_sum, by_gemv = machine.get("sum_read_bytes_per_s"), machine.get("gemv_read_bytes_per_s")
-    return f" (sum {by_sum / 1e9:.1f}, mv {by_gemv / 1e9:.1f})" if by_sum and by_gemv else ""
+    return {"machine": machine.as_dict(), "rows": rows, "setup": dataclasses.asdict(setup)}
 
 
 def floor_table(floor: dict) -> Table:
@@ -408,7 +403,8 @@ def floor_table(floor: dict) -> Table:
         )
     return Table(
         title=(
-            f"engine floor: read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s{_read_kernels(m)}, fp32 GEMM "
+            f"engine floor: read bandwidth {m['read_bytes_per_s'] / 1e9:.1f} GB/s (sum "
+            f"{m['sum_read_bytes_per_s'] / 1e9:.1f}, mv {m['gemv_read_bytes_per_s'] / 1e9:.1f}), fp32 GEMM "
             f"{m['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s ({m['threads']} torch threads, best of {m['repeats']})"
         ),
         headers=("model", "measure", "ours", "floor (what it must move)", "ours / floor", "opt-in oneDNN rows / floor"),

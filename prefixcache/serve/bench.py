@@ -42,7 +42,7 @@ from prefixcache.bench.policy import DATA_DIR
 from prefixcache.engine.batching import BatchEngine
 from prefixcache.engine.chat import ChatCompletion, prepare_chat, submit_chat
 from prefixcache.engine.runner import PrefixCachingRunner
-from prefixcache.models.llama import build_model
+from prefixcache.models.llama import PRESETS, LlamaModel, build_model
 from prefixcache.replay.scenarios import default_tools_for, load_scenario
 from prefixcache.serve.app import create_app
 from prefixcache.serve.bench_decode import GOAL_RATIO, decode_figures
@@ -240,14 +240,12 @@ def run(quick: bool = False) -> BenchResult:
     96-token decodes (``quick``: 30 pairs, 16 conversations of at most 2 turns, 6 pairs of 48 tokens)."""
     overhead = _overhead(30 if quick else 300)
     tau = _tau_bench(16 if quick else 32, 2 if quick else 6)
-    decode = decode_figures(quick)
-    decode["label"] = "small preset"
-    decodes = [decode]
-    qwen_layers = None if quick else _qwen_layers_model()
+    decodes = [("small preset", decode_figures(quick))]
+    qwen_layers = None if quick else qwen_layers_config()
     if qwen_layers is not None:
-        decodes.append(decode_figures(model=qwen_layers, runs=8, new_tokens=48))
-        decodes[-1]["label"] = qwen_layers.config.name
-        del qwen_layers
+        model = LlamaModel(qwen_layers, device="cpu")  # seeded random weights, 1.4 GB
+        decodes.append((qwen_layers.name, decode_figures(model=model, runs=8, new_tokens=48)))
+        del model
     verdict = "met" if overhead["overhead_p50_ms"] < GOAL_OVERHEAD_MS else "not met"
     tables = [
         Table(
@@ -323,17 +321,17 @@ def run(quick: bool = False) -> BenchResult:
                 notes,
             )
         )
-    tables.extend(_decode_table(d) for d in decodes)
-    figures = {"overhead": overhead, "tau_bench": tau, "decode": decode, "decode_qwen_layers": decodes[1:]}
+    tables.extend(_decode_table(decode, label) for label, decode in decodes)
+    figures = {"overhead": overhead, "tau_bench": tau, "decode": decodes[0][1]}
+    figures["decode_qwen_layers"] = decodes[1][1] if len(decodes) > 1 else None
     return BenchResult("serve", tuple(tables), figures)
 
 
 def qwen_layers_config():
-    """The config of :func:`_qwen_layers_model`: Qwen2.5-0.5B's 24 layers (``../shared``'s config) with the ``small``
-    preset's vocabulary (512 ids, the byte tokenizer's), or None where ``../shared`` lacks the Qwen config."""
+    """The config of the second decode table's model: Qwen2.5-0.5B's 24 layers (``../shared``'s config) with the
+    ``small`` preset's vocabulary (512 ids, the byte tokenizer's), or None where ``../shared`` lacks the Qwen config."""
     from prefixcache.bench.engine import QWEN_DIR
     from prefixcache.bench.floor import embedded_config
-    from prefixcache.models.llama import PRESETS
 
     if not (QWEN_DIR / "config.json").is_file():
         return None
@@ -342,15 +340,7 @@ def qwen_layers_config():
     return dataclasses.replace(config, name=name, vocab_size=PRESETS["small"].vocab_size)
 
 
-def _qwen_layers_model():
-    """The embedded model of :func:`qwen_layers_config` (seeded random weights, 1.4 GB), or None."""
-    from prefixcache.models.llama import LlamaModel
-
-    config = qwen_layers_config()
-    return None if config is None else LlamaModel(config, device="cpu")
-
-
-def _decode_table(decode: dict[str, Any]) -> Table:
+def _decode_table(decode: dict[str, Any], label: str) -> Table:
     rows = []
     for key, streams in (("single", 1), ("concurrent", decode["concurrent"])):
         ratio = decode[f"{key}_ratio"]
@@ -371,7 +361,7 @@ def _decode_table(decode: dict[str, Any]) -> Table:
             )
         )
     return Table(
-        f"serve: per-token decode, in-process vs streamed over HTTP ({decode.get('label', 'small preset')}, "
+        f"serve: per-token decode, in-process vs streamed over HTTP ({label}, "
         f"{decode['new_tokens']} new tokens, "
         f"greedy, load avg 1m {decode['load_average_1m']:.2f})",
         (

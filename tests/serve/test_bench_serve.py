@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from prefixcache.serve import bench
 
 
@@ -49,14 +51,12 @@ def test_the_decode_pairs_time_every_token_both_ways() -> None:
         assert figures[f"{key}_in_process_ms"] > 0 and figures[f"{key}_served_ms"] > 0, key
         low, high = figures[f"{key}_ratio_quartiles"]
         assert 0 < low <= figures[f"{key}_ratio"] <= high, key
-    table = bench._decode_table({**figures, "label": "tiny preset"})
+    table = bench._decode_table(figures, "tiny preset")
     assert "(tiny preset, 6 new tokens" in table.title
     assert [row[0] for row in table.rows] == [1, figures["concurrent"]]
 
 
 def test_the_second_decode_row_has_qwen_s_24_layers_and_the_byte_vocabulary() -> None:
-    import pytest
-
     from prefixcache.models.llama import PRESETS
 
     config = bench.qwen_layers_config()
