@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from prefixcache.cli import bench, plan, replay, serve
 from prefixcache.cli.options import parse_count, parse_size, verbose_parent, version
 from prefixcache.errors import PrefixCacheError, VerificationError
+from prefixcache.host_allocator import keep_freed_host_memory_unless_opted_out
 
 __all__ = ["build_parser", "main", "parse_count", "parse_size"]
 
@@ -41,7 +42,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     Run as the program (``argv`` None: the ``prefixcache`` script, ``python -m prefixcache``), a Ctrl-C ends the
     process as soon as its report is written and the streams flushed (``os._exit(130)``): tearing down torch and a
     model's tensors otherwise takes another 1-5 s on a loaded 2-core machine.
+
+    Run as the program, it first keeps the host allocator's freed blocks for reuse
+    (:func:`~prefixcache.host_allocator.keep_freed_host_memory`; ``PREFIXCACHE_KEEP_FREED_MEMORY=0`` opts out):
+    a CPU prefill then stops page-faulting on every layer's activations.
     """
+    if argv is None:
+        keep_freed_host_memory_unless_opted_out()
     status = _main(argv)
     if status == 130 and argv is None:
         logging.shutdown()

@@ -360,8 +360,7 @@ class LlamaModel:
                 x = x[lasts]
             x = x + linear(torch.cat(outs), layer.o, packs=packs)
             h = self._rms_norm(x, layer.mlp_norm)
-            gate, up = linear(h, layer.gate_up, packs=packs).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down, packs=packs)
+            x = x + linear(_swiglu(linear(h, layer.gate_up, packs=packs)), layer.down, packs=packs)
         logits = linear(self._rms_norm(x, self.final_norm), self.lm_head, packs=packs).float()
         for row, (_, _, _, end) in zip(rows, spans, strict=True):
             row.live.num_tokens = end
@@ -450,8 +449,7 @@ class LlamaModel:
                 q, x, start, n = q[logits_from:], x[logits_from:], start + logits_from, n - logits_from
             x = x + linear(attend(q, k_all, v_all, start), layer.o)
             h = self._rms_norm(x, layer.mlp_norm)
-            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down)
+            x = x + linear(_swiglu(linear(h, layer.gate_up)), layer.down)
         h = self._rms_norm(x, self.final_norm)
         return linear(h, self.lm_head).float()
 
@@ -512,6 +510,15 @@ class LlamaModel:
             f"LlamaModel({self.config.name!r}, params={self.parameter_count():,}, dtype={self.dtype}, "
             f"device={self.device})"
         )
+
+
+def _swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the MLP's product ``gate_up[n, 2 * intermediate]`` (gate columns, then up), computed
+    in place in the gate half, returned as ``[n, intermediate]`` (a view of ``gate_up``, rows ``2 * intermediate``
+    apart).  Equal to ``F.silu(gate) * up`` bit for bit; it allocates nothing where that allocates two
+    ``[n, intermediate]`` tensors (40 MB at 1,024 tokens on Qwen2.5-0.5B's shape), each fresh pages to fault in."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)
 
 
 def build_model(
