@@ -344,3 +344,51 @@ def test_cli_refuses_layers_without_model_config(chat_file: Path) -> None:
     from prefixcache.cli import main
 
     assert main(["replay", str(chat_file), "--layers", "2", "--no-progress"]) == 2
+
+
+@pytest.mark.parametrize("cached", [0, 17])
+def test_last_position_logits_equal_the_full_forward_with_the_last_mlp_on_one_row(
+    wrapped: HFCausalLM, cached: int
+) -> None:
+    # The last layer's MLP runs on the last position only where just its logits are kept (llama, qwen2 here; gpt2's
+    # is left whole); the logits and the K/V written for every position stay the full forward's.
+    prompt = _ids(40, seed=11)
+    kv = torch.zeros(kv_pool_shape(wrapped, 8, 16), dtype=wrapped.dtype)
+    table = torch.arange(8)
+    if cached:
+        wrapped.forward_cached(torch.tensor(prompt[:cached]), 0, kv, table)
+    last = wrapped.forward_cached(torch.tensor(prompt[cached:]), cached, kv, table)
+    full = torch.zeros_like(kv)
+    every = wrapped.forward_cached(torch.tensor(prompt), 0, full, table, return_logits=True)
+    reference = wrapped.forward_reference(torch.tensor(prompt))
+    torch.testing.assert_close(last, reference, atol=TOL, rtol=0)
+    torch.testing.assert_close(every[-1:], reference, atol=TOL, rtol=0)
+    torch.testing.assert_close(kv, full, atol=TOL, rtol=0)
+    mlp = wrapped._last_mlp
+    assert (mlp is not None) == (wrapped.config.model_type in {"llama", "qwen2"})
+    if mlp is not None:
+        assert not mlp._forward_pre_hooks
+
+
+def test_last_position_mlp_slices_inside_the_block_and_is_removed_on_error() -> None:
+    from prefixcache.models.hf import last_layer_mlp, last_position_mlp
+
+    model = _hf_model("qwen2")
+    mlp = last_layer_mlp(model.model, model.config)
+    assert mlp is model.model.layers[-1].mlp
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad(), last_position_mlp(mlp):
+        inside = mlp(x)
+    assert inside.shape == (2, 1, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(inside, mlp(x)[:, -1:], atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="boom"), last_position_mlp(mlp):
+        raise RuntimeError("boom")
+    assert not mlp._forward_pre_hooks
+    with last_position_mlp(None):
+        pass
+    # Other model types, and a last layer whose MLP is not a dense *MLP module, keep their whole last layer.
+    gpt2 = _hf_model("gpt2")
+    assert last_layer_mlp(gpt2.transformer, gpt2.config) is None
+    model.model.layers[-1].mlp = torch.nn.Identity()
+    assert last_layer_mlp(model.model, model.config) is None
