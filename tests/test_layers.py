@@ -1,10 +1,10 @@
 """The package's layers, checked from its source: every import points down, no module imports another's private
 names, no modules import each other in a circle (inside a layer too), and no module grows past 600 lines.
 
-Layers, lowest first: errors <- cache <- models, chat, distributed <- engine <- replay <- bench, testing, ray <-
-serve, integrations <- cli <- the ``prefixcache`` facade.  A module may import its own subpackage and any lower layer;
-models and chat, side by side, do not import each other (nor does distributed); nothing inside the package imports
-the facade.
+Layers, lowest first: errors <- cache, host_allocator <- models, chat, distributed <- engine <- replay <- bench,
+testing, ray <- serve, integrations <- cli <- the ``prefixcache`` facade.  A module may import its own subpackage and
+any lower layer; models and chat, side by side, do not import each other (nor does distributed); nothing inside the
+package imports the facade.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "prefixcache"
 LAYERS = {
     "prefixcache.errors": 0,
+    "prefixcache.host_allocator": 1,
     "prefixcache.cache": 1,
     "prefixcache.models": 2,
     "prefixcache.chat": 2,

@@ -29,8 +29,6 @@ import itertools
 import json
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +47,7 @@ from prefixcache.models.base import (
     weights_version_of,
 )
 from prefixcache.models.hf_cache import PaddedBatch
+from prefixcache.models.hf_last_position import last_layer_mlp, last_position_mlp
 from prefixcache.models.hf_state import (
     RecurrentState,
     StateLayout,
@@ -177,8 +176,7 @@ class HFCausalLM:
         return int(self.config.vocab_size)
 
     def _resolve_head(self) -> None:
-        """Find the head and base this adapter runs itself (:func:`.hf_support.plain_head`), noted against the head
-        module."""
+        """Find the head and base this adapter runs itself (:func:`.hf_support.plain_head`), noted by head module."""
         self._head_module = output_embeddings(self.model)
         self._head = plain_head(self.model)
         self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
@@ -474,10 +472,9 @@ class HFCausalLM:
 
     def _logits(self, cache: Any, return_logits: bool, **inputs: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, n or 1, vocab]`` (model dtype) of one cached forward of ``inputs``: every position with
-        ``return_logits``, else the last.  Where the model's logits are its LM head on the base model's last hidden
-        state (:func:`.hf_support.plain_head`), runs the two itself, a forward of few tokens with tall-skinny products
-        (:mod:`~prefixcache.models.linear`), and, for the last position's logits only, the last layer's MLP on the
-        last position only (:func:`last_position_mlp`); else the model's own forward with ``logits_to_keep``."""
+        ``return_logits``, else the last.  A plain head (:func:`.hf_support.plain_head`) is run by us on the base's
+        hidden state (few tokens: tall-skinny products; the last layer's MLP on the last position alone unless
+        ``return_logits``, :mod:`.hf_last_position`); else the model's own forward with ``logits_to_keep``."""
         if output_embeddings(self.model) is not self._head_module:
             self._resolve_head()  # replaced since we looked (resize_token_embeddings, a new lm_head)
         if self._head is None:
@@ -486,8 +483,8 @@ class HFCausalLM:
             )
             return out.logits if return_logits else out.logits[:, -1:]
         base, base_cache_kwarg, head = self._head
-        last_only = self._last_mlp if not return_logits and inputs["input_ids"].shape[-1] > 1 else None
-        with tall_skinny_linears(self._linears, inputs["input_ids"].numel()), last_position_mlp(last_only):
+        last = self._last_mlp if not return_logits and inputs["input_ids"].shape[-1] > 1 else None
+        with tall_skinny_linears(self._linears, inputs["input_ids"].numel()), last_position_mlp(last):
             hidden = base(**inputs, use_cache=True, **{base_cache_kwarg: cache}).last_hidden_state
         return project(hidden if return_logits else hidden[:, -1:], head.weight, head.bias, self._head_packs)
 
@@ -530,49 +527,6 @@ class HFCausalLM:
 
     def __repr__(self) -> str:
         return f"HFCausalLM({self.name}, dtype={self.dtype}, device={self.device})"
-
-
-LAST_POSITION_MLP_TYPES = frozenset("llama mistral qwen2 qwen3".split())
-"""``config.model_type`` values whose last decoder layer adds its MLP's output to the residual row by row
-(``h = h + mlp(norm(h))``), so that MLP may run on the last position alone when only its logits are kept."""
-
-
-def last_layer_mlp(base: torch.nn.Module, config: Any) -> torch.nn.Module | None:
-    """The MLP of the last decoder layer of ``base`` (a transformers base model) where :func:`last_position_mlp`
-    applies: a model type of :data:`LAST_POSITION_MLP_TYPES`, ``base.layers[-1].mlp`` a dense ``*MLP`` module (not a
-    mixture of experts); else None."""
-    if getattr(config, "model_type", None) not in LAST_POSITION_MLP_TYPES:
-        return None
-    layers = getattr(base, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList) or len(layers) == 0:
-        return None
-    mlp = getattr(layers[-1], "mlp", None)
-    return mlp if isinstance(mlp, torch.nn.Module) and type(mlp).__name__.endswith("MLP") else None
-
-
-@contextmanager
-def last_position_mlp(mlp: torch.nn.Module | None) -> Iterator[None]:
-    """Within the block, ``mlp`` (from :func:`last_layer_mlp`; None: nothing changes) runs on the last position of
-    its input ``[B, n, hidden]`` only, ``[B, 1, hidden]``; the layer's residual add broadcasts that row over all
-    ``n``, so only the last position's hidden state (the one the LM head reads) is right.  The K/V of every
-    position are computed before the MLP, as always.  Saves the last layer's MLP on ``n - 1`` positions (Qwen2.5-0.5B,
-    4 layers, 1,024 tokens: 27 of 130 GFLOP), as the embedded model does (``LlamaModel._forward``).  The hook is
-    removed on leaving, exception or not.
-    """
-    if mlp is None:
-        yield
-        return
-    handle = mlp.register_forward_pre_hook(_last_position)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
-def _last_position(_module: torch.nn.Module, args: tuple) -> tuple | None:
-    if not args or not isinstance(args[0], torch.Tensor) or args[0].dim() != 3:
-        return None
-    return (args[0][:, -1:], *args[1:])
 
 
 def _flat(kv: torch.Tensor) -> torch.Tensor:

@@ -371,7 +371,7 @@ def test_last_position_logits_equal_the_full_forward_with_the_last_mlp_on_one_ro
 
 
 def test_last_position_mlp_slices_inside_the_block_and_is_removed_on_error() -> None:
-    from prefixcache.models.hf import last_layer_mlp, last_position_mlp
+    from prefixcache.models.hf_last_position import last_layer_mlp, last_position_mlp
 
     model = _hf_model("qwen2")
     mlp = last_layer_mlp(model.model, model.config)
