@@ -379,3 +379,14 @@ def check_cached_call(
         bad = lo_blk if lo_blk < 0 else hi_blk
         raise InvalidArgumentError(f"block_table names block {bad}, the pool has blocks [0, {num_blocks})")
     return ids, used
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``device``, or CUDA when available else the CPU for None; a bare ``"cuda"`` as the current device's index
+    (pools report ``"cuda:0"``, never bare ``"cuda"``, so device checks compare like with like)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

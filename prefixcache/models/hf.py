@@ -44,9 +44,11 @@ from prefixcache.models.base import (
     check_logits_from,
     check_reference_call,
     hash_weights,
+    resolve_device,
     weights_version_of,
 )
 from prefixcache.models.hf_cache import PaddedBatch
+from prefixcache.models.hf_decode_attention import grouped_decode
 from prefixcache.models.hf_last_position import last_layer_mlp, last_position_mlp
 from prefixcache.models.hf_state import (
     RecurrentState,
@@ -477,14 +479,17 @@ class HFCausalLM:
         ``return_logits``, :mod:`.hf_last_position`); else the model's own forward with ``logits_to_keep``."""
         if output_embeddings(self.model) is not self._head_module:
             self._resolve_head()  # replaced since we looked (resize_token_embeddings, a new lm_head)
+        # One decode query on the CPU attends its KV heads grouped (.hf_decode_attention).
+        grouped = grouped_decode(self.config, inputs["input_ids"].shape[-1] == 1 and self.device.type == "cpu")
         if self._head is None:
-            out = self.model(
-                **inputs, use_cache=True, **self._logits_kwargs(return_logits), **{self._cache_kwarg: cache}
-            )
+            with grouped:
+                out = self.model(
+                    **inputs, use_cache=True, **self._logits_kwargs(return_logits), **{self._cache_kwarg: cache}
+                )
             return out.logits if return_logits else out.logits[:, -1:]
         base, base_cache_kwarg, head = self._head
         last = self._last_mlp if not return_logits and inputs["input_ids"].shape[-1] > 1 else None
-        with tall_skinny_linears(self._linears, inputs["input_ids"].numel()), last_position_mlp(last):
+        with tall_skinny_linears(self._linears, inputs["input_ids"].numel()), last_position_mlp(last), grouped:
             hidden = base(**inputs, use_cache=True, **{base_cache_kwarg: cache}).last_hidden_state
         return project(hidden if return_logits else hidden[:, -1:], head.weight, head.bias, self._head_packs)
 
@@ -545,12 +550,6 @@ def _drops(module: torch.nn.Module) -> bool:
     return isinstance(module, PreTrainedModel) or any(isinstance(r, float) and r > 0 for r in rates)
 
 
-def _resolve_device(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(device)
-
-
 def load_hf_model(
     path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: torch.device | str | None = None
 ) -> HFCausalLM:
@@ -570,7 +569,7 @@ def load_hf_model(
         )
     except (OSError, ValueError) as error:
         raise InvalidArgumentError(f"cannot load a causal LM from {str(folder)!r}: {error}") from None
-    return HFCausalLM(model.to(_resolve_device(device)))
+    return HFCausalLM(model.to(resolve_device(device)))
 
 
 def random_model_from_config(
@@ -597,4 +596,4 @@ def random_model_from_config(
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         except ValueError as error:  # no causal LM for this config class (an encoder-decoder such as T5)
             raise UnsupportedModelError(f"{config.model_type}: no causal LM for this config: {error}") from None
-    return HFCausalLM(model.to(_resolve_device(device)))
+    return HFCausalLM(model.to(resolve_device(device)))

@@ -30,6 +30,7 @@ from prefixcache.models.base import (
     check_logits_from,
     check_reference_call,
     config_fingerprint,
+    resolve_device,
     weights_version_of,
 )
 from prefixcache.models.linear import WeightPacks, linear, one_row_layout
@@ -89,16 +90,6 @@ class _LayerWeights:
     down: torch.Tensor  # [hidden, intermediate]
 
 
-def _resolve_device(device: torch.device | str | None) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    # Pools report "cuda:0", never bare "cuda"; normalise so the device check compares like with like.
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
 class LlamaModel:
     """A seeded Llama-style decoder implementing :class:`prefixcache.models.base.CausalLM`.
 
@@ -120,7 +111,7 @@ class LlamaModel:
         self.vocab_size = config.vocab_size
         self.max_position = config.max_position
         self.dtype = dtype
-        self.device = _resolve_device(device)
+        self.device = resolve_device(device)
         # forward_cached attends through the pool's block table (models.paged_attention) instead of gathering.
         self.paged_attention = paged_attention_default(self.device)
         self._config_fingerprint = config_fingerprint(config, architecture=ARCHITECTURE, dtype=dtype)
