@@ -121,6 +121,9 @@ def test_floor_table_prints_the_ratio_to_the_floor() -> None:
         "decode_onednn_s": 0.045,
         "decode_bytes": 300_000_000,
         "decode_floor_s": 0.015,
+        "decode_ratio": 1.9,
+        "decode_onednn_ratio": 2.9,
+        "prefill_ratio": 1.95,
         "prefill_tokens": 1024,
         "prefill_s": 2.0,
         "prefill_flops": 10**11,
@@ -129,7 +132,8 @@ def test_floor_table_prints_the_ratio_to_the_floor() -> None:
     machine = {"read_bytes_per_s": 2e10, "gemm_flops_per_s": 1e11, "threads": 2, "buffer_bytes": 1 << 29}
     machine |= {"sum_read_bytes_per_s": 1.5e10, "gemv_read_bytes_per_s": 2e10}
     table = floor_table({"machine": {**machine, "gemm_size": 2048, "repeats": 5}, "rows": [row]})
-    assert table.rows[0][4:] == ("2.00", "3.00") and table.rows[1][4] == "2.00"
+    # The ratios are the rows' own (each run against the rates of its moment); the ms columns use the title's.
+    assert table.rows[0][2:] == ("30.0", "15.0 (300 MB)", "1.90", "2.90") and table.rows[1][4] == "1.95"
     assert "20.0 GB/s (sum 15.0, mv 20.0)" in table.title
 
 
@@ -141,3 +145,63 @@ def test_two_measurements_of_the_machine_keep_the_higher_rates() -> None:
     best = busy.best(quiet)
     assert (best.read_bytes_per_s, best.gemm_flops_per_s, best.repeats) == (3e10, 9e10, 10)
     assert (best.sum_read_bytes_per_s, best.gemv_read_bytes_per_s) == (2e10, 3e10)
+
+
+class _Clock:
+    """A fake clock that moves only where the test moves it (``now``)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_each_run_is_held_against_the_rates_measured_next_to_it(monkeypatch) -> None:
+    # Four decode runs of equal time (bytes / 10 GB/s), default and oneDNN interleaved (off, on, on, off), each
+    # between two probes.  A run's ratio uses the higher probe (the stricter floor): off runs 30 and 25 GB/s -> 3.0
+    # and 2.5, on runs 10 and 15 GB/s -> 1.0 and 1.5; a row keeps its best run.  The prefill likewise (GEMM probes).
+    import prefixcache.bench.floor as floor
+
+    clock = _Clock()
+    reads = iter([20e9, 30e9, 10e9, 10e9, 15e9, 10e9, 10e9, 25e9])
+    gemms = iter([1e11, 2e11])
+    monkeypatch.setattr(floor, "clock", clock)
+
+    class Probe:
+        def read_bytes_per_s(self) -> float:
+            return next(reads)
+
+        def gemm_flops_per_s(self) -> float:
+            return next(gemms)
+
+    shape = ModelShape.of(build_model("tiny", device="cpu"))
+    step_bytes = decode_step_bytes(shape, 33)
+    flops = prefill_flops(shape, 16)
+
+    def decode_seconds(runner, prompt, steps):
+        return step_bytes / 10e9, (1, 2, 3)
+
+    class Runner:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+        def prefill(self, prompt) -> None:
+            clock.now += flops / 1e11  # 2.0 of the floor at the faster GEMM probe
+
+    monkeypatch.setattr(floor, "_decode_seconds", decode_seconds)
+    monkeypatch.setattr(floor, "PrefixCachingRunner", Runner)
+    row = floor.measure_model(build_model("tiny", device="cpu"), 32, 16, 2, 2, 1, Probe())
+    assert row["decode_ratio"] == pytest.approx(2.5) and row["decode_s"] == pytest.approx(step_bytes / 10e9)
+    assert row["decode_onednn_ratio"] == pytest.approx(1.0)
+    assert row["prefill_ratio"] == pytest.approx(2.0)
+
+
+def test_a_rate_probe_measures_positive_rates_and_refuses_a_short_buffer() -> None:
+    from prefixcache.bench.floor import RateProbe
+
+    probe = RateProbe(1 << 20, 32, repeats=1)
+    assert probe.read_bytes_per_s() > 0 and min(probe.read_rates()) > 0
+    assert probe.gemm_flops_per_s() > 0
+    with pytest.raises(InvalidArgumentError, match="at least 16384 bytes"):
+        RateProbe(1000, 0, repeats=1)
