@@ -9,6 +9,7 @@ per step is the comparable measure, not per request.  Needs the ``structured`` e
 
 from __future__ import annotations
 
+import importlib.util
 import statistics
 import time
 from typing import Any
@@ -55,14 +56,14 @@ def _per_step(runner: PrefixCachingRunner, prompt: list[int], grammar: Any, repe
 def measure_grammar(quick: bool, repeats: int, device: torch.device | str = "cpu") -> dict:
     """Median CPU seconds per batched decode step, constrained and not, on the embedded ``tiny`` (quick) or ``small``
     model; ``available`` False (and no figures) without llguidance."""
-    try:
-        from prefixcache.engine.grammar import Grammar
-        from prefixcache.models.llama import build_model
-
-        runner = PrefixCachingRunner(build_model("tiny" if quick else "small", device=device), cache_tokens=1 << 14)
-        grammar = Grammar.json_schema(SCHEMA, runner.tokenizer)
-    except ImportError:
+    # The grammar module imports without llguidance; compiling a grammar then raises InvalidArgumentError.
+    if importlib.util.find_spec("llguidance") is None:
         return {"available": False}
+    from prefixcache.engine.grammar import Grammar
+    from prefixcache.models.llama import build_model
+
+    runner = PrefixCachingRunner(build_model("tiny" if quick else "small", device=device), cache_tokens=1 << 14)
+    grammar = Grammar.json_schema(SCHEMA, runner.tokenizer)
     prompt = runner.tokenizer.encode("Give a city's forecast as JSON. " * 8)
     runner.generate(prompt, SamplingParams(max_new_tokens=0))  # cached: both sides decode behind it
     plain, constrained = [], []

@@ -49,6 +49,7 @@ from prefixcache.models.base import (
 )
 from prefixcache.models.hf_cache import PaddedBatch
 from prefixcache.models.hf_decode_attention import grouped_decode
+from prefixcache.models.hf_decode_step import decode_logits
 from prefixcache.models.hf_last_position import last_layer_mlp, last_position_mlp
 from prefixcache.models.hf_state import (
     RecurrentState,
@@ -64,6 +65,7 @@ from prefixcache.models.hf_support import (
     TESTED_MODEL_TYPES,
     KVLayout,
     check_supported,
+    drops_in_training,
     output_embeddings,
     plain_head,
     probe_kv_layout,
@@ -220,7 +222,7 @@ class HFCausalLM:
         O(parameters) integer reads."""
         version = weights_version_of(itertools.chain(self.model.parameters(), self.model.buffers()))
         if version != self._droppers_version:
-            self._droppers = [module for module in self.model.modules() if _drops(module)]
+            self._droppers = [module for module in self.model.modules() if drops_in_training(module)]
             self._droppers_version = version
         return version
 
@@ -479,8 +481,14 @@ class HFCausalLM:
         ``return_logits``, :mod:`.hf_last_position`); else the model's own forward with ``logits_to_keep``."""
         if output_embeddings(self.model) is not self._head_module:
             self._resolve_head()  # replaced since we looked (resize_token_embeddings, a new lm_head)
-        # One decode query on the CPU attends its KV heads grouped (.hf_decode_attention).
-        grouped = grouped_decode(self.config, inputs["input_ids"].shape[-1] == 1 and self.device.type == "cpu")
+        # One decode query on the CPU attends its KV heads grouped (.hf_decode_attention), and where the layers allow,
+        # through our own layer loop (.hf_decode_step); an attention mask (a padded batch) goes through the model.
+        decode = inputs["input_ids"].shape[-1] == 1 and self.device.type == "cpu"
+        grouped = grouped_decode(self.config, decode)
+        if decode and self._head is not None and "attention_mask" not in inputs:
+            logits = decode_logits(self._head, self.config, cache, inputs, self._linears, self._head_packs)
+            if logits is not None:
+                return logits
         if self._head is None:
             with grouped:
                 out = self.model(
@@ -537,17 +545,6 @@ class HFCausalLM:
 def _flat(kv: torch.Tensor) -> torch.Tensor:
     """``kv`` as ``[num_layers, 2, num_blocks * block_size, H_kv, D]``: a view, so index_copy_ writes the pool."""
     return kv.view(kv.shape[0], 2, kv.shape[2] * kv.shape[3], kv.shape[4], kv.shape[5])
-
-
-def _drops(module: torch.nn.Module) -> bool:
-    """Whether ``module`` computes differently in training mode: a dropout with p > 0, a module holding a positive
-    dropout rate it applies itself (transformers' attention: ``attention_dropout``), or a whole transformers model."""
-    from transformers import PreTrainedModel
-
-    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
-        return module.p > 0
-    rates = (getattr(module, name, None) for name in ("attention_dropout", "dropout", "attn_pdrop"))
-    return isinstance(module, PreTrainedModel) or any(isinstance(r, float) and r > 0 for r in rates)
 
 
 def load_hf_model(

@@ -50,6 +50,7 @@ __all__ = [
     "Support",
     "check_supported",
     "decode_special_floats",
+    "drops_in_training",
     "read_config",
     "output_embeddings",
     "plain_head",
@@ -333,3 +334,14 @@ def read_config(config_path: str | os.PathLike[str], layers: int | None = None) 
     if layers is not None and config.num_hidden_layers != layers:
         raise InvalidArgumentError(f"{str(path)!r}: could not scale the config to {layers} layers")
     return config
+
+
+def drops_in_training(module: torch.nn.Module) -> bool:
+    """Whether ``module`` computes differently in training mode: a dropout with p > 0, a module holding a positive
+    dropout rate it applies itself (transformers' attention: ``attention_dropout``), or a whole transformers model."""
+    from transformers import PreTrainedModel
+
+    if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+        return module.p > 0
+    rates = (getattr(module, name, None) for name in ("attention_dropout", "dropout", "attn_pdrop"))
+    return isinstance(module, PreTrainedModel) or any(isinstance(r, float) and r > 0 for r in rates)

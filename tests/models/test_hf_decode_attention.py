@@ -137,6 +137,8 @@ def test_runner_decode_attends_grouped_and_stays_exact(model_type: str, monkeypa
 
     functional = type("F", (), {"scaled_dot_product_attention": staticmethod(counting)})
     monkeypatch.setattr(hf_decode_attention, "F", functional)
+    # Through the model's own layers (the adapter's own decode step, .hf_decode_step, is tested on its own).
+    monkeypatch.setattr("prefixcache.models.hf_decode_step.decode_layers", lambda base, config: None)
     runner = PrefixCachingRunner(model, cache_tokens=1024, block_size=16)
     prompt = torch.randint(1, 300, (70,), generator=torch.Generator().manual_seed(5)).tolist()
     runner.prefill(prompt[:40])
