@@ -204,18 +204,19 @@ def measure_read_bandwidth(num_bytes: int, repeats: int) -> tuple[float, float]:
     """Bytes per second reading a float32 tensor of ``num_bytes`` (rounded down to whole rows of
     :data:`GEMV_COLUMNS`), best of ``repeats`` each: ``(torch.sum, torch.mv of [rows, GEMV_COLUMNS] by ones)``.
     The vector and the output (a few KiB) are left out of the bytes.  Raises InvalidArgumentError below one row."""
-    return RateProbe(num_bytes, 0, repeats).read_rates()
+    return RateProbe(num_bytes, None, repeats).read_rates()
 
 
 def measure_gemm(size: int, repeats: int) -> float:
     """FLOP/s of a float32 ``size x size`` by ``size x size`` product (``2 * size**3`` FLOPs, best of ``repeats``)."""
-    return RateProbe(0, size, repeats).gemm_flops_per_s()
+    return RateProbe(None, size, repeats).gemm_flops_per_s()
 
 
 class RateProbe:
     """The machine's two rates measured on demand, its buffers allocated once: the reads of
     :func:`measure_read_bandwidth` over ``read_bytes`` and the GEMM of :func:`measure_gemm` of ``gemm_size``-square
-    matrices, best of ``repeats`` after one untimed call (0 bytes or size 0: that rate is not measured).
+    matrices, best of ``repeats`` after one untimed call (None: that rate is not measured, and asking for it raises
+    InvalidArgumentError).
 
     :func:`measure_model` reads both next to every timed run: on a shared machine the memory bandwidth left to us
     drifts over seconds (on this project's Intel host, 24-31 GB/s from one minute to the next), so a run is held
@@ -223,10 +224,10 @@ class RateProbe:
     about 0.1 s.  Raises InvalidArgumentError for a read buffer under one row of :data:`GEMV_COLUMNS`.
     """
 
-    def __init__(self, read_bytes: int, gemm_size: int, repeats: int) -> None:
+    def __init__(self, read_bytes: int | None, gemm_size: int | None, repeats: int) -> None:
         self.repeats = repeats
         self._data = self._matrix = self._ones = self._out = None
-        if read_bytes:
+        if read_bytes is not None:
             rows = read_bytes // (4 * GEMV_COLUMNS)
             if rows < 1:
                 raise InvalidArgumentError(
@@ -236,13 +237,15 @@ class RateProbe:
             self._matrix, self._ones = self._data.view(rows, GEMV_COLUMNS), torch.ones(GEMV_COLUMNS)
             self._out = torch.empty(rows)
         self._gemm = None
-        if gemm_size:
+        if gemm_size is not None:
             gen = torch.Generator().manual_seed(0)
             a, b = torch.randn(gemm_size, gemm_size, generator=gen), torch.randn(gemm_size, gemm_size, generator=gen)
             self._gemm = (a, b, torch.empty(gemm_size, gemm_size))
 
     def read_rates(self) -> tuple[float, float]:
         """``(torch.sum, torch.mv)`` bytes per second over the buffer."""
+        if self._data is None:
+            raise InvalidArgumentError("this probe measures no read (read_bytes None)")
         size = self._data.numel() * 4
         by_sum = size / _best(self._data.sum, self.repeats)
         return by_sum, size / _best(lambda: torch.mv(self._matrix, self._ones, out=self._out), self.repeats)
@@ -253,6 +256,8 @@ class RateProbe:
 
     def gemm_flops_per_s(self) -> float:
         """FLOP/s of the square product (``2 * size**3`` FLOPs)."""
+        if self._gemm is None:
+            raise InvalidArgumentError("this probe measures no GEMM (gemm_size None)")
         a, b, out = self._gemm
         return 2 * a.shape[0] ** 3 / _best(lambda: torch.mm(a, b, out=out), self.repeats)
 

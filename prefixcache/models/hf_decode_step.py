@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from prefixcache.models.hf_decode_attention import sdpa_is_stock
 from prefixcache.models.linear import WeightPacks, project, tall_skinny_linears
 
 __all__ = ["DECODE_STEP_TYPES", "decode_hidden", "decode_layers", "decode_logits"]
@@ -51,13 +52,14 @@ def _from_transformers(module: torch.nn.Module) -> bool:
 
 def decode_layers(base: Any, config: Any) -> list[Any] | None:
     """The decoder layers of ``base`` (a transformers base model, ``model.model``) that :func:`decode_hidden` runs,
-    or None where it does not apply: another model type, an attention implementation other than SDPA, a
+    or None where it does not apply: another model type, an attention implementation other than transformers' own
+    SDPA (:func:`~prefixcache.models.hf_decode_attention.sdpa_is_stock`), a
     sliding-window layer or a window shorter than ``max_position_embeddings``, a base or layer or attention module
     that is not transformers' own class or carries forward hooks (whose forwards :func:`decode_hidden` would skip),
     or a missing part.  O(layers), checked at every step (a hook added later is seen)."""
     if getattr(config, "model_type", None) not in DECODE_STEP_TYPES:
         return None
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not sdpa_is_stock():
         return None
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return None

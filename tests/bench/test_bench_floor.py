@@ -205,3 +205,14 @@ def test_a_rate_probe_measures_positive_rates_and_refuses_a_short_buffer() -> No
     assert probe.gemm_flops_per_s() > 0
     with pytest.raises(InvalidArgumentError, match="at least 16384 bytes"):
         RateProbe(1000, 0, repeats=1)
+
+
+def test_a_probe_asked_for_a_rate_it_does_not_measure_says_so() -> None:
+    from prefixcache.bench.floor import RateProbe
+
+    with pytest.raises(InvalidArgumentError, match="no GEMM"):
+        RateProbe(1 << 20, None, repeats=1).gemm_flops_per_s()
+    with pytest.raises(InvalidArgumentError, match="no read"):
+        RateProbe(None, 32, repeats=1).read_bytes_per_s()
+    with pytest.raises(InvalidArgumentError, match="at least 16384 bytes"):
+        measure_read_bandwidth(0, repeats=1)

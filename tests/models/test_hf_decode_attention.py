@@ -151,3 +151,39 @@ def test_runner_decode_attends_grouped_and_stays_exact(model_type: str, monkeypa
     )
     assert reference.argmax(-1).tolist() == tokens
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_user_setting_made_inside_the_block_is_kept() -> None:
+    # Another thread may call set_attn_implementation while our forward runs: its choice must survive our exit.
+    config = tiny_random_model("qwen2").config
+    with grouped_decode(config):
+        config._attn_implementation = "eager"
+    assert config._attn_implementation == "eager"
+
+
+def test_a_users_own_sdpa_function_is_what_decode_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # transformers lets a user register another "sdpa"; then the model computes that, and so must cached decode
+    # (neither the grouped attention nor the adapter's own decode step may stand in for it).
+    from transformers import AttentionInterface
+
+    from prefixcache.models.base import LiveKV, kv_pool_shape
+    from prefixcache.models.hf_decode_step import decode_layers
+
+    calls = []
+
+    def scaled_sdpa(module, query, key, value, attention_mask, **kwargs):
+        calls.append(query.shape[2])
+        return sdpa_attention_forward(module, query * 1.5, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "sdpa", scaled_sdpa)
+    model = tiny_random_model("llama", max_positions=256)
+    assert not hf_decode_attention.applies(model.config)
+    assert decode_layers(model.model.model, model.config) is None
+    prompt = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+    kv = torch.zeros(kv_pool_shape(model, 4, 16))
+    live, table = LiveKV(), torch.arange(4)
+    model.forward_cached(torch.tensor(prompt), 0, kv, table, live=live)
+    calls.clear()
+    logits = model.forward_cached(torch.tensor([7]), len(prompt), kv, table, live=live)
+    assert calls == [1, 1]  # the decode step's one query, through the user's function in both layers
+    torch.testing.assert_close(logits, model.forward_reference(torch.tensor([*prompt, 7])), atol=TOL, rtol=0)
