@@ -78,11 +78,13 @@ def test_linears_route_through_project_only_inside_the_block(monkeypatch: pytest
     assert all("forward" not in layer.__dict__ for layer in layers)
 
 
-def test_many_rows_keep_the_layers_own_forward() -> None:
+@pytest.mark.parametrize("rows", [1, TALL_SKINNY_ROWS + 1])
+def test_one_row_and_many_rows_keep_the_layers_own_forward(rows: int) -> None:
+    # One row: F.linear streams the weight as fast as W @ x.T, without the routing's Python per call.
     model = _model()
     layers = large_cpu_linears(model)
 
-    with tall_skinny_linears(layers, rows=TALL_SKINNY_ROWS + 1):
+    with tall_skinny_linears(layers, rows=rows):
         assert all("forward" not in layer.__dict__ for layer in layers)
 
 
@@ -90,8 +92,9 @@ def test_layers_are_restored_when_the_forward_raises() -> None:
     model = _model()
     layers = large_cpu_linears(model)
 
-    with pytest.raises(RuntimeError), tall_skinny_linears(layers, rows=1):
-        model(torch.randn(1, 3))  # wrong width: the first layer's product fails
+    with pytest.raises(RuntimeError), tall_skinny_linears(layers, rows=2):
+        assert all("forward" in layer.__dict__ for layer in layers)
+        model(torch.randn(2, 3))  # wrong width: the first layer's product fails
 
     assert all("forward" not in layer.__dict__ for layer in layers)
     assert model(torch.randn(2, 16)).shape == (2, 8)
