@@ -220,8 +220,9 @@ class RateProbe:
 
     :func:`measure_model` reads both next to every timed run: on a shared machine the memory bandwidth left to us
     drifts over seconds (on this project's Intel host, 24-31 GB/s from one minute to the next), so a run is held
-    against the rate of its own moment, not of the start of a minutes-long benchmark.  A probe of 512 MiB reads in
-    about 0.1 s.  Raises InvalidArgumentError for a read buffer under one row of :data:`GEMV_COLUMNS`.
+    against the rate of its own moment, not of the start of a minutes-long benchmark.  A probe takes 0.2-0.5 s (best of
+    2 after an untimed call: six reads of 512 MiB, or three 2048-square products).  Raises InvalidArgumentError for
+    a read buffer under one row of :data:`GEMV_COLUMNS`.
     """
 
     def __init__(self, read_bytes: int | None, gemm_size: int | None, repeats: int) -> None:

@@ -484,11 +484,11 @@ class HFCausalLM:
         # One decode query on the CPU attends its KV heads grouped (.hf_decode_attention), and where the layers allow,
         # through our own layer loop (.hf_decode_step); an attention mask (a padded batch) goes through the model.
         decode = inputs["input_ids"].shape[-1] == 1 and self.device.type == "cpu"
-        grouped = grouped_decode(self.config, decode)
-        if decode and self._head is not None and "attention_mask" not in inputs:
+        if decode and self._head is not None:
             logits = decode_logits(self._head, self.config, cache, inputs, self._linears, self._head_packs)
             if logits is not None:
                 return logits
+        grouped = grouped_decode(self.config, decode)
         if self._head is None:
             with grouped:
                 out = self.model(

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from prefixcache.models.hf_support import LLAMA_FAMILY_TYPES
+
 __all__ = [
     "ATTENTION_NAME",
     "GROUPED_DECODE_TYPES",
@@ -40,7 +42,7 @@ __all__ = [
 ATTENTION_NAME = "prefixcache_grouped_decode"
 """The name :func:`grouped_decode_attention` is registered under in transformers' ``AttentionInterface``."""
 
-GROUPED_DECODE_TYPES = frozenset("llama mistral qwen2 qwen3".split())
+GROUPED_DECODE_TYPES = LLAMA_FAMILY_TYPES
 """``config.model_type`` values whose attention modules call the attention function with plain ``query [B, H, n, D]``,
 ``key``/``value [B, H_kv, S, D]`` and ``num_key_value_groups`` (transformers' Llama family), where
 :func:`grouped_decode` applies."""

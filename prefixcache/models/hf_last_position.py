@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
+from prefixcache.models.hf_support import LLAMA_FAMILY_TYPES
+
 __all__ = ["LAST_POSITION_MLP_TYPES", "last_layer_mlp", "last_position_mlp"]
 
-LAST_POSITION_MLP_TYPES = frozenset("llama mistral qwen2 qwen3".split())
+LAST_POSITION_MLP_TYPES = LLAMA_FAMILY_TYPES
 """``config.model_type`` values whose last decoder layer adds its MLP's output to the residual row by row
 (``h = h + mlp(norm(h))``), so that MLP may run on the last position alone when only its logits are kept."""
 

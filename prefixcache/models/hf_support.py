@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TESTED_MODEL_TYPES",
     "KVLayout",
+    "LLAMA_FAMILY_TYPES",
     "Support",
     "check_supported",
     "decode_special_floats",
@@ -56,6 +57,13 @@ __all__ = [
     "plain_head",
     "probe_kv_layout",
 ]
+
+LLAMA_FAMILY_TYPES = frozenset("llama mistral qwen2 qwen3".split())
+"""``config.model_type`` values of transformers' Llama-family decoders: layers ``x + attn(norm(x))`` then
+``x + mlp(norm(x))``, a dense MLP, attention ``q/k/v/o_proj`` with rotary embeddings (Qwen3: per-head Q/K norms)
+called as ``attention(module, query [B, H, n, D], key/value [B, H_kv, S, D], mask, ...)``.  The types where the
+adapter's own shortcuts apply: the last position's MLP (:mod:`.hf_last_position`), the grouped decode attention
+(:mod:`.hf_decode_attention`) and the own decode step (:mod:`.hf_decode_step`)."""
 
 TESTED_MODEL_TYPES = frozenset(
     "cohere2 deepseek_v2 deepseek_v3 exaone4 gemma gemma2 gemma3_text glm4_moe gpt2 gpt_oss llama llama4_text "

@@ -113,3 +113,14 @@ def test_a_decoder_layer_class_of_the_users_own_keeps_the_models_path() -> None:
     layer = base.layers[0]
     layer.__class__ = type("PatchedLayer", (type(layer),), {"__module__": "user_code"})
     assert decode_layers(base, model.config) is None
+
+
+def test_a_global_module_hook_keeps_the_models_path() -> None:
+    # torch's global hooks fire on every module's forward, the decoder layers' too: those must not be skipped.
+    model = tiny_random_model("llama")
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        assert decode_layers(model.model.model, model.config) is None
+    finally:
+        handle.remove()
+    assert decode_layers(model.model.model, model.config) is not None
