@@ -11,19 +11,21 @@ keys with every product replaced by a preallocated zero tensor (what is left is 
 ms a step, alternating in one process.
 
 The step attends as :mod:`~prefixcache.models.hf_decode_attention` does (the one query grouped per KV head, one SDPA
-call, the module's own ``scaling``) and applies rotary embeddings with the model's ``cos``/``sin`` exactly as
-transformers' ``apply_rotary_pos_emb``, so its logits equal the model's own path under
+call, the module's own ``scaling``) and applies rotary embeddings with the modeling file's own
+``apply_rotary_pos_emb``, so its logits equal the model's own path under
 :func:`~prefixcache.models.hf_decode_attention.grouped_decode` bit for bit.
 
 It applies only where that holds by construction (:func:`decode_layers`): model types of
 :data:`DECODE_STEP_TYPES`, transformers' own SDPA attention, every layer full attention (no sliding window shorter
 than the model's positions), transformers' own decoder
-layer and attention classes with no hooks on them, and a step of one token per row without an attention mask.
+layer and attention classes with their own forwards and no hooks on them, and a step of one token per row without
+an attention mask.
 Every other forward goes through the model as before.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -47,12 +49,22 @@ _ATTENTION_VALUES = ("head_dim", "scaling", "layer_idx")
 
 
 def _ours_to_skip(module: Any) -> bool:
-    """Whether ``module``'s own forward may be skipped: transformers' own class, no forward hooks on it."""
+    """Whether ``module``'s own forward may be skipped: transformers' own class with its own ``forward`` (not one
+    patched onto the class or set on the instance, as patching libraries and users do), no forward hooks on it."""
+    cls = type(module)
     return (
-        type(module).__module__.startswith("transformers.models.")
+        cls.__module__.startswith("transformers.models.")
+        and getattr(cls.forward, "__module__", None) == cls.__module__
+        and "forward" not in module.__dict__
         and not module._forward_hooks
         and not module._forward_pre_hooks
     )
+
+
+def _rotary_function(attention: Any) -> Any:
+    """The ``apply_rotary_pos_emb`` of the attention module's own modeling file (as patched there, if it is), or
+    None."""
+    return getattr(sys.modules.get(type(attention).__module__), "apply_rotary_pos_emb", None)
 
 
 def decode_layers(base: Any, config: Any) -> list[Any] | None:
@@ -93,6 +105,8 @@ def decode_layers(base: Any, config: Any) -> list[Any] | None:
             return None
         if any(attention.__dict__.get(name) is None for name in _ATTENTION_VALUES):
             return None
+    if layers and _rotary_function(layers[0].self_attn) is None:
+        return None
     return layers
 
 
@@ -104,9 +118,9 @@ def decode_hidden(
     appended to ``cache`` through ``cache.update`` as transformers' attention does.  ``layers`` from
     :func:`decode_layers`.  Raises what the model's modules raise."""
     x = base.embed_tokens(input_ids)
-    cos, sin = base.rotary_emb(x, position_ids)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]: over the heads, as apply_rotary_pos_emb
+    cos, sin = base.rotary_emb(x, position_ids)  # [B, 1, D]
     batch = x.shape[0]
+    rotate = _rotary_function(layers[0].self_attn) if layers else None
     for layer in layers:
         attention = layer.self_attn
         h = layer.input_layernorm(x)
@@ -114,7 +128,7 @@ def decode_hidden(
         q, k = attention.q_proj(h).view(shape), attention.k_proj(h).view(shape)
         if getattr(attention, "q_norm", None) is not None:  # Qwen3: per-head norms before the rotation
             q, k = attention.q_norm(q), attention.k_norm(k)
-        q, k = _rotate(q.transpose(1, 2), cos, sin), _rotate(k.transpose(1, 2), cos, sin)
+        q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # the model's own function
         v = attention.v_proj(h).view(shape).transpose(1, 2)
         keys, values = cache.update(k, v, attention.layer_idx)  # [B, H_kv, S, D]
         grouped = q.reshape(batch, keys.shape[1], -1, q.shape[-1])  # [B, H_kv, group, D]
@@ -122,12 +136,6 @@ def decode_hidden(
         x = x + attention.o_proj(out.reshape(batch, 1, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return base.norm(x)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` with transformers' ``rotate_half`` (element i pairs with i + D/2)."""
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
 def decode_logits(

@@ -124,3 +124,51 @@ def test_a_global_module_hook_keeps_the_models_path() -> None:
     finally:
         handle.remove()
     assert decode_layers(model.model.model, model.config) is not None
+
+
+def _scaled_attention_output(forward):
+    def patched(self, *args, **kwargs):
+        out, weights = forward(self, *args, **kwargs)
+        return out * 1.5, weights
+
+    return patched
+
+
+@pytest.mark.parametrize("where", ["instance", "class"])
+def test_a_replaced_attention_forward_keeps_the_models_path(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Patching libraries replace a class's forward, users an instance's: decode must compute what the patch does.
+    model = tiny_random_model("llama", max_positions=256)
+    attention = model.model.model.layers[1].self_attn
+    if where == "class":
+        monkeypatch.setattr(type(attention), "forward", _scaled_attention_output(type(attention).forward))
+    else:
+        monkeypatch.setattr(
+            attention,
+            "forward",
+            lambda *a, **k: _scaled_attention_output(type(attention).forward)(attention, *a, **k),
+            raising=False,
+        )
+    assert decode_layers(model.model.model, model.config) is None
+    prompt = list(range(1, 30))
+    logits, _ = _step_logits(model, prompt, 5)
+    torch.testing.assert_close(logits, model.forward_reference(torch.tensor([*prompt, 5])), atol=1e-5, rtol=0)
+
+
+def test_a_patched_rotary_function_is_the_one_the_own_step_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    model = tiny_random_model("llama", max_positions=256)
+    modeling = sys.modules[type(model.model.model.layers[0].self_attn).__module__]
+    real = modeling.apply_rotary_pos_emb
+    calls = []
+
+    def doubled(q, k, cos, sin, *args, **kwargs):
+        calls.append(q.shape[2])
+        return real(q, k, 2 * cos, sin, *args, **kwargs)
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", doubled)
+    assert decode_layers(model.model.model, model.config) is not None
+    prompt = list(range(1, 30))
+    logits, _ = _step_logits(model, prompt, 5)
+    assert calls[-2:] == [1, 1]  # the decode step's query, in both layers, through the patched function
+    torch.testing.assert_close(logits, model.forward_reference(torch.tensor([*prompt, 5])), atol=1e-5, rtol=0)
