@@ -1,36 +1,46 @@
 """Per-token decode time served against in-process (``prefixcache bench serve``'s third table).
 
-The same long greedy generations (``ignore_eos``, so every run makes all its tokens) run on one server's
-:class:`~prefixcache.engine.batching.BatchEngine`, interleaved in one process: in-process (submitted to the engine
-directly, each token timed in ``on_token`` on the engine thread) and served (a streamed ``/v1/completions`` request
-over HTTP on 127.0.0.1, each token timed as its SSE event reaches the client).  A run's per-token time is the mean gap
-between its first and last token (the prefill and the first token left out), in milliseconds; the figure is the
-median over runs, for one stream at a time and for a few concurrent streams (one batched decode step per token).
-The client is a plain ``http.client`` connection per stream reading lines, so its own cost per token stays small
-against the server's.  Goal (issue 30): served within 3% of in-process.
+The same streamed ``/v1/completions`` requests (greedy, ``ignore_eos``, so every run makes all its tokens) run on one
+server's :class:`~prefixcache.engine.batching.BatchEngine`, alternating between two ways:
 
-On a loaded machine the wall-time ratio is as noisy as the load (the quartiles of the per-pair ratios say how
-much), so two load-proof figures come with it: the CPU time of the engine's own thread per token, read through its
-POSIX CPU clock at the same tokens (what the server adds to the engine's steps: detokenizing, posting the events,
-handing the GIL over), and the CPU time the whole process adds per token served (event loop, client, engine).
+- in-process: the body parsed and its completion prepared as the server does, then :func:`submit_chat` straight to
+  the engine, each token timed as its text delta is made on the engine thread;
+- served: over HTTP on 127.0.0.1 by a client in its own process (:mod:`prefixcache.serve.bench_client`; an HTTP
+  client is another process in any deployment, and in this one its threads would take the GIL from the engine's),
+  each token timed as its SSE event reaches the client.
+
+A stream's per-token time is the mean gap between its tokens in milliseconds, counted only while every stream of the
+run is decoding (see :func:`_per_token_ms`: a request that reaches the server a few milliseconds after another is
+prefilled in the other's steps, which is prefill time, not decode time); a row's figure is the median over the runs,
+for one stream at a time and for a few concurrent streams (one batched decode step per token).  Goal (issue 30):
+served within 3% of in-process.
+
+On a shared machine the wall-time ratio is as noisy as the load from other tenants (the quartiles of the per-pair
+ratios say how much, and the fastest runs' ratio comes with them), so two CPU-time figures come with it: the CPU time
+of the engine's own thread per token (read at the same tokens: through its POSIX CPU clock in-process, through Linux's
+``/proc/<pid>/task/<tid>/schedstat`` from the client), and the CPU time the server's process adds per token served
+(event loop, HTTP, engine).  Neither is proof against a memory bus shared with other tenants: a stalled load costs
+CPU time too.
 """
 
 from __future__ import annotations
 
-import http.client
 import json
+import math
 import os
-import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from prefixcache.engine.chat import prepare_completion, submit_chat
 from prefixcache.engine.runner import PrefixCachingRunner
-from prefixcache.engine.sampling import SamplingParams
 from prefixcache.models.llama import build_model
 from prefixcache.serve.app import create_app
+from prefixcache.serve.protocol import parse_completion_request
 from prefixcache.serve.server import start_background
 
 __all__ = ["GOAL_RATIO", "decode_figures"]
@@ -46,8 +56,8 @@ one text delta, so the client can tell tokens apart by their SSE events."""
 
 
 class _Clocks:
-    """Two clocks read at every token: wall time and the CPU time of the engine's thread (readable from any thread
-    through its POSIX CPU clock, so the client's threads read it too)."""
+    """Two clocks read at every in-process token: wall time and the CPU time of the engine's thread (through its POSIX
+    CPU clock)."""
 
     def __init__(self, engine: Any) -> None:
         self._engine_cpu = time.pthread_getcpuclockid(engine.call_soon(threading.get_ident).result())
@@ -56,10 +66,21 @@ class _Clocks:
         return time.perf_counter(), time.clock_gettime(self._engine_cpu)
 
 
-def _per_token_ms(stamps: list[tuple[float, float]]) -> tuple[float, float]:
-    """(wall, engine CPU) ms per token: the mean gap between the first and the last of ``stamps``."""
-    gaps = len(stamps) - 1
-    return tuple((stamps[-1][k] - stamps[0][k]) / gaps * 1e3 for k in (0, 1))  # type: ignore[return-value]
+def _per_token_ms(run: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """(wall, engine CPU) ms per token of each stream of one ``run`` (its streams' stamps, one per token): the mean gap
+    between the stamps inside the window where every stream is decoding, from the last stream's first token to the
+    first stream's last.  A stream admitted a little later (an HTTP request arrives some milliseconds after another)
+    has its prompt prefilled in the others' steps; outside the window, that prefill counts in no stream's decode time.
+    Raises ``RuntimeError`` if the streams overlap by fewer than two tokens."""
+    start, end = max(stamps[0][0] for stamps in run), min(stamps[-1][0] for stamps in run)
+    figures = []
+    for stamps in run:
+        inside = [stamp for stamp in stamps if start <= stamp[0] <= end]
+        if len(inside) < 2:
+            raise RuntimeError(f"the streams decoded together for {len(inside)} token(s): too few to time")
+        gaps = len(inside) - 1
+        figures.append(tuple((inside[-1][k] - inside[0][k]) / gaps * 1e3 for k in (0, 1)))
+    return figures  # type: ignore[return-value]
 
 
 def _prompt(vocab_size: int, salt: int) -> list[int]:
@@ -67,63 +88,76 @@ def _prompt(vocab_size: int, salt: int) -> list[int]:
     return [32 + (7 * i + 13 * salt) % 95 for i in range(PROMPT_TOKENS)]
 
 
-def _in_process(engine: Any, clocks: _Clocks, prompts: list[list[int]], new_tokens: int) -> list[tuple[float, float]]:
-    """Per-token (wall, engine CPU) ms of each of ``prompts`` submitted together to ``engine``, timed on the engine
-    thread."""
+def _body(prompt: list[int], new_tokens: int) -> dict[str, Any]:
+    """The streamed ``/v1/completions`` body of one run's stream: both ways run this same request."""
+    logit_bias = {str(token): bias for token, bias in ASCII_ONLY.items()}
+    return {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "stream": True, "ignore_eos": True} | {
+        "logit_bias": logit_bias
+    }
+
+
+def _in_process(
+    engine: Any, tokenizer: Any, clocks: _Clocks, bodies: list[dict[str, Any]]
+) -> list[tuple[float, float]]:
+    """Per-token (wall, engine CPU) ms of each of ``bodies`` submitted together to ``engine`` as the server would (the
+    body parsed, its completion prepared, :func:`submit_chat` with a text delta per token), timed on the engine
+    thread as each delta is made."""
     handles, stamps = [], []
-    for prompt in prompts:
+    for body in bodies:
         times: list[tuple[float, float]] = []
         stamps.append(times)
-        sampling = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True, logit_bias=ASCII_ONLY)
-        handles.append(engine.submit(prompt, sampling, on_token=lambda _, t=times: t.append(clocks.stamp())))
-    for handle in handles:
-        handle.future.result()
-    return [_per_token_ms(times) for times in stamps]
+        request = parse_completion_request(body, tokenizer.vocab_size)
+        prepared = prepare_completion(tokenizer, request.prompt, stop=request.stop, **request.sampling)
+        handles.append(submit_chat(engine, prepared, on_delta=lambda _, t=times: t.append(clocks.stamp())))
+    for _, future in handles:
+        future.result()
+    return _per_token_ms([times[: body["max_tokens"]] for times, body in zip(stamps, bodies, strict=True)])
 
 
-def _served_one(
-    host: str, port: int, clocks: _Clocks, prompt: list[int], new_tokens: int, stamps: list[tuple[float, float]]
-) -> None:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "stream": True, "ignore_eos": True}
-    body["logit_bias"] = {str(token): bias for token, bias in ASCII_ONLY.items()}
-    connection = http.client.HTTPConnection(host, port, timeout=120)
-    connection.connect()
-    connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-        for line in response:
-            if line.startswith(b'data: {"id"'):
-                stamps.append(clocks.stamp())
-    finally:
-        connection.close()
+class _ClientProcess:
+    """The served runs' client (:mod:`prefixcache.serve.bench_client`) in its own process, started once: each run
+    sends it the prompts and reads back every stream's (wall, engine CPU) stamps."""
 
+    def __init__(self, host: str, port: int, engine_thread_id: int) -> None:
+        command = [sys.executable, "-m", "prefixcache.serve.bench_client", host, str(port)]
+        command += [str(os.getpid()), str(engine_thread_id)]
+        self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
-def _served(
-    host: str, port: int, clocks: _Clocks, prompts: list[list[int]], new_tokens: int
-) -> list[tuple[float, float]]:
-    """Per-token (wall, engine CPU) ms of each of ``prompts`` streamed at once over HTTP, one client thread each,
-    timed on arrival."""
-    stamps: list[list[tuple[float, float]]] = [[] for _ in prompts]
-    errors: list[BaseException] = []
-
-    def client(i: int) -> None:
+    def run(self, bodies: list[dict[str, Any]]) -> list[list[tuple[float, float | None]]]:
+        """Each body's stamps, streamed at once.  Raises ``RuntimeError`` if the client failed or died."""
+        assert self._process.stdin is not None and self._process.stdout is not None
         try:
-            _served_one(host, port, clocks, prompts[i], new_tokens, stamps[i])
-        except BaseException as error:  # noqa: BLE001 - raised after the run
-            errors.append(error)
+            self._process.stdin.write(json.dumps({"bodies": bodies}) + "\n")
+            self._process.stdin.flush()
+        except BrokenPipeError:
+            line = ""
+        else:
+            line = self._process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the benchmark's client exited with {self._process.wait()}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"the benchmark's client failed: {answer['error']}")
+        return [[tuple(stamp) for stamp in stamps] for stamps in answer["stamps"]]
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    # The last event with text is the finishing chunk's predecessor: keep one stamp per generated token.
-    return [_per_token_ms(times[:new_tokens]) for times in stamps]
+    def close(self) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.close()
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+def _served(client: _ClientProcess, bodies: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """Per-token (wall, engine CPU) ms of each of ``bodies`` streamed at once over HTTP by ``client``, timed on
+    arrival (engine CPU NaN where the client cannot read it)."""
+    run = []
+    for stamps, body in zip(client.run(bodies), bodies, strict=True):
+        # The last event with text is the finishing chunk's predecessor: keep one stamp per generated token.
+        run.append([(wall, math.nan if cpu is None else cpu) for wall, cpu in stamps[: body["max_tokens"]]])
+    return _per_token_ms(run)
 
 
 def _pairs(runs: int, measure: Callable[[str, int], Any]) -> tuple[list[Any], list[Any]]:
@@ -136,6 +170,24 @@ def _pairs(runs: int, measure: Callable[[str, int], Any]) -> tuple[list[Any], li
             local.append(figures["local"])
             remote.append(figures["served"])
     return local, remote
+
+
+def _summary(key: str, local: list[Any], remote: list[Any]) -> dict[str, Any]:
+    """The figures of one row from its pairs of (wall ms, engine CPU ms, process CPU ms) per token."""
+    pairs = list(zip(local, remote, strict=True))
+    ratios = sorted(r[0] / lo[0] for lo, r in pairs)
+    return {
+        f"{key}_in_process_ms": statistics.median(lo[0] for lo in local),
+        f"{key}_served_ms": statistics.median(r[0] for r in remote),
+        f"{key}_ratio": statistics.median(ratios),
+        f"{key}_ratio_quartiles": tuple(statistics.quantiles(ratios, n=4, method="inclusive")[::2]),
+        f"{key}_engine_cpu_in_process_ms": statistics.median(lo[1] for lo in local),
+        f"{key}_engine_cpu_served_ms": statistics.median(r[1] for r in remote),
+        f"{key}_engine_cpu_ratio": statistics.median(r[1] / lo[1] for lo, r in pairs),
+        f"{key}_added_cpu_ms": statistics.median(r[2] - lo[2] for lo, r in pairs),
+        f"{key}_best_ratio": min(r[0] for r in remote) / min(lo[0] for lo in local),
+        f"{key}_pairs_ms": [(lo[0], r[0]) for lo, r in pairs],
+    }
 
 
 def decode_figures(
@@ -157,32 +209,25 @@ def decode_figures(
     out: dict[str, Any] = {"new_tokens": new_tokens, "runs": runs, "concurrent": concurrent}
     clocks = _Clocks(engine)
     with start_background(app) as server:
-        for streams, key in ((1, "single"), (concurrent, "concurrent")):
+        client = _ClientProcess(server.host, server.port, engine.call_soon(threading.get_native_id).result())
+        try:
+            for streams, key in ((1, "single"), (concurrent, "concurrent")):
 
-            def measure(mode: str, run: int, streams: int = streams) -> tuple[float, float, float]:
-                prompts = [
-                    _prompt(vocab, 1000 * streams + 10 * run + j + (mode == "served") * 500) for j in range(streams)
-                ]
-                cpu = time.process_time()
-                if mode == "local":
-                    per_stream = _in_process(engine, clocks, prompts, new_tokens)
-                else:
-                    per_stream = _served(server.host, server.port, clocks, prompts, new_tokens)
-                cpu_per_token_ms = (time.process_time() - cpu) / (streams * new_tokens) * 1e3
-                wall, engine_cpu = (statistics.mean(figures[k] for figures in per_stream) for k in (0, 1))
-                return wall, engine_cpu, cpu_per_token_ms
+                def measure(mode: str, run: int, streams: int = streams) -> tuple[float, float, float]:
+                    salt = 1000 * streams + 10 * run + (mode == "served") * 500
+                    bodies = [_body(_prompt(vocab, salt + j), new_tokens) for j in range(streams)]
+                    cpu = time.process_time()
+                    if mode == "local":
+                        per_stream = _in_process(engine, runner.tokenizer, clocks, bodies)
+                    else:
+                        per_stream = _served(client, bodies)
+                    cpu_per_token_ms = (time.process_time() - cpu) / (streams * new_tokens) * 1e3
+                    wall, engine_cpu = (statistics.mean(figures[k] for figures in per_stream) for k in (0, 1))
+                    return wall, engine_cpu, cpu_per_token_ms
 
-            local, remote = _pairs(runs, measure)
-            pairs = list(zip(local, remote, strict=True))
-            out[f"{key}_in_process_ms"] = statistics.median(lo[0] for lo in local)
-            out[f"{key}_served_ms"] = statistics.median(r[0] for r in remote)
-            ratios = sorted(r[0] / lo[0] for lo, r in pairs)
-            out[f"{key}_ratio"] = statistics.median(ratios)
-            out[f"{key}_ratio_quartiles"] = tuple(statistics.quantiles(ratios, n=4, method="inclusive")[::2])
-            out[f"{key}_engine_cpu_in_process_ms"] = statistics.median(lo[1] for lo in local)
-            out[f"{key}_engine_cpu_served_ms"] = statistics.median(r[1] for r in remote)
-            out[f"{key}_engine_cpu_ratio"] = statistics.median(r[1] / lo[1] for lo, r in pairs)
-            out[f"{key}_added_cpu_ms"] = statistics.median(r[2] - lo[2] for lo, r in pairs)
+                out.update(_summary(key, *_pairs(runs, measure)))
+        finally:
+            client.close()
     engine.close()
     out["load_average_1m"] = (load_before + os.getloadavg()[0]) / 2
     return out

@@ -45,14 +45,18 @@ def test_the_decode_pairs_time_every_token_both_ways() -> None:
     from prefixcache.models.llama import build_model
     from prefixcache.serve.bench_decode import decode_figures
 
-    figures = decode_figures(model=build_model("tiny", device="cpu"), runs=2, new_tokens=6)
-    assert figures["runs"] == 2 and figures["new_tokens"] == 6
+    # 32 tokens: four HTTP requests reach the engine some steps apart, and only the steps they share are timed.
+    figures = decode_figures(model=build_model("tiny", device="cpu"), runs=2, new_tokens=32)
+    assert figures["runs"] == 2 and figures["new_tokens"] == 32
     for key in ("single", "concurrent"):
         assert figures[f"{key}_in_process_ms"] > 0 and figures[f"{key}_served_ms"] > 0, key
         low, high = figures[f"{key}_ratio_quartiles"]
         assert 0 < low <= figures[f"{key}_ratio"] <= high, key
+        assert [len(pair) for pair in figures[f"{key}_pairs_ms"]] == [2, 2], key
+        fastest = min(p[1] for p in figures[f"{key}_pairs_ms"]) / min(p[0] for p in figures[f"{key}_pairs_ms"])
+        assert figures[f"{key}_best_ratio"] == pytest.approx(fastest), key
     table = bench._decode_table(figures, "tiny preset")
-    assert "(tiny preset, 6 new tokens" in table.title
+    assert "(tiny preset, 32 new tokens" in table.title
     assert [row[0] for row in table.rows] == [1, figures["concurrent"]]
 
 

@@ -1,0 +1,102 @@
+"""The streaming client of ``bench serve``'s decode table, run in its own process (``python -m`` this module).
+
+An HTTP client is another process in any deployment: in the server's process its threads would take the GIL from
+the engine's thread at every token and make the server look slower than it is.  The benchmark starts this module once
+and talks to it over stdin/stdout, one JSON line per run each way:
+
+- in: ``{"bodies": [a streamed /v1/completions body per stream, ...]}``;
+- out: ``{"stamps": [[[wall s, engine CPU s or null], ...] per stream]}`` or ``{"error": "..."}``.
+
+Each stream is one streamed ``/v1/completions`` request on its own ``http.client`` connection and thread; a stamp is
+taken as each SSE event with a choice arrives.  Wall time is ``time.perf_counter`` (CLOCK_MONOTONIC on Linux, so the
+same clock as the server process's); the engine thread's CPU time is read from
+``/proc/<server pid>/task/<engine thread id>/schedstat`` (its run time in ns), null where there is no such file.
+Only the standard library is imported, so the process starts in a few tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["engine_cpu_reader", "main", "stream"]
+
+
+def engine_cpu_reader(pid: int, thread_id: int) -> Callable[[], float | None]:
+    """A function returning the CPU time (seconds) thread ``thread_id`` of process ``pid`` has run, or None where
+    Linux's ``/proc/<pid>/task/<tid>/schedstat`` cannot be read."""
+    path = f"/proc/{pid}/task/{thread_id}/schedstat"
+
+    def read() -> float | None:
+        try:
+            with open(path, "rb") as file:
+                return int(file.read().split()[0]) / 1e9
+        except (OSError, ValueError, IndexError):
+            return None
+
+    return read
+
+
+def stream(host: str, port: int, body: dict[str, Any], stamp: Callable[[], Any]) -> list[Any]:
+    """Stream ``body`` to ``/v1/completions`` on ``host:port``; ``stamp()`` at each SSE event with a choice, in order.
+    Raises ``RuntimeError`` on a status other than 200 and ``OSError`` on a failed connection."""
+    stamps = []
+    connection = http.client.HTTPConnection(host, port, timeout=120)
+    connection.connect()
+    connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+        for line in response:
+            if line.startswith(b'data: {"id"'):
+                stamps.append(stamp())
+    finally:
+        connection.close()
+    return stamps
+
+
+def _run(host: str, port: int, engine_cpu: Callable[[], float | None], request: dict[str, Any]) -> list[Any]:
+    """One run: every body of ``request`` streamed at once, one thread each; each stream's stamps."""
+    results: list[list[Any]] = [[] for _ in request["bodies"]]
+    errors: list[BaseException] = []
+
+    def client(i: int, body: dict[str, Any]) -> None:
+        try:
+            results[i] = stream(host, port, body, lambda: (time.perf_counter(), engine_cpu()))
+        except BaseException as error:  # noqa: BLE001 - reported to the benchmark after the run
+            errors.append(error)
+
+    threads = [threading.Thread(target=client, args=item) for item in enumerate(request["bodies"])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``host port server_pid engine_thread_id``: answer each JSON line of stdin with one of stdout until stdin ends."""
+    host, port, pid, thread_id = argv if argv is not None else sys.argv[1:]
+    engine_cpu = engine_cpu_reader(int(pid), int(thread_id))
+    for line in sys.stdin:
+        try:
+            answer: dict[str, Any] = {"stamps": _run(host, int(port), engine_cpu, json.loads(line))}
+        except Exception as error:  # noqa: BLE001 - the benchmark raises it
+            answer = {"error": f"{type(error).__name__}: {error}"}
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
