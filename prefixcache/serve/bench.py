@@ -381,10 +381,10 @@ def _decode_table(decode: dict[str, Any], label: str) -> Table:
         ),
         tuple(rows),
         (
-            "the same streamed /v1/completions requests both ways; per-token = mean gap between a stream's tokens while "
-            "every stream of the run decodes (timed on the engine thread in-process, as each SSE event reaches the "
-            "client, in its own process, when served); medians over interleaved pairs; ratio (the goal's) = median of "
-            "per-pair ratios",
+            "the same streamed /v1/completions requests both ways; per-token = mean gap between a stream's "
+            "tokens while every stream of the run decodes (timed on the engine thread in-process, as each SSE event "
+            "reaches the client, in its own process, when served); medians over interleaved pairs; ratio (the "
+            "goal's) = median of per-pair ratios",
             "engine CPU = CPU time of the engine's thread per token (proof against CPU load, not against a shared "
             "memory bus); process CPU added = served minus in-process CPU time of the server's process (event loop, "
             "HTTP, engine) per token of a stream",
