@@ -38,6 +38,7 @@ from typing import Any
 
 from prefixcache.engine.chat import prepare_completion, submit_chat
 from prefixcache.engine.runner import PrefixCachingRunner
+from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.llama import build_model
 from prefixcache.serve.app import create_app
 from prefixcache.serve.protocol import parse_completion_request
@@ -196,11 +197,16 @@ def decode_figures(
     """Per-token decode ms in-process and served, one stream and ``concurrent`` streams, with their ratios, on the
     embedded ``small`` preset (or ``model``): ``quick`` 6 pairs of 48 new tokens, else 24 pairs of 96.  Short runs,
     many pairs: load from other processes drifts over seconds, and a pair of short runs sees the same load.  ``runs``
-    (at least 2) and ``new_tokens`` (at least 2) override the sizes."""
-    model = model if model is not None else build_model("small", device="cpu")
-    concurrent = 4
+    (at least 2) and ``new_tokens`` (at least 2) override the sizes.  Raises ``InvalidArgumentError`` for smaller
+    ones, and ``RuntimeError`` when the concurrent streams shared fewer than two tokens (too few new tokens for the
+    steps between their arrivals) or the client failed."""
     runs = runs if runs is not None else 6 if quick else 24
     new_tokens = new_tokens if new_tokens is not None else 48 if quick else 96
+    for name, value in (("runs", runs), ("new_tokens", new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+            raise InvalidArgumentError(f"{name} must be an int of at least 2, got {value!r}")
+    model = model if model is not None else build_model("small", device="cpu")
+    concurrent = 4
     runner = PrefixCachingRunner(model, cache_tokens=(PROMPT_TOKENS + new_tokens + 32) * concurrent * 2)
     app = create_app(runner, model_name="bench")
     engine = app.state.engine

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from prefixcache import PrefixCachingRunner
+from prefixcache.errors import InvalidArgumentError
 from prefixcache.serve import bench_client, bench_decode
 from prefixcache.serve.server import start_background
 
@@ -82,3 +83,9 @@ def test_a_client_that_died_is_an_error_not_a_hang() -> None:
     client._process.wait()
     with pytest.raises(RuntimeError, match="client exited with"):
         client.run([bench_decode._body([65, 66], 2)])
+
+
+@pytest.mark.parametrize("sizes", [{"runs": 1}, {"new_tokens": 1}, {"runs": 2.5}, {"new_tokens": True}])
+def test_decode_figures_refuses_sizes_it_cannot_time_before_building_anything(sizes) -> None:
+    with pytest.raises(InvalidArgumentError, match="must be an int of at least 2"):
+        bench_decode.decode_figures(model=object(), **sizes)
