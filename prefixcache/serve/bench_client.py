@@ -43,21 +43,32 @@ def engine_cpu_reader(pid: int, thread_id: int) -> Callable[[], float | None]:
     return read
 
 
+EVENT = b'data: {"id"'
+"""How each SSE event with a choice begins (the ``[DONE]`` line does not)."""
+
+
 def stream(host: str, port: int, body: dict[str, Any], stamp: Callable[[], Any]) -> list[Any]:
-    """Stream ``body`` to ``/v1/completions`` on ``host:port``; ``stamp()`` at each SSE event with a choice, in order.
-    Raises ``RuntimeError`` on a status other than 200 and ``OSError`` on a failed connection."""
+    """Stream ``body`` to ``/v1/completions`` on ``host:port``; ``stamp()`` for each SSE event with a choice, in order,
+    as the bytes holding it arrive (events that arrive in one read share a stamp's time).  The body is not parsed:
+    the client counts event starts in the raw bytes (the chunked framing included), at a few microseconds a read,
+    so that on a machine it shares with the server it takes little CPU from the engine.  Raises ``RuntimeError`` on
+    a status other than 200 and ``OSError`` on a failed connection."""
     stamps = []
     connection = http.client.HTTPConnection(host, port, timeout=120)
     connection.connect()
     connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    headers = {"Content-Type": "application/json", "Connection": "close"}  # closed after the answer: its end is EOF
     try:
-        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        connection.request("POST", "/v1/completions", json.dumps(body), headers)
         response = connection.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-        for line in response:
-            if line.startswith(b'data: {"id"'):
-                stamps.append(stamp())
+        raw, tail = response.fp, b""
+        while data := raw.read1(1 << 16):
+            data = tail + data
+            now = stamp()
+            stamps.extend(now for _ in range(data.count(EVENT)))
+            tail = data[-(len(EVENT) - 1) :]  # too short to hold a whole event start: none is counted twice
     finally:
         connection.close()
     return stamps
