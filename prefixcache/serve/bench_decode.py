@@ -91,10 +91,10 @@ def _prompt(vocab_size: int, salt: int) -> list[int]:
 
 def _body(prompt: list[int], new_tokens: int) -> dict[str, Any]:
     """The streamed ``/v1/completions`` body of one run's stream: both ways run this same request."""
-    logit_bias = {str(token): bias for token, bias in ASCII_ONLY.items()}
-    return {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "stream": True, "ignore_eos": True} | {
-        "logit_bias": logit_bias
-    }
+    body: dict[str, Any] = {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "stream": True}
+    body["ignore_eos"] = True
+    body["logit_bias"] = {str(token): bias for token, bias in ASCII_ONLY.items()}
+    return body
 
 
 def _in_process(
@@ -117,7 +117,7 @@ def _in_process(
 
 class _ClientProcess:
     """The served runs' client (:mod:`prefixcache.serve.bench_client`) in its own process, started once: each run
-    sends it the prompts and reads back every stream's (wall, engine CPU) stamps."""
+    sends it the request bodies and reads back every stream's (wall, engine CPU) stamps."""
 
     def __init__(self, host: str, port: int, engine_thread_id: int) -> None:
         command = [sys.executable, "-m", "prefixcache.serve.bench_client", host, str(port)]
@@ -213,27 +213,29 @@ def decode_figures(
     vocab = runner.tokenizer.vocab_size
     load_before = os.getloadavg()[0]
     out: dict[str, Any] = {"new_tokens": new_tokens, "runs": runs, "concurrent": concurrent}
-    clocks = _Clocks(engine)
-    with start_background(app) as server:
-        client = _ClientProcess(server.host, server.port, engine.call_soon(threading.get_native_id).result())
-        try:
-            for streams, key in ((1, "single"), (concurrent, "concurrent")):
+    try:
+        clocks = _Clocks(engine)
+        with start_background(app) as server:
+            client = _ClientProcess(server.host, server.port, engine.call_soon(threading.get_native_id).result())
+            try:
+                for streams, key in ((1, "single"), (concurrent, "concurrent")):
 
-                def measure(mode: str, run: int, streams: int = streams) -> tuple[float, float, float]:
-                    salt = 1000 * streams + 10 * run + (mode == "served") * 500
-                    bodies = [_body(_prompt(vocab, salt + j), new_tokens) for j in range(streams)]
-                    cpu = time.process_time()
-                    if mode == "local":
-                        per_stream = _in_process(engine, runner.tokenizer, clocks, bodies)
-                    else:
-                        per_stream = _served(client, bodies)
-                    cpu_per_token_ms = (time.process_time() - cpu) / (streams * new_tokens) * 1e3
-                    wall, engine_cpu = (statistics.mean(figures[k] for figures in per_stream) for k in (0, 1))
-                    return wall, engine_cpu, cpu_per_token_ms
+                    def measure(mode: str, run: int, streams: int = streams) -> tuple[float, float, float]:
+                        salt = 1000 * streams + 10 * run + (mode == "served") * 500
+                        bodies = [_body(_prompt(vocab, salt + j), new_tokens) for j in range(streams)]
+                        cpu = time.process_time()
+                        if mode == "local":
+                            per_stream = _in_process(engine, runner.tokenizer, clocks, bodies)
+                        else:
+                            per_stream = _served(client, bodies)
+                        cpu_per_token_ms = (time.process_time() - cpu) / (streams * new_tokens) * 1e3
+                        wall, engine_cpu = (statistics.mean(figures[k] for figures in per_stream) for k in (0, 1))
+                        return wall, engine_cpu, cpu_per_token_ms
 
-                out.update(_summary(key, *_pairs(runs, measure)))
-        finally:
-            client.close()
-    engine.close()
+                    out.update(_summary(key, *_pairs(runs, measure)))
+            finally:
+                client.close()
+    finally:
+        engine.close()
     out["load_average_1m"] = (load_before + os.getloadavg()[0]) / 2
     return out
