@@ -1,4 +1,4 @@
-"""The streaming client of ``bench serve``'s decode table, run in its own process (``python -m`` this module).
+"""The streaming client of ``bench serve``'s decode table, run in its own process from this file alone.
 
 An HTTP client is another process in any deployment: in the server's process its threads would take the GIL from
 the engine's thread at every token and make the server look slower than it is.  The benchmark starts this module once
@@ -11,7 +11,9 @@ Each stream is one streamed ``/v1/completions`` request on its own ``http.client
 taken as each SSE event with a choice arrives.  Wall time is ``time.perf_counter`` (CLOCK_MONOTONIC on Linux, so the
 same clock as the server process's); the engine thread's CPU time is read from
 ``/proc/<server pid>/task/<engine thread id>/schedstat`` (its run time in ns), null where there is no such file.
-Only the standard library is imported, so the process starts in a few tens of milliseconds.
+Only the standard library is imported, and the benchmark loads this file by its path (:data:`LAUNCH`), not as
+``prefixcache.serve.bench_client``, whose package would import the server, FastAPI and torch: the process starts in a
+few tens of milliseconds and holds a few MB.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["engine_cpu_reader", "main", "stream"]
+__all__ = ["LAUNCH", "engine_cpu_reader", "main", "stream"]
+
+LAUNCH = (
+    "import importlib.util, sys; spec = importlib.util.spec_from_file_location('bench_client', sys.argv[1]); "
+    "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+    "sys.exit(module.main(sys.argv[2:]))"
+)
+"""``python -c LAUNCH <this file> host port pid tid`` runs :func:`main` without importing the ``prefixcache``
+package."""
 
 
 def engine_cpu_reader(pid: int, thread_id: int) -> Callable[[], float | None]:
@@ -44,15 +54,21 @@ def engine_cpu_reader(pid: int, thread_id: int) -> Callable[[], float | None]:
 
 
 EVENT = b'data: {"id"'
-"""How each SSE event with a choice begins (the ``[DONE]`` line does not)."""
+"""How each SSE event with a choice begins (the ``[DONE]`` line and an error event do not)."""
+
+FAILED = b'data: {"error"'
+"""How the server's error event begins: a stream that fails after its first token sends one, then ``[DONE]``."""
+
+DONE = b"data: [DONE]"
 
 
 def stream(host: str, port: int, body: dict[str, Any], stamp: Callable[[], Any]) -> list[Any]:
     """Stream ``body`` to ``/v1/completions`` on ``host:port``; ``stamp()`` for each SSE event with a choice, in order,
-    as the bytes holding it arrive (events that arrive in one read share a stamp's time).  The body is not parsed:
-    the client counts event starts in the raw bytes (the chunked framing included), at a few microseconds a read,
-    so that on a machine it shares with the server it takes little CPU from the engine.  Raises ``RuntimeError`` on
-    a status other than 200 and ``OSError`` on a failed connection."""
+    as the line holding it arrives (events whose lines complete in one read share a stamp's time).  The body is not
+    parsed: the client counts event starts in the whole lines of the raw bytes (the chunked framing included: the
+    server writes each event in one chunk), at a few microseconds a read, so that on a machine it shares with the
+    server it takes little CPU from the engine.  Raises ``RuntimeError`` on a status other than 200, an error event,
+    or an answer that ends before ``[DONE]``, and ``OSError`` on a failed connection."""
     stamps = []
     connection = http.client.HTTPConnection(host, port, timeout=120)
     connection.connect()
@@ -63,12 +79,22 @@ def stream(host: str, port: int, body: dict[str, Any], stamp: Callable[[], Any])
         response = connection.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-        raw, tail = response.fp, b""
+        raw, pending, done = response.fp, b"", False
         while data := raw.read1(1 << 16):
-            data = tail + data
+            pending += data
+            cut = pending.rfind(b"\n") + 1  # markers are looked for in whole lines only: none is cut or seen twice
+            if cut == 0:
+                continue
+            lines, pending = pending[:cut], pending[cut:]
             now = stamp()
-            stamps.extend(now for _ in range(data.count(EVENT)))
-            tail = data[-(len(EVENT) - 1) :]  # too short to hold a whole event start: none is counted twice
+            stamps.extend(now for _ in range(lines.count(EVENT)))
+            if FAILED in lines:
+                raise RuntimeError(
+                    f"the stream failed after {len(stamps)} event(s): {lines[lines.index(FAILED) :][:200]!r}"
+                )
+            done = done or DONE in lines
+        if not done:
+            raise RuntimeError(f"the stream ended after {len(stamps)} event(s), before its [DONE]")
     finally:
         connection.close()
     return stamps

@@ -25,6 +25,7 @@ CPU time too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -40,6 +41,7 @@ from prefixcache.engine.chat import prepare_completion, submit_chat
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.llama import build_model
+from prefixcache.serve import bench_client
 from prefixcache.serve.app import create_app
 from prefixcache.serve.protocol import parse_completion_request
 from prefixcache.serve.server import start_background
@@ -85,7 +87,9 @@ def _per_token_ms(run: list[list[tuple[float, float]]]) -> list[tuple[float, flo
 
 
 def _prompt(vocab_size: int, salt: int) -> list[int]:
-    # A different prompt every run: nothing cached, each run prefills its own prompt and decodes from the same length.
+    # Salts less than 95 apart give prompts that differ from their first token (13 is coprime to 95): a run finds
+    # nothing cached, prefills its own prompt and decodes from the same length (a repeat found cached would only skip
+    # its prefill, which is not timed).
     return [32 + (7 * i + 13 * salt) % 95 for i in range(PROMPT_TOKENS)]
 
 
@@ -112,7 +116,7 @@ def _in_process(
         handles.append(submit_chat(engine, prepared, on_delta=lambda _, t=times: t.append(clocks.stamp())))
     for _, future in handles:
         future.result()
-    return _per_token_ms([times[: body["max_tokens"]] for times, body in zip(stamps, bodies, strict=True)])
+    return _per_token_ms([_tokens(times, body) for times, body in zip(stamps, bodies, strict=True)])
 
 
 class _ClientProcess:
@@ -120,13 +124,15 @@ class _ClientProcess:
     sends it the request bodies and reads back every stream's (wall, engine CPU) stamps."""
 
     def __init__(self, host: str, port: int, engine_thread_id: int) -> None:
-        command = [sys.executable, "-m", "prefixcache.serve.bench_client", host, str(port)]
+        command = [sys.executable, "-c", bench_client.LAUNCH, bench_client.__file__, host, str(port)]
         command += [str(os.getpid()), str(engine_thread_id)]
         self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def run(self, bodies: list[dict[str, Any]]) -> list[list[tuple[float, float | None]]]:
-        """Each body's stamps, streamed at once.  Raises ``RuntimeError`` if the client failed or died."""
+        """Each body's stamps, streamed at once.  Raises ``RuntimeError`` if the client failed, died or was closed."""
         assert self._process.stdin is not None and self._process.stdout is not None
+        if self._process.stdin.closed:
+            raise RuntimeError("the benchmark's client was closed")
         try:
             self._process.stdin.write(json.dumps({"bodies": bodies}) + "\n")
             self._process.stdin.flush()
@@ -142,13 +148,16 @@ class _ClientProcess:
         return [[tuple(stamp) for stamp in stamps] for stamps in answer["stamps"]]
 
     def close(self) -> None:
-        assert self._process.stdin is not None
-        self._process.stdin.close()
+        """End the client (EOF on its stdin; killed if it has not exited 10 s later).  Idempotent."""
+        assert self._process.stdin is not None and self._process.stdout is not None
+        with contextlib.suppress(BrokenPipeError):  # a run's line still buffered for a client that died
+            self._process.stdin.close()
         try:
             self._process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
+        self._process.stdout.close()
 
 
 def _served(client: _ClientProcess, bodies: list[dict[str, Any]]) -> list[tuple[float, float]]:
@@ -157,8 +166,15 @@ def _served(client: _ClientProcess, bodies: list[dict[str, Any]]) -> list[tuple[
     run = []
     for stamps, body in zip(client.run(bodies), bodies, strict=True):
         # The last event with text is the finishing chunk's predecessor: keep one stamp per generated token.
-        run.append([(wall, math.nan if cpu is None else cpu) for wall, cpu in stamps[: body["max_tokens"]]])
+        run.append([(wall, math.nan if cpu is None else cpu) for wall, cpu in _tokens(stamps, body)])
     return _per_token_ms(run)
+
+
+def _tokens(stamps: list[Any], body: dict[str, Any]) -> list[Any]:
+    """The first ``max_tokens`` of a stream's stamps, one per token.  Raises ``RuntimeError`` for fewer."""
+    if len(stamps) < body["max_tokens"]:
+        raise RuntimeError(f"a stream made {len(stamps)} of its {body['max_tokens']} tokens")
+    return stamps[: body["max_tokens"]]
 
 
 def _pairs(runs: int, measure: Callable[[str, int], Any]) -> tuple[list[Any], list[Any]]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
+import subprocess
 import sys
 import threading
 import time
@@ -77,12 +80,89 @@ def test_the_client_process_streams_every_token_and_reports_a_refused_body(make_
         assert client._process.returncode == 0
 
 
-def test_a_client_that_died_is_an_error_not_a_hang() -> None:
+def test_a_client_that_died_is_an_error_not_a_hang_and_closes_quietly() -> None:
     client = bench_decode._ClientProcess("127.0.0.1", 9, 1)
     client._process.kill()
     client._process.wait()
     with pytest.raises(RuntimeError, match="client exited with"):
         client.run([bench_decode._body([65, 66], 2)])
+    client.close()  # the unsent line still buffered for the dead client is dropped, not raised
+    client.close()
+    with pytest.raises(RuntimeError, match="client was closed"):
+        client.run([bench_decode._body([65, 66], 2)])
+
+
+def test_the_client_process_imports_neither_the_package_nor_torch() -> None:
+    probe = bench_client.LAUNCH.replace(
+        "sys.exit(module.main(sys.argv[2:]))",
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefixcache', 'torch', 'fastapi')))",
+    )
+    assert probe != bench_client.LAUNCH
+    out = subprocess.run(
+        [sys.executable, "-c", probe, bench_client.__file__], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def _canned_server(chunks: list[bytes], byte_by_byte: bool) -> tuple[int, threading.Thread]:
+    """A one-connection HTTP server on 127.0.0.1 that answers 200 with ``chunks`` as a chunked body, then closes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with listener, listener.accept()[0] as conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(65536)
+            head, _, body = request.partition(b"\r\n\r\n")
+            length = int(
+                next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            )
+            while len(body) < length:
+                body += conn.recv(65536)
+            answer = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n"
+            answer += b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for chunk in chunks)
+            for piece in (answer[i : i + 1] for i in range(len(answer))) if byte_by_byte else (answer,):
+                conn.sendall(piece)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return listener.getsockname()[1], thread
+
+
+def _event(text: str) -> bytes:
+    return b'data: {"id":"cmpl-1","choices":[{"text":%s}]}\n\n' % json.dumps(text).encode()
+
+
+@pytest.mark.parametrize("byte_by_byte", [False, True])
+def test_the_client_counts_each_event_once_however_its_bytes_arrive(byte_by_byte) -> None:
+    # A token whose text spells an event start is escaped by JSON, so it is not an event start.
+    chunks = [_event("a"), _event('data: {"id"'), _event("c"), b"data: [DONE]\n\n"]
+    port, thread = _canned_server(chunks, byte_by_byte)
+    clock = iter(range(1000))
+    assert len(bench_client.stream("127.0.0.1", port, {"prompt": [1]}, lambda: next(clock))) == 3
+    thread.join(5)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "message"),
+    [
+        ([_event("a"), b'data: {"error": {"message": "engine stopped"}}\n\n', b"data: [DONE]\n\n"], "failed after 1"),
+        ([_event("a"), _event("b")], "ended after 2 event\\(s\\), before its \\[DONE\\]"),
+        ([], "ended after 0 event"),
+    ],
+)
+def test_a_stream_that_fails_or_stops_short_is_an_error_not_a_figure(chunks, message) -> None:
+    port, thread = _canned_server(chunks, byte_by_byte=False)
+    with pytest.raises(RuntimeError, match=message):
+        bench_client.stream("127.0.0.1", port, {"prompt": [1]}, time.perf_counter)
+    thread.join(5)
+
+
+def test_a_stream_with_fewer_tokens_than_asked_is_refused() -> None:
+    body = bench_decode._body([65, 66], 4)
+    assert bench_decode._tokens([(0.0, 0.0)] * 5, body) == [(0.0, 0.0)] * 4
+    with pytest.raises(RuntimeError, match="made 3 of its 4 tokens"):
+        bench_decode._tokens([(0.0, 0.0)] * 3, body)
 
 
 @pytest.mark.parametrize("sizes", [{"runs": 1}, {"new_tokens": 1}, {"runs": 2.5}, {"new_tokens": True}])
