@@ -1,7 +1,8 @@
 """Per-token decode time served against in-process (``prefixcache bench serve``'s third table).
 
-The same streamed ``/v1/completions`` requests (greedy, ``ignore_eos``, so every run makes all its tokens) run on one
-server's :class:`~prefixcache.engine.batching.BatchEngine`, alternating between two ways:
+Streamed ``/v1/completions`` requests of one shape (greedy, ``ignore_eos``, so every run makes all its tokens; a
+64-token prompt of its own each run, so that nothing is found cached) run on one server's
+:class:`~prefixcache.engine.batching.BatchEngine`, alternating between two ways:
 
 - in-process: the body parsed and its completion prepared as the server does, then :func:`submit_chat` straight to
   the engine, each token timed as its text delta is made on the engine thread;
@@ -86,7 +87,7 @@ def _per_token_ms(run: list[list[tuple[float, float]]]) -> list[tuple[float, flo
     return figures  # type: ignore[return-value]
 
 
-def _prompt(vocab_size: int, salt: int) -> list[int]:
+def _prompt(salt: int) -> list[int]:
     # Salts less than 95 apart give prompts that differ from their first token (13 is coprime to 95): a run finds
     # nothing cached, prefills its own prompt and decodes from the same length (a repeat found cached would only skip
     # its prefill, which is not timed).
@@ -94,7 +95,7 @@ def _prompt(vocab_size: int, salt: int) -> list[int]:
 
 
 def _body(prompt: list[int], new_tokens: int) -> dict[str, Any]:
-    """The streamed ``/v1/completions`` body of one run's stream: both ways run this same request."""
+    """The streamed ``/v1/completions`` body of one run's stream: both ways run bodies of this shape."""
     body: dict[str, Any] = {"model": "bench", "prompt": prompt, "max_tokens": new_tokens, "stream": True}
     body["ignore_eos"] = True
     body["logit_bias"] = {str(token): bias for token, bias in ASCII_ONLY.items()}
@@ -226,7 +227,6 @@ def decode_figures(
     runner = PrefixCachingRunner(model, cache_tokens=(PROMPT_TOKENS + new_tokens + 32) * concurrent * 2)
     app = create_app(runner, model_name="bench")
     engine = app.state.engine
-    vocab = runner.tokenizer.vocab_size
     load_before = os.getloadavg()[0]
     out: dict[str, Any] = {"new_tokens": new_tokens, "runs": runs, "concurrent": concurrent}
     try:
@@ -238,7 +238,7 @@ def decode_figures(
 
                     def measure(mode: str, run: int, streams: int = streams) -> tuple[float, float, float]:
                         salt = 1000 * streams + 10 * run + (mode == "served") * 500
-                        bodies = [_body(_prompt(vocab, salt + j), new_tokens) for j in range(streams)]
+                        bodies = [_body(_prompt(salt + j), new_tokens) for j in range(streams)]
                         cpu = time.process_time()
                         if mode == "local":
                             per_stream = _in_process(engine, runner.tokenizer, clocks, bodies)

@@ -59,7 +59,7 @@ def test_the_client_process_streams_every_token_and_reports_a_refused_body(make_
         engine_thread = engine.call_soon(threading.get_native_id).result()
         client = bench_decode._ClientProcess(server.host, server.port, engine_thread)
         try:
-            bodies = [bench_decode._body(bench_decode._prompt(0, salt), 12) for salt in (1, 2)]
+            bodies = [bench_decode._body(bench_decode._prompt(salt), 12) for salt in (1, 2)]
             streams = client.run(bodies)
             assert len(streams) == 2
             for stamps in streams:
@@ -71,7 +71,7 @@ def test_the_client_process_streams_every_token_and_reports_a_refused_body(make_
                 if sys.platform.startswith("linux"):
                     assert all(cpu is not None for cpu in cpus) and cpus == sorted(cpus)
             # A body the server refuses (400) is the run's error; the client then serves the next run.
-            bad = bench_decode._body(bench_decode._prompt(0, 3), 12) | {"max_tokens": -1}
+            bad = bench_decode._body(bench_decode._prompt(3), 12) | {"max_tokens": -1}
             with pytest.raises(RuntimeError, match="HTTP 400"):
                 client.run([bad])
             assert len(client.run(bodies[:1])[0]) == 13

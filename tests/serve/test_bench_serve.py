@@ -48,7 +48,8 @@ def test_the_decode_pairs_time_every_token_both_ways() -> None:
     # 32 tokens: four HTTP requests reach the engine some steps apart, and only the steps they share are timed.
     figures = decode_figures(model=build_model("tiny", device="cpu"), runs=2, new_tokens=32)
     assert figures["runs"] == 2 and figures["new_tokens"] == 32
-    for key in ("single", "concurrent"):
+    keys = ("single", "concurrent")
+    for key in keys:
         assert figures[f"{key}_in_process_ms"] > 0 and figures[f"{key}_served_ms"] > 0, key
         low, high = figures[f"{key}_ratio_quartiles"]
         assert 0 < low <= figures[f"{key}_ratio"] <= high, key
@@ -58,6 +59,10 @@ def test_the_decode_pairs_time_every_token_both_ways() -> None:
     table = bench._decode_table(figures, "tiny preset")
     assert "(tiny preset, 32 new tokens" in table.title
     assert [row[0] for row in table.rows] == [1, figures["concurrent"]]
+    goal = next(i for i, column in enumerate(table.headers) if column.startswith("goal"))
+    assert [row[goal] for row in table.rows] == ["met" if figures[f"{k}_ratio"] < 1.03 else "not met" for k in keys]
+    # A --quick run's figures are not judged: its goal cells stay empty.
+    assert [row[goal] for row in bench._decode_table(figures, "tiny preset", quick=True).rows] == ["", ""]
 
 
 def test_the_second_decode_row_has_qwen_s_24_layers_and_the_byte_vocabulary() -> None:
