@@ -61,14 +61,19 @@ FAILED = b'data: {"error"'
 
 DONE = b"data: [DONE]"
 
+MAX_LINE_BYTES = 1 << 20
+"""A line longer than this (1 MiB; an event of one token is some 150 bytes) is an error, not a buffer that grows."""
+
 
 def stream(host: str, port: int, body: dict[str, Any], stamp: Callable[[], Any]) -> list[Any]:
     """Stream ``body`` to ``/v1/completions`` on ``host:port``; ``stamp()`` for each SSE event with a choice, in order,
     as the line holding it arrives (events whose lines complete in one read share a stamp's time).  The body is not
     parsed: the client counts event starts in the whole lines of the raw bytes (the chunked framing included: the
     server writes each event in one chunk), at a few microseconds a read, so that on a machine it shares with the
-    server it takes little CPU from the engine.  Raises ``RuntimeError`` on a status other than 200, an error event,
-    or an answer that ends before ``[DONE]``, and ``OSError`` on a failed connection."""
+    server it takes little CPU from the engine; a marker counts only at the start of a line (JSON escapes the quotes a
+    token's text would need to spell an event start there).  Returns at ``[DONE]``.  Raises ``RuntimeError`` on a
+    status other than 200, an error event, a line over :data:`MAX_LINE_BYTES`, or an answer that ends before
+    ``[DONE]``, and ``OSError`` on a failed connection."""
     stamps = []
     connection = http.client.HTTPConnection(host, port, timeout=120)
     connection.connect()
@@ -79,22 +84,23 @@ def stream(host: str, port: int, body: dict[str, Any], stamp: Callable[[], Any])
         response = connection.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-        raw, pending, done = response.fp, b"", False
+        raw, pending = response.fp, b""
         while data := raw.read1(1 << 16):
             pending += data
             cut = pending.rfind(b"\n") + 1  # markers are looked for in whole lines only: none is cut or seen twice
             if cut == 0:
+                if len(pending) > MAX_LINE_BYTES:
+                    raise RuntimeError(f"the stream sent a line of over {MAX_LINE_BYTES:,} bytes")
                 continue
-            lines, pending = pending[:cut], pending[cut:]
+            lines, pending = b"\n" + pending[:cut], pending[cut:]
             now = stamp()
-            stamps.extend(now for _ in range(lines.count(EVENT)))
-            if FAILED in lines:
-                raise RuntimeError(
-                    f"the stream failed after {len(stamps)} event(s): {lines[lines.index(FAILED) :][:200]!r}"
-                )
-            done = done or DONE in lines
-        if not done:
-            raise RuntimeError(f"the stream ended after {len(stamps)} event(s), before its [DONE]")
+            stamps.extend(now for _ in range(lines.count(b"\n" + EVENT)))
+            if b"\n" + FAILED in lines:
+                at = lines.index(b"\n" + FAILED) + 1
+                raise RuntimeError(f"the stream failed after {len(stamps)} event(s): {lines[at : at + 200]!r}")
+            if b"\n" + DONE in lines:
+                return stamps
+        raise RuntimeError(f"the stream ended after {len(stamps)} event(s), before its [DONE]")
     finally:
         connection.close()
     return stamps

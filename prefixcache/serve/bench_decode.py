@@ -167,14 +167,15 @@ def _served(client: _ClientProcess, bodies: list[dict[str, Any]]) -> list[tuple[
     run = []
     for stamps, body in zip(client.run(bodies), bodies, strict=True):
         # The last event with text is the finishing chunk's predecessor: keep one stamp per generated token.
-        run.append([(wall, math.nan if cpu is None else cpu) for wall, cpu in _tokens(stamps, body)])
+        run.append([(wall, math.nan if cpu is None else cpu) for wall, cpu in _tokens(stamps, body, 1)])
     return _per_token_ms(run)
 
 
-def _tokens(stamps: list[Any], body: dict[str, Any]) -> list[Any]:
-    """The first ``max_tokens`` of a stream's stamps, one per token.  Raises ``RuntimeError`` for fewer."""
-    if len(stamps) < body["max_tokens"]:
-        raise RuntimeError(f"a stream made {len(stamps)} of its {body['max_tokens']} tokens")
+def _tokens(stamps: list[Any], body: dict[str, Any], finish_events: int = 0) -> list[Any]:
+    """The first ``max_tokens`` of a stream's stamps, one per token, where ``finish_events`` more must follow (a
+    served stream's finishing chunk).  Raises ``RuntimeError`` for fewer."""
+    if len(stamps) < body["max_tokens"] + finish_events:
+        raise RuntimeError(f"a stream made {len(stamps) - finish_events} of its {body['max_tokens']} tokens")
     return stamps[: body["max_tokens"]]
 
 

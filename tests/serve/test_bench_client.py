@@ -149,6 +149,9 @@ def test_the_client_counts_each_event_once_however_its_bytes_arrive(byte_by_byte
         ([_event("a"), b'data: {"error": {"message": "engine stopped"}}\n\n', b"data: [DONE]\n\n"], "failed after 1"),
         ([_event("a"), _event("b")], "ended after 2 event\\(s\\), before its \\[DONE\\]"),
         ([], "ended after 0 event"),
+        # A token whose text spells the end is not the end: markers count only at the start of a line.
+        ([_event("a"), _event("data: [DONE]")], "ended after 2 event"),
+        ([b"x" * (2 * bench_client.MAX_LINE_BYTES)], "a line of over 1,048,576 bytes"),
     ],
 )
 def test_a_stream_that_fails_or_stops_short_is_an_error_not_a_figure(chunks, message) -> None:
@@ -160,9 +163,14 @@ def test_a_stream_that_fails_or_stops_short_is_an_error_not_a_figure(chunks, mes
 
 def test_a_stream_with_fewer_tokens_than_asked_is_refused() -> None:
     body = bench_decode._body([65, 66], 4)
-    assert bench_decode._tokens([(0.0, 0.0)] * 5, body) == [(0.0, 0.0)] * 4
+    stamps = [(float(i), 0.0) for i in range(5)]
+    assert bench_decode._tokens(stamps, body) == stamps[:4]
     with pytest.raises(RuntimeError, match="made 3 of its 4 tokens"):
-        bench_decode._tokens([(0.0, 0.0)] * 3, body)
+        bench_decode._tokens(stamps[:3], body)
+    # Served, the finishing chunk's event follows the last token's: four events are three tokens and the finish.
+    assert bench_decode._tokens(stamps, body, 1) == stamps[:4]
+    with pytest.raises(RuntimeError, match="made 3 of its 4 tokens"):
+        bench_decode._tokens(stamps[:4], body, 1)
 
 
 @pytest.mark.parametrize("sizes", [{"runs": 1}, {"new_tokens": 1}, {"runs": 2.5}, {"new_tokens": True}])
