@@ -382,7 +382,7 @@ def _decode_table(decode: dict[str, Any], label: str, quick: bool = False) -> Ta
         ),
         tuple(rows),
         (
-            "the same streamed /v1/completions requests both ways; per-token = mean gap between a stream's "
+            "streamed /v1/completions requests of one shape both ways; per-token = mean gap between a stream's "
             "tokens while every stream of the run decodes (timed on the engine thread in-process, as each SSE event "
             "reaches the client, in its own process, when served); medians over interleaved pairs; ratio (the "
             "goal's) = median of per-pair ratios",

@@ -166,7 +166,6 @@ def _served(client: _ClientProcess, bodies: list[dict[str, Any]]) -> list[tuple[
     arrival (engine CPU NaN where the client cannot read it)."""
     run = []
     for stamps, body in zip(client.run(bodies), bodies, strict=True):
-        # The last event with text is the finishing chunk's predecessor: keep one stamp per generated token.
         run.append([(wall, math.nan if cpu is None else cpu) for wall, cpu in _tokens(stamps, body, 1)])
     return _per_token_ms(run)
 
