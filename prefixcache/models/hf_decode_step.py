@@ -25,7 +25,9 @@ Every other forward goes through the model as before.
 
 from __future__ import annotations
 
+import os
 import sys
+import types
 from typing import Any
 
 import torch
@@ -48,13 +50,40 @@ _ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 _ATTENTION_VALUES = ("head_dim", "scaling", "layer_idx")
 
 
+_STOCK_FORWARDS: dict[int, tuple[Any, bool]] = {}
+"""``id(function) -> (function, verdict)`` of :func:`_stock_forward`.  Keyed by id, checked by identity: a wrapt proxy
+hashes and compares as the function it wraps, so a dictionary keyed by functions would answer for that one."""
+
+
+def _stock_forward(function: Any) -> bool:
+    """Whether ``function`` and every function it wraps (its ``__wrapped__`` chain) are plain functions whose code is in
+    transformers' files, or in the ``kernels`` package, whose hub-kernel decorator transformers applies to some
+    forwards.  A wrapper patched onto a class (``functools.wraps``) copies ``__module__`` from what it wraps, and a
+    proxy (``wrapt``) forwards it: only the code's file tells a patch from the original.  Remembered per function."""
+    known = _STOCK_FORWARDS.get(id(function))
+    if known is not None and known[0] is function:
+        return known[1]
+    roots = tuple(
+        os.path.dirname(package.__file__) + os.sep
+        for package in (sys.modules.get("transformers"), sys.modules.get("kernels"))
+        if getattr(package, "__file__", None)
+    )
+    current, depth = function, 0
+    while type(current) is types.FunctionType and current.__code__.co_filename.startswith(roots) and depth < 16:
+        current, depth = getattr(current, "__wrapped__", None), depth + 1
+    _STOCK_FORWARDS[id(function)] = (function, current is None)
+    return current is None
+
+
 def _ours_to_skip(module: Any) -> bool:
     """Whether ``module``'s own forward may be skipped: transformers' own class with its own ``forward`` (not one
-    patched onto the class or set on the instance, as patching libraries and users do), no forward hooks on it."""
+    patched onto the class, even a wrapper of the original, nor set on the instance, as patching libraries and users
+    do), no forward hooks on it."""
     cls = type(module)
     return (
         cls.__module__.startswith("transformers.models.")
         and getattr(cls.forward, "__module__", None) == cls.__module__
+        and _stock_forward(cls.forward)
         and "forward" not in module.__dict__
         and not module._forward_hooks
         and not module._forward_pre_hooks
@@ -72,9 +101,10 @@ def decode_layers(base: Any, config: Any) -> list[Any] | None:
     or None where it does not apply: another model type, an attention implementation other than transformers' own
     SDPA (:func:`~prefixcache.models.hf_decode_attention.sdpa_is_stock`), a sliding-window layer or a window shorter
     than ``max_position_embeddings``, a base or layer or attention module that is not transformers' own class or
-    carries forward hooks (whose forwards :func:`decode_hidden` would skip; global module hooks too), or a missing
-    part.  Checked at every step (a hook added later is seen): O(layers) dictionary reads, not ``nn.Module``
-    attribute lookups (24 layers: 70-135 us, where those lookups took 390)."""
+    carries forward hooks (whose forwards :func:`decode_hidden` would skip; global module hooks too), a rotary
+    function kernelized on an attention module, or a missing part.  Checked at every step (a hook added later is
+    seen): O(layers) dictionary reads, not ``nn.Module`` attribute lookups, each class's forward judged once (24
+    layers: 70-135 us, where those lookups took 390)."""
     if getattr(config, "model_type", None) not in DECODE_STEP_TYPES:
         return None
     if getattr(config, "_attn_implementation", None) != "sdpa" or not sdpa_is_stock():
@@ -104,6 +134,10 @@ def decode_layers(base: Any, config: Any) -> list[Any] | None:
         if any(attention._modules.get(name) is None for name in _ATTENTION_MODULES):
             return None
         if any(attention.__dict__.get(name) is None for name in _ATTENTION_VALUES):
+            return None
+        # kernels.kernelize gives the attention's private rotary wrapper an instance forward, which only the
+        # attention's own forward calls: the step calls the modeling file's function, so it declines.
+        if any("forward" in wrapper.__dict__ for wrapper in attention.__dict__.get("_kernel_funcs", {}).values()):
             return None
     if layers and _rotary_function(layers[0].self_attn) is None:
         return None

@@ -1,7 +1,7 @@
 """Per-token decode time served against in-process (``prefixcache bench serve``'s third table).
 
 Streamed ``/v1/completions`` requests of one shape (greedy, ``ignore_eos``, so every run makes all its tokens; a
-64-token prompt of its own each run, so that nothing is found cached) run on one server's
+64-token prompt that differs from the recent runs', see :func:`_prompt`) run on one server's
 :class:`~prefixcache.engine.batching.BatchEngine`, alternating between two ways:
 
 - in-process: the body parsed and its completion prepared as the server does, then :func:`submit_chat` straight to
@@ -88,9 +88,10 @@ def _per_token_ms(run: list[list[tuple[float, float]]]) -> list[tuple[float, flo
 
 
 def _prompt(salt: int) -> list[int]:
-    # Salts less than 95 apart give prompts that differ from their first token (13 is coprime to 95): a run finds
-    # nothing cached, prefills its own prompt and decodes from the same length (a repeat found cached would only skip
-    # its prefill, which is not timed).
+    # One of 95 prompts: salts less than 95 apart give prompts that differ from their first token (13 is coprime to
+    # 95), and salts equal modulo 95 the same one.  A run whose prompt was used before mostly finds it evicted (a full
+    # run found one cached, in its untimed warm-up pair); one found cached would only skip its prefill, which is not
+    # timed: every run decodes from the same length.
     return [32 + (7 * i + 13 * salt) % 95 for i in range(PROMPT_TOKENS)]
 
 

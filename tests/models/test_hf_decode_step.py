@@ -5,6 +5,8 @@ and decode through the runner stays exact."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -126,21 +128,23 @@ def test_a_global_module_hook_keeps_the_models_path() -> None:
     assert decode_layers(model.model.model, model.config) is not None
 
 
-def _scaled_attention_output(forward):
+def _scaled_attention_output(forward, wraps: bool = False):
     def patched(self, *args, **kwargs):
         out, weights = forward(self, *args, **kwargs)
         return out * 1.5, weights
 
-    return patched
+    # functools.wraps copies the original's __module__ and sets __wrapped__, as most patching decorators do.
+    return functools.wraps(forward)(patched) if wraps else patched
 
 
-@pytest.mark.parametrize("where", ["instance", "class"])
+@pytest.mark.parametrize("where", ["instance", "class", "class, functools.wraps"])
 def test_a_replaced_attention_forward_keeps_the_models_path(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # Patching libraries replace a class's forward, users an instance's: decode must compute what the patch does.
     model = tiny_random_model("llama", max_positions=256)
     attention = model.model.model.layers[1].self_attn
-    if where == "class":
-        monkeypatch.setattr(type(attention), "forward", _scaled_attention_output(type(attention).forward))
+    if where.startswith("class"):
+        wrapped = _scaled_attention_output(type(attention).forward, wraps=where.endswith("wraps"))
+        monkeypatch.setattr(type(attention), "forward", wrapped)
     else:
         monkeypatch.setattr(
             attention,
@@ -172,3 +176,28 @@ def test_a_patched_rotary_function_is_the_one_the_own_step_applies(monkeypatch: 
     logits, _ = _step_logits(model, prompt, 5)
     assert calls[-2:] == [1, 1]  # the decode step's query, in both layers, through the patched function
     torch.testing.assert_close(logits, model.forward_reference(torch.tensor([*prompt, 5])), atol=1e-5, rtol=0)
+
+
+def test_a_kernelized_rotary_function_keeps_the_models_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # kernels.kernelize gives an attention module's private rotary wrapper a forward of its own; only the attention's
+    # own forward calls it, so the own step (which calls the modeling file's function) must decline.
+    model = tiny_random_model("llama", max_positions=256)
+    assert decode_layers(model.model.model, model.config) is not None
+
+    class Wrapper(torch.nn.Module):
+        pass
+
+    wrapper = Wrapper()
+    wrapper.forward = lambda q, k, cos, sin, *a, **kw: (q, k)
+    attention = model.model.model.layers[0].self_attn
+    monkeypatch.setitem(attention.__dict__, "_kernel_funcs", {"rotary_pos_emb": wrapper})
+    assert decode_layers(model.model.model, model.config) is None
+
+
+def test_the_stock_forward_check_follows_wrappers_to_their_code() -> None:
+    from prefixcache.models.hf_decode_step import _stock_forward
+
+    stock = type(tiny_random_model("llama", max_positions=256).model.model.layers[0].self_attn).forward
+    assert _stock_forward(stock)
+    assert not _stock_forward(functools.wraps(stock)(lambda *a, **k: stock(*a, **k)))
+    assert not _stock_forward(len)  # not a Python function at all
