@@ -43,7 +43,8 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmarks ``args.names`` (all by default) and print their tables; 0."""
+    """Run the benchmarks ``args.names`` (all by default) and print their tables; 0.  Raises InvalidArgumentError for
+    an unknown name, and for ``serve`` without the server extra (saying what to install)."""
     from prefixcache import bench
 
     extra = {}
@@ -51,8 +52,13 @@ def run(args: argparse.Namespace) -> int:
         from prefixcache.serve import bench as serve_bench
 
         extra["serve"] = serve_bench.run
-    except ImportError:  # without the server extra there is no serve benchmark
-        pass
+    except ImportError as error:  # without the server extra there is no serve benchmark
+        if "serve" in (args.names or ()):
+            from prefixcache.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(
+                f"the serve benchmark needs the server extra: pip install -e '.[server]' ({error})"
+            ) from error
     if args.device != "cpu":
         from functools import partial
 
