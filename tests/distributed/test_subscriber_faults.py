@@ -68,14 +68,26 @@ def eventually(condition, timeout_s: float = 5.0) -> bool:
     return condition()
 
 
+def until_live(publisher, subscriber, cache, put) -> None:
+    """Return once the subscriber has read a batch off the live stream.  ``wait_for`` alone does not show that: the
+    first batches may come through the joining replay while the subscription is still on its way to the publisher
+    (ZMQ's slow joiner), and live messages sent then are dropped, so injected frames would never be seen."""
+    for block in range(100, 120, 2):
+        put(cache, [block, block + 1])
+        assert publisher.flush()
+        if eventually(lambda: subscriber._live_seq == publisher.last_seq, timeout_s=0.25):
+            assert subscriber.wait_for(publisher.last_seq)
+            return
+    raise AssertionError("no batch reached the subscriber on the live stream")
+
+
 def test_a_sequence_number_of_2_64_minus_1_is_counted_and_the_mirror_goes_on(make_cache, put, caplog) -> None:
     with injecting(ZmqEventPublisher()) as publisher:
         cache = make_cache(num_blocks=32, block_size=2)
         cache.subscribe(publisher)
         index = BlockIndex()
         with ZmqEventSubscriber(publisher.endpoint, publisher.replay_endpoint, index) as subscriber:
-            put(cache, [1, 2])
-            assert publisher.flush() and subscriber.wait_for(publisher.last_seq)
+            until_live(publisher, subscriber, cache, put)
             payload = encode([BlockStored(None, (77,), 0, 0, (9, 9), 2)], 0.0)
             with caplog.at_level(logging.DEBUG, logger="prefixcache.distributed.subscriber"):
                 publisher(Raw((publisher.topic, (2**64 - 1).to_bytes(8, "big"), payload)))
@@ -99,8 +111,7 @@ def test_truncated_and_mistyped_messages_are_skipped_and_counted(make_cache, put
         # so wait_for returned while the two live framing errors were still unread (seen once under load: 4 >= 6).
         endpoints = (publisher.endpoint, publisher.replay_endpoint)
         with ZmqEventSubscriber(*endpoints, index, resync_interval_s=3600.0) as subscriber:
-            put(cache, [1, 2])
-            assert publisher.flush() and subscriber.wait_for(publisher.last_seq)
+            until_live(publisher, subscriber, cache, put)
             good = encode([BlockStored(None, (5,), 0, 0, (1, 1), 2)], 0.0)
             publisher(Raw((publisher.topic,)))  # one frame
             publisher(Raw((publisher.topic, b"\x00\x01", good)))  # a 2-byte sequence number
