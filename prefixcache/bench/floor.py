@@ -440,6 +440,12 @@ def measure_floor(
     return {"machine": machine.as_dict(), "rows": rows, "setup": dataclasses.asdict(setup)}
 
 
+def _figure(value: float) -> str:
+    """``value`` with at least three significant digits and thousands separators (270.1 -> "270", 0.04213 ->
+    "0.0421", 12345.6 -> "12,346"): a quick run's tiny model moves well under a megabyte a step."""
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
 def floor_table(floor: dict) -> Table:
     """The printed table of :func:`measure_floor`'s result."""
     m = floor["machine"]
@@ -450,8 +456,8 @@ def floor_table(floor: dict) -> Table:
             (
                 r["model"],
                 f"decode at {r['context']:,} (ms/token)",
-                f"{r['decode_s'] * 1e3:.1f}",
-                f"{r['decode_floor_s'] * 1e3:.1f} ({r['decode_bytes'] / 1e6:,.0f} MB)",
+                _figure(r["decode_s"] * 1e3),
+                f"{_figure(r['decode_floor_s'] * 1e3)} ({_figure(r['decode_bytes'] / 1e6)} MB)",
                 f"{r['decode_ratio']:.2f}",
                 f"{r['decode_onednn_ratio']:.2f}",
             )
@@ -460,8 +466,8 @@ def floor_table(floor: dict) -> Table:
             (
                 r["model"],
                 f"cold prefill {r['prefill_tokens']:,} (ms)",
-                f"{r['prefill_s'] * 1e3:,.0f}",
-                f"{r['prefill_floor_s'] * 1e3:,.0f} ({r['prefill_flops'] / 1e9:,.0f} GFLOP)",
+                _figure(r["prefill_s"] * 1e3),
+                f"{_figure(r['prefill_floor_s'] * 1e3)} ({_figure(r['prefill_flops'] / 1e9)} GFLOP)",
                 f"{r['prefill_ratio']:.2f}",
                 "",
             )

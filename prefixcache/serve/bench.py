@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import httpx
+import torch
 
 from prefixcache.bench.common import BenchResult, Table, verdict
 from prefixcache.bench.policy import DATA_DIR
@@ -359,6 +360,8 @@ def _decode_table(decode: dict[str, Any], label: str, quick: bool = False) -> Ta
                 decode[f"{key}_engine_cpu_served_ms"],
                 decode[f"{key}_engine_cpu_ratio"],
                 decode[f"{key}_added_cpu_ms"],
+                decode[f"{key}_loop_cpu_ms"],
+                decode[f"{key}_client_cpu_ms"],
                 decode["runs"],
             )
         )
@@ -378,6 +381,8 @@ def _decode_table(decode: dict[str, Any], label: str, quick: bool = False) -> Ta
             "engine CPU ms/token served",
             "engine CPU served / in-process",
             "process CPU added ms/token",
+            "event loop CPU ms/token",
+            "client CPU ms/token",
             "pairs",
         ),
         tuple(rows),
@@ -388,6 +393,21 @@ def _decode_table(decode: dict[str, Any], label: str, quick: bool = False) -> Ta
             "goal's) = median of per-pair ratios",
             "engine CPU = CPU time of the engine's thread per token (proof against CPU load, not against a shared "
             "memory bus); process CPU added = served minus in-process CPU time of the server's process (event loop, "
-            "HTTP, engine) per token of a stream",
+            "HTTP, engine) per token of a stream; event loop and client CPU = the served runs' uvicorn thread and "
+            "client process, per token of a stream",
+            _floor_note(decode),
         ),
+    )
+
+
+def _floor_note(decode: dict[str, Any]) -> str:
+    """What a served token costs with no server code at all (:func:`~prefixcache.serve.bench_decode.bare_stream_app`),
+    against the in-process token time: the part of the gap no change to the server can remove on this machine."""
+    floor_ms = decode["bare_loop_cpu_ms"] + decode["bare_client_cpu_ms"]
+    return (
+        f"floor: a bare ASGI app on the same uvicorn, streaming one event of a token's size every "
+        f"{decode['bare_interval_ms']:.2f} ms to the same client, costs {decode['bare_loop_cpu_ms']:.3f} ms of event "
+        f"loop CPU and {decode['bare_client_cpu_ms']:.3f} ms of client CPU an event, {floor_ms:.3f} ms in all: "
+        f"{floor_ms / decode['bare_interval_ms']:.1%} of the in-process token time, CPU that the engine's "
+        f"{torch.get_num_threads()} torch threads share {os.cpu_count()} cores with"
     )

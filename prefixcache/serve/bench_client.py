@@ -5,7 +5,8 @@ the engine's thread at every token and make the server look slower than it is.  
 and talks to it over stdin/stdout, one JSON line per run each way:
 
 - in: ``{"bodies": [a streamed /v1/completions body per stream, ...]}``;
-- out: ``{"stamps": [[[wall s, engine CPU s or null], ...] per stream]}`` or ``{"error": "..."}``.
+- out: ``{"stamps": [[[wall s, engine CPU s or null], ...] per stream], "cpu_s": the client's own CPU time in the
+  run}`` or ``{"error": "..."}``.
 
 Each stream is one streamed ``/v1/completions`` request on its own ``http.client`` connection and thread; a stamp is
 taken as each SSE event with a choice arrives.  Wall time is ``time.perf_counter`` (CLOCK_MONOTONIC on Linux, so the
@@ -127,12 +128,19 @@ def _run(host: str, port: int, engine_cpu: Callable[[], float | None], request: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``host port server_pid engine_thread_id``: answer each JSON line of stdin with one of stdout until stdin ends."""
-    host, port, pid, thread_id = argv if argv is not None else sys.argv[1:]
+    """``host port server_pid engine_thread_id``: answer each JSON line of stdin with one of stdout until stdin ends;
+    0 then, 2 (with a usage line on stderr) for other arguments."""
+    args = argv if argv is not None else sys.argv[1:]
+    if len(args) != 4 or not all(arg.isdigit() for arg in args[1:]):
+        sys.stderr.write(f"usage: bench_client HOST PORT SERVER_PID ENGINE_THREAD_ID (numbers), got {args!r}\n")
+        return 2
+    host, port, pid, thread_id = args
     engine_cpu = engine_cpu_reader(int(pid), int(thread_id))
     for line in sys.stdin:
         try:
+            cpu = time.process_time()  # every thread of this process, the run's finished ones included
             answer: dict[str, Any] = {"stamps": _run(host, int(port), engine_cpu, json.loads(line))}
+            answer["cpu_s"] = time.process_time() - cpu
         except Exception as error:  # noqa: BLE001 - the benchmark raises it
             answer = {"error": f"{type(error).__name__}: {error}"}
         sys.stdout.write(json.dumps(answer) + "\n")

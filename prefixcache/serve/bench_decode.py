@@ -26,6 +26,7 @@ CPU time too.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -44,10 +45,10 @@ from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.llama import build_model
 from prefixcache.serve import bench_client
 from prefixcache.serve.app import create_app
-from prefixcache.serve.protocol import parse_completion_request
+from prefixcache.serve.protocol import completion_response, parse_completion_request
 from prefixcache.serve.server import start_background
 
-__all__ = ["GOAL_RATIO", "decode_figures"]
+__all__ = ["GOAL_RATIO", "bare_stream_app", "decode_figures"]
 
 GOAL_RATIO = 1.03
 """Served per-token time / in-process per-token time must stay below this."""
@@ -129,6 +130,8 @@ class _ClientProcess:
         command = [sys.executable, "-c", bench_client.LAUNCH, bench_client.__file__, host, str(port)]
         command += [str(os.getpid()), str(engine_thread_id)]
         self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.cpu_s = math.nan
+        """The client process's own CPU time (seconds, all its threads) in the last run."""
 
     def run(self, bodies: list[dict[str, Any]]) -> list[list[tuple[float, float | None]]]:
         """Each body's stamps, streamed at once.  Raises ``RuntimeError`` if the client failed, died or was closed."""
@@ -147,6 +150,7 @@ class _ClientProcess:
         answer = json.loads(line)
         if "error" in answer:
             raise RuntimeError(f"the benchmark's client failed: {answer['error']}")
+        self.cpu_s = answer["cpu_s"]
         return [[tuple(stamp) for stamp in stamps] for stamps in answer["stamps"]]
 
     def close(self) -> None:
@@ -191,8 +195,15 @@ def _pairs(runs: int, measure: Callable[[str, int], Any]) -> tuple[list[Any], li
     return local, remote
 
 
+def _thread_cpu_reader(thread_id: int) -> Callable[[], float]:
+    """The CPU time (seconds) thread ``thread_id`` of this process has run, NaN where Linux's schedstat is missing."""
+    read = bench_client.engine_cpu_reader(os.getpid(), thread_id)
+    return lambda: math.nan if (seconds := read()) is None else seconds
+
+
 def _summary(key: str, local: list[Any], remote: list[Any]) -> dict[str, Any]:
-    """The figures of one row from its pairs of (wall ms, engine CPU ms, process CPU ms) per token."""
+    """The figures of one row from its pairs of (wall ms, engine CPU ms, process CPU ms, event loop CPU ms, client
+    CPU ms) per token."""
     pairs = list(zip(local, remote, strict=True))
     ratios = sorted(r[0] / lo[0] for lo, r in pairs)
     return {
@@ -204,6 +215,8 @@ def _summary(key: str, local: list[Any], remote: list[Any]) -> dict[str, Any]:
         f"{key}_engine_cpu_served_ms": statistics.median(r[1] for r in remote),
         f"{key}_engine_cpu_ratio": statistics.median(r[1] / lo[1] for lo, r in pairs),
         f"{key}_added_cpu_ms": statistics.median(r[2] - lo[2] for lo, r in pairs),
+        f"{key}_loop_cpu_ms": statistics.median(r[3] for r in remote),
+        f"{key}_client_cpu_ms": statistics.median(r[4] for r in remote),
         f"{key}_best_ratio": min(r[0] for r in remote) / min(lo[0] for lo in local),
         f"{key}_pairs_ms": [(lo[0], r[0]) for lo, r in pairs],
     }
@@ -234,25 +247,96 @@ def decode_figures(
         clocks = _Clocks(engine)
         with start_background(app) as server:
             client = _ClientProcess(server.host, server.port, engine.call_soon(threading.get_native_id).result())
+            loop_cpu = _thread_cpu_reader(server.thread.native_id)
             try:
                 for streams, key in ((1, "single"), (concurrent, "concurrent")):
 
-                    def measure(mode: str, run: int, streams: int = streams) -> tuple[float, float, float]:
+                    def measure(mode: str, run: int, streams: int = streams) -> tuple[float, ...]:
                         salt = 1000 * streams + 10 * run + (mode == "served") * 500
                         bodies = [_body(_prompt(salt + j), new_tokens) for j in range(streams)]
-                        cpu = time.process_time()
+                        cpu, loop = time.process_time(), loop_cpu()
                         if mode == "local":
-                            per_stream = _in_process(engine, runner.tokenizer, clocks, bodies)
+                            per_stream, client_cpu = _in_process(engine, runner.tokenizer, clocks, bodies), 0.0
                         else:
-                            per_stream = _served(client, bodies)
-                        cpu_per_token_ms = (time.process_time() - cpu) / (streams * new_tokens) * 1e3
+                            per_stream, client_cpu = _served(client, bodies), client.cpu_s
+                        per_token_ms = 1e3 / (streams * new_tokens)
+                        spent = (time.process_time() - cpu, loop_cpu() - loop, client_cpu)
                         wall, engine_cpu = (statistics.mean(figures[k] for figures in per_stream) for k in (0, 1))
-                        return wall, engine_cpu, cpu_per_token_ms
+                        return wall, engine_cpu, *(seconds * per_token_ms for seconds in spent)
 
                     out.update(_summary(key, *_pairs(runs, measure)))
             finally:
                 client.close()
+        out.update(_bare_stream(out["single_in_process_ms"], new_tokens, 3 if quick else 8))
     finally:
         engine.close()
     out["load_average_1m"] = (load_before + os.getloadavg()[0]) / 2
     return out
+
+
+def bare_stream_app(interval_s: float, event: bytes, finish: bytes) -> Callable[..., Any]:
+    """A bare ASGI app (no FastAPI, no engine) that answers every request, whatever its path, with a stream of
+    ``max_tokens`` (from its JSON body) copies of ``event``, one every ``interval_s`` seconds, then ``finish``: the
+    pace set by a thread that hands each event to the event loop as the engine's mailbox does (one
+    ``call_soon_threadsafe`` and a queue).  What uvicorn, the loop and a streaming client cost per event with no
+    server code at all: the floor under a served token."""
+
+    async def app(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                kind = (await receive())["type"].removeprefix("lifespan.")
+                await send({"type": f"lifespan.{kind}.complete"})
+                if kind == "shutdown":
+                    return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        count = int(json.loads(body)["max_tokens"])
+        loop, ready = asyncio.get_running_loop(), asyncio.Queue()
+
+        def pace() -> None:
+            due = time.perf_counter()
+            for item in [*[event] * count, None]:
+                due += interval_s
+                time.sleep(max(0.0, due - time.perf_counter()))
+                loop.call_soon_threadsafe(ready.put_nowait, item)
+
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        threading.Thread(target=pace, name="bare-stream-pace", daemon=True).start()
+        while (item := await ready.get()) is not None:
+            await send({"type": "http.response.body", "body": item, "more_body": True})
+        await send({"type": "http.response.body", "body": finish, "more_body": False})
+
+    return app
+
+
+def _bare_stream(interval_ms: float, new_tokens: int, runs: int) -> dict[str, float]:
+    """The event loop's and the client's CPU per event (ms) streaming from :func:`bare_stream_app`, one event every
+    ``interval_ms`` (the in-process token time), events as large as a served token's: medians of ``runs`` runs of
+    ``new_tokens`` events, one stream each."""
+    request_id, created = "cmpl-" + "0" * 32, int(time.time())
+    chunk = completion_response(request_id, "bench", "x", None, None)
+    event = f"data: {json.dumps({**chunk, 'created': created})}\n\n".encode()
+    finish = completion_response(request_id, "bench", "", "length", None)
+    finish_bytes = f"data: {json.dumps(finish)}\n\ndata: [DONE]\n\n".encode()
+    loop_figures, client_figures = [], []
+    with start_background(bare_stream_app(interval_ms / 1e3, event, finish_bytes)) as server:  # type: ignore[arg-type]
+        client = _ClientProcess(server.host, server.port, server.thread.native_id)
+        loop_cpu = _thread_cpu_reader(server.thread.native_id)
+        try:
+            for _ in range(runs + 1):  # the first run warms up
+                before = loop_cpu()
+                _tokens(client.run([_body([65], new_tokens)])[0], {"max_tokens": new_tokens}, 1)
+                loop_figures.append((loop_cpu() - before) / new_tokens * 1e3)
+                client_figures.append(client.cpu_s / new_tokens * 1e3)
+        finally:
+            client.close()
+    return {
+        "bare_loop_cpu_ms": statistics.median(loop_figures[1:]),
+        "bare_client_cpu_ms": statistics.median(client_figures[1:]),
+        "bare_interval_ms": interval_ms,
+    }

@@ -133,8 +133,17 @@ def test_floor_table_prints_the_ratio_to_the_floor() -> None:
     machine |= {"sum_read_bytes_per_s": 1.5e10, "gemv_read_bytes_per_s": 2e10}
     table = floor_table({"machine": {**machine, "gemm_size": 2048, "repeats": 5}, "rows": [row]})
     # The ratios are the rows' own (each run against the rates of its moment); the ms columns use the title's.
-    assert table.rows[0][2:] == ("30.0", "15.0 (300 MB)", "1.90", "2.90") and table.rows[1][4] == "1.95"
+    assert table.rows[0][2:] == ("30", "15 (300 MB)", "1.90", "2.90") and table.rows[1][2:5] == (
+        "2,000",
+        "1,000 (100 GFLOP)",
+        "1.95",
+    )
     assert "20.0 GB/s (sum 15.0, mv 20.0)" in table.title
+    # A quick run's tiny model: the floor is a fraction of a millisecond and of a megabyte, and says so.
+    tiny = {**row, "decode_s": 4.2e-5, "decode_floor_s": 2.13e-5, "decode_bytes": 431_000, "prefill_flops": 3.2e8}
+    tiny_table = floor_table({"machine": {**machine, "gemm_size": 2048, "repeats": 5}, "rows": [tiny]})
+    assert tiny_table.rows[0][2:4] == ("0.042", "0.0213 (0.431 MB)")
+    assert tiny_table.rows[1][3] == "1,000 (0.32 GFLOP)"
 
 
 def test_two_measurements_of_the_machine_keep_the_higher_rates() -> None:

@@ -70,6 +70,8 @@ def test_the_client_process_streams_every_token_and_reports_a_refused_body(make_
                 cpus = [cpu for _, cpu in stamps]
                 if sys.platform.startswith("linux"):
                     assert all(cpu is not None for cpu in cpus) and cpus == sorted(cpus)
+            # The client's own CPU time in the run: some, and less than the run's wall time on its two threads.
+            assert 0 < client.cpu_s < 2 * max(stamps[-1][0] - stamps[0][0] for stamps in streams) + 1
             # A body the server refuses (400) is the run's error; the client then serves the next run.
             bad = bench_decode._body(bench_decode._prompt(3), 12) | {"max_tokens": -1}
             with pytest.raises(RuntimeError, match="HTTP 400"):
@@ -177,3 +179,9 @@ def test_a_stream_with_fewer_tokens_than_asked_is_refused() -> None:
 def test_decode_figures_refuses_sizes_it_cannot_time_before_building_anything(sizes) -> None:
     with pytest.raises(InvalidArgumentError, match="must be an int of at least 2"):
         bench_decode.decode_figures(model=object(), **sizes)
+
+
+@pytest.mark.parametrize("argv", [[], ["127.0.0.1", "80", "1"], ["127.0.0.1", "http", "1", "2"], ["h", "1", "2", "-3"]])
+def test_wrong_arguments_get_a_usage_line_and_exit_status_2(argv: list[str], capsys) -> None:
+    assert bench_client.main(argv) == 2
+    assert "usage: bench_client HOST PORT SERVER_PID ENGINE_THREAD_ID" in capsys.readouterr().err

@@ -56,8 +56,15 @@ def test_the_decode_pairs_time_every_token_both_ways() -> None:
         assert [len(pair) for pair in figures[f"{key}_pairs_ms"]] == [2, 2], key
         fastest = min(p[1] for p in figures[f"{key}_pairs_ms"]) / min(p[0] for p in figures[f"{key}_pairs_ms"])
         assert figures[f"{key}_best_ratio"] == pytest.approx(fastest), key
+        # Linux: the served runs' uvicorn thread and the client process did work at every token.
+        assert 0 < figures[f"{key}_loop_cpu_ms"] < figures[f"{key}_served_ms"], key
+        assert 0 < figures[f"{key}_client_cpu_ms"] < figures[f"{key}_served_ms"], key
+    assert figures["bare_interval_ms"] == figures["single_in_process_ms"]
+    assert figures["bare_loop_cpu_ms"] > 0 and figures["bare_client_cpu_ms"] > 0
     table = bench._decode_table(figures, "tiny preset")
     assert "(tiny preset, 32 new tokens" in table.title
+    floor = figures["bare_loop_cpu_ms"] + figures["bare_client_cpu_ms"]
+    assert f"{floor:.3f} ms in all: {floor / figures['bare_interval_ms']:.1%}" in table.notes[-1]
     assert [row[0] for row in table.rows] == [1, figures["concurrent"]]
     goal = next(i for i, column in enumerate(table.headers) if column.startswith("goal"))
     assert [row[goal] for row in table.rows] == ["met" if figures[f"{k}_ratio"] < 1.03 else "not met" for k in keys]
@@ -74,3 +81,22 @@ def test_the_second_decode_row_has_qwen_s_24_layers_and_the_byte_vocabulary() ->
     sizes = (config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads, config.intermediate_size)
     assert sizes == (24, 896, 14, 2, 4864)
     assert config.vocab_size == PRESETS["small"].vocab_size == 512
+
+
+def test_the_bare_stream_sends_max_tokens_events_at_its_pace_then_the_finish() -> None:
+    import json
+    import time
+
+    import httpx
+
+    from prefixcache.serve.bench_decode import bare_stream_app
+    from prefixcache.serve.server import start_background
+
+    app = bare_stream_app(0.01, b'data: {"id": 1}\n\n', b"data: [DONE]\n\n")
+    with start_background(app) as server:  # type: ignore[arg-type]
+        started = time.perf_counter()
+        answer = httpx.post(f"{server.url}/anything", content=json.dumps({"max_tokens": 5}), timeout=30)
+        took = time.perf_counter() - started
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
+    assert answer.text == 'data: {"id": 1}\n\n' * 5 + "data: [DONE]\n\n"
+    assert took >= 0.06  # six intervals of 10 ms (five events, then the finish): paced, not sent at once
