@@ -167,6 +167,23 @@ def test_bad_line_with_skip_invalid_exits_0_and_counts_it(tmp_path: Path) -> Non
     assert (report["requests"], report["skipped_lines"]) == (1, 1)
 
 
+@pytest.mark.parametrize("file_format", ["auto", "chat", "requests", "sharegpt", "mooncake"])
+def test_skip_invalid_with_every_line_invalid_exits_2_saying_no_valid_request(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], file_format: str
+) -> None:
+    # Auto detection takes {"messages": 3} for a chat transcript; only the loader refuses it.
+    path = write_lines(tmp_path / "bad.jsonl", ["{not json", '{"messages": 3}'])
+    out = tmp_path / "report.json"
+
+    assert replay(path, "--no-model", "--skip-invalid", "--format", file_format, "--json", out) == 2
+
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    read_as = "chat" if file_format == "auto" else file_format
+    assert f"error: {path}: no valid request found ({read_as} format); 2 invalid lines skipped" in err
+    assert not out.exists()
+
+
 def test_verify_without_a_model_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert replay(CHAT, "--no-model", "--verify") == 2
 

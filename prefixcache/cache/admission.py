@@ -334,15 +334,19 @@ class Admission:
             self._heal_path(node)
 
     def _undo(self, handle: LockHandle | None, borrowed: int | None, owned: list[np.ndarray]) -> None:
-        pool = self.blocks.pool
-        if borrowed is not None:
-            pool.decref([borrowed])
-        if owned:
-            index = np.concatenate(owned).astype(np.intp)
-            self.blocks.owned[index] = self.blocks.extending[index] = False
-            pool.decref(index)
-        if handle is not None:
-            self.locks.unlock(handle)
+        # Each step runs however an earlier one raises (a second fault while undoing a first): no lock left held.
+        try:
+            if borrowed is not None:
+                self.blocks.pool.decref([borrowed])
+        finally:
+            try:
+                if owned:
+                    index = np.concatenate(owned).astype(np.intp)
+                    self.blocks.owned[index] = self.blocks.extending[index] = False
+                    self.blocks.pool.decref(index)
+            finally:
+                if handle is not None:
+                    self.locks.unlock(handle)
 
     def reserve(self, lease: Lease, num_tokens: int) -> np.ndarray:
         """Grow the lease's block table to address ``num_tokens`` tokens (evicting if needed); returns the table.

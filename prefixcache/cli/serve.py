@@ -105,8 +105,8 @@ def _default_model_name(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build the model and serve it until interrupted; 0.  Raises InvalidArgumentError for conflicting options or a
-    missing extra."""
+    """Build the model and serve it until interrupted; 0.  Raises InvalidArgumentError for conflicting options, a
+    ``--cache-tokens`` below one block, or a missing extra."""
     try:
         from prefixcache.serve import ApiKeys, create_app, serve_forever
     except ImportError as error:
@@ -122,6 +122,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.layers is not None and not args.model_config:
         raise InvalidArgumentError("--layers needs --model-config")
+    if args.cache_tokens is not None and args.cache_tokens < args.block_size:
+        # The pool would round it up to one block: a server holding no useful cache, hard to tell from a typo.
+        raise InvalidArgumentError(
+            f"--cache-tokens {args.cache_tokens} is less than one block of {args.block_size} tokens (--block-size); "
+            f"give at least {args.block_size}"
+        )
     if args.max_request_bytes < 1:
         raise InvalidArgumentError(f"--max-request-bytes must be at least 1 byte, got {args.max_request_bytes}")
     if args.snapshot_every is not None and (args.snapshot is None or not args.snapshot_every > 0):

@@ -205,7 +205,8 @@ def read_requests(
         ScenarioError: a file of no known format (naming the line and the formats accepted), a bad line (unless
             ``skip_invalid``, which also skips bad lines before the first usable one), a conversation or request the
             tokenizer's chat template cannot render or whose token ids it does not have (same), a file that is
-            missing, unreadable or empty whatever the format (:func:`~prefixcache.replay.formats.input_lines`).
+            missing, unreadable or empty whatever the format (:func:`~prefixcache.replay.formats.input_lines`), a
+            file whose every line ``skip_invalid`` skipped (no valid request).
     """
     if file_format != "auto" and file_format not in FILE_FORMATS:
         raise InvalidArgumentError(f"unknown format {file_format!r}; choose auto, {', '.join(FILE_FORMATS)}")
@@ -224,7 +225,7 @@ def read_requests(
         ]
         for error in skipped:
             logger.warning("skipped %s", error)
-        return LoadedFile(name, fmt, requests, len(skipped))
+        return _some_valid(LoadedFile(name, fmt, requests, len(skipped)))
     if fmt in ("requests", "batch"):
         log = load_request_log(path, file_format=fmt, limit=limit, skip_invalid=skip_invalid, progress=progress)
         skipped = list(log.skipped)
@@ -239,7 +240,7 @@ def read_requests(
                 skipped.append(problem)
         for error in skipped:
             logger.warning("skipped %s", error)
-        return LoadedFile(name, fmt, requests, len(skipped), list(log.requests))
+        return _some_valid(LoadedFile(name, fmt, requests, len(skipped), list(log.requests)))
     if fmt == "sharegpt":
         scenario = load_sharegpt(path, skip_invalid=skip_invalid, progress=progress)
     else:
@@ -259,7 +260,21 @@ def read_requests(
                 raise problem from None
             logger.warning("skipped %s", problem)
             skipped.append(problem)
-    return LoadedFile(name, fmt, interleave(per_conversation, order, seed), len(skipped))
+    return _some_valid(LoadedFile(name, fmt, interleave(per_conversation, order, seed), len(skipped)))
+
+
+def _some_valid(loaded: LoadedFile) -> LoadedFile:
+    """``loaded``, unless ``skip_invalid`` skipped every line of it: a report of nothing would look like a success.
+
+    Raises:
+        ScenarioError: no request was read and at least one line was skipped.
+    """
+    if not loaded.requests and loaded.skipped:
+        lines = "1 invalid line" if loaded.skipped == 1 else f"{loaded.skipped} invalid lines"
+        raise ScenarioError(
+            f"no valid request found ({loaded.file_format} format); {lines} skipped (--skip-invalid)", loaded.path
+        )
+    return loaded
 
 
 def load_requests(

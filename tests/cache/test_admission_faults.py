@@ -220,3 +220,36 @@ def test_a_fault_in_insert_prefix_leaves_the_lease_releasable_and_the_cache_quie
         assert_quiescent(cache)
         cache.evict_all()
         assert cache.stats().free_blocks == cache.stats().num_blocks
+
+
+def test_a_fault_while_undoing_a_failed_acquire_still_drops_its_lock(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A second fault while acquire gives back what it took (the copy-on-write source's reference) used to skip the
+    # rest of the undo: the lock stayed held, the path unevictable for good.
+    cache = setup()
+    pool = cache.pool
+    decref = pool.decref
+    undoing = False
+
+    def copy_rows(*args: object) -> None:
+        nonlocal undoing
+        undoing = True
+        raise InjectedFault("injected fault in copy_rows")
+
+    def decref_failing_once_while_undoing(blocks: object) -> object:
+        nonlocal undoing
+        if undoing:
+            undoing = False
+            raise InjectedFault("injected fault in decref while undoing")
+        return decref(blocks)
+
+    monkeypatch.setattr(pool, "copy_rows", copy_rows)
+    monkeypatch.setattr(pool, "decref", decref_failing_once_while_undoing)
+    with pytest.raises(InjectedFault, match="while undoing"):
+        cache.acquire(PROMPT, num_tokens=NUM_TOKENS)
+    stats = cache.stats()
+    assert stats.locked_tokens == 0
+    assert not cache._locks.handles
+    assert int(cache._blocks.owned.sum()) == 0
+    cache.evict_all()
+    # Only the copy source's one reference is lost (its decref raised); every other block comes back.
+    assert cache.stats().free_blocks == stats.num_blocks - 1

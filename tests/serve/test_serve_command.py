@@ -191,3 +191,24 @@ def test_max_request_bytes_is_in_the_serve_help_and_refuses_what_is_not_a_size(c
             code = exit_.code
         assert code == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("cache_tokens", "block_size"), [("1", "16"), ("15", "16"), ("31", "32")])
+def test_cache_tokens_below_one_block_are_refused_before_the_server_starts(
+    served: dict, capsys: pytest.CaptureFixture[str], cache_tokens: str, block_size: str
+) -> None:
+    from prefixcache.cli import main
+
+    assert main(["serve", "--cache-tokens", cache_tokens, "--block-size", block_size]) == 2
+
+    assert "app" not in served
+    err = capsys.readouterr().err
+    assert f"--cache-tokens {cache_tokens} is less than one block of {block_size} tokens" in err
+
+
+def test_cache_tokens_of_one_block_are_served(served: dict) -> None:
+    from prefixcache.cli import main
+
+    assert main(["serve", "--cache-tokens", "16", "--block-size", "16"]) == 0
+
+    assert served["app"].state.runner.pool.num_blocks == 1
