@@ -408,6 +408,7 @@ def _floor_note(decode: dict[str, Any]) -> str:
         f"floor: a bare ASGI app on the same uvicorn, streaming one event of a token's size every "
         f"{decode['bare_interval_ms']:.2f} ms to the same client, costs {decode['bare_loop_cpu_ms']:.3f} ms of event "
         f"loop CPU and {decode['bare_client_cpu_ms']:.3f} ms of client CPU an event, {floor_ms:.3f} ms in all: "
-        f"{floor_ms / decode['bare_interval_ms']:.1%} of the in-process token time, CPU that the engine's "
-        f"{torch.get_num_threads()} torch threads share {os.cpu_count()} cores with"
+        f"{floor_ms / decode['bare_interval_ms']:.1%} of the in-process token time: what any HTTP stream costs on "
+        f"this host ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads), the event loop's part spent "
+        "holding the GIL the engine's thread needs"
     )
