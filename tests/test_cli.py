@@ -184,6 +184,19 @@ def test_skip_invalid_with_every_line_invalid_exits_2_saying_no_valid_request(
     assert not out.exists()
 
 
+def test_skip_invalid_past_a_line_limit_says_that_limit_counts_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In a request log --limit counts lines, bad ones included: the one valid request is the second line.
+    good = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi there"}]})
+    path = write_lines(tmp_path / "log.jsonl", ["{bad", good])
+
+    assert replay(path, "--no-model", "--skip-invalid", "--format", "requests", "--limit", "1") == 2
+    err = capsys.readouterr().err
+    assert "no valid request found in the first 1 lines (--limit counts lines in this format)" in err
+    assert replay(path, "--no-model", "--skip-invalid", "--format", "requests", "--limit", "2") == 0
+
+
 def test_verify_without_a_model_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert replay(CHAT, "--no-model", "--verify") == 2
 

@@ -441,8 +441,8 @@ def measure_floor(
 
 
 def _figure(value: float) -> str:
-    """``value`` with at least three significant digits and thousands separators (270.1 -> "270", 0.04213 ->
-    "0.0421", 12345.6 -> "12,346"): a quick run's tiny model moves well under a megabyte a step."""
+    """``value`` to three significant digits, or to the unit from 100 up, with thousands separators (270.1 ->
+    "270", 0.04213 -> "0.0421", 12345.6 -> "12,346"): a quick run's tiny model moves well under a megabyte a step."""
     return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
 
 

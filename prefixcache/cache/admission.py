@@ -334,16 +334,16 @@ class Admission:
             self._heal_path(node)
 
     def _undo(self, handle: LockHandle | None, borrowed: int | None, owned: list[np.ndarray]) -> None:
-        # Each step runs however an earlier one raises (a second fault while undoing a first): no lock left held.
+        # Every step runs however an earlier one raises; pool.release repeats an interrupted decref once.
         try:
             if borrowed is not None:
-                self.blocks.pool.decref([borrowed])
+                self.blocks.pool.release([borrowed])
         finally:
             try:
                 if owned:
                     index = np.concatenate(owned).astype(np.intp)
                     self.blocks.owned[index] = self.blocks.extending[index] = False
-                    self.blocks.pool.decref(index)
+                    self.blocks.pool.release(index)
             finally:
                 if handle is not None:
                     self.locks.unlock(handle)

@@ -122,6 +122,9 @@ def run(args: argparse.Namespace) -> int:
 
     if args.layers is not None and not args.model_config:
         raise InvalidArgumentError("--layers needs --model-config")
+    from prefixcache.cache.pool import check_block_size
+
+    check_block_size(args.block_size)  # first: the advice below names a block size that must itself be valid
     if args.cache_tokens is not None and args.cache_tokens < args.block_size:
         # The pool would round it up to one block: a server holding no useful cache, hard to tell from a typo.
         raise InvalidArgumentError(

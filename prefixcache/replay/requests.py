@@ -225,7 +225,7 @@ def read_requests(
         ]
         for error in skipped:
             logger.warning("skipped %s", error)
-        return _some_valid(LoadedFile(name, fmt, requests, len(skipped)))
+        return _some_valid(LoadedFile(name, fmt, requests, len(skipped)), limit)
     if fmt in ("requests", "batch"):
         log = load_request_log(path, file_format=fmt, limit=limit, skip_invalid=skip_invalid, progress=progress)
         skipped = list(log.skipped)
@@ -240,7 +240,7 @@ def read_requests(
                 skipped.append(problem)
         for error in skipped:
             logger.warning("skipped %s", error)
-        return _some_valid(LoadedFile(name, fmt, requests, len(skipped), list(log.requests)))
+        return _some_valid(LoadedFile(name, fmt, requests, len(skipped), list(log.requests)), limit)
     if fmt == "sharegpt":
         scenario = load_sharegpt(path, skip_invalid=skip_invalid, progress=progress)
     else:
@@ -263,16 +263,19 @@ def read_requests(
     return _some_valid(LoadedFile(name, fmt, interleave(per_conversation, order, seed), len(skipped)))
 
 
-def _some_valid(loaded: LoadedFile) -> LoadedFile:
-    """``loaded``, unless ``skip_invalid`` skipped every line of it: a report of nothing would look like a success.
+def _some_valid(loaded: LoadedFile, line_limit: int | None = None) -> LoadedFile:
+    """``loaded``, unless ``skip_invalid`` skipped every line of it (of its first ``line_limit`` lines, for the
+    formats whose ``--limit`` counts lines): a report of nothing would look like a success.
 
     Raises:
         ScenarioError: no request was read and at least one line was skipped.
     """
     if not loaded.requests and loaded.skipped:
         lines = "1 invalid line" if loaded.skipped == 1 else f"{loaded.skipped} invalid lines"
+        within = "" if line_limit is None else f" in the first {line_limit} lines (--limit counts lines in this format)"
         raise ScenarioError(
-            f"no valid request found ({loaded.file_format} format); {lines} skipped (--skip-invalid)", loaded.path
+            f"no valid request found{within} ({loaded.file_format} format); {lines} skipped (--skip-invalid)",
+            loaded.path,
         )
     return loaded
 

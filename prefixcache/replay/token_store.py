@@ -33,10 +33,11 @@ __all__ = ["cache_dir", "entry_path", "load_requests_cached"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Bumped whenever the stored layout or the way requests are built changes, so older entries stop matching.  3: an
 empty file is refused whatever the format (an older entry of no requests for an empty file read with a forced
-``--format`` would replay nothing)."""
+``--format`` would replay nothing).  4: so is a file whose every line ``--skip-invalid`` skipped (an older entry of
+no requests would replay nothing)."""
 
 
 def cache_dir() -> Path:

@@ -131,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     """``host port server_pid engine_thread_id``: answer each JSON line of stdin with one of stdout until stdin ends;
     0 then, 2 (with a usage line on stderr) for other arguments."""
     args = argv if argv is not None else sys.argv[1:]
-    if len(args) != 4 or not all(arg.isdigit() for arg in args[1:]):
+    numbers = args[1:]
+    if (
+        len(args) != 4
+        or not all(n.isascii() and n.isdigit() and int(n) < 2**31 for n in numbers)
+        or int(args[1]) > 65535
+    ):
         sys.stderr.write(f"usage: bench_client HOST PORT SERVER_PID ENGINE_THREAD_ID (numbers), got {args!r}\n")
         return 2
     host, port, pid, thread_id = args

@@ -276,10 +276,10 @@ def decode_figures(
 
 def bare_stream_app(interval_s: float, event: bytes, finish: bytes) -> Callable[..., Any]:
     """A bare ASGI app (no FastAPI, no engine) that answers every request, whatever its path, with a stream of
-    ``max_tokens`` (from its JSON body) copies of ``event``, one every ``interval_s`` seconds, then ``finish``: the
-    pace set by a thread that hands each event to the event loop as the engine's mailbox does (one
-    ``call_soon_threadsafe`` and a queue).  What uvicorn, the loop and a streaming client cost per event with no
-    server code at all: the floor under a served token."""
+    ``max_tokens`` (from its JSON body; 400 unless an int in 0..2**20) copies of ``event``, one every ``interval_s``
+    seconds, then ``finish``: the pace set by a thread that hands each event to the event loop as the engine's
+    mailbox does (one ``call_soon_threadsafe`` and a queue).  What uvicorn, the loop and a streaming client cost per
+    event with no server code at all: the floor under a served token."""
 
     async def app(scope: dict[str, Any], receive: Callable[..., Any], send: Callable[..., Any]) -> None:
         if scope["type"] == "lifespan":
@@ -294,15 +294,25 @@ def bare_stream_app(interval_s: float, event: bytes, finish: bytes) -> Callable[
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        count = int(json.loads(body)["max_tokens"])
+        try:
+            count = json.loads(body)["max_tokens"]
+            if isinstance(count, bool) or not isinstance(count, int) or not 0 <= count <= 1 << 20:
+                raise ValueError(count)
+        except (ValueError, KeyError, TypeError):
+            await send({"type": "http.response.start", "status": 400, "headers": []})
+            await send({"type": "http.response.body", "body": b"max_tokens: an int in 0..2**20", "more_body": False})
+            return
         loop, ready = asyncio.get_running_loop(), asyncio.Queue()
 
         def pace() -> None:
             due = time.perf_counter()
-            for item in [*[event] * count, None]:
+            for i in range(count + 1):
                 due += interval_s
                 time.sleep(max(0.0, due - time.perf_counter()))
-                loop.call_soon_threadsafe(ready.put_nowait, item)
+                try:
+                    loop.call_soon_threadsafe(ready.put_nowait, event if i < count else None)
+                except RuntimeError:  # the server stopped (its loop closed) before the stream ended
+                    return
 
         headers = [(b"content-type", b"text/event-stream; charset=utf-8")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})

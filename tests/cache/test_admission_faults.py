@@ -222,18 +222,22 @@ def test_a_fault_in_insert_prefix_leaves_the_lease_releasable_and_the_cache_quie
         assert cache.stats().free_blocks == cache.stats().num_blocks
 
 
-def test_a_fault_while_undoing_a_failed_acquire_still_drops_its_lock(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A second fault while acquire gives back what it took (the copy-on-write source's reference) used to skip the
-    # rest of the undo: the lock stayed held, the path unevictable for good.
+@pytest.mark.parametrize("first_fault", ["copy_rows", "record_query"])
+def test_a_fault_while_undoing_a_failed_acquire_still_drops_its_lock(
+    monkeypatch: pytest.MonkeyPatch, first_fault: str
+) -> None:
+    # A second fault while acquire gives back what it took (the copy-on-write source's reference, or the blocks it
+    # allocated) used to skip the rest of the undo: the lock stayed held, the path unevictable for good; and a
+    # decref that raised left its blocks referenced by nobody.
     cache = setup()
     pool = cache.pool
     decref = pool.decref
     undoing = False
 
-    def copy_rows(*args: object) -> None:
+    def fail(*args: object, **kwargs: object) -> None:
         nonlocal undoing
         undoing = True
-        raise InjectedFault("injected fault in copy_rows")
+        raise InjectedFault(f"injected fault in {first_fault}")
 
     def decref_failing_once_while_undoing(blocks: object) -> object:
         nonlocal undoing
@@ -242,14 +246,16 @@ def test_a_fault_while_undoing_a_failed_acquire_still_drops_its_lock(monkeypatch
             raise InjectedFault("injected fault in decref while undoing")
         return decref(blocks)
 
-    monkeypatch.setattr(pool, "copy_rows", copy_rows)
+    monkeypatch.setattr(pool if first_fault == "copy_rows" else cache._counters, first_fault, fail)
     monkeypatch.setattr(pool, "decref", decref_failing_once_while_undoing)
-    with pytest.raises(InjectedFault, match="while undoing"):
-        cache.acquire(PROMPT, num_tokens=NUM_TOKENS)
+    with pytest.raises(InjectedFault, match="while undoing") as raised:
+        cache.acquire(PROMPT, num_tokens=NUM_TOKENS, request_id="r1")
+    assert str(raised.value.__context__) == f"injected fault in {first_fault}"
+    monkeypatch.undo()
     stats = cache.stats()
     assert stats.locked_tokens == 0
     assert not cache._locks.handles
     assert int(cache._blocks.owned.sum()) == 0
+    cache.check_invariants()
     cache.evict_all()
-    # Only the copy source's one reference is lost (its decref raised); every other block comes back.
-    assert cache.stats().free_blocks == stats.num_blocks - 1
+    assert cache.stats().free_blocks == stats.num_blocks  # the interrupted decref was repeated: no block lost

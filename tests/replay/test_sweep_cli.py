@@ -174,21 +174,29 @@ def test_the_command_lines_kv_dtypes_are_the_sweeps() -> None:
     assert sorted(KV_DTYPE_CHOICES) == sorted(KV_DTYPES)
 
 
-def test_an_entry_an_older_version_stored_for_an_empty_file_is_not_replayed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("lines", "older", "skip_invalid", "refusal"),
+    [
+        ("", 2, False, "empty.jsonl: empty file: no conversations or requests"),
+        ('{"messages": 3}\n{bad\n', 3, True, "empty.jsonl: no valid request found"),
+    ],
+)
+def test_an_entry_an_older_version_stored_for_a_file_of_no_requests_is_not_replayed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lines: str, older: int, skip_invalid: bool, refusal: str
 ):
     from prefixcache.errors import ScenarioError
     from prefixcache.replay import token_store
 
     empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
+    empty.write_text(lines)
     store = tmp_path / "store"
-    options = {"order": "round-robin", "seed": 0, "limit": None, "skip_invalid": False, "format": "chat"}
-    with monkeypatch.context() as older:  # what version 2 wrote for an empty file with --format chat: no requests
-        older.setattr(token_store, "FORMAT_VERSION", 2)
+    options = {"order": "round-robin", "seed": 0, "limit": None, "skip_invalid": skip_invalid, "format": "chat"}
+    read = {"directory": store, "file_format": "chat", "skip_invalid": skip_invalid}
+    with monkeypatch.context() as before:  # what that version wrote for this file with --format chat: no requests
+        before.setattr(token_store, "FORMAT_VERSION", older)
         token_store._write(token_store.entry_path(empty, ByteTokenizer().name, store, **options), [], 0)
-        assert load_requests_cached(empty, ByteTokenizer(), directory=store, file_format="chat") == ([], 0, True)
+        assert load_requests_cached(empty, ByteTokenizer(), **read) == ([], 0, True)
 
-    assert token_store.FORMAT_VERSION == 3
-    with pytest.raises(ScenarioError, match="empty.jsonl: empty file: no conversations or requests"):
-        load_requests_cached(empty, ByteTokenizer(), directory=store, file_format="chat")
+    assert token_store.FORMAT_VERSION > older
+    with pytest.raises(ScenarioError, match=refusal):
+        load_requests_cached(empty, ByteTokenizer(), **read)

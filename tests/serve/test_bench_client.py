@@ -181,7 +181,19 @@ def test_decode_figures_refuses_sizes_it_cannot_time_before_building_anything(si
         bench_decode.decode_figures(model=object(), **sizes)
 
 
-@pytest.mark.parametrize("argv", [[], ["127.0.0.1", "80", "1"], ["127.0.0.1", "http", "1", "2"], ["h", "1", "2", "-3"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["127.0.0.1", "80", "1"],
+        ["127.0.0.1", "http", "1", "2"],
+        ["h", "1", "2", "-3"],
+        ["h", "1", "\u00b2", "1"],  # a digit to str.isdigit, not to int()
+        ["h", "\u0661\u0662", "1", "1"],  # Arabic-Indic digits
+        ["h", "70000", "1", "1"],  # no such port
+        ["h", "80", "99999999999999999999", "1"],
+    ],
+)
 def test_wrong_arguments_get_a_usage_line_and_exit_status_2(argv: list[str], capsys) -> None:
     assert bench_client.main(argv) == 2
     assert "usage: bench_client HOST PORT SERVER_PID ENGINE_THREAD_ID" in capsys.readouterr().err

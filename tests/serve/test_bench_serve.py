@@ -100,3 +100,7 @@ def test_the_bare_stream_sends_max_tokens_events_at_its_pace_then_the_finish() -
     assert answer.status_code == 200 and answer.headers["content-type"].startswith("text/event-stream")
     assert answer.text == 'data: {"id": 1}\n\n' * 5 + "data: [DONE]\n\n"
     assert took >= 0.06  # six intervals of 10 ms (five events, then the finish): paced, not sent at once
+    with start_background(app) as server:  # type: ignore[arg-type]
+        for body in (b"", b"[]", b'{"max_tokens": "3"}', b'{"max_tokens": -1}', b'{"max_tokens": 1e18}'):
+            refused = httpx.post(f"{server.url}/v1/completions", content=body, timeout=30)
+            assert refused.status_code == 400 and refused.text.startswith("max_tokens"), body

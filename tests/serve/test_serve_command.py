@@ -206,6 +206,18 @@ def test_cache_tokens_below_one_block_are_refused_before_the_server_starts(
     assert f"--cache-tokens {cache_tokens} is less than one block of {block_size} tokens" in err
 
 
+def test_an_invalid_block_size_is_named_before_the_cache_size_it_would_advise(
+    served: dict, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefixcache.cli import main
+
+    assert main(["serve", "--cache-tokens", "10", "--block-size", "300"]) == 2
+
+    assert "app" not in served
+    err = capsys.readouterr().err
+    assert "block_size must be in 1..256 tokens, got 300" in err and "give at least" not in err
+
+
 def test_cache_tokens_of_one_block_are_served(served: dict) -> None:
     from prefixcache.cli import main
 
