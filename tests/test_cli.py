@@ -293,4 +293,4 @@ def test_python_dash_m_prefixcache_help_lists_the_commands() -> None:
 def test_bench_serve_without_the_server_extra_says_what_to_install(monkeypatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "prefixcache.serve", None)  # its import fails, as without FastAPI
     assert main(["bench", "serve", "--quick"]) == 2
-    assert "the serve benchmark needs the server extra: pip install -e '.[server]'" in capsys.readouterr().err
+    assert "the serve benchmark needs the server extra: pip install 'prefixcache[server]'" in capsys.readouterr().err

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             from prefixcache.errors import InvalidArgumentError
 
             raise InvalidArgumentError(
-                f"the serve benchmark needs the server extra: pip install -e '.[server]' ({error})"
+                f"the serve benchmark needs the server extra: pip install 'prefixcache[server]' ({error})"
             ) from error
     if args.device != "cpu":
         from functools import partial

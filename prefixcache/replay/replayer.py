@@ -189,6 +189,8 @@ class Replayer:
         reference = None
         if runner is not None:
             reference = UncachedReference(self.model, self.block_size, self.atol, self.prefill_chunk_tokens)
+            if requests:
+                reference.warm_up(requests[0].prompt)
         scratch = reference.scratch_pool(requests) if reference is not None and self.measure_uncached else None
         namespace = None
         tree_namespace = runner.namespace_key(None) if runner is not None else namespace

@@ -104,3 +104,22 @@ def test_the_bare_stream_sends_max_tokens_events_at_its_pace_then_the_finish() -
         for body in (b"", b"[]", b'{"max_tokens": "3"}', b'{"max_tokens": -1}', b'{"max_tokens": 1e18}'):
             refused = httpx.post(f"{server.url}/v1/completions", content=body, timeout=30)
             assert refused.status_code == 400 and refused.text.startswith("max_tokens"), body
+
+
+def test_a_clone_without_the_shared_data_says_which_tables_it_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefixcache.models.llama import build_model
+    from prefixcache.serve.bench_decode import decode_figures
+
+    figures = decode_figures(model=build_model("tiny", device="cpu"), runs=2, new_tokens=32)
+    overhead = bench._overhead(2)
+    monkeypatch.setattr(bench, "_overhead", lambda num_requests: overhead)
+    monkeypatch.setattr(bench, "_tau_bench", lambda *args: None)  # what a clone without ../shared gets
+    monkeypatch.setattr(bench, "qwen_layers_config", lambda: None)
+    monkeypatch.setattr(bench, "decode_figures", lambda quick=False, **kwargs: figures)
+    tables = bench.run().tables
+    notes = [note for table in tables for note in table.notes]
+    assert f"skipped {bench.TAU_BENCH.name}: not found in {bench.DATA_DIR}" in notes
+    assert any(note.startswith("skipped the 24-layer table: config.json not found in ") for note in notes)
+    assert [len(table.rows) for table in tables] == [1, 0, 2, 0]
+    # A quick run never has the 24-layer table, so it says nothing of it.
+    assert not any("24-layer" in note for table in bench.run(quick=True).tables for note in table.notes)
