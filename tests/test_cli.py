@@ -149,6 +149,21 @@ def test_missing_file_exits_2_naming_it(tmp_path: Path, capsys: pytest.CaptureFi
     assert err == f"error: {missing}: not found: no such file or folder\n"
 
 
+def test_a_missing_file_is_named_before_any_model_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    built = []
+    monkeypatch.setattr("prefixcache.models.llama.build_model", lambda *args, **kwargs: built.append(args))
+    missing = tmp_path / "absent.jsonl"
+
+    assert replay(CHAT, missing) == 2
+
+    assert built == []
+    captured = capsys.readouterr()
+    assert f"error: {missing}: not found: no such file or folder" in captured.err
+    assert "building model" not in captured.out + captured.err
+
+
 def test_bad_line_exits_2_naming_file_and_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = write_lines(tmp_path / "bad.jsonl", [GOOD_LINE, "{not json"])
 

@@ -262,6 +262,20 @@ def _load_model(args: argparse.Namespace, progress: _Progress):
     return build_model(args.model)
 
 
+def _check_inputs_exist(paths: list[str]) -> None:
+    """Before a model is built: a path that does not exist is the error it would be after.
+
+    Raises:
+        ScenarioError: ``PATH: not found: no such file or folder``.
+    """
+    from prefixcache.errors import ScenarioError
+    from prefixcache.replay.lines import NOT_FOUND
+
+    for path in paths:
+        if not Path(path).exists():
+            raise ScenarioError(NOT_FOUND, str(path))
+
+
 def run(args: argparse.Namespace) -> int:
     """The ``replay`` command: a sweep of every cache size with ``--sweep``
     (:mod:`prefixcache.replay.sweep_cli`), an audit of a server's cache with ``--endpoint``
@@ -298,6 +312,7 @@ def _replay(args: argparse.Namespace) -> int:
         host_tier=args.host_cache_tokens is not None or args.host_cache_memory is not None,
     )
     _check_outputs(args)
+    _check_inputs_exist(args.paths)
     try:
         tokenizer = _load_tokenizer(args, progress)
         if args.endpoint:
