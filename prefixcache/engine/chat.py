@@ -106,6 +106,18 @@ def _tool_name(tool: Mapping[str, Any]) -> Any:
     return (function if isinstance(function, Mapping) else tool).get("name")
 
 
+def _check_unique_tool_names(tools: Sequence[Mapping[str, Any]] | None) -> None:
+    # The model's call names a tool; with two of one name, which runs would be left to chance (OpenAI refuses it,
+    # and so does the server, as a 400): in-process callers (LangChain's bind_tools, smolagents) get the same check.
+    first: dict[str, int] = {}
+    for index, tool in enumerate(tools or ()):
+        name = _tool_name(tool) if isinstance(tool, Mapping) else None
+        if isinstance(name, str) and first.setdefault(name, index) != index:
+            raise InvalidArgumentError(
+                f"tools[{index}] is named {name!r}, as tools[{first[name]}] is; each tool needs its own name"
+            )
+
+
 class _ToolCallGate:
     """Passes answer text through until ``<tool_call>`` appears, then holds everything for the parser; also holds
     trailing whitespace and any tail that may grow into ``<tool_call>``, since the parsed content drops both."""
@@ -241,6 +253,7 @@ def prepare_chat(
         # The template would render a bare generation prompt: an answer to nothing, which the server refuses too.
         raise InvalidArgumentError("messages must be a non-empty list of chat messages")
     stops = check_stop(stop)
+    _check_unique_tool_names(tools)
     forced_text = check_tool_choice(tool_choice, tools)
     parse_calls = bool(tools) and tool_choice != "none"
     if forced_text and structured_available(tokenizer):
@@ -352,8 +365,8 @@ def chat_stream(
     the call, then text again: :func:`~prefixcache.engine.grammar.tool_calls_grammar`).
 
     Raises :class:`TemplateError` (bad messages, tools or template variables), :class:`InvalidArgumentError` (no
-    messages, bad ``stop``, ``tool_choice`` or sampling), and the errors of :meth:`PrefixCachingRunner.stream`, before
-    yielding anything.
+    messages, two tools of one name, bad ``stop``, ``tool_choice`` or sampling), and the errors of
+    :meth:`PrefixCachingRunner.stream`, before yielding anything.
     """
     prepared = prepare_chat(
         runner.tokenizer,

@@ -122,6 +122,12 @@ def test_closing_the_stream_early_releases_everything_and_caches_nothing() -> No
         # Unknown sampling fields (what LangChain's invoke(..., logprobs=True) passes on) used to be a TypeError.
         ({"logprobs": True}, InvalidArgumentError),
         ({"n": 2}, InvalidArgumentError),
+        # Two tools of one name: the model's call would name either (OpenAI and the server refuse it too).
+        ({"tools": [*TOOLS, *TOOLS]}, InvalidArgumentError),
+        (
+            {"tools": [TOOLS[0], {"type": "function", "function": {"name": "search"}}], "tool_choice": "auto"},
+            InvalidArgumentError,
+        ),
     ],
 )
 def test_bad_options_raise_before_touching_the_cache(options: dict, error: type) -> None:

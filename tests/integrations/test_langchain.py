@@ -92,3 +92,23 @@ def test_an_unknown_call_option_is_an_invalid_argument_and_touches_nothing() -> 
             raise AssertionError("no error")
     assert runner.cache.stats().cached_tokens == 0
     assert_quiescent(runner.cache)
+
+
+def test_two_tools_of_one_name_are_an_invalid_argument_and_touch_nothing() -> None:
+    import pytest
+
+    from prefixcache.errors import InvalidArgumentError
+
+    @tool("get_weather")
+    def other_weather(city: str) -> str:
+        """Another weather service under the same name."""
+        return city
+
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["hi"]), cache_tokens=4096)
+    llm = ChatPrefixCache(runner=runner).bind_tools([get_weather, other_weather])
+    with pytest.raises(InvalidArgumentError, match=r"tools\[1\] is named 'get_weather', as tools\[0\] is"):
+        llm.invoke("x")
+    with pytest.raises(InvalidArgumentError, match="each tool needs its own name"):
+        list(llm.stream("x"))
+    assert runner.cache.stats().cached_tokens == 0
+    assert_quiescent(runner.cache)

@@ -73,3 +73,16 @@ def test_unsupported_options_are_invalid_arguments_and_a_per_call_seed_is_taken(
     assert runner.cache.stats().cached_tokens == 0
     assert model.generate(ask, seed=7, temperature=0.5, max_new_tokens=8).content == "hi"
     assert_quiescent(runner.cache)
+
+
+def test_two_tools_of_one_name_are_an_invalid_argument() -> None:
+    import pytest
+
+    from prefixcache.errors import InvalidArgumentError
+
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["hi"]), cache_tokens=4096)
+    model = PrefixCacheModel(runner)
+    with pytest.raises(InvalidArgumentError, match=r"tools\[1\] is named 'get_weather', as tools\[0\] is"):
+        model.generate([{"role": "user", "content": "x"}], tools_to_call_from=[get_weather, get_weather])
+    assert runner.cache.stats().cached_tokens == 0
+    assert_quiescent(runner.cache)
