@@ -248,9 +248,9 @@ class Admission:
                 self.counters.record_query(len(q), num_cached, own)
                 self.counters.record_request(len(q), num_cached - own)
         except BaseException as error:
-            self._undo(handle, borrowed, owned)
-            if isinstance(error, OutOfBlocksError):
+            if isinstance(error, OutOfBlocksError):  # counted first: an undo that raises still leaves it refused
                 self.counters.rejected_requests += counted
+            self._undo(handle, borrowed, owned)
             raise
         return lease
 

@@ -259,3 +259,38 @@ def test_a_fault_while_undoing_a_failed_acquire_still_drops_its_lock(
     cache.check_invariants()
     cache.evict_all()
     assert cache.stats().free_blocks == stats.num_blocks  # the interrupted decref was repeated: no block lost
+
+
+def test_a_refusal_whose_undo_faults_still_counts_as_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefixcache.errors import OutOfBlocksError
+
+    cache = setup()
+    pool = cache.pool
+    decref = pool.decref
+    undoing = False
+
+    allocate = cache._blocks.allocate
+
+    def out_of_blocks(count: int, what: str) -> object:
+        nonlocal undoing
+        if what == "copy-on-write":  # refused there, acquire recomputes the rows instead; let it copy
+            return allocate(count, what)
+        undoing = True
+        raise OutOfBlocksError("injected: no blocks")
+
+    def decref_failing_once_while_undoing(blocks: object) -> object:
+        nonlocal undoing
+        if undoing:
+            undoing = False
+            raise InjectedFault("injected fault in decref while undoing")
+        return decref(blocks)
+
+    monkeypatch.setattr(cache._blocks, "allocate", out_of_blocks)
+    monkeypatch.setattr(pool, "decref", decref_failing_once_while_undoing)
+    before = cache.stats().rejected_requests
+    with pytest.raises(InjectedFault) as raised:
+        cache.acquire(PROMPT, num_tokens=NUM_TOKENS, request_id="r1")
+    assert isinstance(raised.value.__context__, OutOfBlocksError)
+    monkeypatch.undo()
+    assert cache.stats().rejected_requests == before + 1
+    cache.check_invariants()
