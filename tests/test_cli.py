@@ -309,3 +309,35 @@ def test_bench_serve_without_the_server_extra_says_what_to_install(monkeypatch, 
     monkeypatch.setitem(sys.modules, "prefixcache.serve", None)  # its import fails, as without FastAPI
     assert main(["bench", "serve", "--quick"]) == 2
     assert "the serve benchmark needs the server extra: pip install 'prefixcache[server]'" in capsys.readouterr().err
+
+
+def test_standard_input_and_a_pipe_are_replayed_like_the_file_they_carry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import io
+    import os
+    import threading
+
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "store"))
+    data = CHAT.read_bytes()
+    assert replay(CHAT, "--no-model", "--json", tmp_path / "file.json") == 0
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))
+    assert replay("-", "--no-model", "--json", tmp_path / "stdin.json") == 0
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(data))
+    writer.start()
+    assert replay(fifo, "--no-model", "--json", tmp_path / "fifo.json") == 0
+    writer.join(10)
+    reports = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("file", "stdin", "fifo")]
+    totals = [(r["prompt_tokens"], r["cached_tokens"]) for r in reports]
+    assert totals[0] == totals[1] == totals[2] and totals[0][1] > 0
+    assert [list(r["scenarios"]) for r in reports] == [[str(CHAT)], ["stdin"], ["pipe-fifo"]]
+    # A sweep stores the file's tokens under their content's digest: the same bytes piped find that entry.
+    assert replay(CHAT, "--no-model", "--sweep") == 0
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))
+    assert replay("-", "--no-model", "--sweep") == 0
+    assert len(list((tmp_path / "store" / "tokens").iterdir())) == 1
+    capsys.readouterr()
+    assert replay("-", "-", "--no-model") == 2
+    assert "- (standard input) is named more than once" in capsys.readouterr().err

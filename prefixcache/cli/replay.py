@@ -7,6 +7,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -282,9 +283,53 @@ def run(args: argparse.Namespace) -> int:
     (:mod:`prefixcache.replay.audit`), else a replay."""
     from prefixcache.replay.sweep_cli import or_sweep
 
-    if args.endpoint:
-        return _replay(args)
-    return or_sweep(_replay, _load_tokenizer, _Progress)(args)
+    with _piped_inputs_as_files(args):
+        if args.endpoint:
+            return _replay(args)
+        return or_sweep(_replay, _load_tokenizer, _Progress)(args)
+
+
+@contextlib.contextmanager
+def _piped_inputs_as_files(args: argparse.Namespace) -> Iterator[None]:
+    """Within this block, each input that is ``-`` (standard input) or a pipe (``<(zcat log.jsonl.gz)``, a FIFO) is
+    read to the end into a temporary file named for it (``stdin.jsonl``, ``pipe-63.jsonl``), which ``args.paths``
+    names instead: the readers look at a file's first line before reading it, and a pipe can be read once.  A replay
+    reports it under that name (``stdin``, ``pipe-63``); the token store keys entries by content, so a sweep of the
+    same bytes piped again reads its stored tokens.
+
+    Raises:
+        InvalidArgumentError: ``-`` named more than once (standard input can be read once).
+    """
+    piped = [i for i, path in enumerate(args.paths) if path == "-" or _is_pipe(Path(path))]
+    if not piped:
+        yield
+        return
+    if args.paths.count("-") > 1:
+        raise InvalidArgumentError("- (standard input) is named more than once; it can be read once")
+    import shutil
+
+    original = list(args.paths)
+    args.piped_names = {}
+    with tempfile.TemporaryDirectory(prefix="prefixcache-replay-") as folder:
+        for i in piped:
+            name = "stdin" if args.paths[i] == "-" else f"pipe-{Path(args.paths[i]).name}"
+            copy = Path(folder) / f"{name}.jsonl"
+            with sys.stdin.buffer if args.paths[i] == "-" else open(args.paths[i], "rb") as source:
+                with copy.open("wb") as target:
+                    shutil.copyfileobj(source, target, 1 << 20)
+            args.paths[i] = str(copy)
+            args.piped_names[str(copy)] = name
+        try:
+            yield
+        finally:
+            args.paths = original
+
+
+def _is_pipe(path: Path) -> bool:
+    try:
+        return stat.S_ISFIFO(path.stat().st_mode) or stat.S_ISCHR(path.stat().st_mode)
+    except OSError:
+        return False
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -350,6 +395,8 @@ def _replay(args: argparse.Namespace) -> int:
         )
     except ReplayInterrupted as interrupted:
         report = interrupted.report
+    for scenario in report.scenarios:  # a piped input is reported by its name, not its temporary copy's path
+        scenario.scenario = getattr(args, "piped_names", {}).get(scenario.scenario, scenario.scenario)
     if hasattr(model, "name"):
         report.model = model.name
     _write_replay(args, report, replayer.tokenizer.name)
