@@ -341,3 +341,7 @@ def test_standard_input_and_a_pipe_are_replayed_like_the_file_they_carry(
     capsys.readouterr()
     assert replay("-", "-", "--no-model") == 2
     assert "- (standard input) is named more than once" in capsys.readouterr().err
+    # An error in piped input names it as given, not its temporary copy.
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"")))
+    assert replay("-", "--no-model") == 2
+    assert capsys.readouterr().err == "error: standard input: empty file: no conversations or requests\n"

@@ -294,8 +294,9 @@ def _piped_inputs_as_files(args: argparse.Namespace) -> Iterator[None]:
     """Within this block, each input that is ``-`` (standard input) or a pipe (``<(zcat log.jsonl.gz)``, a FIFO) is
     read to the end into a temporary file named for it (``stdin.jsonl``, ``pipe-63.jsonl``), which ``args.paths``
     names instead: the readers look at a file's first line before reading it, and a pipe can be read once.  A replay
-    reports it under that name (``stdin``, ``pipe-63``); the token store keys entries by content, so a sweep of the
-    same bytes piped again reads its stored tokens.
+    reports it under that name (``stdin``, ``pipe-63``), an error in it names the input as given (``-`` as standard
+    input); the token store keys entries by content, so a sweep of the same bytes piped again reads its stored
+    tokens.
 
     Raises:
         InvalidArgumentError: ``-`` named more than once (standard input can be read once).
@@ -308,26 +309,37 @@ def _piped_inputs_as_files(args: argparse.Namespace) -> Iterator[None]:
         raise InvalidArgumentError("- (standard input) is named more than once; it can be read once")
     import shutil
 
-    original = list(args.paths)
+    from prefixcache.errors import ScenarioError
+
+    original, given = list(args.paths), {}
     args.piped_names = {}
     with tempfile.TemporaryDirectory(prefix="prefixcache-replay-") as folder:
         for i in piped:
-            name = "stdin" if args.paths[i] == "-" else f"pipe-{Path(args.paths[i]).name}"
+            stdin = args.paths[i] == "-"
+            name = "stdin" if stdin else f"pipe-{Path(args.paths[i]).name}"
+            name = name if name not in args.piped_names.values() else f"{name}-{i}"
             copy = Path(folder) / f"{name}.jsonl"
-            with sys.stdin.buffer if args.paths[i] == "-" else open(args.paths[i], "rb") as source:
+            with contextlib.nullcontext(sys.stdin.buffer) if stdin else open(args.paths[i], "rb") as source:
                 with copy.open("wb") as target:
                     shutil.copyfileobj(source, target, 1 << 20)
             args.paths[i] = str(copy)
             args.piped_names[str(copy)] = name
+            given[str(copy)] = "standard input" if stdin else original[i]
         try:
             yield
+        except ScenarioError as error:
+            if error.path not in given:
+                raise
+            where = f"{error.path}:{error.line_no}: " if error.line_no is not None else f"{error.path}: "
+            raise ScenarioError(str(error).removeprefix(where), given[error.path], error.line_no) from None
         finally:
             args.paths = original
 
 
 def _is_pipe(path: Path) -> bool:
+    # A FIFO only: a character device (/dev/null, a terminal) stays "not a regular file or folder".
     try:
-        return stat.S_ISFIFO(path.stat().st_mode) or stat.S_ISCHR(path.stat().st_mode)
+        return stat.S_ISFIFO(path.stat().st_mode)
     except OSError:
         return False
 
