@@ -330,18 +330,43 @@ def test_standard_input_and_a_pipe_are_replayed_like_the_file_they_carry(
     assert replay(fifo, "--no-model", "--json", tmp_path / "fifo.json") == 0
     writer.join(10)
     reports = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("file", "stdin", "fifo")]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))
+    assert replay("-", "--no-model", "--requests-jsonl", tmp_path / "requests.jsonl") == 0
+    records = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert len(records) == 28 and {record["scenario"] for record in records} == {"stdin"}
     totals = [(r["prompt_tokens"], r["cached_tokens"]) for r in reports]
     assert totals[0] == totals[1] == totals[2] and totals[0][1] > 0
     assert [list(r["scenarios"]) for r in reports] == [[str(CHAT)], ["stdin"], ["pipe-fifo"]]
-    # A sweep stores the file's tokens under their content's digest: the same bytes piped find that entry.
-    assert replay(CHAT, "--no-model", "--sweep") == 0
-    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(data)))
-    assert replay("-", "--no-model", "--sweep") == 0
-    assert len(list((tmp_path / "store" / "tokens").iterdir())) == 1
     capsys.readouterr()
+    for option in ("--sweep", "--endpoint=http://127.0.0.1:9"):
+        assert replay("-", "--no-model", option) == 2
+        assert "reads files only; save - to a file first" in capsys.readouterr().err
+    monkeypatch.setattr("sys.stdin", None)  # started with standard input closed (<&-)
+    assert replay("-", "--no-model") == 2
+    assert "standard input, which is closed" in capsys.readouterr().err
     assert replay("-", "-", "--no-model") == 2
     assert "- (standard input) is named more than once" in capsys.readouterr().err
     # An error in piped input names it as given, not its temporary copy.
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"")))
     assert replay("-", "--no-model") == 2
     assert capsys.readouterr().err == "error: standard input: empty file: no conversations or requests\n"
+
+
+def test_pipes_of_one_name_are_kept_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+    import threading
+
+    sources = [CHAT, ROOT / "scenarios" / "few_shot.jsonl", ROOT / "scenarios" / "support_bot.jsonl"]
+    fifos = [tmp_path / "a" / "f", tmp_path / "c" / "f-2", tmp_path / "b" / "f"]  # "pipe-f", "pipe-f-2", then?
+    writers = []
+    for fifo, source in zip(fifos, sources, strict=True):
+        fifo.parent.mkdir()
+        os.mkfifo(fifo)
+        writers.append(threading.Thread(target=lambda f=fifo, s=source: f.write_bytes(s.read_bytes())))
+        writers[-1].start()
+    assert replay(*fifos, "--no-model", "--json", tmp_path / "out.json") == 0
+    for writer in writers:
+        writer.join(10)
+    scenarios = json.loads((tmp_path / "out.json").read_text())["scenarios"]
+    assert list(scenarios) == ["pipe-f", "pipe-f-2", "pipe-f-3"]
+    assert len({s["prompt_tokens"] for s in scenarios.values()}) == 3  # three inputs, none overwritten

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -283,10 +284,13 @@ def run(args: argparse.Namespace) -> int:
     (:mod:`prefixcache.replay.audit`), else a replay."""
     from prefixcache.replay.sweep_cli import or_sweep
 
-    with _piped_inputs_as_files(args):
-        if args.endpoint:
-            return _replay(args)
-        return or_sweep(_replay, _load_tokenizer, _Progress)(args)
+    piped = [path for path in args.paths if path == "-" or _is_pipe(Path(path))]
+    if piped and (args.endpoint or args.sweep):
+        option = "--endpoint" if args.endpoint else "--sweep"
+        raise InvalidArgumentError(f"{option} reads files only; save {piped[0]} to a file first")
+    if args.endpoint:
+        return _replay(args)
+    return or_sweep(_replay, _load_tokenizer, _Progress)(args)
 
 
 @contextlib.contextmanager
@@ -316,8 +320,14 @@ def _piped_inputs_as_files(args: argparse.Namespace) -> Iterator[None]:
     with tempfile.TemporaryDirectory(prefix="prefixcache-replay-") as folder:
         for i in piped:
             stdin = args.paths[i] == "-"
-            name = "stdin" if stdin else f"pipe-{Path(args.paths[i]).name}"
-            name = name if name not in args.piped_names.values() else f"{name}-{i}"
+            if stdin and sys.stdin is None:
+                raise InvalidArgumentError("- names standard input, which is closed")
+            name = stem = "stdin" if stdin else f"pipe-{Path(args.paths[i]).name}"
+            taken = set(args.piped_names.values()) | {Path(path).stem for path in original}
+            for n in itertools.count(2):
+                if name not in taken:
+                    break
+                name = f"{stem}-{n}"
             copy = Path(folder) / f"{name}.jsonl"
             with contextlib.nullcontext(sys.stdin.buffer) if stdin else open(args.paths[i], "rb") as source:
                 with copy.open("wb") as target:
@@ -346,8 +356,7 @@ def _is_pipe(path: Path) -> bool:
 
 def _replay(args: argparse.Namespace) -> int:
     """Replay ``args.paths`` and print (and write) the report; 0, or 130 when interrupted with a partial report."""
-    from prefixcache.replay.replayer import Replayer, ReplayInterrupted, check_options, replay_paths
-    from prefixcache.replay.requests import read_options
+    from prefixcache.replay.replayer import check_options
 
     progress = _Progress(not args.no_progress)
     if args.plot:
@@ -369,6 +378,15 @@ def _replay(args: argparse.Namespace) -> int:
         host_tier=args.host_cache_tokens is not None or args.host_cache_memory is not None,
     )
     _check_outputs(args)
+    with _piped_inputs_as_files(args):  # after the checks above: a long stdin is copied only for a run that goes on
+        return _checked_replay(args, progress)
+
+
+def _checked_replay(args: argparse.Namespace, progress: _Progress) -> int:
+    """:func:`_replay` once its options are checked and its inputs are files."""
+    from prefixcache.replay.replayer import Replayer, ReplayInterrupted, replay_paths
+    from prefixcache.replay.requests import read_options
+
     _check_inputs_exist(args.paths)
     try:
         tokenizer = _load_tokenizer(args, progress)
@@ -407,8 +425,11 @@ def _replay(args: argparse.Namespace) -> int:
         )
     except ReplayInterrupted as interrupted:
         report = interrupted.report
-    for scenario in report.scenarios:  # a piped input is reported by its name, not its temporary copy's path
-        scenario.scenario = getattr(args, "piped_names", {}).get(scenario.scenario, scenario.scenario)
+    names = getattr(args, "piped_names", {})  # a piped input is reported by its name, not its temporary copy's path
+    for scenario in report.scenarios:
+        scenario.scenario = names.get(scenario.scenario, scenario.scenario)
+    for record in report.requests_log:
+        record["scenario"] = names.get(record.get("scenario"), record.get("scenario"))
     if hasattr(model, "name"):
         report.model = model.name
     _write_replay(args, report, replayer.tokenizer.name)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from prefixcache.cache.tokens import TokenIds
 from prefixcache.chat.stop import StopMatcher, TextStream, check_stop
+from prefixcache.chat.template import validate_tools
 from prefixcache.chat.tool_calls import TOOL_CALL_OPEN, parse_tool_calls
 from prefixcache.engine.grammar import Grammar, check_response_format, strict_tools, structured_available
 from prefixcache.engine.request import RequestHandle
@@ -253,6 +254,7 @@ def prepare_chat(
         # The template would render a bare generation prompt: an answer to nothing, which the server refuses too.
         raise InvalidArgumentError("messages must be a non-empty list of chat messages")
     stops = check_stop(stop)
+    validate_tools(tools)  # first: the checks below read each tool as an object
     _check_unique_tool_names(tools)
     forced_text = check_tool_choice(tool_choice, tools)
     parse_calls = bool(tools) and tool_choice != "none"

@@ -122,6 +122,10 @@ def test_closing_the_stream_early_releases_everything_and_caches_nothing() -> No
         # Unknown sampling fields (what LangChain's invoke(..., logprobs=True) passes on) used to be a TypeError.
         ({"logprobs": True}, InvalidArgumentError),
         ({"n": 2}, InvalidArgumentError),
+        # Tools that are not a list of objects: a TemplateError, not an AttributeError from a later check.
+        ({"tools": ["search"]}, TemplateError),
+        ({"tools": ["search"], "tool_choice": "required"}, TemplateError),
+        ({"tools": TOOLS[0]}, TemplateError),
         # Two tools of one name: the model's call would name either (OpenAI and the server refuse it too).
         ({"tools": [*TOOLS, *TOOLS]}, InvalidArgumentError),
         (
