@@ -222,6 +222,24 @@ def test_a_fault_in_insert_prefix_leaves_the_lease_releasable_and_the_cache_quie
         assert cache.stats().free_blocks == cache.stats().num_blocks
 
 
+class DecrefFaultWhileUndoing:
+    """Arm with :meth:`arm` at the first fault; the next ``decref`` of ``pool`` then raises once (a second fault, in
+    the undo of the first)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, pool: KVBlockPool) -> None:
+        self.armed, self._decref = False, pool.decref
+        monkeypatch.setattr(pool, "decref", self)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def __call__(self, blocks: object) -> object:
+        if self.armed:
+            self.armed = False
+            raise InjectedFault("injected fault in decref while undoing")
+        return self._decref(blocks)
+
+
 @pytest.mark.parametrize("first_fault", ["copy_rows", "record_query"])
 def test_a_fault_while_undoing_a_failed_acquire_still_drops_its_lock(
     monkeypatch: pytest.MonkeyPatch, first_fault: str
@@ -230,24 +248,13 @@ def test_a_fault_while_undoing_a_failed_acquire_still_drops_its_lock(
     # allocated) used to skip the rest of the undo: the lock stayed held, the path unevictable for good; and a
     # decref that raised left its blocks referenced by nobody.
     cache = setup()
-    pool = cache.pool
-    decref = pool.decref
-    undoing = False
+    second = DecrefFaultWhileUndoing(monkeypatch, cache.pool)
 
     def fail(*args: object, **kwargs: object) -> None:
-        nonlocal undoing
-        undoing = True
+        second.arm()
         raise InjectedFault(f"injected fault in {first_fault}")
 
-    def decref_failing_once_while_undoing(blocks: object) -> object:
-        nonlocal undoing
-        if undoing:
-            undoing = False
-            raise InjectedFault("injected fault in decref while undoing")
-        return decref(blocks)
-
-    monkeypatch.setattr(pool if first_fault == "copy_rows" else cache._counters, first_fault, fail)
-    monkeypatch.setattr(pool, "decref", decref_failing_once_while_undoing)
+    monkeypatch.setattr(cache.pool if first_fault == "copy_rows" else cache._counters, first_fault, fail)
     with pytest.raises(InjectedFault, match="while undoing") as raised:
         cache.acquire(PROMPT, num_tokens=NUM_TOKENS, request_id="r1")
     assert str(raised.value.__context__) == f"injected fault in {first_fault}"
@@ -265,28 +272,16 @@ def test_a_refusal_whose_undo_faults_still_counts_as_rejected(monkeypatch: pytes
     from prefixcache.errors import OutOfBlocksError
 
     cache = setup()
-    pool = cache.pool
-    decref = pool.decref
-    undoing = False
-
+    second = DecrefFaultWhileUndoing(monkeypatch, cache.pool)
     allocate = cache._blocks.allocate
 
     def out_of_blocks(count: int, what: str) -> object:
-        nonlocal undoing
         if what == "copy-on-write":  # refused there, acquire recomputes the rows instead; let it copy
             return allocate(count, what)
-        undoing = True
+        second.arm()
         raise OutOfBlocksError("injected: no blocks")
 
-    def decref_failing_once_while_undoing(blocks: object) -> object:
-        nonlocal undoing
-        if undoing:
-            undoing = False
-            raise InjectedFault("injected fault in decref while undoing")
-        return decref(blocks)
-
     monkeypatch.setattr(cache._blocks, "allocate", out_of_blocks)
-    monkeypatch.setattr(pool, "decref", decref_failing_once_while_undoing)
     before = cache.stats().rejected_requests
     with pytest.raises(InjectedFault) as raised:
         cache.acquire(PROMPT, num_tokens=NUM_TOKENS, request_id="r1")
