@@ -218,6 +218,16 @@ def check_json_depth(value: Any, what: str, limit: int = MAX_JSON_DEPTH) -> None
         stack.extend((child, depth + 1) for child in children)
 
 
+def repeated_name(names: Sequence[Any]) -> tuple[int, int] | None:
+    """``(index, first index)`` of the first name in ``names`` that an earlier one already has, or None: two tools of
+    one name leave to chance which one the model's call runs (OpenAI refuses such a list).  O(len(names))."""
+    first: dict[Any, int] = {}
+    for index, name in enumerate(names):
+        if first.setdefault(name, index) != index:
+            return index, first[name]
+    return None
+
+
 def validate_tools(tools: Sequence[Mapping[str, Any]] | None) -> None:
     """Check that ``tools`` is ``None`` or a list of JSON-serialisable objects (OpenAI function schemas), none nested
     more than :data:`MAX_JSON_DEPTH` deep.

@@ -284,10 +284,10 @@ def run(args: argparse.Namespace) -> int:
     (:mod:`prefixcache.replay.audit`), else a replay."""
     from prefixcache.replay.sweep_cli import or_sweep
 
-    piped = [path for path in args.paths if path == "-" or _is_pipe(Path(path))]
+    piped = _piped(args.paths)
     if piped and (args.endpoint or args.sweep):
         option = "--endpoint" if args.endpoint else "--sweep"
-        raise InvalidArgumentError(f"{option} reads files only; save {piped[0]} to a file first")
+        raise InvalidArgumentError(f"{option} reads files only; save {args.paths[piped[0]]} to a file first")
     if args.endpoint:
         return _replay(args)
     return or_sweep(_replay, _load_tokenizer, _Progress)(args)
@@ -305,7 +305,7 @@ def _piped_inputs_as_files(args: argparse.Namespace) -> Iterator[None]:
     Raises:
         InvalidArgumentError: ``-`` named more than once (standard input can be read once).
     """
-    piped = [i for i, path in enumerate(args.paths) if path == "-" or _is_pipe(Path(path))]
+    piped = _piped(args.paths)
     if not piped:
         yield
         return
@@ -346,12 +346,17 @@ def _piped_inputs_as_files(args: argparse.Namespace) -> Iterator[None]:
             args.paths = original
 
 
-def _is_pipe(path: Path) -> bool:
-    # A FIFO only: a character device (/dev/null, a terminal) stays "not a regular file or folder".
-    try:
-        return stat.S_ISFIFO(path.stat().st_mode)
-    except OSError:
-        return False
+def _piped(paths: list[str]) -> list[int]:
+    """The indices of ``paths`` that are ``-`` or a FIFO (a character device, /dev/null or a terminal, stays "not a
+    regular file or folder")."""
+    piped = []
+    for index, path in enumerate(paths):
+        try:
+            if path == "-" or stat.S_ISFIFO(Path(path).stat().st_mode):
+                piped.append(index)
+        except OSError:
+            pass
+    return piped
 
 
 def _replay(args: argparse.Namespace) -> int:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from prefixcache.cache.tokens import TokenIds
 from prefixcache.chat.stop import StopMatcher, TextStream, check_stop
-from prefixcache.chat.template import validate_tools
+from prefixcache.chat.template import repeated_name, validate_tools
 from prefixcache.chat.tool_calls import TOOL_CALL_OPEN, parse_tool_calls
 from prefixcache.engine.grammar import Grammar, check_response_format, strict_tools, structured_available
 from prefixcache.engine.request import RequestHandle
@@ -108,15 +108,15 @@ def _tool_name(tool: Mapping[str, Any]) -> Any:
 
 
 def _check_unique_tool_names(tools: Sequence[Mapping[str, Any]] | None) -> None:
-    # The model's call names a tool; with two of one name, which runs would be left to chance (OpenAI refuses it,
-    # and so does the server, as a 400): in-process callers (LangChain's bind_tools, smolagents) get the same check.
-    first: dict[str, int] = {}
-    for index, tool in enumerate(tools or ()):
-        name = _tool_name(tool) if isinstance(tool, Mapping) else None
-        if isinstance(name, str) and first.setdefault(name, index) != index:
-            raise InvalidArgumentError(
-                f"tools[{index}] is named {name!r}, as tools[{first[name]}] is; each tool needs its own name"
-            )
+    # The server refuses such a list too (a 400): in-process callers (LangChain's bind_tools, smolagents) get the same
+    # check.  After validate_tools: every tool is an object.
+    names = [_tool_name(tool) for tool in tools or ()]
+    repeat = repeated_name([name if isinstance(name, str) else object() for name in names])  # only str names match
+    if repeat is not None:
+        index, first = repeat
+        raise InvalidArgumentError(
+            f"tools[{index}] is named {names[index]!r}, as tools[{first}] is; each tool needs its own name"
+        )
 
 
 class _ToolCallGate:

@@ -17,11 +17,11 @@ for one stream at a time and for a few concurrent streams (one batched decode st
 served within 3% of in-process.
 
 On a shared machine the wall-time ratio is as noisy as the load from other tenants (the quartiles of the per-pair
-ratios say how much, and the fastest runs' ratio comes with them), so two CPU-time figures come with it: the CPU time
+ratios say how much, and the fastest runs' ratio comes with them), so CPU-time figures come with it: the CPU time
 of the engine's own thread per token (read at the same tokens: through its POSIX CPU clock in-process, through Linux's
-``/proc/<pid>/task/<tid>/schedstat`` from the client), and the CPU time the server's process adds per token served
-(event loop, HTTP, engine).  Neither is proof against a memory bus shared with other tenants: a stalled load costs
-CPU time too.
+``/proc/<pid>/task/<tid>/schedstat`` from the client), and the served runs' event loop and client CPU per token, with
+the same two for a bare ASGI app streaming at the same pace (:func:`bare_stream_app`, the floor).  None is proof
+against a memory bus shared with other tenants: a stalled load costs CPU time too.
 """
 
 from __future__ import annotations
@@ -202,8 +202,8 @@ def _thread_cpu_reader(thread_id: int) -> Callable[[], float]:
 
 
 def _summary(key: str, local: list[Any], remote: list[Any]) -> dict[str, Any]:
-    """The figures of one row from its pairs of (wall ms, engine CPU ms, process CPU ms, event loop CPU ms, client
-    CPU ms) per token."""
+    """The figures of one row from its pairs of (wall ms, engine CPU ms, event loop CPU ms, client CPU ms) per
+    token."""
     pairs = list(zip(local, remote, strict=True))
     ratios = sorted(r[0] / lo[0] for lo, r in pairs)
     return {
@@ -214,9 +214,8 @@ def _summary(key: str, local: list[Any], remote: list[Any]) -> dict[str, Any]:
         f"{key}_engine_cpu_in_process_ms": statistics.median(lo[1] for lo in local),
         f"{key}_engine_cpu_served_ms": statistics.median(r[1] for r in remote),
         f"{key}_engine_cpu_ratio": statistics.median(r[1] / lo[1] for lo, r in pairs),
-        f"{key}_added_cpu_ms": statistics.median(r[2] - lo[2] for lo, r in pairs),
-        f"{key}_loop_cpu_ms": statistics.median(r[3] for r in remote),
-        f"{key}_client_cpu_ms": statistics.median(r[4] for r in remote),
+        f"{key}_loop_cpu_ms": statistics.median(r[2] for r in remote),
+        f"{key}_client_cpu_ms": statistics.median(r[3] for r in remote),
         f"{key}_best_ratio": min(r[0] for r in remote) / min(lo[0] for lo in local),
         f"{key}_pairs_ms": [(lo[0], r[0]) for lo, r in pairs],
     }
@@ -254,13 +253,13 @@ def decode_figures(
                     def measure(mode: str, run: int, streams: int = streams) -> tuple[float, ...]:
                         salt = 1000 * streams + 10 * run + (mode == "served") * 500
                         bodies = [_body(_prompt(salt + j), new_tokens) for j in range(streams)]
-                        cpu, loop = time.process_time(), loop_cpu()
+                        loop = loop_cpu()
                         if mode == "local":
                             per_stream, client_cpu = _in_process(engine, runner.tokenizer, clocks, bodies), 0.0
                         else:
                             per_stream, client_cpu = _served(client, bodies), client.cpu_s
                         per_token_ms = 1e3 / (streams * new_tokens)
-                        spent = (time.process_time() - cpu, loop_cpu() - loop, client_cpu)
+                        spent = (loop_cpu() - loop, client_cpu)
                         wall, engine_cpu = (statistics.mean(figures[k] for figures in per_stream) for k in (0, 1))
                         return wall, engine_cpu, *(seconds * per_token_ms for seconds in spent)
 
@@ -328,9 +327,8 @@ def _bare_stream(interval_ms: float, new_tokens: int, runs: int) -> dict[str, fl
     """The event loop's and the client's CPU per event (ms) streaming from :func:`bare_stream_app`, one event every
     ``interval_ms`` (the in-process token time), events as large as a served token's: medians of ``runs`` runs of
     ``new_tokens`` events, one stream each."""
-    request_id, created = "cmpl-" + "0" * 32, int(time.time())
-    chunk = completion_response(request_id, "bench", "x", None, None)
-    event = f"data: {json.dumps({**chunk, 'created': created})}\n\n".encode()
+    request_id = "cmpl-" + "0" * 32
+    event = f"data: {json.dumps(completion_response(request_id, 'bench', 'x', None, None))}\n\n".encode()
     finish = completion_response(request_id, "bench", "", "length", None)
     finish_bytes = f"data: {json.dumps(finish)}\n\ndata: [DONE]\n\n".encode()
     loop_figures, client_figures = [], []

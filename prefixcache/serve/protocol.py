@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 
 from prefixcache.chat.stop import check_stop
-from prefixcache.chat.template import RESERVED_TEMPLATE_VARIABLES, check_json_depth, join_text_parts
+from prefixcache.chat.template import RESERVED_TEMPLATE_VARIABLES, check_json_depth, join_text_parts, repeated_name
 from prefixcache.engine.chat import ChatCompletion
 from prefixcache.engine.grammar import check_response_format
 from prefixcache.engine.results import Usage
@@ -98,15 +98,14 @@ def check_unique_tool_names(names: Sequence[Any], param: str) -> None:
     Raises:
         BadRequest: naming the later duplicate's field, and the index of the tool that has the name first.
     """
-    first: dict[Any, int] = {}
-    for index, name in enumerate(names):
-        if name in first:
-            raise BadRequest(
-                f"{param.format(index)} {name!r} is already the name of tools[{first[name]}]; each tool needs its "
-                "own function name",
-                param.format(index),
-            )
-        first[name] = index
+    repeat = repeated_name(names)
+    if repeat is not None:
+        index, first = repeat
+        raise BadRequest(
+            f"{param.format(index)} {names[index]!r} is already the name of tools[{first}]; each tool needs its own "
+            "function name",
+            param.format(index),
+        )
 
 
 def error_body(message: str, *, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
