@@ -277,6 +277,17 @@ def test_a_path_that_is_no_file_or_folder_is_told_so_not_that_it_is_missing(
     assert capsys.readouterr().err == "error: /dev/null: not a regular file or folder\n"
 
 
+def test_a_symlink_loop_is_an_input_not_found_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+
+    assert replay(tmp_path / "loop1", "--json", tmp_path / "out.json") == 2
+
+    assert capsys.readouterr().err == f"error: {tmp_path / 'loop1'}: not found: no such file or folder\n"
+
+
 EMPTY = {"empty": "", "blank lines": "\n \n\n", "empty array": "[]\n"}
 
 

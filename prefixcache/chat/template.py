@@ -229,8 +229,8 @@ def repeated_name(names: Sequence[Any]) -> tuple[int, int] | None:
 
 
 def validate_tools(tools: Sequence[Mapping[str, Any]] | None) -> None:
-    """Check that ``tools`` is ``None`` or a list of JSON-serialisable objects (OpenAI function schemas), none nested
-    more than :data:`MAX_JSON_DEPTH` deep.
+    """Check that ``tools`` is ``None`` or a list of JSON-serialisable objects (OpenAI function schemas, whose
+    ``function``, where given, is an object), none nested more than :data:`MAX_JSON_DEPTH` deep.
 
     Raises :class:`TemplateError` naming the offending tool index.
     """
@@ -241,6 +241,9 @@ def validate_tools(tools: Sequence[Mapping[str, Any]] | None) -> None:
     for index, tool in enumerate(tools):
         if not isinstance(tool, Mapping):
             raise TemplateError(f"tool {index} must be an object (function schema), got {type(tool).__name__}")
+        if "function" in tool and not isinstance(tool["function"], Mapping):
+            function = type(tool["function"]).__name__
+            raise TemplateError(f"tool {index}'s function must be an object (name, parameters), got {function}")
         check_json_depth(tool, f"tool {index}")
         try:
             json.dumps(tool)

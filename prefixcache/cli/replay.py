@@ -177,13 +177,19 @@ class _Progress:
         return tqdm(items, total=total, desc=description, unit=unit, leave=False, file=sys.stderr, mininterval=0.2)
 
 
+def _real_path(path: str | Path) -> Path:
+    # os.path.realpath never raises; Path.resolve raises on a symlink loop, which is the inputs' check to report.
+    return Path(os.path.realpath(path))
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     """Refuse, before any work, an output that cannot be written: a missing folder, a folder given as the file,
     a plot format matplotlib does not know, two outputs (or an output and an input) on one path."""
     outputs = {"--json": args.json, "--requests-jsonl": args.requests_jsonl, "--plot": args.plot}
-    seen: dict[Path, str] = {Path(p).resolve(): "an input" for p in args.paths}
+    real = _real_path
+    seen: dict[Path, str] = {real(p): "an input" for p in args.paths}
     for folder in (Path(p) for p in args.paths if Path(p).is_dir()):
-        seen.update((p.resolve(), "an input") for p in folder.glob("*.jsonl"))  # replayed as inputs too
+        seen.update((real(p), "an input") for p in folder.glob("*.jsonl"))  # replayed as inputs too
     for option, value in outputs.items():
         if value is None:
             continue
@@ -197,9 +203,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise InvalidArgumentError(f"{option} {value}: folder {str(folder)!r} does not exist")
         if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise InvalidArgumentError(f"{option} {value}: not writable")
-        if path.resolve() in seen:
-            raise InvalidArgumentError(f"{option} {value}: the same file as {seen[path.resolve()]}")
-        seen[path.resolve()] = option
+        if real(path) in seen:
+            raise InvalidArgumentError(f"{option} {value}: the same file as {seen[real(path)]}")
+        seen[real(path)] = option
     if args.plot:
         from prefixcache.replay.plot import check_plot_path
 

@@ -126,6 +126,8 @@ def test_closing_the_stream_early_releases_everything_and_caches_nothing() -> No
         ({"tools": ["search"]}, TemplateError),
         ({"tools": ["search"], "tool_choice": "required"}, TemplateError),
         ({"tools": TOOLS[0]}, TemplateError),
+        ({"tools": [{"type": "function", "function": ["search"]}]}, TemplateError),
+        ({"tools": [{"type": "function", "function": None, "name": "search"}]}, TemplateError),
         # Two tools of one name: the model's call would name either (OpenAI and the server refuse it too).
         ({"tools": [*TOOLS, *TOOLS]}, InvalidArgumentError),
         (
