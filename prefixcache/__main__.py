@@ -2,4 +2,5 @@
 
 from prefixcache.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # not when an engine process (spawned) imports this main module again
+    raise SystemExit(main())

@@ -82,6 +82,11 @@ class ClosedError(PrefixCacheError, RuntimeError):
     """A KV event publisher was given an event after :meth:`close`; nothing will send it."""
 
 
+class EngineDeadError(PrefixCacheError, RuntimeError):
+    """The engine process (:class:`~prefixcache.engine.process.EngineProcess`) is gone: it exited or was killed, so
+    the requests it held failed and no new one can run.  A server answers 503."""
+
+
 class SubscriberDeadError(PrefixCacheError, RuntimeError):
     """A KV event subscriber's thread stopped on an error, so its mirror no longer follows the publisher (the error
     that stopped it is the ``__cause__``)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import logging
 from pathlib import Path
@@ -12,7 +13,7 @@ from prefixcache.cli.options import parse_count, parse_size
 from prefixcache.cli.tokenizer_choice import byte_vocab_warning, choose_tokenizer
 from prefixcache.errors import InvalidArgumentError
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "add_parser", "run"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "add_parser", "run", "served_runner"]
 
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 """``--max-request-bytes``'s default, :data:`prefixcache.serve.jobs.DEFAULT_MAX_REQUEST_BYTES` (a test keeps the two
@@ -61,6 +62,13 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
         type=parse_count,
         default=32,
         help="requests running at once; more wait in the queue (vLLM's --max-num-seqs; default 32)",
+    )
+    serve.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run the engine in a process of its own, so that HTTP and streaming never hold its GIL (as vLLM's "
+        "engine core; a few seconds more to start, and a second copy of the tokenizer)",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
@@ -111,15 +119,6 @@ def run(args: argparse.Namespace) -> int:
         from prefixcache.serve import ApiKeys, create_app, serve_forever
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; the server needs: pip install 'prefixcache[server]'") from None
-    from prefixcache.engine.pool_size import (
-        DEFAULT_MEMORY_FRACTION,
-        check_default_pool,
-        default_pool_size,
-        describe_pool,
-    )
-    from prefixcache.engine.runner import PrefixCachingRunner
-    from prefixcache.models.llama import build_model
-
     if args.layers is not None and not args.model_config:
         raise InvalidArgumentError("--layers needs --model-config")
     from prefixcache.cache.pool import check_block_size
@@ -140,6 +139,51 @@ def run(args: argparse.Namespace) -> int:
     if args.snapshot is not None and Path(args.snapshot).exists() and not Path(args.snapshot).is_dir():
         raise InvalidArgumentError(f"--snapshot {args.snapshot}: is a file; give a folder (made if missing)")
     keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
+    choice = choose_tokenizer(args.tokenizer, None if args.model_config else args.model)
+    if args.engine_process:
+        from prefixcache.engine.process import EngineProcess
+
+        served: Any = EngineProcess(
+            functools.partial(served_runner, args), max_batch_tokens=args.max_batch_tokens, max_running=args.max_running
+        )
+        pool = served.note
+    else:
+        served, pool = served_runner(args)
+    # What was restored, or why the cache starts cold, is worth a line at the default verbosity.
+    logging.getLogger("prefixcache.serve.snapshots").setLevel(logging.INFO)
+    name = args.served_model_name or _default_model_name(args)
+    every_s = None if args.snapshot_every is None else 60.0 * args.snapshot_every
+    app = create_app(
+        served,
+        model_name=name,
+        api_keys=keys,
+        snapshot_dir=args.snapshot,
+        snapshot_every_s=every_s,
+        max_batch_tokens=args.max_batch_tokens,
+        max_running=args.max_running,
+        max_request_bytes=args.max_request_bytes,
+    )
+
+    def announce(url: str) -> None:
+        print(f"serving {name!r} at {url}/v1 ({pool}; tokenizer {choice.describe()})", flush=True)
+
+    serve_forever(app, args.host, args.port, log_level="warning" if args.verbose == 0 else "info", announce=announce)
+    return 0
+
+
+def served_runner(args: argparse.Namespace) -> tuple[Any, str]:
+    """The runner ``serve`` serves, built from its options (model, tokenizer, pool size), and the start line's
+    description of its pool.  Module-level so that ``--engine-process`` builds it in the engine process (the options
+    are pickled).  Raises InvalidArgumentError for a missing extra."""
+    from prefixcache.engine.pool_size import (
+        DEFAULT_MEMORY_FRACTION,
+        check_default_pool,
+        default_pool_size,
+        describe_pool,
+    )
+    from prefixcache.engine.runner import PrefixCachingRunner
+    from prefixcache.models.llama import build_model
+
     try:
         tokenizer = None
         choice = choose_tokenizer(args.tokenizer, None if args.model_config else args.model)
@@ -175,24 +219,4 @@ def run(args: argparse.Namespace) -> int:
     runner = PrefixCachingRunner(
         model, tokenizer, cache_tokens=cache_tokens, cache_memory=args.cache_memory, block_size=args.block_size
     )
-    pool = describe_pool(runner.pool, model.max_position, bound)
-    # What was restored, or why the cache starts cold, is worth a line at the default verbosity.
-    logging.getLogger("prefixcache.serve.snapshots").setLevel(logging.INFO)
-    name = args.served_model_name or _default_model_name(args)
-    every_s = None if args.snapshot_every is None else 60.0 * args.snapshot_every
-    app = create_app(
-        runner,
-        model_name=name,
-        api_keys=keys,
-        snapshot_dir=args.snapshot,
-        snapshot_every_s=every_s,
-        max_batch_tokens=args.max_batch_tokens,
-        max_running=args.max_running,
-        max_request_bytes=args.max_request_bytes,
-    )
-
-    def announce(url: str) -> None:
-        print(f"serving {name!r} at {url}/v1 ({pool}; tokenizer {choice.describe()})", flush=True)
-
-    serve_forever(app, args.host, args.port, log_level="warning" if args.verbose == 0 else "info", announce=announce)
-    return 0
+    return runner, describe_pool(runner.pool, model.max_position, bound)

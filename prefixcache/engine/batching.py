@@ -175,6 +175,17 @@ class BatchEngine:
         InvalidArgumentError for a ``directory`` that is not a path, or once the engine is closed."""
         return self._saver.save(directory)
 
+    def load_snapshot(self, directory: str | os.PathLike[str]) -> Future[Any]:
+        """:meth:`PrefixCachingRunner.load_snapshot` of ``directory`` on the engine thread between two steps (as
+        :meth:`call_soon`); the future holds its ``SnapshotSummary`` or error.  Raises InvalidArgumentError once the
+        engine is closed."""
+        return self.call_soon(lambda: self.runner.load_snapshot(directory))
+
+    def evict_all(self) -> Future[Any]:
+        """Empty the runner's cache of every unreferenced block on the engine thread between two steps (as
+        :meth:`call_soon`).  Raises InvalidArgumentError once the engine is closed."""
+        return self.call_soon(self.runner.cache.evict_all)
+
     @property
     def num_pending(self) -> int:
         """Requests waiting or running, plus functions queued by :meth:`call_soon`."""

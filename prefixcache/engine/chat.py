@@ -174,7 +174,17 @@ class ChatDecoder:
     as with a stop token.  Not thread-safe: one request, one thread.  Cost per token: the :class:`TextStream`'s
     decode of a window of at most 16 ids, plus O(held-back text)."""
 
-    __slots__ = ("_gate", "_hidden", "_parse_calls", "_pieces", "_request_id", "_stopper", "_text_stream", "forced_ids")
+    __slots__ = (
+        "_gate",
+        "_hidden",
+        "_parse_calls",
+        "_pieces",
+        "_request_id",
+        "_stopper",
+        "_text_stream",
+        "arguments",
+        "forced_ids",
+    )
 
     def __init__(
         self,
@@ -197,6 +207,22 @@ class ChatDecoder:
         self._pieces: list[str] = [forced_text]
         self._request_id = request_id
         self.forced_ids = tuple(forced_ids)
+        self.arguments = (stops, parse_calls, forced_text, self.forced_ids, request_id)
+        """What makes this decoder again over another tokenizer copy (:meth:`from_arguments`; plain data, pickles)."""
+
+    @classmethod
+    def from_arguments(cls, tokenizer: Any, params: SamplingParams, arguments: tuple[Any, ...]) -> ChatDecoder:
+        """A fresh decoder equal to the one whose :attr:`arguments` these are (an engine process's copy)."""
+        stops, parse_calls, forced_text, forced_ids, request_id = arguments
+        return cls(
+            tokenizer,
+            stops,
+            params,
+            parse_calls=parse_calls,
+            forced_text=forced_text,
+            forced_ids=forced_ids,
+            request_id=request_id,
+        )
 
     @property
     def stopped(self) -> bool:
@@ -429,6 +455,9 @@ def submit_chat(
     :attr:`ChatCompletion.logprobs` there too, before the delta its token's text is part of (if any).  The future
     holds the :class:`ChatCompletion`, or the request's error (``concurrent.futures.CancelledError`` once
     ``handle.cancel()`` took effect).  Raises as :meth:`BatchEngine.submit`, at once."""
+    remote = getattr(engine, "submit_prepared", None)
+    if remote is not None:  # an engine process runs the same function on its side (prefixcache.engine.process)
+        return remote(prepared, namespace=namespace, request_id=request_id, on_delta=on_delta, on_logprob=on_logprob)
     decoder = prepared.decoder
     completed: Future[ChatCompletion] = Future()
 

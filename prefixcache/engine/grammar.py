@@ -306,6 +306,11 @@ class Grammar:
         """A fresh matcher at the grammar's start.  O(grammar size) to build its parser."""
         return GrammarState(self)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as its source: the llguidance tokenizer does not pickle, and the process that unpickles it (an
+        # engine process) rebuilds it from its own tokenizer of the same name (register_tokenizer).
+        return _registered_grammar, (self.source, self.kind, self.tokenizer_name)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Grammar):
             return NotImplemented
@@ -316,6 +321,29 @@ class Grammar:
 
     def __repr__(self) -> str:
         return f"Grammar({self.kind}, {len(self.source)} chars, tokenizer={self.tokenizer_name!r})"
+
+
+_REGISTERED: dict[str, Any] = {}
+"""Tokenizers by name that grammars unpickled in this process are for (:func:`register_tokenizer`)."""
+
+
+def register_tokenizer(tokenizer: Any) -> None:
+    """Let grammars for ``tokenizer`` (by its ``name``) be unpickled in this process: an engine process registers its
+    runner's tokenizer, so a request's grammar crosses the pipe as its source.  O(1): the llguidance tokenizer is made
+    on the first grammar."""
+    _REGISTERED[tokenizer.name] = tokenizer
+
+
+def _registered_grammar(source: str, kind: str, tokenizer_name: str) -> Grammar:
+    tokenizer = _REGISTERED.get(tokenizer_name)
+    if tokenizer is None:
+        raise InvalidArgumentError(f"a grammar for tokenizer {tokenizer_name!r} reached a process that does not have it")
+    grammar = Grammar.__new__(Grammar)
+    grammar.vocab = llguidance_tokenizer(tokenizer)
+    grammar.source = source  # validated where it was made
+    grammar.tokenizer_name = tokenizer_name
+    grammar.kind = kind
+    return grammar
 
 
 def _close_id(tokenizer: Any) -> int | None:

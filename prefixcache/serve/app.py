@@ -39,9 +39,10 @@ from starlette.requests import ClientDisconnect
 
 from prefixcache.engine.batching import BatchEngine, RequestHandle
 from prefixcache.engine.chat import ChatCompletion, prepare_chat, prepare_completion, submit_chat
+from prefixcache.engine.process import EngineProcess
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.errors import CapacityError, OutOfBlocksError, PoolBusyError, PrefixCacheError
+from prefixcache.errors import CapacityError, EngineDeadError, OutOfBlocksError, PoolBusyError, PrefixCacheError
 from prefixcache.serve.auth import ApiKeys, Unauthorized
 from prefixcache.serve.delivery import job_events
 from prefixcache.serve.echo import echoed_logprobs, echoed_usage, merge_logprobs, prompt_logprobs_job, running_usage
@@ -86,8 +87,8 @@ def _status_of(error: BaseException) -> int:
     # PoolBusyError derives from CapacityError but is transient: running requests hold the pool, a retry can pass.
     if isinstance(error, CapacityError) and not isinstance(error, PoolBusyError):
         return 400
-    if isinstance(error, OutOfBlocksError):
-        return 503  # other requests hold the pool right now; a retry may succeed
+    if isinstance(error, (OutOfBlocksError, EngineDeadError)):
+        return 503  # other requests hold the pool right now, or the engine process is gone
     return 400 if isinstance(error, PrefixCacheError) else 500
 
 
@@ -135,7 +136,7 @@ _NO_TELEMETRY = (
 
 
 def create_app(
-    runner: PrefixCachingRunner,
+    runner: PrefixCachingRunner | EngineProcess,
     *,
     model_name: str = "prefixcache",
     api_keys: ApiKeys | None = None,
@@ -150,7 +151,10 @@ def create_app(
     namespaces.  ``app.state.engine`` is the :class:`BatchEngine` stepping every request on its own thread
     (``max_batch_tokens`` and ``max_running`` are its bounds; closed when the app shuts down: call
     ``app.state.engine.close()`` yourself when the app is used without its lifespan, as with httpx's ASGI
-    transport) and ``app.state.runner`` the runner.
+    transport) and ``app.state.runner`` the runner.  Given an :class:`~prefixcache.engine.process.EngineProcess`
+    instead of a runner, the app serves that engine in its own process (it is ``app.state.engine`` and
+    ``app.state.runner``; its own bounds apply, ``max_batch_tokens`` and ``max_running`` are not used; closed with
+    the app): the event loop then never holds the engine's GIL (``prefixcache serve --engine-process``).
 
     With ``snapshot_dir`` the app's lifespan restores the cache from that snapshot folder at start (cold, saying
     why, when there is none or it is refused), saves it every ``snapshot_every_s`` seconds and on a clean shutdown
@@ -163,7 +167,11 @@ def create_app(
     below 1."""
     work = RequestWork(max_request_bytes)
     keys = api_keys if api_keys is not None else ApiKeys.open()
-    engine = BatchEngine(runner, max_batch_tokens=max_batch_tokens, max_running=max_running)
+    engine: BatchEngine | EngineProcess = (
+        runner
+        if isinstance(runner, EngineProcess)
+        else BatchEngine(runner, max_batch_tokens=max_batch_tokens, max_running=max_running)
+    )
     metrics = ServerMetrics(runner.cache, engine)
     strings = TokenStrings(runner.tokenizer)  # the logprobs' token strings
     snapshots = None if snapshot_dir is None else SnapshotKeeper(runner, engine, snapshot_dir, snapshot_every_s)
@@ -281,6 +289,12 @@ def create_app(
         message = f"{error.detail}: {request.method} {request.url.path}"
         body = error_body(message, kind=kind, code=str(error.detail).lower().replace(" ", "_"))
         return _json(body, error.status_code, error.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, error: EngineDeadError) -> Response:
+        # /health, /metrics and the other reads of an engine process that is gone: unavailable, not a traceback.
+        logger.error("%s %s: %s", request.method, request.url.path, error)
+        return _json(error_body(str(error), kind="server_error"), 503)
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, error: BadRequest) -> Response:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
@@ -42,7 +43,9 @@ from typing import Any
 from prefixcache.engine.chat import prepare_completion, submit_chat
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.errors import InvalidArgumentError
-from prefixcache.models.llama import build_model
+from prefixcache.engine.process import EngineProcess
+from prefixcache.models.base import ModelConfig
+from prefixcache.models.llama import LlamaModel, build_model
 from prefixcache.serve import bench_client
 from prefixcache.serve.app import create_app
 from prefixcache.serve.protocol import completion_response, parse_completion_request
@@ -124,11 +127,12 @@ def _in_process(
 
 class _ClientProcess:
     """The served runs' client (:mod:`prefixcache.serve.bench_client`) in its own process, started once: each run
-    sends it the request bodies and reads back every stream's (wall, engine CPU) stamps."""
+    sends it the request bodies and reads back every stream's (wall, engine CPU) stamps (the engine's thread
+    ``engine_thread_id`` of process ``engine_pid``)."""
 
-    def __init__(self, host: str, port: int, engine_thread_id: int) -> None:
+    def __init__(self, host: str, port: int, engine_pid: int, engine_thread_id: int) -> None:
         command = [sys.executable, "-c", bench_client.LAUNCH, bench_client.__file__, host, str(port)]
-        command += [str(os.getpid()), str(engine_thread_id)]
+        command += [str(engine_pid), str(engine_thread_id)]
         self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.cpu_s = math.nan
         """The client process's own CPU time (seconds, all its threads) in the last run."""
@@ -221,31 +225,65 @@ def _summary(key: str, local: list[Any], remote: list[Any]) -> dict[str, Any]:
     }
 
 
+def bench_runner(model: Any, cache_tokens: int) -> PrefixCachingRunner:
+    """The runner of a decode table: ``model`` a preset name or a :class:`~prefixcache.models.base.ModelConfig`
+    (seeded random weights), a pool of ``cache_tokens``.  Module-level, so that an engine process builds it."""
+    built = build_model(model, device="cpu") if isinstance(model, str) else LlamaModel(model, device="cpu")
+    return PrefixCachingRunner(built, cache_tokens=cache_tokens)
+
+
 def decode_figures(
-    quick: bool = False, model: Any = None, *, runs: int | None = None, new_tokens: int | None = None
+    quick: bool = False,
+    model: Any = None,
+    *,
+    runs: int | None = None,
+    new_tokens: int | None = None,
+    engine_process: bool = False,
 ) -> dict[str, Any]:
     """Per-token decode ms in-process and served, one stream and ``concurrent`` streams, with their ratios, on the
-    embedded ``small`` preset (or ``model``): ``quick`` 6 pairs of 48 new tokens, else 24 pairs of 96.  Short runs,
-    many pairs: load from other processes drifts over seconds, and a pair of short runs sees the same load.  ``runs``
-    (at least 2) and ``new_tokens`` (at least 2) override the sizes.  Raises ``InvalidArgumentError`` for smaller
-    ones, and ``RuntimeError`` when the concurrent streams shared fewer than two tokens (too few new tokens for the
-    steps between their arrivals) or the client failed."""
+    embedded ``small`` preset (or ``model``: a model, a preset name or a ``ModelConfig``): ``quick`` 6 pairs of 48
+    new tokens, else 24 pairs of 96.  Short runs, many pairs: load from other processes drifts over seconds, and a
+    pair of short runs sees the same load.  ``runs`` (at least 2) and ``new_tokens`` (at least 2) override the sizes.
+    With ``engine_process`` the server's engine runs in its own process
+    (:class:`~prefixcache.engine.process.EngineProcess`; ``model`` then a preset name or a config, built there), and
+    the in-process runs are submitted there, straight to its engine.  Raises ``InvalidArgumentError`` for smaller
+    sizes or a model object with ``engine_process``, and ``RuntimeError`` when the concurrent streams shared fewer
+    than two tokens (too few new tokens for the steps between their arrivals) or the client failed."""
     runs = runs if runs is not None else 6 if quick else 24
     new_tokens = new_tokens if new_tokens is not None else 48 if quick else 96
     for name, value in (("runs", runs), ("new_tokens", new_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 2:
             raise InvalidArgumentError(f"{name} must be an int of at least 2, got {value!r}")
-    model = model if model is not None else build_model("small", device="cpu")
+    model = model if model is not None else "small"
     concurrent = 4
-    runner = PrefixCachingRunner(model, cache_tokens=(PROMPT_TOKENS + new_tokens + 32) * concurrent * 2)
-    app = create_app(runner, model_name="bench")
+    cache_tokens = (PROMPT_TOKENS + new_tokens + 32) * concurrent * 2
+    if engine_process:
+        if not isinstance(model, (str, ModelConfig)):
+            raise InvalidArgumentError("an engine process builds its model: give a preset name or a ModelConfig")
+        served: Any = EngineProcess(functools.partial(bench_runner, model, cache_tokens))
+        engine_pid, engine_thread = served.pid, served.engine_thread_id
+
+        def in_process(bodies: list[dict[str, Any]]) -> list[tuple[float, float]]:
+            return served.query(_in_process_here, bodies, timeout_s=600.0)
+
+    else:
+        served = bench_runner(model, cache_tokens) if isinstance(model, (str, ModelConfig)) else None
+        served = served or PrefixCachingRunner(model, cache_tokens=cache_tokens)
+    app = create_app(served, model_name="bench")
     engine = app.state.engine
+    if not engine_process:
+        clocks = _Clocks(engine)
+        engine_pid, engine_thread = os.getpid(), engine.call_soon(threading.get_native_id).result()
+
+        def in_process(bodies: list[dict[str, Any]]) -> list[tuple[float, float]]:
+            return _in_process(engine, served.tokenizer, clocks, bodies)
+
     load_before = os.getloadavg()[0]
     out: dict[str, Any] = {"new_tokens": new_tokens, "runs": runs, "concurrent": concurrent}
+    out["engine_process"] = engine_process
     try:
-        clocks = _Clocks(engine)
         with start_background(app) as server:
-            client = _ClientProcess(server.host, server.port, engine.call_soon(threading.get_native_id).result())
+            client = _ClientProcess(server.host, server.port, engine_pid, engine_thread)
             loop_cpu = _thread_cpu_reader(server.thread.native_id)
             try:
                 for streams, key in ((1, "single"), (concurrent, "concurrent")):
@@ -255,7 +293,7 @@ def decode_figures(
                         bodies = [_body(_prompt(salt + j), new_tokens) for j in range(streams)]
                         loop = loop_cpu()
                         if mode == "local":
-                            per_stream, client_cpu = _in_process(engine, runner.tokenizer, clocks, bodies), 0.0
+                            per_stream, client_cpu = in_process(bodies), 0.0
                         else:
                             per_stream, client_cpu = _served(client, bodies), client.cpu_s
                         per_token_ms = 1e3 / (streams * new_tokens)
@@ -271,6 +309,11 @@ def decode_figures(
         engine.close()
     out["load_average_1m"] = (load_before + os.getloadavg()[0]) / 2
     return out
+
+
+def _in_process_here(engine: Any, bodies: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """:func:`_in_process` run in an engine process (:meth:`EngineProcess.query`) on its own engine."""
+    return _in_process(engine, engine.runner.tokenizer, _Clocks(engine), bodies)
 
 
 def bare_stream_app(interval_s: float, event: bytes, finish: bytes) -> Callable[..., Any]:
@@ -333,7 +376,7 @@ def _bare_stream(interval_ms: float, new_tokens: int, runs: int) -> dict[str, fl
     finish_bytes = f"data: {json.dumps(finish)}\n\ndata: [DONE]\n\n".encode()
     loop_figures, client_figures = [], []
     with start_background(bare_stream_app(interval_ms / 1e3, event, finish_bytes)) as server:  # type: ignore[arg-type]
-        client = _ClientProcess(server.host, server.port, server.thread.native_id)
+        client = _ClientProcess(server.host, server.port, os.getpid(), server.thread.native_id)
         loop_cpu = _thread_cpu_reader(server.thread.native_id)
         try:
             for _ in range(runs + 1):  # the first run warms up

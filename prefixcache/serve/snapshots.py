@@ -1,7 +1,7 @@
 """Snapshots for the server: restore the cache at start, save it every few minutes and on a clean shutdown.
 
 A restore runs on the :class:`~prefixcache.engine.batching.BatchEngine` thread
-(:meth:`~prefixcache.engine.batching.BatchEngine.call_soon`), between two steps, so it never races a forward pass; a
+(:meth:`~prefixcache.engine.batching.BatchEngine.load_snapshot`), between two steps, so it never races a forward pass; a
 save copies the cache there between two steps and writes its files on a writer thread
 (:meth:`~prefixcache.engine.batching.BatchEngine.save_snapshot`), so streams never wait for the disk.  A snapshot
 that is missing, refused (another model, block size, dtype) or damaged leaves the server to start cold, and the log
@@ -61,7 +61,7 @@ class SnapshotKeeper:
         reached) is logged too, and the device cache is emptied in case the load left part of it.  Returns what
         loaded."""
         try:
-            self.restored = await asyncio.wrap_future(self.engine.call_soon(self._load))
+            self.restored = await asyncio.wrap_future(self.engine.load_snapshot(self.directory))
         except SnapshotNotFoundError:
             self.restore_error = f"no snapshot in {self.directory} yet"
             logger.info("starting with an empty cache: %s", self.restore_error)
@@ -71,7 +71,7 @@ class SnapshotKeeper:
         except Exception as error:  # a snapshot must never keep the server from starting, whatever it holds
             self.restore_error = f"{type(error).__name__}: {error}"
             logger.warning("starting with an empty cache: loading the snapshot failed: %s", self.restore_error)
-            await asyncio.wrap_future(self.engine.call_soon(self._drop))
+            await asyncio.wrap_future(self.engine.evict_all())
         else:
             loaded = self.restored
             skipped = f"; {loaded.skipped_tokens:,} tokens did not fit the pool" if loaded.skipped_tokens else ""
@@ -112,9 +112,3 @@ class SnapshotKeeper:
         while True:
             await asyncio.sleep(self.every_s)
             await self.save()
-
-    def _load(self) -> SnapshotSummary:
-        return self.runner.load_snapshot(self.directory)
-
-    def _drop(self) -> None:
-        self.runner.cache.evict_all()

@@ -57,7 +57,7 @@ def test_the_client_process_streams_every_token_and_reports_a_refused_body(make_
     engine = app.state.engine
     with start_background(app, "127.0.0.1", 0) as server:
         engine_thread = engine.call_soon(threading.get_native_id).result()
-        client = bench_decode._ClientProcess(server.host, server.port, engine_thread)
+        client = bench_decode._ClientProcess(server.host, server.port, os.getpid(), engine_thread)
         try:
             bodies = [bench_decode._body(bench_decode._prompt(salt), 12) for salt in (1, 2)]
             streams = client.run(bodies)
@@ -83,7 +83,7 @@ def test_the_client_process_streams_every_token_and_reports_a_refused_body(make_
 
 
 def test_a_client_that_died_is_an_error_not_a_hang_and_closes_quietly() -> None:
-    client = bench_decode._ClientProcess("127.0.0.1", 9, 1)
+    client = bench_decode._ClientProcess("127.0.0.1", 9, os.getpid(), 1)
     client._process.kill()
     client._process.wait()
     with pytest.raises(RuntimeError, match="client exited with"):

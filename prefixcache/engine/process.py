@@ -1,0 +1,586 @@
+"""An engine in a process of its own: :class:`EngineProcess` runs a :class:`~prefixcache.engine.batching.BatchEngine`
+in a child process and offers the server what it uses of one (``submit``, :func:`~prefixcache.engine.chat.submit_chat`,
+snapshots, counters, ``close``).
+
+Why: in one process, the server's event loop and the engine's thread share one GIL.  Every streamed token costs the
+loop about 0.1 ms of Python with the GIL held (uvloop's wake-up, the ASGI send chain, the socket write), and the
+engine's thread waits for it between its many small tensor operations: a few percent of a small model's token time
+(issue 30; ``prefixcache bench serve`` measures it).  In its own process the engine has a GIL of its own; per token it
+only pickles the text delta and writes it to a pipe (a syscall that gives up its GIL).  vLLM's V1 splits its API
+server and its ``EngineCore`` the same way.
+
+What crosses the pipe: the parent sends each request as its prompt ids, its :class:`SamplingParams` (a grammar
+travels as its source and is rebuilt in the child over the child's own tokenizer, see
+:func:`~prefixcache.engine.grammar.register_tokenizer`) and its decoder's arguments; the child runs it exactly as
+in-process (``submit_chat``: the stop strings and the detokenizer on the engine thread, so a stop string ends the
+request before that token's K/V are computed, as in-process) and sends back each text delta with its logprob
+records, then the end.  Functions run in the child are module-level ones, passed by reference (pickle), never
+closures.  Wire messages are tuples; a request's own arguments are pickled by the parent into bytes, so one that the
+child cannot unpickle fails that request alone.
+
+- parent to child: ``("chat" | "submit", job, payload)``, ``("cancel", job, None)``, ``("call" | "query", job,
+  payload)``, ``("close", 0, None)``;
+- child to parent: ``("ready", info)`` or ``("failed", error)`` once, then ``("ack", job, error)``, ``("delta",
+  job, (text, records))``, ``("end", job, (kind, value))`` and ``("closed", 0, None)``.
+
+Thread safety: every method may be called from any thread.  ``on_delta`` and ``on_logprob`` run on the parent's
+receiver thread (not the engine's): they must not block, as on the engine thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+import socket
+import subprocess
+import sys
+import os
+import pickle
+import signal
+import threading
+from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+from prefixcache.engine.batching import BatchEngine
+from prefixcache.engine.chat import ChatDecoder, PreparedChat, submit_chat
+from prefixcache.engine.grammar import register_tokenizer
+from prefixcache.engine.results import GenerationResult
+from prefixcache.errors import EngineDeadError, InvalidArgumentError
+
+__all__ = ["EngineProcess", "RemoteHandle"]
+
+logger = logging.getLogger(__name__)
+
+RunnerFactory = Callable[[], Any]
+"""Builds the runner in the child: a module-level function (or ``functools.partial`` of one), since it is pickled.
+Returns the :class:`~prefixcache.engine.runner.PrefixCachingRunner`, or ``(runner, note)`` with a line of text the
+parent gets back as :attr:`EngineProcess.note` (the server's start line says how large the pool is)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    tokenizer: Any
+    note: str
+    engine_thread_id: int
+
+
+class RemoteHandle:
+    """A request running in an :class:`EngineProcess`: ``future`` holds its outcome (the
+    :class:`~prefixcache.engine.results.GenerationResult`, or ``ChatCompletion`` for a chat; its error; a
+    ``concurrent.futures.CancelledError`` once ``cancel()`` took effect), ``cancel()`` drops it (its blocks are freed
+    at the engine's next step; harmless once it has finished)."""
+
+    __slots__ = ("_job", "_process", "cancelled", "future")
+
+    def __init__(self, process: EngineProcess, job: int) -> None:
+        self._process = process
+        self._job = job
+        self.future: Future[Any] = Future()
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if not self.future.done():
+            try:
+                self._process._post("cancel", self._job, None)
+            except EngineDeadError:
+                pass  # its future fails on its own
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Block until done; raises what the request raised."""
+        return self.future.result(timeout)
+
+
+class _Job:
+    __slots__ = ("ack", "error", "handle", "on_delta", "on_logprob")
+
+    def __init__(self, handle: RemoteHandle | None, on_delta: Any = None, on_logprob: Any = None) -> None:
+        self.ack: Future[None] = Future()
+        self.handle = handle
+        self.on_delta = on_delta
+        self.on_logprob = on_logprob
+        self.error: BaseException | None = None
+        """What a callback raised: the request is cancelled and fails with it, as in-process."""
+
+    def deliver(self, text: str, records: tuple[Any, ...]) -> None:
+        if self.error is not None:
+            return
+        try:
+            if self.on_logprob is not None:
+                for record in records:
+                    self.on_logprob(record)
+            if self.on_delta is not None and text:
+                self.on_delta(text)
+        except Exception as error:  # noqa: BLE001 - the request's error
+            self.error = error
+            assert self.handle is not None
+            self.handle.cancel()
+
+
+class _RemoteCache:
+    """The parent's view of the child runner's cache: what the server's metrics read."""
+
+    def __init__(self, process: EngineProcess) -> None:
+        self._process = process
+
+    def stats(self) -> Any:
+        """The child's ``RadixCache.stats()`` (a round trip; raises EngineDeadError once the child is gone)."""
+        return self._process.query(_cache_stats)
+
+
+class EngineProcess:
+    """A :class:`~prefixcache.engine.batching.BatchEngine` over the runner ``factory()`` builds, stepping in a child
+    process (spawned: a fresh interpreter) so that it never waits for this process's GIL (see the module docstring).
+
+    ``max_batch_tokens``, ``max_running`` and ``policy`` are the engine's.  The constructor returns once the child has
+    built its runner and started its engine (seconds: it imports torch and builds the model), or raises what the
+    factory raised (its type kept where it pickles), EngineDeadError if the child died first, TimeoutError after
+    ``start_timeout_s``.  :meth:`close` ends the child; a child that dies fails every request it held and every later
+    call with EngineDeadError.
+
+    ``tokenizer`` is a copy of the child runner's tokenizer (sent back pickled), for the server's prompt rendering,
+    tokenization and logprob strings; ``pid`` the child's process id and ``engine_thread_id`` its engine thread's
+    native id (``/proc/<pid>/task/<tid>``)."""
+
+    def __init__(
+        self,
+        factory: RunnerFactory,
+        *,
+        max_batch_tokens: int = 512,
+        max_running: int = 32,
+        policy: str = "lpm",
+        start_timeout_s: float | None = 600.0,
+    ) -> None:
+        # A fresh interpreter started by its command line, not multiprocessing's spawn: spawn runs the parent's main
+        # module again in the child, which fails for a script without a ``__main__`` guard (and for a notebook).
+        parent_end, child_end = socket.socketpair()
+        environment = dict(os.environ)
+        environment["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [environment.get("PYTHONPATH", "")])
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", _CHILD_COMMAND, str(child_end.fileno())],
+            pass_fds=(child_end.fileno(),),
+            env=environment,
+        )
+        child_end.close()
+        self._conn = Connection(parent_end.detach())
+        options = {"max_batch_tokens": max_batch_tokens, "max_running": max_running, "policy": policy}
+        try:
+            self._conn.send((factory, options))
+        except Exception:
+            self._process.kill()
+            self._process.wait()
+            self._conn.close()
+            raise
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._jobs: dict[int, _Job] = {}
+        self._ids = itertools.count(1)
+        self._dead: EngineDeadError | None = None
+        self._closed = False
+        try:
+            ready = self._first_message(start_timeout_s)
+        except BaseException:
+            self._process.kill()
+            self._process.wait()
+            self._conn.close()
+            raise
+        self.tokenizer = ready.tokenizer
+        self.note = ready.note
+        self.engine_thread_id = ready.engine_thread_id
+        self.pid: int = self._process.pid
+        self.cache = _RemoteCache(self)
+        self._receiver = threading.Thread(target=self._receive, name="prefixcache-engine-receiver", daemon=True)
+        self._receiver.start()
+
+    def _first_message(self, timeout_s: float | None) -> _Ready:
+        if not self._conn.poll(timeout_s):
+            raise TimeoutError(f"the engine process did not start within {timeout_s} s")
+        try:
+            kind, value = self._conn.recv()
+        except (EOFError, OSError):
+            code = self._process.wait(10)
+            raise EngineDeadError(f"the engine process exited while starting (exit code {code})") from None
+        if kind == "failed":
+            raise value
+        return value
+
+    # -- requests ---------------------------------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: Any, sampling: Any = None, **options: Any) -> RemoteHandle:
+        """Queue a request as :meth:`BatchEngine.submit` does, without per-token callbacks (``on_token`` and
+        ``on_logprob`` cannot cross the process boundary: use :meth:`submit_prepared` for a streamed answer).  Raises
+        what the engine's submit raises (InvalidTokensError, CapacityError, NamespaceError, InvalidArgumentError),
+        InvalidArgumentError for a callback, EngineDeadError once the child is gone.  Blocks for one round trip."""
+        if options.get("on_token") is not None or options.get("on_logprob") is not None:
+            raise InvalidArgumentError("on_token and on_logprob do not cross to an engine process: use submit_chat")
+        options.pop("on_token", None)
+        options.pop("on_logprob", None)
+        handle, _ = self._start("submit", (list(prompt_ids), sampling, options), None, None)
+        return handle
+
+    def submit_prepared(
+        self,
+        prepared: PreparedChat,
+        *,
+        namespace: str | None = None,
+        request_id: str | None = None,
+        on_delta: Callable[[str], None] | None = None,
+        on_logprob: Callable[[Any], None] | None = None,
+    ) -> tuple[RemoteHandle, Future[Any]]:
+        """:func:`~prefixcache.engine.chat.submit_chat` in the child (which calls this for an engine process): the
+        same text deltas, logprob records (each before the delta its token's text is part of) and
+        ``ChatCompletion``.  Raises as :meth:`submit`."""
+        payload = (prepared.prompt_ids, prepared.sampling, prepared.decoder.arguments, namespace, request_id)
+        payload += (on_delta is not None or on_logprob is not None, on_logprob is not None)
+        handle, _ = self._start("chat", payload, on_delta, on_logprob)
+        return handle, handle.future
+
+    def _start(self, op: str, payload: Any, on_delta: Any, on_logprob: Any) -> tuple[RemoteHandle, _Job]:
+        data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._check_open()
+            job_id = next(self._ids)
+            job = self._jobs[job_id] = _Job(RemoteHandle(self, job_id), on_delta, on_logprob)
+        self._post(op, job_id, data)
+        job.ack.result()  # the engine's own checks raise here, as in-process
+        return job.handle, job  # type: ignore[return-value]
+
+    # -- functions in the child -------------------------------------------------------------------------------------
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn(engine, *args)`` on the child's engine thread between two steps (:meth:`BatchEngine.call_soon`);
+        ``fn`` must be a module-level function (it is pickled).  A result that is a ``Future`` is waited for in the
+        child.  The future holds the result or the error.  Raises EngineDeadError once the child is gone."""
+        return self._run("call", fn, args)
+
+    def query(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0) -> Any:
+        """``fn(engine, *args)`` run at once on the child's command thread, not between steps (for reads that the
+        engine's own locks make safe: counters, cache stats), and its result.  Raises what ``fn`` raised,
+        EngineDeadError once the child is gone, TimeoutError after ``timeout_s``."""
+        return self._run("query", fn, args).result(timeout_s)
+
+    def _run(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
+        data = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
+        with self._lock:
+            self._check_open()
+            job_id = next(self._ids)
+            job = self._jobs[job_id] = _Job(None)
+        self._post(op, job_id, data)
+        return job.ack
+
+    def save_snapshot(self, directory: str | os.PathLike[str]) -> Future[Any]:
+        """:meth:`BatchEngine.save_snapshot` in the child (the copy between two steps, the files on its writer)."""
+        return self._run("query", _save_snapshot, (os.fspath(directory),))
+
+    def load_snapshot(self, directory: str | os.PathLike[str]) -> Future[Any]:
+        """:meth:`BatchEngine.load_snapshot` in the child."""
+        return self.call(_load_snapshot, os.fspath(directory))
+
+    def evict_all(self) -> Future[Any]:
+        """:meth:`BatchEngine.evict_all` in the child."""
+        return self.call(_evict_all)
+
+    num_pending = property(lambda self: self.query(_attribute, "num_pending"), doc="The child engine's num_pending.")
+    preempted_requests = property(lambda self: self.query(_attribute, "preempted_requests"), doc="Its preemptions.")
+    cancelled_requests = property(lambda self: self.query(_attribute, "cancelled_requests"), doc="Its cancellations.")
+
+    # -- life -------------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Nothing: the child's engine steps from the start (here so that a server starts either engine alike)."""
+
+    @property
+    def alive(self) -> bool:
+        """Whether the child runs and has not been closed."""
+        return self._dead is None and not self._closed and self._process.poll() is None
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """End the child: its engine closes (requests still queued are cancelled, a snapshot being written finishes)
+        and it exits; killed if it has not within ``timeout_s``.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._dead is None:
+            try:
+                self._post("close", 0, None)
+            except EngineDeadError:
+                pass
+        try:
+            self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            logger.warning("the engine process did not exit within %s s: killed", timeout_s)
+            self._process.kill()
+            self._process.wait()
+        self._receiver.join(timeout_s)
+        self._conn.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("the engine is closed")
+        if self._dead is not None:
+            raise self._dead
+
+    def _post(self, op: str, job: int, data: Any) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send((op, job, data))
+        except (OSError, ValueError) as error:  # a broken pipe, or the connection closed
+            raise self._dead or EngineDeadError(f"the engine process is gone ({error})") from None
+
+    def _receive(self) -> None:
+        """The receiver thread: every message of the child, in order, to its job."""
+        jobs = self._jobs
+        while True:
+            try:
+                kind, job_id, value = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if kind == "delta":
+                job = jobs.get(job_id)
+                if job is not None:
+                    job.deliver(*value)
+            elif kind == "ack":
+                job = jobs[job_id]
+                if value is None:
+                    job.ack.set_result(None)
+                else:
+                    with self._lock:
+                        del jobs[job_id]
+                    job.ack.set_exception(value)
+            elif kind == "end":
+                with self._lock:
+                    job = jobs.pop(job_id)
+                if job.error is not None:
+                    value = ("error", job.error)
+                _settle(job.handle.future if job.handle is not None else job.ack, *value)
+            elif kind == "closed":
+                break
+        try:
+            code: int | None = self._process.wait(10)
+        except subprocess.TimeoutExpired:
+            code = None
+        dead = EngineDeadError(
+            "the engine process was closed" if self._closed else f"the engine process exited (exit code {code})"
+        )
+        with self._lock:
+            self._dead = dead
+            pending, self._jobs = list(self._jobs.values()), {}
+        if not self._closed:
+            logger.error("%s; %d request(s) in flight failed", dead, len(pending))
+        for job in pending:
+            for future in (job.ack, job.handle.future if job.handle is not None else None):
+                if future is not None and not future.done():
+                    future.set_exception(CancelledError() if self._closed else dead)
+
+    def __repr__(self) -> str:
+        return f"EngineProcess(pid={self.pid}, alive={self.alive})"
+
+
+def _settle(future: Future[Any], kind: str, value: Any) -> None:
+    if kind == "done":
+        future.set_result(value)
+    elif kind == "cancelled":
+        future.set_exception(CancelledError())
+    else:
+        future.set_exception(value)
+
+
+# -- the child ---------------------------------------------------------------------------------------------------------
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling as itself, else an EngineDeadError-free stand-in of the same message (a
+    ``RuntimeError``), so that the parent always gets an exception."""
+    try:
+        copy = pickle.loads(pickle.dumps(error))
+        if type(copy) is type(error) and str(copy) == str(error):
+            return error
+    except Exception:  # noqa: BLE001 - any failure to pickle means: send a stand-in
+        pass
+    return RuntimeError(f"{type(error).__name__}: {error}")
+
+
+def _portable_value(value: Any) -> Any:
+    # A result's insert record points into the child's tree: not the parent's business, and heavy to pickle.
+    return replace(value, insert=None) if isinstance(value, GenerationResult) and value.insert is not None else value
+
+
+class _ChildLink:
+    """The child's end of the pipe, sent to from the command thread and the engine thread."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def send(self, kind: str, job: int, value: Any) -> None:
+        try:
+            with self.lock:
+                self.conn.send((kind, job, value))
+        except (OSError, ValueError):
+            pass  # the parent is gone; the command loop sees EOF and ends the child
+        except Exception as error:  # noqa: BLE001 - a value that does not pickle: the job fails, not the child
+            with self.lock:
+                self.conn.send(("end", job, ("error", RuntimeError(f"the engine's answer did not pickle: {error}"))))
+
+    def end(self, job: int, future: Future[Any]) -> None:
+        if future.cancelled():
+            self.send("end", job, ("cancelled", None))
+            return
+        error = future.exception()
+        if isinstance(error, CancelledError):
+            self.send("end", job, ("cancelled", None))
+        elif error is not None:
+            self.send("end", job, ("error", _portable(error)))
+        else:
+            self.send("end", job, ("done", _portable_value(future.result())))
+
+
+_CHILD_COMMAND = "import sys; from prefixcache.engine.process import _child_main; _child_main(int(sys.argv[1]))"
+
+
+def _child_main(fd: int) -> None:
+    """The engine process (``python -c _CHILD_COMMAND fd``): read the factory and the engine's options, build the
+    runner and its engine, then serve the parent's commands until ``close`` or the parent's end closes."""
+    conn = Connection(fd)
+    try:
+        factory, options = conn.recv()
+    except BaseException as error:  # noqa: BLE001 - a factory that does not unpickle here
+        conn.send(("failed", _portable(error)))
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent ends us
+    link = _ChildLink(conn)
+    try:
+        built = factory()
+        runner, note = built if isinstance(built, tuple) else (built, "")
+        register_tokenizer(runner.tokenizer)
+        engine = BatchEngine(runner, **options)
+        engine.start()
+        thread_id = engine.call_soon(threading.get_native_id).result()
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("failed", _portable(error)))
+        conn.close()
+        return
+    conn.send(("ready", _Ready(runner.tokenizer, note, thread_id)))
+    handles: dict[int, Any] = {}
+    try:
+        _serve(conn, link, engine, runner, handles)
+    finally:
+        engine.close()
+        try:
+            link.send("closed", 0, None)
+        finally:
+            conn.close()
+
+
+def _serve(conn: Any, link: _ChildLink, engine: BatchEngine, runner: Any, handles: dict[int, Any]) -> None:
+    while True:
+        try:
+            op, job, data = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone
+        if op == "close":
+            return
+        if op == "cancel":
+            handle = handles.get(job)
+            if handle is not None:
+                handle.cancel()
+            continue
+        try:
+            payload = pickle.loads(data)
+            if op in ("chat", "submit"):
+                handle, future = _submit(op, engine, runner, link, job, payload)
+            else:
+                fn, args = payload
+                future = _function(op, engine, fn, args)
+        except BaseException as error:  # noqa: BLE001 - this request's error, answered to its caller
+            link.send("ack", job, _portable(error))
+            continue
+        if op in ("chat", "submit"):
+            handles[job] = handle
+            link.send("ack", job, None)
+            future.add_done_callback(functools.partial(_ended, link, handles, job))
+        else:
+            future.add_done_callback(functools.partial(link.end, job))
+
+
+def _ended(link: _ChildLink, handles: dict[int, Any], job: int, future: Future[Any]) -> None:
+    handles.pop(job, None)
+    link.end(job, future)
+
+
+def _submit(op: str, engine: BatchEngine, runner: Any, link: _ChildLink, job: int, payload: Any) -> tuple[Any, Any]:
+    if op == "submit":
+        prompt_ids, sampling, options = payload
+        handle = engine.submit(prompt_ids, sampling, **options)
+        return handle, handle.future
+    prompt_ids, sampling, arguments, namespace, request_id, wants_deltas, wants_logprobs = payload
+    prepared = PreparedChat(prompt_ids, sampling, ChatDecoder.from_arguments(runner.tokenizer, sampling, arguments))
+    pending: list[Any] = []
+    send = link.send
+
+    def on_delta(text: str) -> None:  # on the engine thread: one pickle and one write per delta
+        records = tuple(pending)
+        pending.clear()
+        send("delta", job, (text, records))
+
+    return submit_chat(
+        engine,
+        prepared,
+        namespace=namespace,
+        request_id=request_id,
+        on_delta=on_delta if wants_deltas else None,
+        on_logprob=pending.append if wants_logprobs else None,
+    )
+
+
+def _function(op: str, engine: BatchEngine, fn: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
+    """``fn(engine, *args)``: at once on this thread (``query``) or on the engine thread between steps (``call``); a
+    result that is itself a future (a snapshot save's) is waited for."""
+    outer: Future[Any] = Future()
+
+    def chained(inner: Future[Any]) -> None:
+        error = inner.exception()
+        if error is not None:
+            outer.set_exception(error)
+            return
+        value = inner.result()
+        if isinstance(value, Future):
+            value.add_done_callback(chained)
+        else:
+            outer.set_result(value)
+
+    if op == "query":
+        inner: Future[Any] = Future()
+        try:
+            inner.set_result(fn(engine, *args))
+        except BaseException as error:  # noqa: BLE001 - its caller's error
+            inner.set_exception(error)
+    else:
+        inner = engine.call_soon(functools.partial(fn, engine, *args))
+    inner.add_done_callback(chained)
+    return outer
+
+
+def _attribute(engine: BatchEngine, name: str) -> Any:
+    return getattr(engine, name)
+
+
+def _cache_stats(engine: BatchEngine) -> Any:
+    return engine.runner.cache.stats()
+
+
+def _save_snapshot(engine: BatchEngine, directory: str) -> Any:
+    return engine.save_snapshot(directory)
+
+
+def _load_snapshot(engine: BatchEngine, directory: str) -> Any:
+    return engine.runner.load_snapshot(directory)
+
+
+def _evict_all(engine: BatchEngine) -> None:
+    engine.runner.cache.evict_all()
