@@ -74,11 +74,10 @@ class RemoteHandle:
     ``concurrent.futures.CancelledError`` once ``cancel()`` took effect), ``cancel()`` drops it (its blocks are freed
     at the engine's next step; harmless once it has finished)."""
 
-    __slots__ = ("_job", "_process", "cancelled", "future")
+    __slots__ = ("_ask_cancel", "cancelled", "future")
 
-    def __init__(self, process: EngineProcess, job: int) -> None:
-        self._process = process
-        self._job = job
+    def __init__(self, ask_cancel: Callable[[], None]) -> None:
+        self._ask_cancel = ask_cancel
         self.future: Future[Any] = Future()
         self.cancelled = False
 
@@ -86,7 +85,7 @@ class RemoteHandle:
         self.cancelled = True
         if not self.future.done():
             try:
-                self._process._post("cancel", self._job, None)
+                self._ask_cancel()
             except EngineDeadError:
                 pass  # its future fails on its own
 
@@ -244,7 +243,8 @@ class EngineProcess:
         with self._lock:
             self._check_open()
             job_id = next(self._ids)
-            job = self._jobs[job_id] = _Job(RemoteHandle(self, job_id), on_delta, on_logprob)
+            handle = RemoteHandle(functools.partial(self._post, "cancel", job_id, None))
+            job = self._jobs[job_id] = _Job(handle, on_delta, on_logprob)
         self._post(op, job_id, data)
         job.ack.result()  # the engine's own checks raise here, as in-process
         return job.handle, job  # type: ignore[return-value]
