@@ -40,6 +40,7 @@ __all__ = [
     "fail_on_call",
     "greedy_reference",
     "snapshot",
+    "tiny_runner",
 ]
 
 # Written over K/V slots by a failing FaultyModel: finite (so attention over it gives wrong numbers, not NaN
@@ -241,6 +242,19 @@ def greedy_reference(model: CausalLM, prompt: Sequence[int], max_new_tokens: int
             break
         logits = model.forward_reference(torch.tensor(ids + generated, dtype=torch.long)).float().cpu()
     return generated, prompt_logits
+
+
+def tiny_runner(cache_tokens: int = 4096, block_size: int = 16, torch_threads: int | None = 1) -> Any:
+    """A :class:`~prefixcache.engine.runner.PrefixCachingRunner` over the embedded ``tiny`` model on the CPU with a
+    pool of ``cache_tokens``: module-level, so that an engine process (:class:`~prefixcache.engine.process.EngineProcess`,
+    ``functools.partial(tiny_runner, ...)``) builds the same runner a test builds in-process.  ``torch_threads``
+    (default 1, as the tests' own process) is set first: a second intra-op thread on a small machine only spin-waits."""
+    from prefixcache.engine.runner import PrefixCachingRunner
+    from prefixcache.models.llama import build_model
+
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+    return PrefixCachingRunner(build_model("tiny", device="cpu"), cache_tokens=cache_tokens, block_size=block_size)
 
 
 class ShiftedLogits:

@@ -337,7 +337,9 @@ def register_tokenizer(tokenizer: Any) -> None:
 def _registered_grammar(source: str, kind: str, tokenizer_name: str) -> Grammar:
     tokenizer = _REGISTERED.get(tokenizer_name)
     if tokenizer is None:
-        raise InvalidArgumentError(f"a grammar for tokenizer {tokenizer_name!r} reached a process that does not have it")
+        raise InvalidArgumentError(
+            f"a grammar for tokenizer {tokenizer_name!r} reached a process without that tokenizer"
+        )
     grammar = Grammar.__new__(Grammar)
     grammar.vocab = llguidance_tokenizer(tokenizer)
     grammar.source = source  # validated where it was made

@@ -32,12 +32,12 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import socket
-import subprocess
-import sys
 import os
 import pickle
 import signal
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future

@@ -41,9 +41,9 @@ from collections.abc import Callable
 from typing import Any
 
 from prefixcache.engine.chat import prepare_completion, submit_chat
+from prefixcache.engine.process import EngineProcess
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.errors import InvalidArgumentError
-from prefixcache.engine.process import EngineProcess
 from prefixcache.models.base import ModelConfig
 from prefixcache.models.llama import LlamaModel, build_model
 from prefixcache.serve import bench_client

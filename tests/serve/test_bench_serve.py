@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from prefixcache.errors import InvalidArgumentError
 from prefixcache.serve import bench
 
 
@@ -41,13 +42,15 @@ def test_the_serial_replay_reuses_everything_but_each_prompt_s_new_part() -> Non
     assert figures["serial_hit_tokens"] >= 2 * len(system["content"])
 
 
-def test_the_decode_pairs_time_every_token_both_ways() -> None:
+@pytest.mark.parametrize("engine_process", [False, True], ids=["engine thread", "engine process"])
+def test_the_decode_pairs_time_every_token_both_ways(engine_process: bool) -> None:
     from prefixcache.models.llama import build_model
     from prefixcache.serve.bench_decode import decode_figures
 
     # 32 tokens: four HTTP requests reach the engine some steps apart, and only the steps they share are timed.
-    figures = decode_figures(model=build_model("tiny", device="cpu"), runs=2, new_tokens=32)
-    assert figures["runs"] == 2 and figures["new_tokens"] == 32
+    model = "tiny" if engine_process else build_model("tiny", device="cpu")  # an engine process builds its own
+    figures = decode_figures(model=model, runs=2, new_tokens=32, engine_process=engine_process)
+    assert figures["runs"] == 2 and figures["new_tokens"] == 32 and figures["engine_process"] is engine_process
     keys = ("single", "concurrent")
     for key in keys:
         assert figures[f"{key}_in_process_ms"] > 0 and figures[f"{key}_served_ms"] > 0, key
@@ -59,12 +62,15 @@ def test_the_decode_pairs_time_every_token_both_ways() -> None:
         # Linux: the served runs' uvicorn thread and the client process did work at every token.
         assert 0 < figures[f"{key}_loop_cpu_ms"] < figures[f"{key}_served_ms"], key
         assert 0 < figures[f"{key}_client_cpu_ms"] < figures[f"{key}_served_ms"], key
+        # The engine thread's CPU is read in whichever process it runs, both ways.
+        assert 0 < figures[f"{key}_engine_cpu_in_process_ms"] and 0 < figures[f"{key}_engine_cpu_served_ms"], key
     assert figures["bare_interval_ms"] == figures["single_in_process_ms"]
     assert figures["bare_loop_cpu_ms"] > 0 and figures["bare_client_cpu_ms"] > 0
     table = bench._decode_table(figures, "tiny preset")
     assert "(tiny preset, 32 new tokens" in table.title
     floor = figures["bare_loop_cpu_ms"] + figures["bare_client_cpu_ms"]
     assert f"{floor:.3f} ms in all: {floor / figures['bare_interval_ms']:.1%}" in table.notes[-1]
+    assert ("only competes with the engine for a core" in table.notes[-1]) is engine_process
     assert [row[0] for row in table.rows] == [1, figures["concurrent"]]
     goal = next(i for i, column in enumerate(table.headers) if column.startswith("goal"))
     assert [row[goal] for row in table.rows] == ["met" if figures[f"{k}_ratio"] < 1.03 else "not met" for k in keys]
@@ -119,7 +125,15 @@ def test_a_clone_without_the_shared_data_says_which_tables_it_skipped(monkeypatc
     tables = bench.run().tables
     notes = [note for table in tables for note in table.notes]
     assert f"skipped {bench.TAU_BENCH.name}: not found in {bench.DATA_DIR}" in notes
-    assert any(note.startswith("skipped the 24-layer table: config.json not found in ") for note in notes)
-    assert [len(table.rows) for table in tables] == [1, 0, 2, 0]
+    assert any(note.startswith("skipped the 24-layer tables: config.json not found in ") for note in notes)
+    assert [len(table.rows) for table in tables] == [1, 0, 2, 2, 0]
     # A quick run never has the 24-layer table, so it says nothing of it.
     assert not any("24-layer" in note for table in bench.run(quick=True).tables for note in table.notes)
+
+
+def test_an_engine_process_decode_table_refuses_a_model_object_before_starting_anything() -> None:
+    from prefixcache.models.llama import build_model
+    from prefixcache.serve.bench_decode import decode_figures
+
+    with pytest.raises(InvalidArgumentError, match="an engine process builds its model"):
+        decode_figures(model=build_model("tiny", device="cpu"), runs=2, new_tokens=2, engine_process=True)
