@@ -168,7 +168,7 @@ class EngineProcess:
         self._conn = Connection(parent_end.detach())
         options = {"max_batch_tokens": max_batch_tokens, "max_running": max_running, "policy": policy}
         try:
-            self._conn.send((factory, options))
+            _send(self._conn, (factory, options))
         except Exception:
             self._process.kill()
             self._process.wait()
@@ -199,7 +199,7 @@ class EngineProcess:
         if not self._conn.poll(timeout_s):
             raise TimeoutError(f"the engine process did not start within {timeout_s} s")
         try:
-            kind, value = self._conn.recv()
+            kind, value = _receive(self._conn)
         except (EOFError, OSError):
             code = self._process.wait(10)
             raise EngineDeadError(f"the engine process exited while starting (exit code {code})") from None
@@ -328,7 +328,7 @@ class EngineProcess:
     def _post(self, op: str, job: int, data: Any) -> None:
         try:
             with self._send_lock:
-                self._conn.send((op, job, data))
+                _send(self._conn, (op, job, data))
         except (OSError, ValueError) as error:  # a broken pipe, or the connection closed
             raise self._dead or EngineDeadError(f"the engine process is gone ({error})") from None
 
@@ -337,7 +337,7 @@ class EngineProcess:
         jobs = self._jobs
         while True:
             try:
-                kind, job_id, value = self._conn.recv()
+                kind, job_id, value = _receive(self._conn)
             except (EOFError, OSError):
                 break
             if kind == "delta":
@@ -373,12 +373,23 @@ class EngineProcess:
         if not self._closed:
             logger.error("%s; %d request(s) in flight failed", dead, len(pending))
         for job in pending:
-            for future in (job.ack, job.handle.future if job.handle is not None else None):
-                if future is not None and not future.done():
-                    future.set_exception(CancelledError() if self._closed else dead)
+            if not job.ack.done():  # a submit or call the child never answered: refused as after close
+                job.ack.set_exception(InvalidArgumentError("the engine is closed") if self._closed else dead)
+            if job.handle is not None and not job.handle.future.done():
+                job.handle.future.set_exception(CancelledError() if self._closed else dead)
 
     def __repr__(self) -> str:
         return f"EngineProcess(pid={self.pid}, alive={self.alive})"
+
+
+def _send(conn: Connection, message: Any) -> None:
+    # Plain pickle, not the Connection's own (multiprocessing's ForkingPickler), on which torch registers reducers
+    # that move tensors through shared memory: a result's prompt logits are copied as bytes instead.
+    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _receive(conn: Connection) -> Any:
+    return pickle.loads(conn.recv_bytes())
 
 
 def _settle(future: Future[Any], kind: str, value: Any) -> None:
@@ -419,13 +430,15 @@ class _ChildLink:
 
     def send(self, kind: str, job: int, value: Any) -> None:
         try:
+            data = pickle.dumps((kind, job, value), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as error:  # noqa: BLE001 - a value that does not pickle: the job fails, not the child
+            failure = RuntimeError(f"the engine's answer did not pickle: {type(error).__name__}: {error}")
+            data = pickle.dumps(("end", job, ("error", failure)), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
             with self.lock:
-                self.conn.send((kind, job, value))
+                self.conn.send_bytes(data)
         except (OSError, ValueError):
             pass  # the parent is gone; the command loop sees EOF and ends the child
-        except Exception as error:  # noqa: BLE001 - a value that does not pickle: the job fails, not the child
-            with self.lock:
-                self.conn.send(("end", job, ("error", RuntimeError(f"the engine's answer did not pickle: {error}"))))
 
     def end(self, job: int, future: Future[Any]) -> None:
         if future.cancelled():
@@ -448,9 +461,10 @@ def _child_main(fd: int) -> None:
     runner and its engine, then serve the parent's commands until ``close`` or the parent's end closes."""
     conn = Connection(fd)
     try:
-        factory, options = conn.recv()
+        factory, options = _receive(conn)
     except BaseException as error:  # noqa: BLE001 - a factory that does not unpickle here
-        conn.send(("failed", _portable(error)))
+        hint = "the runner factory must be a module-level function of a module the engine process can import"
+        _send(conn, ("failed", InvalidArgumentError(f"{hint} (not __main__'s): {type(error).__name__}: {error}")))
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent ends us
     link = _ChildLink(conn)
@@ -462,10 +476,10 @@ def _child_main(fd: int) -> None:
         engine.start()
         thread_id = engine.call_soon(threading.get_native_id).result()
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
-        conn.send(("failed", _portable(error)))
+        _send(conn, ("failed", _portable(error)))
         conn.close()
         return
-    conn.send(("ready", _Ready(runner.tokenizer, note, thread_id)))
+    _send(conn, ("ready", _Ready(runner.tokenizer, note, thread_id)))
     handles: dict[int, Any] = {}
     try:
         _serve(conn, link, engine, runner, handles)
@@ -480,7 +494,7 @@ def _child_main(fd: int) -> None:
 def _serve(conn: Any, link: _ChildLink, engine: BatchEngine, runner: Any, handles: dict[int, Any]) -> None:
     while True:
         try:
-            op, job, data = conn.recv()
+            op, job, data = _receive(conn)
         except (EOFError, OSError):
             return  # the parent is gone
         if op == "close":
@@ -528,7 +542,7 @@ def _submit(op: str, engine: BatchEngine, runner: Any, link: _ChildLink, job: in
         pending.clear()
         send("delta", job, (text, records))
 
-    return submit_chat(
+    handle, completed = submit_chat(
         engine,
         prepared,
         namespace=namespace,
@@ -536,6 +550,13 @@ def _submit(op: str, engine: BatchEngine, runner: Any, link: _ChildLink, job: in
         on_delta=on_delta if wants_deltas else None,
         on_logprob=pending.append if wants_logprobs else None,
     )
+
+    def flush(_: Future[Any]) -> None:  # the entries after the last delta (a stop string's tokens), before the end
+        if pending:
+            on_delta("")
+
+    completed.add_done_callback(flush)  # before _serve's own callback, which sends the end
+    return handle, completed
 
 
 def _function(op: str, engine: BatchEngine, fn: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
