@@ -6,10 +6,10 @@ Why: in one process, the server's event loop and the engine's thread share one G
 loop about 0.1 ms of Python with the GIL held (uvloop's wake-up, the ASGI send chain, the socket write), and the
 engine's thread waits for it between its many small tensor operations: a few percent of a small model's token time
 (issue 30; ``prefixcache bench serve`` measures it).  In its own process the engine has a GIL of its own; per token it
-only pickles the text delta and writes it to a pipe (a syscall that gives up its GIL).  vLLM's V1 splits its API
+only pickles the text delta and writes it to a socket (a syscall that gives up its GIL).  vLLM's V1 splits its API
 server and its ``EngineCore`` the same way.
 
-What crosses the pipe: the parent sends each request as its prompt ids, its :class:`SamplingParams` (a grammar
+What crosses the socket (the child's side is :mod:`prefixcache.engine.process_main`): the parent sends each request as its prompt ids, its :class:`SamplingParams` (a grammar
 travels as its source and is rebuilt in the child over the child's own tokenizer, see
 :func:`~prefixcache.engine.grammar.register_tokenizer`) and its decoder's arguments; the child runs it exactly as
 in-process (``submit_chat``: the stop strings and the detokenizer on the engine thread, so a stop string ends the
@@ -34,21 +34,18 @@ import itertools
 import logging
 import os
 import pickle
-import signal
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
 from prefixcache.engine.batching import BatchEngine
-from prefixcache.engine.chat import ChatDecoder, PreparedChat, submit_chat
-from prefixcache.engine.grammar import register_tokenizer
-from prefixcache.engine.results import GenerationResult
+from prefixcache.engine.chat import PreparedChat
+from prefixcache.engine.process_main import CHILD_COMMAND, Ready, receive_message, send_message
 from prefixcache.errors import EngineDeadError, InvalidArgumentError
 
 __all__ = ["EngineProcess", "RemoteHandle"]
@@ -59,13 +56,6 @@ RunnerFactory = Callable[[], Any]
 """Builds the runner in the child: a module-level function (or ``functools.partial`` of one), since it is pickled.
 Returns the :class:`~prefixcache.engine.runner.PrefixCachingRunner`, or ``(runner, note)`` with a line of text the
 parent gets back as :attr:`EngineProcess.note` (the server's start line says how large the pool is)."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Ready:
-    tokenizer: Any
-    note: str
-    engine_thread_id: int
 
 
 class RemoteHandle:
@@ -133,7 +123,7 @@ class _RemoteCache:
 
 class EngineProcess:
     """A :class:`~prefixcache.engine.batching.BatchEngine` over the runner ``factory()`` builds, stepping in a child
-    process (spawned: a fresh interpreter) so that it never waits for this process's GIL (see the module docstring).
+    process (a fresh interpreter, ``python -c``) so that it never waits for this process's GIL (see the module docstring).
 
     ``max_batch_tokens``, ``max_running`` and ``policy`` are the engine's.  The constructor returns once the child has
     built its runner and started its engine (seconds: it imports torch and builds the model), or raises what the
@@ -160,7 +150,7 @@ class EngineProcess:
         environment = dict(os.environ)
         environment["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [environment.get("PYTHONPATH", "")])
         self._process = subprocess.Popen(
-            [sys.executable, "-c", _CHILD_COMMAND, str(child_end.fileno())],
+            [sys.executable, "-c", CHILD_COMMAND, str(child_end.fileno())],
             pass_fds=(child_end.fileno(),),
             env=environment,
         )
@@ -168,7 +158,7 @@ class EngineProcess:
         self._conn = Connection(parent_end.detach())
         options = {"max_batch_tokens": max_batch_tokens, "max_running": max_running, "policy": policy}
         try:
-            _send(self._conn, (factory, options))
+            send_message(self._conn, (factory, options))
         except Exception:
             self._process.kill()
             self._process.wait()
@@ -195,11 +185,11 @@ class EngineProcess:
         self._receiver = threading.Thread(target=self._receive, name="prefixcache-engine-receiver", daemon=True)
         self._receiver.start()
 
-    def _first_message(self, timeout_s: float | None) -> _Ready:
+    def _first_message(self, timeout_s: float | None) -> Ready:
         if not self._conn.poll(timeout_s):
             raise TimeoutError(f"the engine process did not start within {timeout_s} s")
         try:
-            kind, value = _receive(self._conn)
+            kind, value = receive_message(self._conn)
         except (EOFError, OSError):
             code = self._process.wait(10)
             raise EngineDeadError(f"the engine process exited while starting (exit code {code})") from None
@@ -218,7 +208,10 @@ class EngineProcess:
             raise InvalidArgumentError("on_token and on_logprob do not cross to an engine process: use submit_chat")
         options.pop("on_token", None)
         options.pop("on_logprob", None)
-        handle, _ = self._start("submit", (list(prompt_ids), sampling, options), None, None)
+        # As given, so that the child's checks see what BatchEngine.submit would (a bad type or shape is its
+        # InvalidTokensError, not a TypeError here); only an iterator, which does not pickle, is read into a list.
+        prompt = list(prompt_ids) if isinstance(prompt_ids, Iterator) else prompt_ids
+        handle, _ = self._start("submit", (prompt, sampling, options), None, None)
         return handle
 
     def submit_prepared(
@@ -328,7 +321,7 @@ class EngineProcess:
     def _post(self, op: str, job: int, data: Any) -> None:
         try:
             with self._send_lock:
-                _send(self._conn, (op, job, data))
+                send_message(self._conn, (op, job, data))
         except (OSError, ValueError) as error:  # a broken pipe, or the connection closed
             raise self._dead or EngineDeadError(f"the engine process is gone ({error})") from None
 
@@ -337,7 +330,7 @@ class EngineProcess:
         jobs = self._jobs
         while True:
             try:
-                kind, job_id, value = _receive(self._conn)
+                kind, job_id, value = receive_message(self._conn)
             except (EOFError, OSError):
                 break
             if kind == "delta":
@@ -382,16 +375,6 @@ class EngineProcess:
         return f"EngineProcess(pid={self.pid}, alive={self.alive})"
 
 
-def _send(conn: Connection, message: Any) -> None:
-    # Plain pickle, not the Connection's own (multiprocessing's ForkingPickler), on which torch registers reducers
-    # that move tensors through shared memory: a result's prompt logits are copied as bytes instead.
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _receive(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
-
-
 def _settle(future: Future[Any], kind: str, value: Any) -> None:
     if kind == "done":
         future.set_result(value)
@@ -399,192 +382,6 @@ def _settle(future: Future[Any], kind: str, value: Any) -> None:
         future.set_exception(CancelledError())
     else:
         future.set_exception(value)
-
-
-# -- the child ---------------------------------------------------------------------------------------------------------
-
-
-def _portable(error: BaseException) -> BaseException:
-    """``error`` if it survives pickling as itself, else an EngineDeadError-free stand-in of the same message (a
-    ``RuntimeError``), so that the parent always gets an exception."""
-    try:
-        copy = pickle.loads(pickle.dumps(error))
-        if type(copy) is type(error) and str(copy) == str(error):
-            return error
-    except Exception:  # noqa: BLE001 - any failure to pickle means: send a stand-in
-        pass
-    return RuntimeError(f"{type(error).__name__}: {error}")
-
-
-def _portable_value(value: Any) -> Any:
-    # A result's insert record points into the child's tree: not the parent's business, and heavy to pickle.
-    return replace(value, insert=None) if isinstance(value, GenerationResult) and value.insert is not None else value
-
-
-class _ChildLink:
-    """The child's end of the pipe, sent to from the command thread and the engine thread."""
-
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self.lock = threading.Lock()
-
-    def send(self, kind: str, job: int, value: Any) -> None:
-        try:
-            data = pickle.dumps((kind, job, value), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as error:  # noqa: BLE001 - a value that does not pickle: the job fails, not the child
-            failure = RuntimeError(f"the engine's answer did not pickle: {type(error).__name__}: {error}")
-            data = pickle.dumps(("end", job, ("error", failure)), protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            with self.lock:
-                self.conn.send_bytes(data)
-        except (OSError, ValueError):
-            pass  # the parent is gone; the command loop sees EOF and ends the child
-
-    def end(self, job: int, future: Future[Any]) -> None:
-        if future.cancelled():
-            self.send("end", job, ("cancelled", None))
-            return
-        error = future.exception()
-        if isinstance(error, CancelledError):
-            self.send("end", job, ("cancelled", None))
-        elif error is not None:
-            self.send("end", job, ("error", _portable(error)))
-        else:
-            self.send("end", job, ("done", _portable_value(future.result())))
-
-
-_CHILD_COMMAND = "import sys; from prefixcache.engine.process import _child_main; _child_main(int(sys.argv[1]))"
-
-
-def _child_main(fd: int) -> None:
-    """The engine process (``python -c _CHILD_COMMAND fd``): read the factory and the engine's options, build the
-    runner and its engine, then serve the parent's commands until ``close`` or the parent's end closes."""
-    conn = Connection(fd)
-    try:
-        factory, options = _receive(conn)
-    except BaseException as error:  # noqa: BLE001 - a factory that does not unpickle here
-        hint = "the runner factory must be a module-level function of a module the engine process can import"
-        _send(conn, ("failed", InvalidArgumentError(f"{hint} (not __main__'s): {type(error).__name__}: {error}")))
-        return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent ends us
-    link = _ChildLink(conn)
-    try:
-        built = factory()
-        runner, note = built if isinstance(built, tuple) else (built, "")
-        register_tokenizer(runner.tokenizer)
-        engine = BatchEngine(runner, **options)
-        engine.start()
-        thread_id = engine.call_soon(threading.get_native_id).result()
-    except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
-        _send(conn, ("failed", _portable(error)))
-        conn.close()
-        return
-    _send(conn, ("ready", _Ready(runner.tokenizer, note, thread_id)))
-    handles: dict[int, Any] = {}
-    try:
-        _serve(conn, link, engine, runner, handles)
-    finally:
-        engine.close()
-        try:
-            link.send("closed", 0, None)
-        finally:
-            conn.close()
-
-
-def _serve(conn: Any, link: _ChildLink, engine: BatchEngine, runner: Any, handles: dict[int, Any]) -> None:
-    while True:
-        try:
-            op, job, data = _receive(conn)
-        except (EOFError, OSError):
-            return  # the parent is gone
-        if op == "close":
-            return
-        if op == "cancel":
-            handle = handles.get(job)
-            if handle is not None:
-                handle.cancel()
-            continue
-        try:
-            payload = pickle.loads(data)
-            if op in ("chat", "submit"):
-                handle, future = _submit(op, engine, runner, link, job, payload)
-            else:
-                fn, args = payload
-                future = _function(op, engine, fn, args)
-        except BaseException as error:  # noqa: BLE001 - this request's error, answered to its caller
-            link.send("ack", job, _portable(error))
-            continue
-        if op in ("chat", "submit"):
-            handles[job] = handle
-            link.send("ack", job, None)
-            future.add_done_callback(functools.partial(_ended, link, handles, job))
-        else:
-            future.add_done_callback(functools.partial(link.end, job))
-
-
-def _ended(link: _ChildLink, handles: dict[int, Any], job: int, future: Future[Any]) -> None:
-    handles.pop(job, None)
-    link.end(job, future)
-
-
-def _submit(op: str, engine: BatchEngine, runner: Any, link: _ChildLink, job: int, payload: Any) -> tuple[Any, Any]:
-    if op == "submit":
-        prompt_ids, sampling, options = payload
-        handle = engine.submit(prompt_ids, sampling, **options)
-        return handle, handle.future
-    prompt_ids, sampling, arguments, namespace, request_id, wants_deltas, wants_logprobs = payload
-    prepared = PreparedChat(prompt_ids, sampling, ChatDecoder.from_arguments(runner.tokenizer, sampling, arguments))
-    pending: list[Any] = []
-    send = link.send
-
-    def on_delta(text: str) -> None:  # on the engine thread: one pickle and one write per delta
-        records = tuple(pending)
-        pending.clear()
-        send("delta", job, (text, records))
-
-    handle, completed = submit_chat(
-        engine,
-        prepared,
-        namespace=namespace,
-        request_id=request_id,
-        on_delta=on_delta if wants_deltas else None,
-        on_logprob=pending.append if wants_logprobs else None,
-    )
-
-    def flush(_: Future[Any]) -> None:  # the entries after the last delta (a stop string's tokens), before the end
-        if pending:
-            on_delta("")
-
-    completed.add_done_callback(flush)  # before _serve's own callback, which sends the end
-    return handle, completed
-
-
-def _function(op: str, engine: BatchEngine, fn: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
-    """``fn(engine, *args)``: at once on this thread (``query``) or on the engine thread between steps (``call``); a
-    result that is itself a future (a snapshot save's) is waited for."""
-    outer: Future[Any] = Future()
-
-    def chained(inner: Future[Any]) -> None:
-        error = inner.exception()
-        if error is not None:
-            outer.set_exception(error)
-            return
-        value = inner.result()
-        if isinstance(value, Future):
-            value.add_done_callback(chained)
-        else:
-            outer.set_result(value)
-
-    if op == "query":
-        inner: Future[Any] = Future()
-        try:
-            inner.set_result(fn(engine, *args))
-        except BaseException as error:  # noqa: BLE001 - its caller's error
-            inner.set_exception(error)
-    else:
-        inner = engine.call_soon(functools.partial(fn, engine, *args))
-    inner.add_done_callback(chained)
-    return outer
 
 
 def _attribute(engine: BatchEngine, name: str) -> Any:
