@@ -66,9 +66,10 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     serve.add_argument(
         "--engine-process",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="run the engine in a process of its own, so that HTTP and streaming never hold its GIL (as vLLM's "
-        "engine core; a few seconds more to start, and a second copy of the tokenizer)",
+        default=True,
+        help="run the engine in a process of its own (the default), so that HTTP and streaming never hold its GIL, "
+        "as vLLM's engine core; --no-engine-process: on a thread of the server's process (a second less to start, "
+        "one copy of the tokenizer and of torch's memory)",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this host only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")

@@ -61,16 +61,16 @@ def test_serve_without_a_size_announces_the_pool_it_sized(monkeypatch, capsys) -
 
     monkeypatch.setattr(prefixcache.serve, "serve_forever", serve_forever)
     monkeypatch.setattr(pool_size, "available_memory", lambda device: 1 << 40)
-    assert main(["serve", "--max-running", "2"]) == 0
+    assert main(["serve", "--no-engine-process", "--max-running", "2"]) == 0
     assert seen["tokens"] == 2 * build_model("tiny").max_position
     out = capsys.readouterr().out
     assert f"{seen['tokens']:,} tokens of KV" in out and "2 sessions of" in out
     assert "2 x the model's context" in out
 
     monkeypatch.setattr(pool_size, "available_memory", lambda device: 64 * _per_token(build_model("tiny")) * 4)
-    assert main(["serve", "--memory-fraction", "0.5"]) == 0
+    assert main(["serve", "--no-engine-process", "--memory-fraction", "0.5"]) == 0
     assert seen["tokens"] == 128 and "0.5 of the free memory" in capsys.readouterr().out
-    assert main(["serve", "--memory-fraction", "2"]) == 2
+    assert main(["serve", "--no-engine-process", "--memory-fraction", "2"]) == 2
 
 
 def test_a_default_pool_under_two_blocks_is_refused_naming_its_size(tiny) -> None:
@@ -112,14 +112,14 @@ def test_serve_refuses_a_default_pool_under_two_blocks_and_warns_of_a_short_one(
     monkeypatch.setattr(prefixcache.serve, "serve_forever", serve_forever)
     per_token = _per_token(build_model("tiny"))
     monkeypatch.setattr(pool_size, "available_memory", lambda device: 31 * per_token * 4)  # a quarter: 1 block
-    assert main(["serve"]) == 2
+    assert main(["serve", "--no-engine-process"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: the default pool would be 1 block of 16 tokens")
     assert served == []
 
     monkeypatch.setattr(pool_size, "available_memory", lambda device: 64 * per_token * 4)
     with caplog.at_level("WARNING", logger="prefixcache.cli.serve"):
-        assert main(["serve"]) == 0
+        assert main(["serve", "--no-engine-process"]) == 0
     assert served == [64]
     warnings = [r.getMessage() for r in caplog.records if r.name == "prefixcache.cli.serve"]
     assert len(warnings) == 1 and "cannot hold one request of the model's full context" in warnings[0]

@@ -38,7 +38,7 @@ def served(monkeypatch) -> dict:
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "nemotron_h", "mamba2"])
 def test_serve_takes_a_hybrid_model_config_and_keeps_its_states(served: dict, tmp_path, model_type: str) -> None:
-    assert main(["serve", "--model-config", _config_file(tmp_path, model_type)]) == 0
+    assert main(["serve", "--no-engine-process", "--model-config", _config_file(tmp_path, model_type)]) == 0
     runner = served["app"].state.runner
     assert runner.model.recurrent
     assert runner.cache.max_state_bytes >= 16 * runner.model.state_bytes > 0

@@ -118,7 +118,10 @@ def test_layers_cut_the_model_of_a_model_config(served: dict, tmp_path, capsys) 
     pytest.importorskip("transformers", reason="needs: pip install 'prefixcache[hf]'")
     from prefixcache.cli import main
 
-    assert main(["serve", "--model-config", mini_qwen_config(tmp_path / "mini"), "--layers", "2"]) == 0
+    assert (
+        main(["serve", "--no-engine-process", "--model-config", mini_qwen_config(tmp_path / "mini"), "--layers", "2"])
+        == 0
+    )
     assert served["app"].state.runner.model.name == "Qwen2ForCausalLM(2 layers)"
     assert served["log_level"] == "warning"
     assert capsys.readouterr().out.startswith("serving 'mini' at http://127.0.0.1:1/v1")
@@ -221,6 +224,6 @@ def test_an_invalid_block_size_is_named_before_the_cache_size_it_would_advise(
 def test_cache_tokens_of_one_block_are_served(served: dict) -> None:
     from prefixcache.cli import main
 
-    assert main(["serve", "--cache-tokens", "16", "--block-size", "16"]) == 0
+    assert main(["serve", "--no-engine-process", "--cache-tokens", "16", "--block-size", "16"]) == 0
 
     assert served["app"].state.runner.pool.num_blocks == 1
