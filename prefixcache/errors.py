@@ -8,6 +8,9 @@ as it was before the call: no leaked block, no half-inserted node, no lock left 
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 
 class PrefixCacheError(Exception):
     """Base class of every error raised on purpose by prefixcache."""
@@ -66,6 +69,13 @@ class PoolBusyError(CapacityError):
         self.locked_blocks = locked_blocks
         self.owned_blocks = owned_blocks
         self.pool_blocks = pool_blocks
+        self.what = what
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Its fields are keyword-only, which an exception's default pickling (its args) cannot give back: by name,
+        # so that it reaches an engine process's server as itself (a 503, not a 500).
+        fields = ("free_blocks", "evictable_blocks", "locked_blocks", "owned_blocks", "pool_blocks", "what")
+        return functools.partial(type(self), **{name: getattr(self, name) for name in fields}), (self.needed_blocks,)
 
 
 class LockError(PrefixCacheError, RuntimeError):
@@ -137,6 +147,9 @@ class SnapshotWriteError(SnapshotError, OSError):
     def __init__(self, message: str, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.args[0], self.errno)  # OSError's own pickling would drop errno
 
 
 class EndpointError(PrefixCacheError, RuntimeError):

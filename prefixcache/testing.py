@@ -36,6 +36,7 @@ __all__ = [
     "FaultyModel",
     "InjectedFault",
     "ScriptedModel",
+    "assert_engine_quiescent",
     "assert_quiescent",
     "fail_on_call",
     "greedy_reference",
@@ -227,6 +228,13 @@ def assert_quiescent(cache: RadixCache) -> None:
         )
 
 
+def assert_engine_quiescent(engine: Any) -> None:
+    """:func:`assert_quiescent` of a :class:`~prefixcache.engine.batching.BatchEngine`'s cache.  Module-level, so that
+    a test runs it in an engine process on its engine thread between two steps
+    (``EngineProcess.call(assert_engine_quiescent)``: the future holds the AssertionError)."""
+    assert_quiescent(engine.runner.cache)
+
+
 def greedy_reference(model: CausalLM, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:
     """Greedy tokens and prompt logits computed with no cache at all (``forward_reference`` on the whole sequence
     at every step).  Returns ``(new_token_ids, prompt_logits[len(prompt), vocab])``.  O(n^2) forwards: for tests
@@ -246,9 +254,10 @@ def greedy_reference(model: CausalLM, prompt: Sequence[int], max_new_tokens: int
 
 def tiny_runner(cache_tokens: int = 4096, block_size: int = 16, torch_threads: int | None = 1) -> Any:
     """A :class:`~prefixcache.engine.runner.PrefixCachingRunner` over the embedded ``tiny`` model on the CPU with a
-    pool of ``cache_tokens``: module-level, so that an engine process (:class:`~prefixcache.engine.process.EngineProcess`,
-    ``functools.partial(tiny_runner, ...)``) builds the same runner a test builds in-process.  ``torch_threads``
-    (default 1, as the tests' own process) is set first: a second intra-op thread on a small machine only spin-waits."""
+    pool of ``cache_tokens``: module-level, so that an engine process
+    (:class:`~prefixcache.engine.process.EngineProcess`, ``functools.partial(tiny_runner, ...)``) builds the same
+    runner a test builds in-process.  ``torch_threads`` (default 1, as in the tests' own process) is set first: a
+    second intra-op thread on a small machine only spin-waits."""
     from prefixcache.engine.runner import PrefixCachingRunner
     from prefixcache.models.llama import build_model
 

@@ -9,14 +9,14 @@ engine's thread waits for it between its many small tensor operations: a few per
 only pickles the text delta and writes it to a socket (a syscall that gives up its GIL).  vLLM's V1 splits its API
 server and its ``EngineCore`` the same way.
 
-What crosses the socket (the child's side is :mod:`prefixcache.engine.process_main`): the parent sends each request as its prompt ids, its :class:`SamplingParams` (a grammar
-travels as its source and is rebuilt in the child over the child's own tokenizer, see
-:func:`~prefixcache.engine.grammar.register_tokenizer`) and its decoder's arguments; the child runs it exactly as
-in-process (``submit_chat``: the stop strings and the detokenizer on the engine thread, so a stop string ends the
-request before that token's K/V are computed, as in-process) and sends back each text delta with its logprob
-records, then the end.  Functions run in the child are module-level ones, passed by reference (pickle), never
-closures.  Wire messages are tuples; a request's own arguments are pickled by the parent into bytes, so one that the
-child cannot unpickle fails that request alone.
+What crosses the socket (the child's side is :mod:`prefixcache.engine.process_main`): the parent sends each request
+as its prompt ids, its :class:`SamplingParams` (a grammar travels as its source and is rebuilt in the child over the
+child's own tokenizer, see :func:`~prefixcache.engine.grammar.register_tokenizer`) and its decoder's arguments; the
+child runs it exactly as in-process (``submit_chat``: the stop strings and the detokenizer on the engine thread, so
+a stop string ends the request before that token's K/V are computed, as in-process) and sends back each text delta
+with its logprob records, then the end.  Functions run in the child are module-level ones, passed by reference
+(pickle), never closures.  Wire messages are tuples; a request's own arguments are pickled by the parent into bytes,
+so one that the child cannot unpickle fails that request alone.
 
 - parent to child: ``("chat" | "submit", job, payload)``, ``("cancel", job, None)``, ``("call" | "query", job,
   payload)``, ``("close", 0, None)``;
@@ -39,7 +39,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -73,7 +73,7 @@ class RemoteHandle:
 
     def cancel(self) -> None:
         self.cancelled = True
-        if not self.future.done():
+        if not self.future.done() or self.future.cancelled():  # cancelled by its holder: the child runs it still
             try:
                 self._ask_cancel()
             except EngineDeadError:
@@ -104,8 +104,8 @@ class _Job:
                     self.on_logprob(record)
             if self.on_delta is not None and text:
                 self.on_delta(text)
-        except Exception as error:  # noqa: BLE001 - the request's error
-            self.error = error
+        except BaseException as error:  # noqa: BLE001 - the request's error, a SystemExit too: it must not end the
+            self.error = error  # receiver thread (every request would wait forever), as the engine thread serves on
             assert self.handle is not None
             self.handle.cancel()
 
@@ -123,7 +123,8 @@ class _RemoteCache:
 
 class EngineProcess:
     """A :class:`~prefixcache.engine.batching.BatchEngine` over the runner ``factory()`` builds, stepping in a child
-    process (a fresh interpreter, ``python -c``) so that it never waits for this process's GIL (see the module docstring).
+    process (a fresh interpreter, ``python -c``) so that it never waits for this process's GIL (see the module
+    docstring).
 
     ``max_batch_tokens``, ``max_running`` and ``policy`` are the engine's.  The constructor returns once the child has
     built its runner and started its engine (seconds: it imports torch and builds the model), or raises what the
@@ -309,7 +310,8 @@ class EngineProcess:
             logger.warning("the engine process did not exit within %s s: killed", timeout_s)
             self._process.kill()
             self._process.wait()
-        self._receiver.join(timeout_s)
+        if threading.current_thread() is not self._receiver:  # a future's callback may close it from there
+            self._receiver.join(timeout_s)
         self._conn.close()
 
     def _check_open(self) -> None:
@@ -340,11 +342,11 @@ class EngineProcess:
             elif kind == "ack":
                 job = jobs[job_id]
                 if value is None:
-                    job.ack.set_result(None)
+                    _settle(job.ack, "done", None)
                 else:
                     with self._lock:
                         del jobs[job_id]
-                    job.ack.set_exception(value)
+                    _settle(job.ack, "error", value)
             elif kind == "end":
                 with self._lock:
                     job = jobs.pop(job_id)
@@ -367,21 +369,26 @@ class EngineProcess:
             logger.error("%s; %d request(s) in flight failed", dead, len(pending))
         for job in pending:
             if not job.ack.done():  # a submit or call the child never answered: refused as after close
-                job.ack.set_exception(InvalidArgumentError("the engine is closed") if self._closed else dead)
+                _settle(job.ack, "error", InvalidArgumentError("the engine is closed") if self._closed else dead)
             if job.handle is not None and not job.handle.future.done():
-                job.handle.future.set_exception(CancelledError() if self._closed else dead)
+                _settle(job.handle.future, "error", CancelledError() if self._closed else dead)
 
     def __repr__(self) -> str:
         return f"EngineProcess(pid={self.pid}, alive={self.alive})"
 
 
 def _settle(future: Future[Any], kind: str, value: Any) -> None:
-    if kind == "done":
-        future.set_result(value)
-    elif kind == "cancelled":
-        future.set_exception(CancelledError())
-    else:
-        future.set_exception(value)
+    # A future its holder cancelled (asyncio.wrap_future cancels it with the task awaiting it) takes no outcome: raising
+    # InvalidStateError here would end the receiver thread, and every later call would wait forever.
+    try:
+        if kind == "done":
+            future.set_result(value)
+        elif kind == "cancelled":
+            future.set_exception(CancelledError())
+        else:
+            future.set_exception(value)
+    except InvalidStateError:
+        pass
 
 
 def _attribute(engine: BatchEngine, name: str) -> Any:

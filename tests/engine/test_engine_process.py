@@ -1,0 +1,470 @@
+"""Specification of :class:`~prefixcache.engine.process.EngineProcess`: a BatchEngine in a child process answers
+exactly as one on a thread of this process (text deltas, logprob records before their delta, stop strings, grammars,
+plain submits), keeps the errors' types, leaves the engine as it was after bad input, cancels and frees, fails a
+request whose callback raised with that error, refuses a factory that fails or does not pickle without leaving a
+child behind, turns a killed child into EngineDeadError, and cancels what is pending on close()."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pickle
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent.futures import CancelledError
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefixcache import SamplingParams
+from prefixcache.chat.tokenizer import ByteTokenizer
+from prefixcache.engine.batching import BatchEngine
+from prefixcache.engine.chat import prepare_chat, prepare_completion, submit_chat
+from prefixcache.engine.process import EngineProcess
+from prefixcache.errors import (
+    CapacityError,
+    EngineDeadError,
+    InvalidArgumentError,
+    InvalidTokensError,
+    NamespaceError,
+)
+from prefixcache.models.llama import build_model
+from prefixcache.testing import assert_engine_quiescent, require_extra, tiny_runner
+
+CACHE_TOKENS = 4096
+FACTORY = functools.partial(tiny_runner, CACHE_TOKENS)
+"""Module-level (prefixcache.testing), so that the child imports it; the same runner the in-thread engine gets."""
+ENGINE = {"max_batch_tokens": 64}
+ASK = [{"role": "system", "content": "Be brief. " * 6}, {"role": "user", "content": "Say hello to the world."}]
+WAIT_S = 120  # how long a test waits for an answer before it fails instead of hanging (not a timing assertion)
+LONG = {"max_new_tokens": 3000, "ignore_eos": True}  # a request that runs until cancelled or its engine goes
+
+
+@pytest.fixture(scope="module")
+def remote() -> Iterator[EngineProcess]:
+    """One engine process for the module's tests that neither kill nor close it."""
+    process = EngineProcess(FACTORY, **ENGINE)
+    yield process
+    process.close()
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[BatchEngine]:
+    """The reference: a BatchEngine on a thread of this process over an identically built runner."""
+    engine = BatchEngine(FACTORY(), **ENGINE)
+    engine.start()
+    yield engine
+    engine.close()
+
+
+def run_chat(engine: Any, prepared: Any, namespace: str) -> tuple[Any, list[tuple[str, Any]]]:
+    """The ChatCompletion of ``prepared`` on ``engine`` and its callbacks' events, in order: ``("delta", text)`` and
+    ``("logprob", record)``."""
+    events: list[tuple[str, Any]] = []
+    _, future = submit_chat(
+        engine,
+        prepared,
+        namespace=namespace,
+        on_delta=lambda text: events.append(("delta", text)),
+        on_logprob=lambda record: events.append(("logprob", record)),
+    )
+    return future.result(WAIT_S), events
+
+
+def assert_same_completion(got: Any, expected: Any) -> None:
+    assert got.content == expected.content
+    assert got.token_ids == expected.token_ids
+    assert got.finish_reason == expected.finish_reason
+    assert got.tool_calls == expected.tool_calls
+    assert got.logprobs == expected.logprobs
+    assert got.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert got.usage.cached_tokens == expected.usage.cached_tokens
+    assert got.usage.generated_tokens == expected.usage.generated_tokens
+
+
+def baseline(process: EngineProcess) -> tuple[int, int, int]:
+    """What a rejected request must leave as it was: used blocks, locked tokens, pending requests."""
+    stats = process.cache.stats()
+    return stats.used_blocks, stats.locked_tokens, process.num_pending
+
+
+def assert_freed(process: EngineProcess) -> None:
+    """Nothing pending, nothing locked, no block owned by a request: every used block is the tree's (checked in the
+    child, on its engine thread between two steps)."""
+    assert process.num_pending == 0
+    process.call(assert_engine_quiescent).result(WAIT_S)
+
+
+def started(process: EngineProcess, **sampling: Any) -> tuple[Any, Any]:
+    """A long chat request on ``process`` once its first text delta has arrived here (so it is running)."""
+    first = threading.Event()
+    prepared = prepare_chat(process.tokenizer, ASK, **LONG, **sampling)
+    handle, future = submit_chat(process, prepared, on_delta=lambda text: first.set())
+    assert first.wait(WAIT_S), "the long request never produced a delta"
+    return handle, future
+
+
+def children_of(pid: int) -> set[int]:
+    """The ids of the live (not zombie) processes whose parent is ``pid``, from /proc."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            found.add(int(entry.name))
+    return found
+
+
+# -- exactness ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_chat_with_logprobs_streams_and_ends_exactly_as_in_process(remote: EngineProcess, local: BatchEngine) -> None:
+    def prepared():
+        return prepare_chat(remote.tokenizer, ASK, max_new_tokens=24, logprobs=3)
+
+    expected, expected_events = run_chat(local, prepared(), "chat")
+    got, events = run_chat(remote, prepared(), "chat")
+    assert_same_completion(got, expected)
+    assert got.usage.generated_tokens == 24 and len(got.logprobs) == 24
+    assert events == expected_events  # the same deltas, the same records, each record before the delta it is part of
+    assert "".join(text for kind, text in events if kind == "delta") == got.content
+    assert tuple(record for kind, record in events if kind == "logprob") == got.logprobs
+    assert events[0][0] == "logprob"
+    # A repeat hits the cache in both engines alike.
+    again, _ = run_chat(remote, prepared(), "chat")
+    assert again.usage.cached_tokens == again.usage.prompt_tokens - 1
+    assert_same_completion(again, run_chat(local, prepared(), "chat")[0])
+
+
+def test_a_completion_with_logprobs_equals_the_in_process_one(remote: EngineProcess, local: BatchEngine) -> None:
+    prompt = ByteTokenizer().encode("Once upon a time, in a land far away,")
+
+    def prepared():
+        return prepare_completion(remote.tokenizer, prompt, max_new_tokens=20, logprobs=2)
+
+    expected, expected_events = run_chat(local, prepared(), "completion")
+    got, events = run_chat(remote, prepared(), "completion")
+    assert_same_completion(got, expected)
+    assert got.usage.generated_tokens == 20
+    assert events == expected_events
+    assert "".join(text for kind, text in events if kind == "delta") == got.content
+
+
+def test_a_plain_submit_returns_the_in_process_result(remote: EngineProcess, local: BatchEngine) -> None:
+    sampling = SamplingParams(max_new_tokens=12, logprobs=1)
+    prompt = list(range(40, 90))
+    expected = local.submit(prompt, sampling, namespace="plain").result(WAIT_S)
+    got = remote.submit(prompt, sampling, namespace="plain").result(WAIT_S)
+    assert got.token_ids == expected.token_ids and len(got.token_ids) == 12
+    assert got.finish_reason == expected.finish_reason == "length"
+    assert got.logprobs == expected.logprobs
+    assert got.usage.prompt_tokens == expected.usage.prompt_tokens == 50
+    assert got.usage.generated_tokens == expected.usage.generated_tokens
+    assert got.insert is None  # the child's tree record stays there
+
+
+def test_a_stop_string_ends_the_request_as_in_process(remote: EngineProcess, local: BatchEngine) -> None:
+    free, _ = run_chat(local, prepare_chat(remote.tokenizer, ASK, max_new_tokens=40), "stop-free")
+    text = free.content
+    # A stop string of two printable ASCII characters (a byte token each: the text before it is streamed before it
+    # arrives) whose first occurrence is in the middle of the greedy answer.
+    cut = next(
+        i
+        for i in range(len(text) // 3, len(text) - 2)
+        if text.index(text[i : i + 2]) == i and all(c.isascii() and c.isprintable() for c in text[i : i + 2])
+    )
+    stop = text[cut : cut + 2]
+
+    def prepared():
+        return prepare_chat(remote.tokenizer, ASK, max_new_tokens=40, stop=[stop], logprobs=1)
+
+    expected, expected_events = run_chat(local, prepared(), "stop")
+    got, events = run_chat(remote, prepared(), "stop")
+    assert expected.content == text[:cut] and expected.finish_reason == "stop"
+    assert expected.usage.generated_tokens < free.usage.generated_tokens
+    assert_same_completion(got, expected)
+    # The records of the tokens the stop string cut reach on_logprob too, after the last delta.
+    assert expected_events[-1][0] == "logprob"
+    assert events == expected_events
+    assert tuple(record for kind, record in events if kind == "logprob") == got.logprobs
+
+
+def test_structured_outputs_cross_as_their_source_and_match_in_process(
+    remote: EngineProcess, local: BatchEngine
+) -> None:
+    require_extra("llguidance", "structured")
+    city = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "size": {"enum": ["small", "big"]},
+            "coastal": {"type": "boolean"},
+        },
+        "required": ["name", "size", "coastal"],
+        "additionalProperties": False,
+    }
+    ask = [{"role": "user", "content": "Describe a city as JSON."}]
+    formats = {
+        "json_object": {"type": "json_object"},
+        "json_schema": {"type": "json_schema", "json_schema": {"name": "city", "schema": city, "strict": True}},
+    }
+    answers = {}
+    for name, response_format in formats.items():
+
+        def prepared(response_format=response_format):
+            return prepare_chat(remote.tokenizer, ask, max_new_tokens=100, response_format=response_format)
+
+        expected, _ = run_chat(local, prepared(), name)
+        got, events = run_chat(remote, prepared(), name)
+        assert_same_completion(got, expected)
+        assert "".join(text for kind, text in events if kind == "delta") == got.content
+        answers[name] = got
+    assert answers["json_object"].content.startswith("{")
+    if answers["json_object"].finish_reason == "stop":
+        assert isinstance(json.loads(answers["json_object"].content), dict)
+    assert answers["json_schema"].finish_reason == "stop"
+    parsed = json.loads(answers["json_schema"].content)
+    assert set(parsed) == {"name", "size", "coastal"} and parsed["size"] in ("small", "big")
+
+
+def test_the_tokenizer_note_and_functions_run_in_the_child(remote: EngineProcess) -> None:
+    assert remote.tokenizer.encode("héllo") == ByteTokenizer().encode("héllo")
+    assert remote.note == ""  # the factory returned a bare runner
+    assert Path(f"/proc/{remote.pid}/task/{remote.engine_thread_id}").exists()
+    assert remote.alive and remote.pid != os.getpid()
+    assert remote.query(getattr, "max_batch_tokens") == 64
+    assert remote.call(getattr, "policy").result(WAIT_S) == "lpm"
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        remote.query(getattr, "no_such_attribute")
+    with pytest.raises(AttributeError, match="no_such_attribute"):
+        remote.call(getattr, "no_such_attribute").result(WAIT_S)
+    assert remote.cache.stats().num_blocks == CACHE_TOKENS // 16
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "options", "error"),
+    [
+        ([1, 2, 512], {}, InvalidTokensError),  # outside the tiny model's vocabulary of 512
+        ([], {}, InvalidTokensError),
+        (5, {}, InvalidTokensError),
+        ("abc", {}, InvalidTokensError),
+        ([1, 2, 3], {"sampling": SamplingParams(max_new_tokens=CACHE_TOKENS)}, CapacityError),
+        ([1, 2, 3], {"namespace": 5}, NamespaceError),
+        ([1, 2, 3], {"sampling": "greedy"}, InvalidArgumentError),
+        ([1, 2, 3], {"request_id": 7}, InvalidArgumentError),
+    ],
+)
+def test_bad_input_raises_the_in_process_error_and_changes_nothing(
+    remote: EngineProcess, local: BatchEngine, prompt: Any, options: dict[str, Any], error: type
+) -> None:
+    before = baseline(remote)
+    with pytest.raises(error) as expected:
+        local.submit(prompt, **options)
+    with pytest.raises(error) as raised:
+        remote.submit(prompt, **options)
+    assert type(raised.value) is type(expected.value)
+    assert str(raised.value) == str(expected.value)
+    assert baseline(remote) == before
+    assert_freed(remote)
+    # The engine serves on.
+    assert remote.submit([1, 2, 3], SamplingParams(max_new_tokens=2)).result(WAIT_S).finish_reason == "length"
+
+
+def test_per_token_callbacks_are_refused_before_anything_is_sent(remote: EngineProcess) -> None:
+    before = baseline(remote)
+    for option in ("on_token", "on_logprob"):
+        with pytest.raises(InvalidArgumentError, match="do not cross to an engine process"):
+            remote.submit([1, 2, 3], SamplingParams(max_new_tokens=2), **{option: print})
+    assert baseline(remote) == before
+
+
+# -- cancel and failing callbacks -------------------------------------------------------------------------------------
+
+
+def test_a_cancelled_request_ends_cancelled_and_frees_its_blocks(remote: EngineProcess) -> None:
+    cancelled = remote.cancelled_requests
+    handle, future = started(remote)
+    assert remote.num_pending == 1
+    with pytest.raises(AssertionError, match="locked"):  # its prompt's cached blocks, while it runs
+        remote.call(assert_engine_quiescent).result(WAIT_S)
+    handle.cancel()
+    with pytest.raises(CancelledError):
+        future.result(WAIT_S)
+    assert handle.cancelled
+    assert remote.cancelled_requests == cancelled + 1
+    assert_freed(remote)
+    handle.cancel()  # harmless once it has ended
+    assert remote.cancelled_requests == cancelled + 1
+
+
+def test_a_plain_submit_is_cancelled_too(remote: EngineProcess) -> None:
+    cancelled = remote.cancelled_requests
+    handle = remote.submit(list(range(10, 30)), SamplingParams(**LONG))
+    handle.cancel()
+    with pytest.raises(CancelledError):
+        handle.result(WAIT_S)
+    assert remote.cancelled_requests == cancelled + 1
+    assert_freed(remote)
+
+
+def test_futures_cancelled_by_their_holder_leave_the_engine_serving(remote: EngineProcess) -> None:
+    # asyncio.wrap_future cancels the concurrent future when the task awaiting it is cancelled (a server's snapshot
+    # task at shutdown): its outcome must not stop the process's receiver, as in-process it does not stop the engine.
+    cancelled = remote.cancelled_requests
+    handle = remote.submit(list(range(10, 30)), SamplingParams(**LONG))
+    assert handle.future.cancel()
+    handle.cancel()  # reaches the child all the same, as in-process
+    evicting = remote.evict_all()
+    evicting.cancel()
+    # Each call runs between two steps: the second in a step after the one that dropped the request, whose end the
+    # receiver has therefore read before the second's.
+    for _ in range(2):
+        assert remote.call(getattr, "policy").result(WAIT_S) == "lpm"
+    assert remote.cancelled_requests == cancelled + 1
+    assert_freed(remote)
+    assert remote.submit([1, 2, 3], SamplingParams(max_new_tokens=2)).result(WAIT_S).finish_reason == "length"
+
+
+@pytest.mark.parametrize("boom", [ValueError("the client's callback failed"), SystemExit(3)])
+def test_a_callback_that_raises_fails_its_request_with_that_error(remote: EngineProcess, boom: BaseException) -> None:
+    # Even a SystemExit (as on the engine thread in-process): the receiver thread serves the other requests on.
+    cancelled = remote.cancelled_requests
+
+    def on_delta(text: str) -> None:
+        raise boom
+
+    prepared = prepare_chat(remote.tokenizer, ASK, **LONG)
+    handle, future = submit_chat(remote, prepared, on_delta=on_delta)
+    with pytest.raises(type(boom)) as raised:
+        future.result(WAIT_S)
+    assert raised.value is boom
+    assert handle.cancelled and remote.cancelled_requests == cancelled + 1  # the child dropped it as a cancel
+    assert_freed(remote)
+    assert remote.submit([1, 2, 3], SamplingParams(max_new_tokens=2)).result(WAIT_S).finish_reason == "length"
+
+
+def test_an_on_logprob_that_raises_fails_its_request_too(remote: EngineProcess) -> None:
+    def on_logprob(record: Any) -> None:
+        raise KeyError(record.token_id)
+
+    prepared = prepare_chat(remote.tokenizer, ASK, logprobs=1, **LONG)
+    _, future = submit_chat(remote, prepared, on_logprob=on_logprob)
+    with pytest.raises(KeyError):
+        future.result(WAIT_S)
+    assert_freed(remote)
+
+
+# -- snapshots ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_snapshot_saved_evicted_and_loaded_through_the_process_hits_again(
+    remote: EngineProcess, tmp_path: Path
+) -> None:
+    pytest.importorskip("safetensors", reason="needs: pip install 'prefixcache[snapshot]'")
+
+    def prepared():
+        return prepare_chat(remote.tokenizer, ASK, max_new_tokens=8)
+
+    first, _ = run_chat(remote, prepared(), "snapshot")
+    saved = remote.save_snapshot(tmp_path).result(WAIT_S)
+    assert saved.num_tokens == remote.cache.stats().cached_tokens > 0
+    remote.evict_all().result(WAIT_S)
+    assert remote.cache.stats().cached_tokens == 0
+    loaded = remote.load_snapshot(tmp_path).result(WAIT_S)
+    assert loaded.num_tokens == saved.num_tokens
+    assert remote.cache.stats().cached_tokens == saved.num_tokens
+    again, _ = run_chat(remote, prepared(), "snapshot")
+    assert again.usage.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.content == first.content and again.token_ids == first.token_ids
+
+
+# -- factories ---------------------------------------------------------------------------------------------------------
+
+
+def test_a_factory_that_raises_fails_the_constructor_with_its_error_and_leaves_no_child() -> None:
+    factory = functools.partial(build_model, "no-such-preset")
+    with pytest.raises(InvalidArgumentError) as expected:
+        factory()
+    before = children_of(os.getpid())
+    with pytest.raises(InvalidArgumentError) as raised:
+        EngineProcess(factory)
+    assert str(raised.value) == str(expected.value)
+    assert children_of(os.getpid()) == before
+
+
+def test_a_child_that_exits_while_starting_is_an_engine_dead_error() -> None:
+    before = children_of(os.getpid())
+    with pytest.raises(EngineDeadError, match="exit code 3"):
+        EngineProcess(functools.partial(os._exit, 3))
+    assert children_of(os.getpid()) == before
+
+
+def test_an_unpicklable_factory_is_refused_at_construction_and_leaves_no_child() -> None:
+    before = children_of(os.getpid())
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        EngineProcess(lambda: tiny_runner(CACHE_TOKENS))
+    assert children_of(os.getpid()) == before
+
+
+# -- a killed child, close ---------------------------------------------------------------------------------------------
+
+
+def test_a_killed_child_fails_what_it_held_and_every_later_call_with_engine_dead_error() -> None:
+    process = EngineProcess(FACTORY, **ENGINE)
+    try:
+        handle, future = started(process)
+        os.kill(process.pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match="exit code -9"):
+            future.result(WAIT_S)
+        assert not process.alive
+        handle.cancel()  # harmless on a dead engine
+        with pytest.raises(EngineDeadError):
+            process.submit([1, 2, 3])
+        with pytest.raises(EngineDeadError):
+            submit_chat(process, prepare_chat(process.tokenizer, ASK, max_new_tokens=2))
+        with pytest.raises(EngineDeadError):
+            process.num_pending  # noqa: B018 - a round trip to the child
+        with pytest.raises(EngineDeadError):
+            process.cache.stats()
+        with pytest.raises(EngineDeadError):
+            process.evict_all()
+    finally:
+        process.close()
+    process.close()  # idempotent
+    assert not process.alive
+    assert process.pid not in children_of(os.getpid())
+    with pytest.raises(InvalidArgumentError, match="the engine is closed"):
+        process.submit([1, 2, 3])
+
+
+def test_close_cancels_what_is_pending_ends_the_child_and_refuses_later_requests() -> None:
+    process = EngineProcess(FACTORY, **ENGINE)
+    try:
+        _, future = started(process)
+        plain = process.submit([1, 2, 3], SamplingParams(**LONG))
+    finally:
+        process.close()
+    with pytest.raises(CancelledError):
+        future.result(WAIT_S)
+    with pytest.raises(CancelledError):
+        plain.result(WAIT_S)
+    assert not process.alive
+    assert process.pid not in children_of(os.getpid())
+    with pytest.raises(InvalidArgumentError, match="the engine is closed"):
+        process.submit([1, 2, 3])
+    with pytest.raises(InvalidArgumentError, match="the engine is closed"):
+        submit_chat(process, prepare_chat(process.tokenizer, ASK, max_new_tokens=2))
+    with pytest.raises(InvalidArgumentError, match="the engine is closed"):
+        process.call(getattr, "steps")
+    process.close()  # idempotent

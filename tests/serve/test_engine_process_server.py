@@ -1,0 +1,208 @@
+"""A server over an :class:`~prefixcache.engine.process.EngineProcess` (``create_app(engine_process)``, ``prefixcache
+serve --engine-process``): it streams what a server over an in-thread engine streams, reports health and metrics from
+the child, answers 503 in OpenAI's error shape once the child is gone, and the CLI's engine child ends with it."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import CancelledError
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from prefixcache import SamplingParams
+from prefixcache.engine.process import EngineProcess
+from prefixcache.errors import EngineDeadError
+from prefixcache.serve import create_app, start_background
+from prefixcache.testing import tiny_runner
+
+FACTORY = functools.partial(tiny_runner, 4096)
+QUESTION = [{"role": "system", "content": "Answer briefly. " * 6}, {"role": "user", "content": "What is a cache?"}]
+WAIT_S = 120  # a bound on waiting (a hung test fails instead of hanging), never asserted as a duration
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=WAIT_S)
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[tuple[str, str, EngineProcess]]:
+    """``(url over an engine process, url over an in-thread engine, the engine process)``, both on 127.0.0.1 at free
+    ports over identically built runners."""
+    process = EngineProcess(FACTORY)
+    app = create_app(process, model_name="tiny")
+    assert app.state.engine is process and app.state.runner is process
+    reference = create_app(FACTORY(), model_name="tiny")
+    try:
+        with start_background(app, "127.0.0.1", 0) as remote, start_background(reference, "127.0.0.1", 0) as local:
+            yield remote.url, local.url, process
+    finally:
+        reference.state.engine.close()
+        process.close()
+    assert not process.alive  # the app's shutdown closed it
+
+
+def streamed_chat(url: str, **options: Any) -> tuple[str, Any, Any]:
+    chunks = list(
+        client(url).chat.completions.create(
+            model="tiny", messages=QUESTION, stream=True, stream_options={"include_usage": True}, **options
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return text, reasons, chunks[-1].usage
+
+
+def test_streamed_chat_and_completion_equal_the_in_thread_servers(servers) -> None:
+    remote, local, _ = servers
+    for options in ({"max_tokens": 20}, {"max_tokens": 20, "logprobs": True, "top_logprobs": 2}):
+        text, reasons, usage = streamed_chat(remote, **options)
+        expected_text, expected_reasons, expected_usage = streamed_chat(local, **options)
+        assert text == expected_text and len(text) > 0
+        assert reasons == expected_reasons == ["length"]
+        assert usage.completion_tokens == expected_usage.completion_tokens == 20
+        assert usage.prompt_tokens == expected_usage.prompt_tokens
+        assert usage.prompt_tokens_details.cached_tokens == expected_usage.prompt_tokens_details.cached_tokens
+
+    def completion(url: str, **options: Any) -> tuple[str, list[Any]]:
+        stream = client(url).completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=16, stream=True, **options
+        )
+        chunks = list(stream)
+        return "".join(c.choices[0].text for c in chunks if c.choices), [c.choices[0].finish_reason for c in chunks]
+
+    text, reasons = completion(remote)
+    assert (text, reasons) == completion(local) and len(text) > 0
+    # Two printable ASCII characters (a byte token each) first found past the answer's first third.
+    cut_at = next(
+        i
+        for i in range(len(text) // 3, len(text) - 2)
+        if text.index(text[i : i + 2]) == i and all(c.isascii() and c.isprintable() for c in text[i : i + 2])
+    )
+    stop = text[cut_at : cut_at + 2]
+    cut = completion(remote, stop=[stop])
+    assert cut == completion(local, stop=[stop])
+    assert cut[0] == text[: text.index(stop)] and cut[1][-1] == "stop"
+
+
+def test_a_plain_answer_equals_the_in_thread_servers(servers) -> None:
+    remote, local, _ = servers
+    answer = client(remote).chat.completions.create(model="tiny", messages=QUESTION, max_tokens=12)
+    expected = client(local).chat.completions.create(model="tiny", messages=QUESTION, max_tokens=12)
+    assert answer.choices[0].message.content == expected.choices[0].message.content
+    assert answer.choices[0].finish_reason == expected.choices[0].finish_reason
+    assert answer.usage.completion_tokens == expected.usage.completion_tokens == 12
+
+
+def test_health_and_metrics_come_from_the_child(servers) -> None:
+    remote, _, process = servers
+    assert httpx.get(remote + "/health").json() == {"status": "ok", "model": "tiny", "pending_requests": 0}
+    client(remote).completions.create(model="tiny", prompt="Metrics, please", max_tokens=2)
+    client(remote).completions.create(model="tiny", prompt="Metrics, please", max_tokens=2)
+    metrics = httpx.get(remote + "/metrics").text
+    rate = re.search(r"^prefixcache_hit_rate (\S+)$", metrics, re.MULTILINE)
+    assert rate is not None
+    stats = process.cache.stats()
+    assert stats.hit_tokens > 0
+    assert float(rate.group(1)) == pytest.approx(stats.hit_rate, rel=1e-6)
+    assert f"prefixcache_pool_used_blocks {float(stats.used_blocks)}" in metrics
+
+
+def test_a_killed_engine_child_makes_the_server_answer_503_in_openais_shape() -> None:
+    process = EngineProcess(FACTORY)
+    app = create_app(process, model_name="tiny")
+    with start_background(app, "127.0.0.1", 0) as server:
+        url = server.url
+        assert httpx.get(url + "/health").status_code == 200
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=WAIT_S) as stream:
+            lines = stream.iter_lines()
+            events.append(next(line for line in lines if line.startswith("data:")))  # it runs
+            os.kill(process.pid, signal.SIGKILL)
+            events += [line for line in lines if line.startswith("data:")]
+        assert stream.status_code == 200
+        assert '"error"' not in events[0]
+        assert events[-1] == "data: [DONE]"
+        assert '"type": "server_error"' in events[-2] and "exit code -9" in events[-2]
+        with pytest.raises(EngineDeadError):
+            process.submit([1, 2, 3])
+        for method, path, json in (
+            ("GET", "/health", None),
+            ("GET", "/metrics", None),
+            ("POST", "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 3}),
+            ("POST", "/v1/chat/completions", {"model": "tiny", "messages": QUESTION, "max_tokens": 3}),
+        ):
+            answer = httpx.request(method, url + path, json=json, timeout=WAIT_S)
+            assert answer.status_code == 503, (path, answer.text)
+            error = answer.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["type"] == "server_error" and "exit code -9" in error["message"]
+        with pytest.raises(openai.InternalServerError) as raised:
+            client(url).chat.completions.create(model="tiny", messages=QUESTION, max_tokens=3)
+        assert raised.value.status_code == 503
+    assert not process.alive
+    process.close()  # the app closed it already: idempotent
+
+
+def test_closing_the_server_cancels_its_engine_process_requests() -> None:
+    process = EngineProcess(FACTORY)
+    app = create_app(process, model_name="tiny")
+    with start_background(app, "127.0.0.1", 0):
+        handle = process.submit([1, 2, 3], SamplingParams(max_new_tokens=3000, ignore_eos=True))
+    with pytest.raises(CancelledError):
+        handle.result(WAIT_S)
+    assert not process.alive
+
+
+def children_of(pid: int) -> dict[int, str]:
+    """The live (not zombie) processes whose parent is ``pid``: their ids and command lines, from /proc."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(ppid) == pid and state != "Z":
+            found[int(entry.name)] = command
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its parent is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_serve_engine_process_answers_and_ends_its_engine_child_on_ctrl_c(cli_processes) -> None:
+    command = ["serve", "--engine-process", "--port", "0", "--cache-tokens", "4096", "--max-batch-tokens", "64"]
+    process = cli_processes.start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = process.stdout.readline()
+    match = re.search(r"at (http://127\.0\.0\.1:\d+)/v1", line)
+    assert match is not None, (line, process.stderr.read() if process.poll() is not None else "")
+    assert "tokens" in line  # the pool's description, the child's note
+    url = match.group(1)
+    engines = {pid: cmd for pid, cmd in children_of(process.pid).items() if "process_main" in cmd}
+    assert len(engines) == 1, children_of(process.pid)
+    (engine_pid,) = engines
+    answer = client(url).completions.create(model="tiny", prompt="Hello", max_tokens=4)
+    assert answer.usage.completion_tokens == 4
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+    cli_processes.interrupt(process)
+    _, err = process.communicate(timeout=WAIT_S)
+    assert process.returncode == 0, err[-2000:]
+    assert not running(engine_pid)
+    assert not running(process.pid)
