@@ -22,7 +22,7 @@ from prefixcache.engine.grammar import register_tokenizer
 from prefixcache.engine.results import GenerationResult
 from prefixcache.errors import InvalidArgumentError
 
-__all__ = ["CHILD_COMMAND", "Ready", "child_main", "receive_message", "send_message"]
+__all__ = ["CHILD_COMMAND", "Ready", "child_main", "portable", "receive_message", "send_message"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +45,9 @@ def receive_message(conn: Connection) -> Any:
     return pickle.loads(conn.recv_bytes())
 
 
-def _portable(error: BaseException) -> BaseException:
-    """``error`` if it survives pickling as itself, else an EngineDeadError-free stand-in of the same message (a
-    ``RuntimeError``), so that the parent always gets an exception."""
+def portable(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling as itself (its type and message), else a ``RuntimeError`` naming its type
+    and message, so that the parent always gets an exception.  O(size of the error's pickle)."""
     try:
         copy = pickle.loads(pickle.dumps(error))
         if type(copy) is type(error) and str(copy) == str(error):
@@ -89,7 +89,7 @@ class _ChildLink:
         if isinstance(error, CancelledError):
             self.send("end", job, ("cancelled", None))
         elif error is not None:
-            self.send("end", job, ("error", _portable(error)))
+            self.send("end", job, ("error", portable(error)))
         else:
             self.send("end", job, ("done", _portable_value(future.result())))
 
@@ -120,7 +120,7 @@ def child_main(fd: int) -> None:
         engine.start()
         thread_id = engine.call_soon(threading.get_native_id).result()
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
-        send_message(conn, ("failed", _portable(error)))
+        send_message(conn, ("failed", portable(error)))
         conn.close()
         return
     send_message(conn, ("ready", Ready(runner.tokenizer, note, thread_id)))
@@ -156,7 +156,7 @@ def _serve(conn: Any, link: _ChildLink, engine: BatchEngine, runner: Any, handle
                 fn, args = payload
                 future = _function(op, engine, fn, args)
         except BaseException as error:  # noqa: BLE001 - this request's error, answered to its caller
-            link.send("ack", job, _portable(error))
+            link.send("ack", job, portable(error))
             continue
         if op in ("chat", "submit"):
             handles[job] = handle

@@ -468,3 +468,30 @@ def test_close_cancels_what_is_pending_ends_the_child_and_refuses_later_requests
     with pytest.raises(InvalidArgumentError, match="the engine is closed"):
         process.call(getattr, "steps")
     process.close()  # idempotent
+
+
+def test_errors_with_their_own_fields_cross_the_process_boundary_as_themselves() -> None:
+    from prefixcache.engine.process_main import portable
+    from prefixcache.errors import PoolBusyError, SnapshotWriteError
+
+    busy = PoolBusyError(3, free_blocks=1, evictable_blocks=0, locked_blocks=2, owned_blocks=1, pool_blocks=4, what="x")
+    copy = pickle.loads(pickle.dumps(portable(busy)))
+    assert type(copy) is PoolBusyError and str(copy) == str(busy)
+    assert (copy.needed_blocks, copy.locked_blocks, copy.pool_blocks, copy.what) == (3, 2, 4, "x")
+    written = pickle.loads(pickle.dumps(portable(SnapshotWriteError("disk full", 28))))
+    assert type(written) is SnapshotWriteError and str(written) == "disk full" and written.errno == 28
+
+
+def test_close_from_a_done_callback_on_the_receiver_thread_ends_the_child() -> None:
+    process = EngineProcess(FACTORY, **ENGINE)
+    closed = threading.Event()
+
+    def close_here(_: Any) -> None:
+        process.close()
+        closed.set()
+
+    process.submit([1, 2, 3], SamplingParams(max_new_tokens=2)).future.add_done_callback(close_here)
+    assert closed.wait(WAIT_S)
+    assert not process.alive
+    with pytest.raises(InvalidArgumentError, match="the engine is closed"):
+        process.submit([1, 2, 3])
