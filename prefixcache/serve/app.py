@@ -301,13 +301,16 @@ def create_app(
         metrics.failed(request.url.path, error.status)
         return _error_response(error)
 
+    # Both read the engine's counters, a round trip to an engine process (its command thread waits for its GIL): on a
+    # worker thread, so that the streams on the event loop never wait for it.
     @route("/health", "GET")
     async def health(request: Request) -> Response:
-        return _json({"status": "ok", "model": model_name, "pending_requests": engine.num_pending})
+        pending = await asyncio.to_thread(lambda: engine.num_pending)
+        return _json({"status": "ok", "model": model_name, "pending_requests": pending})
 
     @route("/metrics", "GET")
     async def scrape(request: Request) -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     document: list[dict[str, Any]] = []
 
