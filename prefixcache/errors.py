@@ -93,8 +93,8 @@ class ClosedError(PrefixCacheError, RuntimeError):
 
 
 class EngineDeadError(PrefixCacheError, RuntimeError):
-    """The engine process (:class:`~prefixcache.engine.process.EngineProcess`) is gone: it exited or was killed, so
-    the requests it held failed and no new one can run.  A server answers 503."""
+    """The engine process (:class:`~prefixcache.engine.process.EngineProcess`) is gone (it exited or was killed, so
+    the requests it held failed and no new one can run) or stopped answering.  A server answers 503."""
 
 
 class SubscriberDeadError(PrefixCacheError, RuntimeError):

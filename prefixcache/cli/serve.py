@@ -217,7 +217,15 @@ def served_runner(args: argparse.Namespace) -> tuple[Any, str]:
         by_memory = sized.bound == "memory"
         bound = f"{fraction:g} of the free memory" if by_memory else f"{args.max_running} x the model's context"
         cache_tokens = sized.num_tokens
-    runner = PrefixCachingRunner(
-        model, tokenizer, cache_tokens=cache_tokens, cache_memory=args.cache_memory, block_size=args.block_size
-    )
+    try:
+        runner = PrefixCachingRunner(
+            model, tokenizer, cache_tokens=cache_tokens, cache_memory=args.cache_memory, block_size=args.block_size
+        )
+    except (MemoryError, RuntimeError) as error:  # torch's allocators raise RuntimeError (OutOfMemoryError on CUDA)
+        if not isinstance(error, MemoryError) and "allocat" not in str(error) and "out of memory" not in str(error):
+            raise
+        raise InvalidArgumentError(
+            f"the KV pool does not fit in memory ({bound}): {str(error).splitlines()[0]}; give a smaller "
+            "--cache-tokens or --cache-memory"
+        ) from None
     return runner, describe_pool(runner.pool, model.max_position, bound)

@@ -40,6 +40,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, InvalidStateError
+from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -129,7 +130,8 @@ class EngineProcess:
     ``max_batch_tokens``, ``max_running`` and ``policy`` are the engine's.  The constructor returns once the child has
     built its runner and started its engine (seconds: it imports torch and builds the model), or raises what the
     factory raised (its type kept where it pickles), EngineDeadError if the child died first, TimeoutError after
-    ``start_timeout_s``.  :meth:`close` ends the child; a child that dies fails every request it held and every later
+    ``start_timeout_s``.  A submit or :meth:`query` the child has not answered within ``answer_timeout_s`` raises
+    EngineDeadError.  :meth:`close` ends the child; a child that dies fails every request it held and every later
     call with EngineDeadError.
 
     ``tokenizer`` is a copy of the child runner's tokenizer (sent back pickled), for the server's prompt rendering,
@@ -144,12 +146,20 @@ class EngineProcess:
         max_running: int = 32,
         policy: str = "lpm",
         start_timeout_s: float | None = 600.0,
+        answer_timeout_s: float = 60.0,
     ) -> None:
+        self.answer_timeout_s = answer_timeout_s
+        """How long a submit waits for the child to accept a request, and :meth:`query` for its answer, before it
+        raises EngineDeadError (a child that stopped answering: stopped, or stuck in one step)."""
         # A fresh interpreter started by its command line, not multiprocessing's spawn: spawn runs the parent's main
         # module again in the child, which fails for a script without a ``__main__`` guard (and for a notebook).
         parent_end, child_end = socket.socketpair()
         environment = dict(os.environ)
-        environment["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [environment.get("PYTHONPATH", "")])
+        # The child imports from where this process imports, in its order (an empty entry, this process's current
+        # folder, made absolute), and from nowhere else: not from its own current folder, which ``python -c`` would
+        # put first (CHILD_COMMAND drops it), nor from an empty entry of a PYTHONPATH.
+        path = [os.path.abspath(entry) for entry in sys.path]
+        environment["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
         self._process = subprocess.Popen(
             [sys.executable, "-c", CHILD_COMMAND, str(child_end.fileno())],
             pass_fds=(child_end.fileno(),),
@@ -240,7 +250,13 @@ class EngineProcess:
             handle = RemoteHandle(functools.partial(self._post, "cancel", job_id, None))
             job = self._jobs[job_id] = _Job(handle, on_delta, on_logprob)
         self._post(op, job_id, data)
-        job.ack.result()  # the engine's own checks raise here, as in-process
+        try:
+            job.ack.result(self.answer_timeout_s)  # the engine's own checks raise here, as in-process
+        except FutureTimeout:
+            with self._lock:
+                self._jobs.pop(job_id, None)
+            handle.cancel()
+            raise EngineDeadError(f"the engine process did not answer within {self.answer_timeout_s} s") from None
         return job.handle, job  # type: ignore[return-value]
 
     # -- functions in the child -------------------------------------------------------------------------------------
@@ -251,11 +267,15 @@ class EngineProcess:
         child.  The future holds the result or the error.  Raises EngineDeadError once the child is gone."""
         return self._run("call", fn, args)
 
-    def query(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 30.0) -> Any:
+    def query(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         """``fn(engine, *args)`` run at once on the child's command thread, not between steps (for reads that the
         engine's own locks make safe: counters, cache stats), and its result.  Raises what ``fn`` raised,
         EngineDeadError once the child is gone, TimeoutError after ``timeout_s``."""
-        return self._run("query", fn, args).result(timeout_s)
+        timeout_s = self.answer_timeout_s if timeout_s is None else timeout_s
+        try:
+            return self._run("query", fn, args).result(timeout_s)
+        except FutureTimeout:
+            raise EngineDeadError(f"the engine process did not answer within {timeout_s} s") from None
 
     def _run(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
         data = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -340,16 +360,20 @@ class EngineProcess:
                 if job is not None:
                     job.deliver(*value)
             elif kind == "ack":
-                job = jobs[job_id]
+                job = jobs.get(job_id)
+                if job is None:  # its caller stopped waiting (answer_timeout_s) and cancelled it
+                    continue
                 if value is None:
                     _settle(job.ack, "done", None)
                 else:
                     with self._lock:
-                        del jobs[job_id]
+                        jobs.pop(job_id, None)
                     _settle(job.ack, "error", value)
             elif kind == "end":
                 with self._lock:
-                    job = jobs.pop(job_id)
+                    job = jobs.pop(job_id, None)
+                if job is None:
+                    continue
                 if job.error is not None:
                     value = ("error", job.error)
                 _settle(job.handle.future if job.handle is not None else job.ack, *value)

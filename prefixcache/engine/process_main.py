@@ -6,10 +6,12 @@ messages."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pickle
 import signal
 import threading
+import traceback
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, replace
@@ -20,7 +22,7 @@ from prefixcache.engine.batching import BatchEngine
 from prefixcache.engine.chat import ChatDecoder, PreparedChat, submit_chat
 from prefixcache.engine.grammar import register_tokenizer
 from prefixcache.engine.results import GenerationResult
-from prefixcache.errors import InvalidArgumentError
+from prefixcache.errors import InvalidArgumentError, PrefixCacheError
 
 __all__ = ["CHILD_COMMAND", "Ready", "child_main", "portable", "receive_message", "send_message"]
 
@@ -94,7 +96,12 @@ class _ChildLink:
             self.send("end", job, ("done", _portable_value(future.result())))
 
 
-CHILD_COMMAND = "import sys; from prefixcache.engine.process_main import child_main; child_main(int(sys.argv[1]))"
+CHILD_COMMAND = (
+    "import sys\n"
+    "if sys.path[:1] == ['']: del sys.path[0]\n"  # python -c's current folder: the parent's path comes as PYTHONPATH
+    "from prefixcache.engine.process_main import child_main\n"
+    "child_main(int(sys.argv[1]))"
+)
 """The engine process's command line after ``python -c``; its one argument is its end of the socket pair."""
 
 
@@ -106,9 +113,10 @@ def child_main(fd: int) -> None:
         factory, options = receive_message(conn)
     except BaseException as error:  # noqa: BLE001 - a factory that does not unpickle here
         hint = "the runner factory must be a module-level function of a module the engine process can import"
-        send_message(
-            conn, ("failed", InvalidArgumentError(f"{hint} (not __main__'s): {type(error).__name__}: {error}"))
-        )
+        with contextlib.suppress(OSError):
+            send_message(
+                conn, ("failed", InvalidArgumentError(f"{hint} (not __main__'s): {type(error).__name__}: {error}"))
+            )
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent ends us
     link = _ChildLink(conn)
@@ -120,10 +128,17 @@ def child_main(fd: int) -> None:
         engine.start()
         thread_id = engine.call_soon(threading.get_native_id).result()
     except BaseException as error:  # noqa: BLE001 - reported to the parent, which raises it
-        send_message(conn, ("failed", portable(error)))
+        if not isinstance(error, PrefixCacheError):  # a bug or a resource: its stack is here, not in the parent
+            traceback.print_exc()
+        with contextlib.suppress(OSError):  # the parent may be gone already
+            send_message(conn, ("failed", portable(error)))
         conn.close()
         return
-    send_message(conn, ("ready", Ready(runner.tokenizer, note, thread_id)))
+    try:
+        send_message(conn, ("ready", Ready(runner.tokenizer, note, thread_id)))
+    except OSError:  # the parent died while this one started
+        engine.close()
+        return
     handles: dict[int, Any] = {}
     try:
         _serve(conn, link, engine, runner, handles)

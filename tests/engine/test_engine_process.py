@@ -495,3 +495,32 @@ def test_close_from_a_done_callback_on_the_receiver_thread_ends_the_child() -> N
     assert not process.alive
     with pytest.raises(InvalidArgumentError, match="the engine is closed"):
         process.submit([1, 2, 3])
+
+
+def test_the_child_does_not_import_from_its_current_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # python -c puts the current folder first on sys.path; a torch.py there would run in the engine process.
+    (tmp_path / "torch.py").write_text("raise SystemExit('imported from the current folder')\n")
+    monkeypatch.chdir(tmp_path)
+    process = EngineProcess(FACTORY, **ENGINE)
+    try:
+        assert process.submit([1, 2, 3], SamplingParams(max_new_tokens=2)).result(WAIT_S).usage.generated_tokens == 2
+    finally:
+        process.close()
+
+
+def test_a_child_that_stops_answering_is_an_engine_dead_error_not_a_hang() -> None:
+    process = EngineProcess(FACTORY, answer_timeout_s=1.0, **ENGINE)
+    try:
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(EngineDeadError, match="did not answer within 1.0 s"):
+                process.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
+            with pytest.raises(EngineDeadError, match="did not answer within 1.0 s"):
+                _ = process.num_pending
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        # The request it gave up on was cancelled; the late answers about it are dropped, and the child serves on.
+        assert process.submit([4, 5, 6], SamplingParams(max_new_tokens=2)).result(WAIT_S).usage.generated_tokens == 2
+        assert process.query(getattr, "num_pending") == 0
+    finally:
+        process.close()

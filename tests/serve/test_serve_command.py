@@ -227,3 +227,18 @@ def test_cache_tokens_of_one_block_are_served(served: dict) -> None:
     assert main(["serve", "--no-engine-process", "--cache-tokens", "16", "--block-size", "16"]) == 0
 
     assert served["app"].state.runner.pool.num_blocks == 1
+
+
+def test_a_pool_too_large_for_memory_is_one_line_naming_the_option(served: dict, monkeypatch, capsys) -> None:
+    import prefixcache.engine.runner as runner_module
+    from prefixcache.cli import main
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 10240000000 bytes.")
+
+    monkeypatch.setattr(runner_module, "PrefixCachingRunner", out_of_memory)
+    assert main(["serve", "--no-engine-process", "--cache-tokens", "20000000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: the KV pool does not fit in memory (--cache-tokens): ")
+    assert err[0].endswith("give a smaller --cache-tokens or --cache-memory")
+    assert "app" not in served
