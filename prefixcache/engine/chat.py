@@ -207,22 +207,14 @@ class ChatDecoder:
         self._pieces: list[str] = [forced_text]
         self._request_id = request_id
         self.forced_ids = tuple(forced_ids)
-        self.arguments = (stops, parse_calls, forced_text, self.forced_ids, request_id)
+        self.arguments = {"stops": stops, "parse_calls": parse_calls, "forced_text": forced_text}
+        self.arguments.update(forced_ids=self.forced_ids, request_id=request_id)
         """What makes this decoder again over another tokenizer copy (:meth:`from_arguments`; plain data, pickles)."""
 
     @classmethod
-    def from_arguments(cls, tokenizer: Any, params: SamplingParams, arguments: tuple[Any, ...]) -> ChatDecoder:
+    def from_arguments(cls, tokenizer: Any, params: SamplingParams, arguments: dict[str, Any]) -> ChatDecoder:
         """A fresh decoder equal to the one whose :attr:`arguments` these are (an engine process's copy)."""
-        stops, parse_calls, forced_text, forced_ids, request_id = arguments
-        return cls(
-            tokenizer,
-            stops,
-            params,
-            parse_calls=parse_calls,
-            forced_text=forced_text,
-            forced_ids=forced_ids,
-            request_id=request_id,
-        )
+        return cls(tokenizer, params=params, **arguments)
 
     @property
     def stopped(self) -> bool:

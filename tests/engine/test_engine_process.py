@@ -201,16 +201,8 @@ def test_structured_outputs_cross_as_their_source_and_match_in_process(
     remote: EngineProcess, local: BatchEngine
 ) -> None:
     require_extra("llguidance", "structured")
-    city = {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 8},
-            "size": {"enum": ["small", "big"]},
-            "coastal": {"type": "boolean"},
-        },
-        "required": ["name", "size", "coastal"],
-        "additionalProperties": False,
-    }
+    city = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "big": {"type": "boolean"}}}
+    city.update(required=["name", "big"], additionalProperties=False)
     ask = [{"role": "user", "content": "Describe a city as JSON."}]
     formats = {
         "json_object": {"type": "json_object"},
@@ -232,7 +224,7 @@ def test_structured_outputs_cross_as_their_source_and_match_in_process(
         assert isinstance(json.loads(answers["json_object"].content), dict)
     assert answers["json_schema"].finish_reason == "stop"
     parsed = json.loads(answers["json_schema"].content)
-    assert set(parsed) == {"name", "size", "coastal"} and parsed["size"] in ("small", "big")
+    assert set(parsed) == {"name", "big"} and isinstance(parsed["big"], bool) and len(parsed["name"]) <= 8
 
 
 def test_the_tokenizer_note_and_functions_run_in_the_child(remote: EngineProcess) -> None:
