@@ -75,7 +75,7 @@ from prefixcache.serve.protocol import (
 from prefixcache.serve.responses import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from prefixcache.serve.responses_routes import AppHooks, add_response_routes
 from prefixcache.serve.samples import first_events, merged_streams
-from prefixcache.serve.snapshots import SnapshotKeeper
+from prefixcache.serve.snapshots import SHUTDOWN_SAVE_TIMEOUT_S, SnapshotKeeper
 from prefixcache.serve.tokenize_routes import add_tokenize_routes
 
 __all__ = ["create_app"]
@@ -190,7 +190,7 @@ def create_app(
             yield
         finally:
             periodic.cancel()
-            await snapshots.save()
+            await snapshots.save(timeout_s=SHUTDOWN_SAVE_TIMEOUT_S)
             engine.close()
             work.close()
 

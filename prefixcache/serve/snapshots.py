@@ -19,7 +19,11 @@ from prefixcache.engine.batching import BatchEngine
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.errors import InvalidArgumentError, SnapshotError, SnapshotNotFoundError
 
-__all__ = ["SnapshotKeeper"]
+__all__ = ["SHUTDOWN_SAVE_TIMEOUT_S", "SnapshotKeeper"]
+
+SHUTDOWN_SAVE_TIMEOUT_S = 600.0
+"""How long a server's shutdown waits for its last snapshot save (10 minutes: a large pool's files written and
+fsynced) before it stops waiting and ends."""
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +91,17 @@ class SnapshotKeeper:
             )
         return self.restored
 
-    async def save(self) -> SnapshotSummary | None:
-        """Save the cache now; a failure is logged (the previous snapshot stays current).  Returns what was saved."""
+    async def save(self, timeout_s: float | None = None) -> SnapshotSummary | None:
+        """Save the cache now; a failure is logged (the previous snapshot stays current).  Returns what was saved.
+        After ``timeout_s`` seconds (None: no limit) it stops waiting, logs it as a failure and returns None; the save
+        itself goes on (an engine process that stopped answering must not hold the server's shutdown forever)."""
         try:
-            saved = await asyncio.wrap_future(self.engine.save_snapshot(self.directory))
+            saving = asyncio.wrap_future(self.engine.save_snapshot(self.directory))
+            saved = await asyncio.wait_for(asyncio.shield(saving), timeout_s)
+        except asyncio.TimeoutError:  # before OSError: TimeoutError is one since Python 3.11
+            self.save_errors += 1
+            logger.error("saving the cache snapshot to %s: no answer in %s s; not waiting", self.directory, timeout_s)
+            return None
         except (SnapshotError, OSError, InvalidArgumentError, RuntimeError) as error:  # the last two: engine closed
             self.save_errors += 1
             logger.error("saving the cache snapshot to %s failed: %s", self.directory, error)

@@ -206,3 +206,26 @@ def test_serve_engine_process_answers_and_ends_its_engine_child_on_ctrl_c(cli_pr
     assert process.returncode == 0, err[-2000:]
     assert not running(engine_pid)
     assert not running(process.pid)
+
+
+def test_a_snapshot_save_stops_waiting_for_an_engine_child_that_stopped_answering(tmp_path: Path, caplog) -> None:
+    import asyncio
+
+    from prefixcache.serve.snapshots import SnapshotKeeper
+    from prefixcache.testing import require_extra
+
+    require_extra("safetensors", "snapshot")
+    process = EngineProcess(FACTORY)
+    try:
+        keeper = SnapshotKeeper(process, process, tmp_path / "snap")
+        assert asyncio.run(keeper.save(timeout_s=60)) is not None  # a child that answers saves
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            with caplog.at_level("ERROR", logger="prefixcache.serve.snapshots"):
+                assert asyncio.run(keeper.save(timeout_s=0.5)) is None
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        assert keeper.save_errors == 1
+        assert any("no answer in 0.5 s; not waiting" in record.getMessage() for record in caplog.records)
+    finally:
+        process.close()
