@@ -4,7 +4,9 @@ between chunks, within about a second."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -130,3 +132,40 @@ def test_the_prefill_chunk_written_down_for_help_is_the_replayers() -> None:
     from prefixcache.replay.replayer import DEFAULT_PREFILL_CHUNK_TOKENS
 
     assert DEFAULT_PREFILL_CHUNK == DEFAULT_PREFILL_CHUNK_TOKENS == 512
+
+
+def test_sigterm_during_a_piped_replay_ends_it_as_ctrl_c_does_and_removes_its_copy(
+    tmp_path: Path, cli_processes
+) -> None:
+    path = one_prompt(tmp_path / "long.jsonl", 32_000)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    environment = {**os.environ, "TMPDIR": str(temporary)}
+    command = ["replay", "-", "--model", "small"]
+    process = cli_processes.start(
+        command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environment
+    )
+    process.stdin.write(path.read_bytes())
+    process.stdin.close()
+    stderr = bytearray()
+
+    def read_stderr() -> None:
+        for chunk in iter(lambda: process.stderr.read1(4096), b""):
+            stderr.extend(chunk)
+
+    reader = threading.Thread(target=read_stderr)
+    reader.start()
+    started = re.compile(rb"prefill [1-9][0-9,]*/32,019 tok")
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and process.poll() is None and not started.search(bytes(stderr)):
+        time.sleep(0.01)
+    assert process.poll() is None and started.search(bytes(stderr)), "no prefill chunk shown within 300 s"
+    assert [entry.name for entry in temporary.iterdir() if entry.name.startswith("prefixcache-replay-")]
+    process.send_signal(signal.SIGTERM)
+    stdout = process.stdout.read().decode()
+    process.wait(timeout=120)
+    reader.join(timeout=10)
+
+    assert process.returncode == 143  # 128 + SIGTERM, after the partial report, as Ctrl-C's 130
+    assert "| stdin (partial) |        0 |" in stdout
+    assert [entry.name for entry in temporary.iterdir() if entry.name.startswith("prefixcache-replay-")] == []

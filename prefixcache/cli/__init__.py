@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (0 ok, 1 verification failed, 2 bad input or other error, 130 Ctrl-C,
-    141 stdout closed by its reader).
+    141 stdout closed by its reader; run as the program, 143 for a SIGTERM, which it takes as a Ctrl-C).
 
     Run as the program (``argv`` None: the ``prefixcache`` script, ``python -m prefixcache``), a Ctrl-C ends the
     process as soon as its report is written and the streams flushed (``os._exit(130)``): tearing down torch and a
@@ -49,14 +50,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     if argv is None:
         keep_freed_host_memory_unless_opted_out()
+        _end_on_sigterm_as_on_ctrl_c()
     status = _main(argv)
     if status == 130 and argv is None:
+        status = 143 if _TERMINATED else 130
         logging.shutdown()
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-        os._exit(130)
+        os._exit(status)
     return status
+
+
+_TERMINATED: list[int] = []
+"""The SIGTERMs the program received (:func:`_end_on_sigterm_as_on_ctrl_c`)."""
+
+
+def _end_on_sigterm_as_on_ctrl_c() -> None:
+    # Python's default SIGTERM ends the process at once: no partial report, and a piped input's temporary copy left
+    # behind.  Raised as a KeyboardInterrupt instead, it ends the run as Ctrl-C does, with 143 (128 + SIGTERM).
+    # `serve`'s uvicorn installs its own handlers while it runs; a handler set by whoever started us is kept.
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def terminated(signum: int, frame: object) -> None:
+        _TERMINATED.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminated)
 
 
 def _main(argv: Sequence[str] | None) -> int:
