@@ -230,8 +230,7 @@ def repeated_name(names: Sequence[Any]) -> tuple[int, int] | None:
 
 def validate_tools(tools: Sequence[Mapping[str, Any]] | None) -> None:
     """Check that ``tools`` is ``None`` or a list of JSON-serialisable objects (OpenAI function schemas, whose
-    ``function``, where given, is an object), each named (its function's ``name``, or its own for a flat schema, a
-    non-empty string), none nested more than :data:`MAX_JSON_DEPTH` deep.
+    ``function``, where given, is an object), none nested more than :data:`MAX_JSON_DEPTH` deep.
 
     Raises :class:`TemplateError` naming the offending tool index.
     """
@@ -250,10 +249,6 @@ def validate_tools(tools: Sequence[Mapping[str, Any]] | None) -> None:
             json.dumps(tool)
         except (TypeError, ValueError) as exc:
             raise TemplateError(f"tool {index} is not JSON-serialisable: {exc}") from None
-        name = (tool["function"] if "function" in tool else tool).get("name")
-        if not isinstance(name, str) or not name:  # the model could never call it (the server refuses it too)
-            where = "function's name" if "function" in tool else "name"
-            raise TemplateError(f"tool {index}'s {where} must be a non-empty string, got {name!r}")
 
 
 def _tools_block(tools: Sequence[Mapping[str, Any]]) -> str:

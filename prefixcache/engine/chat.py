@@ -108,8 +108,16 @@ def _tool_name(tool: Mapping[str, Any]) -> Any:
 
 
 def _check_unique_tool_names(tools: Sequence[Mapping[str, Any]] | None) -> None:
-    # The server refuses such a list too (a 400): in-process callers (LangChain's bind_tools, smolagents) get the same
-    # check.  After validate_tools: every tool is an object.
+    # The server refuses such lists too (a 400): in-process callers (LangChain's bind_tools, smolagents) get the same
+    # checks.  After validate_tools: every tool is an object.  A function the model could never call (no name) is
+    # refused; a tool of another kind (a hosted or custom one, named elsewhere or not at all) is left to the template,
+    # as a replayed log may hold any.
+    for index, tool in enumerate(tools or ()):
+        if "function" in tool or "name" in tool:
+            name = _tool_name(tool)
+            if not isinstance(name, str) or not name:
+                where = f"tools[{index}].function.name" if "function" in tool else f"tools[{index}].name"
+                raise InvalidArgumentError(f"{where} must be a non-empty string, got {name!r}")
     names = [_tool_name(tool) for tool in tools or ()]
     repeat = repeated_name([name if isinstance(name, str) else object() for name in names])  # only str names match
     if repeat is not None:

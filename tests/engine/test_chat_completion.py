@@ -161,3 +161,28 @@ def test_no_new_tokens_finishes_with_length_on_the_runner_and_the_engine() -> No
     engine.run_until_idle()
     assert future.result().finish_reason == "length"
     assert_quiescent(runner.cache)
+
+
+@pytest.mark.parametrize(
+    ("tool", "message"),
+    [
+        ({"type": "function", "function": {"parameters": {}}}, "tools[1].function.name must be a non-empty string"),
+        ({"type": "function", "function": {"name": ""}}, "tools[1].function.name must be a non-empty string, got ''"),
+        ({"name": 7, "parameters": {}}, "tools[1].name must be a non-empty string, got 7"),
+    ],
+)
+def test_a_function_tool_without_a_name_is_refused_before_the_cache_is_touched(tool: dict, message: str) -> None:
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["hi"]), cache_tokens=4096)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    with pytest.raises(InvalidArgumentError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        runner.chat([{"role": "user", "content": "x"}], tools=[weather, tool])
+    assert runner.cache.stats().cached_tokens == 0
+    assert_quiescent(runner.cache)
+
+
+def test_tools_of_other_kinds_named_elsewhere_or_not_at_all_still_render() -> None:
+    # A logged request may carry OpenAI's custom tools (named in "custom") or hosted ones (no name): not functions the
+    # model calls by name, so no name is asked of them.
+    runner = PrefixCachingRunner(ScriptedModel.from_texts(["hi"]), cache_tokens=4096)
+    tools = [{"type": "custom", "custom": {"name": "code_exec"}}, {"type": "web_search_preview"}]
+    assert runner.chat([{"role": "user", "content": "x"}], tools=tools).text == "hi"
