@@ -72,14 +72,9 @@ def test_chunked_prefill_verifies_and_caches_as_one_forward(tiny) -> None:
     assert chunked.max_abs_logit_diff <= 1e-4
 
 
-def test_ctrl_c_during_a_long_prefill_exits_130_within_a_second_with_the_partial_report(
-    tmp_path: Path, cli_processes
-) -> None:
-    # The small preset on a 32,000-token prompt: tens of seconds of prefill on 2 cores, seconds on a fast machine.
-    path = one_prompt(tmp_path / "long.jsonl", 32_000)
-    out = tmp_path / "report.json"
-    command = ["replay", str(path), "--model", "small", "--json", str(out)]
-    process = cli_processes.start(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def prefilling(process: subprocess.Popen) -> tuple[bytearray, threading.Thread]:
+    """Wait (at most 300 s) until the replay ``process`` shows a chunk of its 32,019-token prefill on stderr; the
+    stderr read so far (and on, by the returned reader thread).  Fails if the replay ended first or never showed one."""
     stderr = bytearray()
 
     def read_stderr() -> None:
@@ -94,6 +89,18 @@ def test_ctrl_c_during_a_long_prefill_exits_130_within_a_second_with_the_partial
         time.sleep(0.01)
     assert process.poll() is None, "the replay ended before it could be interrupted"
     assert started.search(bytes(stderr)), "no prefill chunk shown within 300 s"
+    return stderr, reader
+
+
+def test_ctrl_c_during_a_long_prefill_exits_130_within_a_second_with_the_partial_report(
+    tmp_path: Path, cli_processes
+) -> None:
+    # The small preset on a 32,000-token prompt: tens of seconds of prefill on 2 cores, seconds on a fast machine.
+    path = one_prompt(tmp_path / "long.jsonl", 32_000)
+    out = tmp_path / "report.json"
+    command = ["replay", str(path), "--model", "small", "--json", str(out)]
+    process = cli_processes.start(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stderr, reader = prefilling(process)
     cli_processes.interrupt(process)
     signalled = time.monotonic()
     stdout = process.stdout.read().decode()  # until the process closes it: its end
@@ -147,19 +154,7 @@ def test_sigterm_during_a_piped_replay_ends_it_as_ctrl_c_does_and_removes_its_co
     )
     process.stdin.write(path.read_bytes())
     process.stdin.close()
-    stderr = bytearray()
-
-    def read_stderr() -> None:
-        for chunk in iter(lambda: process.stderr.read1(4096), b""):
-            stderr.extend(chunk)
-
-    reader = threading.Thread(target=read_stderr)
-    reader.start()
-    started = re.compile(rb"prefill [1-9][0-9,]*/32,019 tok")
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and process.poll() is None and not started.search(bytes(stderr)):
-        time.sleep(0.01)
-    assert process.poll() is None and started.search(bytes(stderr)), "no prefill chunk shown within 300 s"
+    _, reader = prefilling(process)
     assert [entry.name for entry in temporary.iterdir() if entry.name.startswith("prefixcache-replay-")]
     process.send_signal(signal.SIGTERM)
     stdout = process.stdout.read().decode()
