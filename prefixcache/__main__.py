@@ -2,5 +2,5 @@
 
 from prefixcache.cli import main
 
-if __name__ == "__main__":  # not when an engine process (spawned) imports this main module again
+if __name__ == "__main__":  # not when something imports this module (multiprocessing's spawn, runpy)
     raise SystemExit(main())

@@ -140,16 +140,15 @@ def run(args: argparse.Namespace) -> int:
     if args.snapshot is not None and Path(args.snapshot).exists() and not Path(args.snapshot).is_dir():
         raise InvalidArgumentError(f"--snapshot {args.snapshot}: is a file; give a folder (made if missing)")
     keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
-    choice = choose_tokenizer(args.tokenizer, None if args.model_config else args.model)
     if args.engine_process:
         from prefixcache.engine.process import EngineProcess
 
         served: Any = EngineProcess(
             functools.partial(served_runner, args), max_batch_tokens=args.max_batch_tokens, max_running=args.max_running
         )
-        pool = served.note
+        described = served.note
     else:
-        served, pool = served_runner(args)
+        served, described = served_runner(args)
     # What was restored, or why the cache starts cold, is worth a line at the default verbosity.
     logging.getLogger("prefixcache.serve.snapshots").setLevel(logging.INFO)
     name = args.served_model_name or _default_model_name(args)
@@ -166,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def announce(url: str) -> None:
-        print(f"serving {name!r} at {url}/v1 ({pool}; tokenizer {choice.describe()})", flush=True)
+        print(f"serving {name!r} at {url}/v1 ({described})", flush=True)
 
     serve_forever(app, args.host, args.port, log_level="warning" if args.verbose == 0 else "info", announce=announce)
     return 0
@@ -174,8 +173,9 @@ def run(args: argparse.Namespace) -> int:
 
 def served_runner(args: argparse.Namespace) -> tuple[Any, str]:
     """The runner ``serve`` serves, built from its options (model, tokenizer, pool size), and the start line's
-    description of its pool.  Module-level so that ``--engine-process`` builds it in the engine process (the options
-    are pickled).  Raises InvalidArgumentError for a missing extra."""
+    description of its pool and tokenizer.  Module-level so that an engine process (``serve``'s default) builds it
+    there (the options are pickled).  Raises InvalidArgumentError for a missing extra or a pool too large for
+    memory."""
     from prefixcache.engine.pool_size import (
         DEFAULT_MEMORY_FRACTION,
         check_default_pool,
@@ -228,4 +228,4 @@ def served_runner(args: argparse.Namespace) -> tuple[Any, str]:
             f"the KV pool does not fit in memory ({bound}): {str(error).splitlines()[0]}; give a smaller "
             "--cache-tokens or --cache-memory"
         ) from None
-    return runner, describe_pool(runner.pool, model.max_position, bound)
+    return runner, f"{describe_pool(runner.pool, model.max_position, bound)}; tokenizer {choice.describe()}"

@@ -107,18 +107,16 @@ def _tool_name(tool: Mapping[str, Any]) -> Any:
     return (function if isinstance(function, Mapping) else tool).get("name")
 
 
-def _check_unique_tool_names(tools: Sequence[Mapping[str, Any]] | None) -> None:
+def _check_tool_names(tools: Sequence[Mapping[str, Any]] | None) -> None:
     # The server refuses such lists too (a 400): in-process callers (LangChain's bind_tools, smolagents) get the same
     # checks.  After validate_tools: every tool is an object.  A function the model could never call (no name) is
     # refused; a tool of another kind (a hosted or custom one, named elsewhere or not at all) is left to the template,
     # as a replayed log may hold any.
-    for index, tool in enumerate(tools or ()):
-        if "function" in tool or "name" in tool:
-            name = _tool_name(tool)
-            if not isinstance(name, str) or not name:
-                where = f"tools[{index}].function.name" if "function" in tool else f"tools[{index}].name"
-                raise InvalidArgumentError(f"{where} must be a non-empty string, got {name!r}")
     names = [_tool_name(tool) for tool in tools or ()]
+    for index, (tool, name) in enumerate(zip(tools or (), names, strict=True)):
+        if ("function" in tool or "name" in tool) and (not isinstance(name, str) or not name):
+            where = f"tools[{index}].function.name" if "function" in tool else f"tools[{index}].name"
+            raise InvalidArgumentError(f"{where} must be a non-empty string, got {name!r}")
     repeat = repeated_name([name if isinstance(name, str) else object() for name in names])  # only str names match
     if repeat is not None:
         index, first = repeat
@@ -215,8 +213,13 @@ class ChatDecoder:
         self._pieces: list[str] = [forced_text]
         self._request_id = request_id
         self.forced_ids = tuple(forced_ids)
-        self.arguments = {"stops": stops, "parse_calls": parse_calls, "forced_text": forced_text}
-        self.arguments.update(forced_ids=self.forced_ids, request_id=request_id)
+        self.arguments = {
+            "stops": stops,
+            "parse_calls": parse_calls,
+            "forced_text": forced_text,
+            "forced_ids": self.forced_ids,
+            "request_id": request_id,
+        }
         """What makes this decoder again over another tokenizer copy (:meth:`from_arguments`; plain data, pickles)."""
 
     @classmethod
@@ -281,7 +284,7 @@ def prepare_chat(
         raise InvalidArgumentError("messages must be a non-empty list of chat messages")
     stops = check_stop(stop)
     validate_tools(tools)  # first: the checks below read each tool as an object
-    _check_unique_tool_names(tools)
+    _check_tool_names(tools)
     forced_text = check_tool_choice(tool_choice, tools)
     parse_calls = bool(tools) and tool_choice != "none"
     if forced_text and structured_available(tokenizer):

@@ -167,21 +167,15 @@ class EngineProcess:
         )
         child_end.close()
         self._conn = Connection(parent_end.detach())
-        options = {"max_batch_tokens": max_batch_tokens, "max_running": max_running, "policy": policy}
-        try:
-            send_message(self._conn, (factory, options))
-        except Exception:
-            self._process.kill()
-            self._process.wait()
-            self._conn.close()
-            raise
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}
         self._ids = itertools.count(1)
         self._dead: EngineDeadError | None = None
         self._closed = False
+        options = {"max_batch_tokens": max_batch_tokens, "max_running": max_running, "policy": policy}
         try:
+            send_message(self._conn, (factory, options))
             ready = self._first_message(start_timeout_s)
         except BaseException:
             self._process.kill()
@@ -222,8 +216,7 @@ class EngineProcess:
         # As given, so that the child's checks see what BatchEngine.submit would (a bad type or shape is its
         # InvalidTokensError, not a TypeError here); only an iterator, which does not pickle, is read into a list.
         prompt = list(prompt_ids) if isinstance(prompt_ids, Iterator) else prompt_ids
-        handle, _ = self._start("submit", (prompt, sampling, options), None, None)
-        return handle
+        return self._start("submit", (prompt, sampling, options), None, None)
 
     def submit_prepared(
         self,
@@ -239,10 +232,10 @@ class EngineProcess:
         ``ChatCompletion``.  Raises as :meth:`submit`."""
         payload = (prepared.prompt_ids, prepared.sampling, prepared.decoder.arguments, namespace, request_id)
         payload += (on_delta is not None or on_logprob is not None, on_logprob is not None)
-        handle, _ = self._start("chat", payload, on_delta, on_logprob)
+        handle = self._start("chat", payload, on_delta, on_logprob)
         return handle, handle.future
 
-    def _start(self, op: str, payload: Any, on_delta: Any, on_logprob: Any) -> tuple[RemoteHandle, _Job]:
+    def _start(self, op: str, payload: Any, on_delta: Any, on_logprob: Any) -> RemoteHandle:
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
         with self._lock:
             self._check_open()
@@ -257,7 +250,7 @@ class EngineProcess:
                 self._jobs.pop(job_id, None)
             handle.cancel()
             raise EngineDeadError(f"the engine process did not answer within {self.answer_timeout_s} s") from None
-        return job.handle, job  # type: ignore[return-value]
+        return handle
 
     # -- functions in the child -------------------------------------------------------------------------------------
 
@@ -288,19 +281,19 @@ class EngineProcess:
 
     def save_snapshot(self, directory: str | os.PathLike[str]) -> Future[Any]:
         """:meth:`BatchEngine.save_snapshot` in the child (the copy between two steps, the files on its writer)."""
-        return self._run("query", _save_snapshot, (os.fspath(directory),))
+        return self._run("query", BatchEngine.save_snapshot, (os.fspath(directory),))
 
     def load_snapshot(self, directory: str | os.PathLike[str]) -> Future[Any]:
-        """:meth:`BatchEngine.load_snapshot` in the child."""
-        return self.call(_load_snapshot, os.fspath(directory))
+        """:meth:`BatchEngine.load_snapshot` in the child (between two steps)."""
+        return self._run("query", BatchEngine.load_snapshot, (os.fspath(directory),))
 
     def evict_all(self) -> Future[Any]:
-        """:meth:`BatchEngine.evict_all` in the child."""
-        return self.call(_evict_all)
+        """:meth:`BatchEngine.evict_all` in the child (between two steps)."""
+        return self._run("query", BatchEngine.evict_all, ())
 
-    num_pending = property(lambda self: self.query(_attribute, "num_pending"), doc="The child engine's num_pending.")
-    preempted_requests = property(lambda self: self.query(_attribute, "preempted_requests"), doc="Its preemptions.")
-    cancelled_requests = property(lambda self: self.query(_attribute, "cancelled_requests"), doc="Its cancellations.")
+    num_pending = property(lambda self: self.query(getattr, "num_pending"), doc="The child engine's num_pending.")
+    preempted_requests = property(lambda self: self.query(getattr, "preempted_requests"), doc="Its preemptions.")
+    cancelled_requests = property(lambda self: self.query(getattr, "cancelled_requests"), doc="Its cancellations.")
 
     # -- life -------------------------------------------------------------------------------------------------------
 
@@ -415,21 +408,5 @@ def _settle(future: Future[Any], kind: str, value: Any) -> None:
         pass
 
 
-def _attribute(engine: BatchEngine, name: str) -> Any:
-    return getattr(engine, name)
-
-
 def _cache_stats(engine: BatchEngine) -> Any:
     return engine.runner.cache.stats()
-
-
-def _save_snapshot(engine: BatchEngine, directory: str) -> Any:
-    return engine.save_snapshot(directory)
-
-
-def _load_snapshot(engine: BatchEngine, directory: str) -> Any:
-    return engine.runner.load_snapshot(directory)
-
-
-def _evict_all(engine: BatchEngine) -> None:
-    engine.runner.cache.evict_all()

@@ -84,11 +84,8 @@ class _ChildLink:
             pass  # the parent is gone; the command loop sees EOF and ends the child
 
     def end(self, job: int, future: Future[Any]) -> None:
-        if future.cancelled():
-            self.send("end", job, ("cancelled", None))
-            return
-        error = future.exception()
-        if isinstance(error, CancelledError):
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled() or isinstance(error, CancelledError):
             self.send("end", job, ("cancelled", None))
         elif error is not None:
             self.send("end", job, ("error", portable(error)))
@@ -141,7 +138,7 @@ def child_main(fd: int) -> None:
         return
     handles: dict[int, Any] = {}
     try:
-        _serve(conn, link, engine, runner, handles)
+        _serve(conn, link, engine, handles)
     finally:
         engine.close()
         try:
@@ -150,7 +147,7 @@ def child_main(fd: int) -> None:
             conn.close()
 
 
-def _serve(conn: Any, link: _ChildLink, engine: BatchEngine, runner: Any, handles: dict[int, Any]) -> None:
+def _serve(conn: Any, link: _ChildLink, engine: BatchEngine, handles: dict[int, Any]) -> None:
     while True:
         try:
             op, job, data = receive_message(conn)
@@ -166,7 +163,7 @@ def _serve(conn: Any, link: _ChildLink, engine: BatchEngine, runner: Any, handle
         try:
             payload = pickle.loads(data)
             if op in ("chat", "submit"):
-                handle, future = _submit(op, engine, runner, link, job, payload)
+                handle, future = _submit(op, engine, link, job, payload)
             else:
                 fn, args = payload
                 future = _function(op, engine, fn, args)
@@ -186,13 +183,14 @@ def _ended(link: _ChildLink, handles: dict[int, Any], job: int, future: Future[A
     link.end(job, future)
 
 
-def _submit(op: str, engine: BatchEngine, runner: Any, link: _ChildLink, job: int, payload: Any) -> tuple[Any, Any]:
+def _submit(op: str, engine: BatchEngine, link: _ChildLink, job: int, payload: Any) -> tuple[Any, Any]:
     if op == "submit":
         prompt_ids, sampling, options = payload
         handle = engine.submit(prompt_ids, sampling, **options)
         return handle, handle.future
     prompt_ids, sampling, arguments, namespace, request_id, wants_deltas, wants_logprobs = payload
-    prepared = PreparedChat(prompt_ids, sampling, ChatDecoder.from_arguments(runner.tokenizer, sampling, arguments))
+    decoder = ChatDecoder.from_arguments(engine.runner.tokenizer, sampling, arguments)
+    prepared = PreparedChat(prompt_ids, sampling, decoder)
     pending: list[Any] = []
     send = link.send
 

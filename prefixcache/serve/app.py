@@ -154,7 +154,7 @@ def create_app(
     transport) and ``app.state.runner`` the runner.  Given an :class:`~prefixcache.engine.process.EngineProcess`
     instead of a runner, the app serves that engine in its own process (it is ``app.state.engine`` and
     ``app.state.runner``; its own bounds apply, ``max_batch_tokens`` and ``max_running`` are not used; closed with
-    the app): the event loop then never holds the engine's GIL (``prefixcache serve --engine-process``).
+    the app): the event loop then never holds the engine's GIL (``prefixcache serve``'s default).
 
     With ``snapshot_dir`` the app's lifespan restores the cache from that snapshot folder at start (cold, saying
     why, when there is none or it is refused), saves it every ``snapshot_every_s`` seconds and on a clean shutdown
@@ -174,7 +174,7 @@ def create_app(
     )
     metrics = ServerMetrics(runner.cache, engine)
     strings = TokenStrings(runner.tokenizer)  # the logprobs' token strings
-    snapshots = None if snapshot_dir is None else SnapshotKeeper(runner, engine, snapshot_dir, snapshot_every_s)
+    snapshots = None if snapshot_dir is None else SnapshotKeeper(engine, snapshot_dir, snapshot_every_s)
     engine.start()
 
     @asynccontextmanager

@@ -19,9 +19,9 @@
    on an embedded model of Qwen2.5-0.5B's 24 layers with the ``small`` preset's vocabulary (the shape of issue 30's
    profile, where a token took 312 ms served against 270 in-process, without the 151,936-row LM head, which the byte
    tokenizer cannot decode).  Each model is measured twice: with the engine on a thread of the server's process
-   (``create_app`` over a runner, the default of ``prefixcache serve``) and with the engine in a process of its own
-   (``serve --engine-process``, :class:`~prefixcache.engine.process.EngineProcess`), where the event loop's work per
-   token no longer holds the engine's GIL.  Goal: served within 3% of in-process.
+   (``create_app`` over a runner, ``serve --no-engine-process``) and with the engine in a process of its own
+   (``prefixcache serve``'s default, :class:`~prefixcache.engine.process.EngineProcess`), where the event loop's work
+   per token no longer holds the engine's GIL.  Goal: served within 3% of in-process.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ CLIENTS = 16
 WARM_UP = 10
 TAU_BENCH = DATA_DIR / "tau_bench_airline_gpt4o.jsonl"
 MESSAGES = [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Hi"}]
+ENGINE_PROCESS = "engine in its own process"
+"""How the decode tables with the engine in a process of its own name it."""
 
 
 def _timed(call) -> tuple[float, float]:
@@ -245,7 +247,7 @@ def run(quick: bool = False) -> BenchResult:
     overhead = _overhead(30 if quick else 300)
     tau = _tau_bench(16 if quick else 32, 2 if quick else 6)
     # Each model twice: the engine on a thread of the server's process (create_app over a runner), then in a process
-    # of its own (serve --engine-process), where the event loop never holds the engine's GIL.
+    # of its own (serve's default), where the event loop never holds the engine's GIL.
     decodes = [("small preset", decode_figures(quick))]
     decodes.append((f"small preset, {ENGINE_PROCESS}", decode_figures(quick, engine_process=True)))
     qwen_layers = None if quick else qwen_layers_config()
@@ -343,9 +345,6 @@ def run(quick: bool = False) -> BenchResult:
     figures["decode_qwen_layers"] = decodes[2][1] if len(decodes) > 2 else None
     figures["decode_qwen_layers_engine_process"] = decodes[3][1] if len(decodes) > 3 else None
     return BenchResult("serve", tuple(tables), figures)
-
-
-ENGINE_PROCESS = "engine in its own process"
 
 
 def qwen_layers_config():

@@ -257,26 +257,28 @@ def decode_figures(
     model = model if model is not None else "small"
     concurrent = 4
     cache_tokens = (PROMPT_TOKENS + new_tokens + 32) * concurrent * 2
+    built_here = isinstance(model, (str, ModelConfig))
+    if engine_process and not built_here:
+        raise InvalidArgumentError("an engine process builds its model: give a preset name or a ModelConfig")
     if engine_process:
-        if not isinstance(model, (str, ModelConfig)):
-            raise InvalidArgumentError("an engine process builds its model: give a preset name or a ModelConfig")
         served: Any = EngineProcess(functools.partial(bench_runner, model, cache_tokens))
+    elif built_here:
+        served = bench_runner(model, cache_tokens)
+    else:
+        served = PrefixCachingRunner(model, cache_tokens=cache_tokens)
+    app = create_app(served, model_name="bench")
+    engine = app.state.engine
+    if engine_process:  # the in-process runs are submitted in the engine process, straight to its engine
         engine_pid, engine_thread = served.pid, served.engine_thread_id
 
         def in_process(bodies: list[dict[str, Any]]) -> list[tuple[float, float]]:
             return served.query(_in_process_here, bodies, timeout_s=600.0)
 
     else:
-        served = bench_runner(model, cache_tokens) if isinstance(model, (str, ModelConfig)) else None
-        served = served or PrefixCachingRunner(model, cache_tokens=cache_tokens)
-    app = create_app(served, model_name="bench")
-    engine = app.state.engine
-    if not engine_process:
-        clocks = _Clocks(engine)
         engine_pid, engine_thread = os.getpid(), engine.call_soon(threading.get_native_id).result()
 
         def in_process(bodies: list[dict[str, Any]]) -> list[tuple[float, float]]:
-            return _in_process(engine, served.tokenizer, clocks, bodies)
+            return _in_process_here(engine, bodies)
 
     load_before = os.getloadavg()[0]
     out: dict[str, Any] = {"new_tokens": new_tokens, "runs": runs, "concurrent": concurrent}
@@ -312,7 +314,8 @@ def decode_figures(
 
 
 def _in_process_here(engine: Any, bodies: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """:func:`_in_process` run in an engine process (:meth:`EngineProcess.query`) on its own engine."""
+    """:func:`_in_process` on ``engine``, in whichever process it steps (an engine process runs it through
+    :meth:`EngineProcess.query`)."""
     return _in_process(engine, engine.runner.tokenizer, _Clocks(engine), bodies)
 
 

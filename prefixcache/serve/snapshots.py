@@ -16,7 +16,7 @@ import os
 
 from prefixcache.cache.snapshot import SnapshotSummary
 from prefixcache.engine.batching import BatchEngine
-from prefixcache.engine.runner import PrefixCachingRunner
+from prefixcache.engine.process import EngineProcess
 from prefixcache.errors import InvalidArgumentError, SnapshotError, SnapshotNotFoundError
 
 __all__ = ["SHUTDOWN_SAVE_TIMEOUT_S", "SnapshotKeeper"]
@@ -29,8 +29,9 @@ logger = logging.getLogger(__name__)
 
 
 class SnapshotKeeper:
-    """The snapshot folder ``directory`` of a server over ``runner``: :meth:`restore` at start, :meth:`save` every
-    ``every_s`` seconds (:meth:`run_periodic`; never when None) and at shutdown, each through ``engine``.
+    """The snapshot folder ``directory`` of a server's cache: :meth:`restore` at start, :meth:`save` every ``every_s``
+    seconds (:meth:`run_periodic`; never when None) and at shutdown, each through ``engine`` (a
+    :class:`~prefixcache.engine.batching.BatchEngine` or an :class:`~prefixcache.engine.process.EngineProcess`).
 
     ``restored`` is what the start loaded (None when it started cold, ``restore_error`` then says why);
     ``last_saved`` the latest save and ``save_errors`` the number of failed ones.
@@ -41,8 +42,7 @@ class SnapshotKeeper:
 
     def __init__(
         self,
-        runner: PrefixCachingRunner,
-        engine: BatchEngine,
+        engine: BatchEngine | EngineProcess,
         directory: str | os.PathLike[str],
         every_s: float | None = None,
     ) -> None:
@@ -50,7 +50,6 @@ class SnapshotKeeper:
             raise InvalidArgumentError(f"the snapshot interval must be a positive number of seconds, got {every_s!r}")
         if os.path.exists(directory) and not os.path.isdir(directory):
             raise InvalidArgumentError(f"the snapshot folder {os.fspath(directory)} is a file, not a folder")
-        self.runner = runner
         self.engine = engine
         self.directory = os.fspath(directory)
         self.every_s = every_s

@@ -217,7 +217,7 @@ def test_a_snapshot_save_stops_waiting_for_an_engine_child_that_stopped_answerin
     require_extra("safetensors", "snapshot")
     process = EngineProcess(FACTORY)
     try:
-        keeper = SnapshotKeeper(process, process, tmp_path / "snap")
+        keeper = SnapshotKeeper(process, tmp_path / "snap")
         assert asyncio.run(keeper.save(timeout_s=60)) is not None  # a child that answers saves
         os.kill(process.pid, signal.SIGSTOP)
         try:
