@@ -281,11 +281,11 @@ class EngineProcess:
 
     def save_snapshot(self, directory: str | os.PathLike[str]) -> Future[Any]:
         """:meth:`BatchEngine.save_snapshot` in the child (the copy between two steps, the files on its writer)."""
-        return self._run("query", BatchEngine.save_snapshot, (os.fspath(directory),))
+        return self._run("query", BatchEngine.save_snapshot, (directory,))  # as given: the child checks it
 
     def load_snapshot(self, directory: str | os.PathLike[str]) -> Future[Any]:
         """:meth:`BatchEngine.load_snapshot` in the child (between two steps)."""
-        return self._run("query", BatchEngine.load_snapshot, (os.fspath(directory),))
+        return self._run("query", BatchEngine.load_snapshot, (directory,))
 
     def evict_all(self) -> Future[Any]:
         """:meth:`BatchEngine.evict_all` in the child (between two steps)."""

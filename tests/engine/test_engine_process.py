@@ -516,3 +516,8 @@ def test_a_child_that_stops_answering_is_an_engine_dead_error_not_a_hang() -> No
         assert process.query(getattr, "num_pending") == 0
     finally:
         process.close()
+
+
+def test_a_snapshot_folder_that_is_not_a_path_is_the_engines_invalid_argument(remote: EngineProcess) -> None:
+    with pytest.raises(InvalidArgumentError, match="path"):
+        remote.save_snapshot(123).result(WAIT_S)  # type: ignore[arg-type]
