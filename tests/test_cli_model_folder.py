@@ -14,6 +14,7 @@ import pytest
 from prefixcache.chat.tokenizer import ByteTokenizer
 from prefixcache.cli import main
 from prefixcache.cli.tokenizer_choice import BYTE_VOCAB_SIZE, byte_vocab_warning, choose_tokenizer
+from prefixcache.models.sources import resolve_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = ROOT / "scenarios" / "multi_turn_chat.jsonl"
@@ -142,9 +143,10 @@ def test_the_embedded_presets_and_a_byte_level_vocabulary_are_not_warned_about(
     with caplog.at_level(logging.WARNING):
         replay_json(tmp_path)  # the tiny preset: 512 ids, the byte tokenizer's 259 among them
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
-    assert byte_vocab_warning("hf:/m", None, BYTE_VOCAB_SIZE) is None
-    assert byte_vocab_warning("small", None, 512) is None
-    assert "--model-config c.json runs with the byte tokenizer" in byte_vocab_warning("tiny", "c.json", 151_936)
+    assert byte_vocab_warning("hf:/m", False, None, BYTE_VOCAB_SIZE) is None
+    assert byte_vocab_warning("small", True, None, 512) is None
+    assert "--model-config c.json runs with the byte tokenizer" in byte_vocab_warning("tiny", True, "c.json", 151_936)
+    assert "--model /m (no tokenizer in the folder)" in byte_vocab_warning("/m", False, None, 512)
 
 
 def test_the_byte_vocabulary_written_down_is_the_byte_tokenizers() -> None:
@@ -153,8 +155,12 @@ def test_the_byte_vocabulary_written_down_is_the_byte_tokenizers() -> None:
 
 def test_choose_tokenizer_prefers_tokenizer_then_the_model_folder(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{}")
-    assert choose_tokenizer("tok", f"hf:{tmp_path}").path == "tok"
-    folder = choose_tokenizer(None, f"hf:{tmp_path}")
+    (tmp_path / "config.json").write_text("{}")
+    assert choose_tokenizer("tok", resolve_model(f"hf:{tmp_path}")).path == "tok"
+    folder = choose_tokenizer(None, resolve_model(f"hf:{tmp_path}"))
     assert (folder.path, folder.from_model_folder) == (str(tmp_path), True)
-    assert choose_tokenizer(None, f"hf:{tmp_path / 'missing'}").path is None
-    assert choose_tokenizer(None, "tiny").describe() == "byte-level (embedded ChatML)"
+    assert folder.describe() == f"{tmp_path} (the model folder's own)"
+    (tmp_path / "tokenizer.json").unlink()
+    assert choose_tokenizer(None, resolve_model(str(tmp_path))).path is None
+    assert choose_tokenizer(None, resolve_model("tiny")).describe() == "byte-level (embedded ChatML)"
+    assert choose_tokenizer(None, None).path is None

@@ -17,6 +17,7 @@ raw text and strips nothing (checked at load; otherwise every rendering is token
 
 from __future__ import annotations
 
+import functools
 import json
 import operator
 import os
@@ -27,6 +28,7 @@ from typing import Any
 
 import xxhash
 
+from prefixcache.chat.generic_tools import for_template
 from prefixcache.chat.template import check_template_kwargs, validate_messages, validate_tools
 from prefixcache.chat.tool_calls import call_arguments, call_name
 from prefixcache.errors import InvalidArgumentError, InvalidTokensError, TemplateError
@@ -38,7 +40,8 @@ _MEMO_PIECES = 1 << 16
 
 
 class HFTokenizer:
-    """A local Hugging Face tokenizer folder (``vocab.json`` + ``merges.txt``, or ``tokenizer.json``).
+    """A local Hugging Face tokenizer folder (``vocab.json`` + ``merges.txt``, or ``tokenizer.json``), or the tokenizer
+    and chat template inside a ``.gguf`` file (read by transformers with the ``gguf`` package).
 
     ``name`` is ``<tokenizer class>:<folder name>:<xxh64>``, the hash covering the vocabulary (ids and strings) and
     the chat template, so a changed template or vocabulary never matches an old cache.  ``vocab_size`` counts added
@@ -48,20 +51,29 @@ class HFTokenizer:
     ``chat_template`` (Jinja source) replaces the folder's own template, or supplies one to a folder without it.
 
     Raises:
-        InvalidArgumentError: ``path`` is not a folder, lacks the files that say which tokenizer it holds (named in
-            the message, with the fix), or transformers cannot load a tokenizer from it.
+        InvalidArgumentError: ``path`` is neither a folder nor a ``.gguf`` file, a folder lacks the files that say
+            which tokenizer it holds (named in the message, with the fix), or transformers cannot load a tokenizer
+            from it.
         ImportError: transformers is not installed (``pip install "prefixcache[hf]"``).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, chat_template: str | None = None) -> None:
         folder = Path(path)
-        if not folder.is_dir():
-            raise InvalidArgumentError(f"tokenizer path {str(folder)!r} is not a folder")
-        _check_tokenizer_files(folder)
+        gguf_file = folder.is_file() and folder.suffix.lower() == ".gguf"
+        if not folder.is_dir() and not gguf_file:
+            raise InvalidArgumentError(f"tokenizer path {str(folder)!r} is not a folder or a .gguf file")
+        if not gguf_file:
+            _check_tokenizer_files(folder)
         from transformers import AutoTokenizer
 
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+            if gguf_file:
+                # transformers rebuilds a fast tokenizer from the file's tokenizer.ggml.* fields, template included.
+                self.tokenizer = AutoTokenizer.from_pretrained(
+                    str(folder.parent), gguf_file=folder.name, local_files_only=True
+                )
+            else:
+                self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         except Exception as error:  # noqa: BLE001 - the tokenizers library raises bare Exception for broken files
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise InvalidArgumentError(f"cannot load a tokenizer from {str(folder)!r}: {first_line}") from None
@@ -74,7 +86,7 @@ class HFTokenizer:
         self._vocab_size = len(tok)
         self._added: dict[str, int] = dict(tok.get_added_vocab())
         eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-        eos |= _generation_config_eos(folder)
+        eos |= set() if gguf_file else _generation_config_eos(folder)
         self._eos = frozenset(int(t) for t in eos)
         template = tok.chat_template if isinstance(tok.chat_template, str) else json.dumps(tok.chat_template)
         digest = xxhash.xxh64()
@@ -151,6 +163,11 @@ class HFTokenizer:
         extra template variables, as ``apply_chat_template(**kwargs)`` takes them (Qwen3's ``enable_thinking``,
         gpt-oss's ``reasoning_effort``; a template that does not read one renders as without it).
 
+        A template that does not render ``tools`` (SmolLM2's, Llama 2's) gets the chat rewritten by
+        :func:`~prefixcache.chat.generic_tools.for_template`: the tools described in the system prompt, calls and tool
+        results written as the model reads and writes them (probed once per template; a template that renders tools,
+        or a chat without any, is rendered exactly as before).
+
         Cost: the whole history is rendered and tokenized, O(total characters).  Raises :class:`TemplateError` for
         invalid messages, tools or template variables (a reserved name:
         :data:`~prefixcache.chat.template.RESERVED_TEMPLATE_VARIABLES`), a tokenizer without a chat template, or an
@@ -166,10 +183,17 @@ class HFTokenizer:
             )
         from jinja2 import TemplateError as JinjaError
 
+        template = self.tokenizer.chat_template
+        shown, shown_tools = for_template(
+            messages,
+            tools,
+            key=(self._name, template if isinstance(template, str) else repr(template)),
+            render=functools.partial(_render_text, self.tokenizer),
+        )
         try:
             rendered = self.tokenizer.apply_chat_template(
-                [_template_message(m) for m in messages],
-                tools=[dict(t) for t in tools] if tools else None,
+                [_template_message(m) for m in shown],
+                tools=[dict(t) for t in shown_tools] if shown_tools else None,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=self._splitter is None,
                 return_dict=False,
@@ -207,6 +231,11 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r})"
+
+
+def _render_text(tok: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """The template's text for a probe chat (:func:`~prefixcache.chat.generic_tools.probe_template`); may raise."""
+    return tok.apply_chat_template(messages, tools=tools, add_generation_prompt=False, tokenize=False)
 
 
 def _require_unicode(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None) -> None:

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import IO, Any
 
 from prefixcache.cli.options import parse_count, parse_size
-from prefixcache.cli.tokenizer_choice import byte_vocab_warning, choose_tokenizer
+from prefixcache.cli.tokenizer_choice import (
+    DTYPE_HELP,
+    MODEL_HELP,
+    byte_vocab_warning,
+    choose_tokenizer,
+    model_source,
+)
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.replay.endpoint import add_endpoint_arguments
 
@@ -48,15 +54,15 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="input files (chat transcripts, request logs, OpenAI Batch, ShareGPT or Mooncake traces; JSON Lines "
         "or one JSON array; see --format), or folders of *.jsonl files",
     )
-    replay.add_argument(
-        "--model", default="tiny", help="embedded preset tiny (default) or small, or hf:PATH (local HF model folder)"
-    )
+    replay.add_argument("--model", default="tiny", help=MODEL_HELP)
+    replay.add_argument("--dtype", default="auto", metavar="DTYPE", help=DTYPE_HELP)
     replay.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
     replay.add_argument("--layers", type=int, help="with --model-config: keep only the first N layers")
     replay.add_argument(
         "--tokenizer",
         metavar="PATH",
-        help="local HF tokenizer folder (default: the hf:PATH model folder's own when it has one, else byte-level)",
+        help="local HF tokenizer folder or .gguf file (default: the model's own: a GGUF file's, or the model folder's "
+        "when it has one; else byte-level)",
     )
     replay.add_argument(
         "--chat-template", metavar="FILE", help="Jinja chat template for the HF tokenizer (instead of the folder's own)"
@@ -220,11 +226,11 @@ def _load_tokenizer(args: argparse.Namespace, progress: _Progress):
         InvalidArgumentError: ``--chat-template`` without a Hugging Face tokenizer, an unreadable template file, or
             a tokenizer without a chat template.
     """
-    choice = choose_tokenizer(args.tokenizer, None if args.model_config else args.model)
+    choice = choose_tokenizer(args.tokenizer, model_source(args))
     if args.chat_template and choice.path is None:
         raise InvalidArgumentError(
-            "--chat-template needs --tokenizer or a --model hf:PATH folder with a tokenizer (the byte tokenizer has "
-            "its own ChatML)"
+            "--chat-template needs --tokenizer or a --model with a tokenizer (a GGUF file, smollm2, or an hf:PATH "
+            "folder holding one; the byte tokenizer has its own ChatML)"
         )
     if choice.path is None:
         return None
@@ -252,22 +258,20 @@ def _load_tokenizer(args: argparse.Namespace, progress: _Progress):
 
 
 def _load_model(args: argparse.Namespace, progress: _Progress):
-    from prefixcache.models.llama import build_model
-
     if args.no_model:
         return None
     if args.model_config:
         from prefixcache.models.hf import random_model_from_config
+        from prefixcache.models.sources import parse_dtype
 
         progress.step(f"building a random-weight model from {args.model_config}")
-        return random_model_from_config(args.model_config, layers=args.layers)
-    if args.model.startswith("hf:"):
-        from prefixcache.models.hf import load_hf_model
+        dtype = parse_dtype(args.dtype)
+        return random_model_from_config(args.model_config, layers=args.layers, **({"dtype": dtype} if dtype else {}))
+    from prefixcache.models.loading import load_source
 
-        progress.step(f"loading model {args.model[3:]}")
-        return load_hf_model(args.model[3:])
-    progress.step(f"building model {args.model}")
-    return build_model(args.model)
+    source = model_source(args)
+    progress.step(f"loading model {source.describe()}" if source.kind != "preset" else f"building model {args.model}")
+    return load_source(source, args.dtype)
 
 
 def _check_inputs_exist(paths: list[str]) -> None:
@@ -376,6 +380,10 @@ def _replay(args: argparse.Namespace) -> int:
         require_matplotlib()  # fail before a long replay, not after it
     if args.layers is not None and not args.model_config:
         raise InvalidArgumentError("--layers needs --model-config")
+    if not args.no_model:
+        from prefixcache.models.sources import parse_dtype
+
+        parse_dtype(args.dtype)  # a typo is one line before a model loads
     if args.prefill_chunk < 0:
         raise InvalidArgumentError(f"--prefill-chunk must be 0 (whole prompts) or more, got {args.prefill_chunk}")
     check_options(
@@ -399,17 +407,21 @@ def _checked_replay(args: argparse.Namespace, progress: _Progress) -> int:
     from prefixcache.replay.requests import read_options
 
     _check_inputs_exist(args.paths)
+    from prefixcache.models.loading import loading
+
     try:
-        tokenizer = _load_tokenizer(args, progress)
+        with loading(None if args.no_model or args.endpoint else model_source(args)):
+            tokenizer = _load_tokenizer(args, progress)
+            model = None if args.endpoint else _load_model(args, progress)
         if args.endpoint:
             from prefixcache.replay.audit import run_endpoint_replay
 
             return run_endpoint_replay(args, tokenizer, progress)
-        model = _load_model(args, progress)
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
     if model is not None and tokenizer is None:
-        warning = byte_vocab_warning(args.model, args.model_config, model.vocab_size)
+        preset = not args.model_config and model_source(args).kind == "preset"
+        warning = byte_vocab_warning(args.model, preset, args.model_config, model.vocab_size)
         if warning:
             logging.getLogger(__name__).warning(warning)
     replayer = Replayer(

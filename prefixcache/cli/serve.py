@@ -10,7 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from prefixcache.cli.options import parse_count, parse_size
-from prefixcache.cli.tokenizer_choice import byte_vocab_warning, choose_tokenizer
+from prefixcache.cli.tokenizer_choice import (
+    DTYPE_HELP,
+    MODEL_HELP,
+    byte_vocab_warning,
+    choose_tokenizer,
+    model_source,
+)
 from prefixcache.errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "add_parser", "run", "served_runner"]
@@ -23,17 +29,20 @@ equal), written here because importing the server imports torch, and ``--help`` 
 def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     """Add the ``serve`` subcommand to ``commands`` (the subparsers of the ``prefixcache`` parser)."""
     serve = commands.add_parser("serve", parents=parents, help="an OpenAI-compatible HTTP server over the prefix cache")
-    serve.add_argument("--model", default="tiny", help="embedded preset tiny (default) or small, or hf:PATH")
+    serve.add_argument("--model", default="tiny", help=MODEL_HELP)
+    serve.add_argument("--dtype", default="auto", metavar="DTYPE", help=DTYPE_HELP)
     serve.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
     serve.add_argument("--layers", type=int, help="with --model-config: keep only the first N layers")
     serve.add_argument(
         "--tokenizer",
         metavar="PATH",
-        help="local HF tokenizer folder (default: the hf:PATH model folder's own when it has one, else byte-level)",
+        help="local HF tokenizer folder or .gguf file (default: the model's own: a GGUF file's, or the model folder's "
+        "when it has one; else byte-level)",
     )
     serve.add_argument(
         "--served-model-name",
-        help="the model id clients send (default: the preset, or the name of the hf:PATH or --model-config folder)",
+        help="the model id clients send (default: the preset, smollm2, the GGUF file's name without .gguf, or the "
+        "name of the model or --model-config folder)",
     )
     serve_size = serve.add_mutually_exclusive_group()
     serve_size.add_argument(
@@ -101,16 +110,15 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 
 def _default_model_name(args: argparse.Namespace) -> str:
-    """The id ``serve`` answers to without ``--served-model-name``: the preset, or the model folder's name (for a
-    ``--model-config`` file, its folder's name when it is a ``config.json``, else its stem)."""
+    """The id ``serve`` answers to without ``--served-model-name``: the model's (:attr:`ModelSource.name
+    <prefixcache.models.sources.ModelSource.name>`), or for a ``--model-config`` file its folder's name when it is a
+    ``config.json``, else its stem."""
     if args.model_config:
         path = Path(args.model_config).resolve()
         if path.name == "config.json":
             return path.parent.name
         return path.stem if path.is_file() else path.name
-    if args.model.startswith("hf:"):
-        return Path(args.model[3:]).resolve().name
-    return args.model
+    return model_source(args).name
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,6 +147,10 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgumentError("--snapshot needs safetensors: pip install 'prefixcache[snapshot]'")
     if args.snapshot is not None and Path(args.snapshot).exists() and not Path(args.snapshot).is_dir():
         raise InvalidArgumentError(f"--snapshot {args.snapshot}: is a file; give a folder (made if missing)")
+    from prefixcache.models.sources import parse_dtype
+
+    parse_dtype(args.dtype)  # here, not only in an engine process: a typo is one line before anything loads
+    model_source(args)  # likewise a missing path or an uninstalled smollm2
     keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
     if args.engine_process:
         from prefixcache.engine.process import EngineProcess
@@ -183,30 +195,19 @@ def served_runner(args: argparse.Namespace) -> tuple[Any, str]:
         describe_pool,
     )
     from prefixcache.engine.runner import PrefixCachingRunner
-    from prefixcache.models.llama import build_model
+    from prefixcache.models.loading import loading
 
+    source = model_source(args)
     try:
-        tokenizer = None
-        choice = choose_tokenizer(args.tokenizer, None if args.model_config else args.model)
-        if choice.path is not None:
-            from prefixcache.chat.hf_tokenizer import HFTokenizer
-
-            tokenizer = HFTokenizer(choice.path)
-        if args.model_config:
-            from prefixcache.models.hf import random_model_from_config
-
-            model = random_model_from_config(args.model_config, layers=args.layers)
-        elif args.model.startswith("hf:"):
-            from prefixcache.models.hf import load_hf_model
-
-            model = load_hf_model(args.model[3:])
-        else:
-            model = build_model(args.model)
+        with loading(source):
+            tokenizer, choice, model = _load(args, source)
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
-    warning = byte_vocab_warning(args.model, args.model_config, model.vocab_size) if tokenizer is None else None
-    if warning:
-        logging.getLogger(__name__).warning(warning)
+    if tokenizer is None:
+        preset = source is not None and source.kind == "preset"
+        warning = byte_vocab_warning(args.model, preset, args.model_config, model.vocab_size)
+        if warning:
+            logging.getLogger(__name__).warning(warning)
     cache_tokens, bound = args.cache_tokens, "--cache-tokens" if args.cache_memory is None else "--cache-memory"
     if cache_tokens is None and args.cache_memory is None:
         fraction = DEFAULT_MEMORY_FRACTION if args.memory_fraction is None else args.memory_fraction
@@ -228,4 +229,37 @@ def served_runner(args: argparse.Namespace) -> tuple[Any, str]:
             f"the KV pool does not fit in memory ({bound}): {str(error).splitlines()[0]}; give a smaller "
             "--cache-tokens or --cache-memory"
         ) from None
-    return runner, f"{describe_pool(runner.pool, model.max_position, bound)}; tokenizer {choice.describe()}"
+    described = describe_pool(runner.pool, model.max_position, bound)
+    return runner, f"{_describe_model(source, model, runner.pool)}; {described}; tokenizer {choice.describe()}"
+
+
+def _describe_model(source: Any, model: Any, pool: Any) -> str:
+    """The start line's model part: where it came from and the dtypes of its weights and of the K/V pool, e.g.
+    ``GGUF PATH, weights bfloat16, K/V bfloat16``."""
+    origin = "random weights of --model-config" if source is None else source.describe()
+    return f"{origin}, weights {_name(model.dtype)}, K/V {_name(pool.dtype)}"
+
+
+def _name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _load(args: argparse.Namespace, source: Any) -> tuple[Any, Any, Any]:
+    """The tokenizer (None: the byte tokenizer), its :class:`TokenizerChoice` and the model ``serve`` runs."""
+    import torch
+
+    from prefixcache.models.loading import load_source
+
+    tokenizer = None
+    choice = choose_tokenizer(args.tokenizer, source)
+    if choice.path is not None:
+        from prefixcache.chat.hf_tokenizer import HFTokenizer
+
+        tokenizer = HFTokenizer(choice.path)
+    if args.model_config:
+        from prefixcache.models.hf import random_model_from_config
+        from prefixcache.models.sources import parse_dtype
+
+        dtype = parse_dtype(args.dtype) or torch.float32
+        return tokenizer, choice, random_model_from_config(args.model_config, layers=args.layers, dtype=dtype)
+    return tokenizer, choice, load_source(source, args.dtype)
