@@ -192,6 +192,23 @@ def byte_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _save_tokenizer(tokenizer, tmp_path_factory.mktemp("byte_bpe"), eos_token="<|im_end|>")
 
 
+@pytest.fixture(scope="session")
+def single_byte_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A byte-level tokenizer folder with no merges: ids 0..255 are the 256 bytes (one each, as GPT-2's characters
+    for them sort), the rest ChatML specials.  Any ids a model writes are then the tokenizer's own encoding of their
+    text, so a re-rendered answer is token for token what was generated (a random model on a BPE vocabulary writes
+    ``ge`` + ``t`` where the re-encoding has ``get``).  Its ChatML template ignores ``tools``."""
+    pytest.importorskip("transformers", reason="needs: pip install 'prefixcache[hf]'")
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {symbol: index for index, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tokenizer = Tokenizer(models.BPE(vocab, []))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in CHATML_SPECIALS])
+    return _save_tokenizer(tokenizer, tmp_path_factory.mktemp("single_byte"), eos_token="<|im_end|>")
+
+
 # `python -m prefixcache` with Python's own Ctrl-C handler: a run started under nohup or in a script's background
 # inherits an ignored SIGINT, which Python keeps (and which the tests of Ctrl-C would then wait on forever).
 _INTERRUPTIBLE_CLI = (

@@ -27,7 +27,13 @@ from prefixcache.cache.tokens import TokenIds
 from prefixcache.chat.stop import StopMatcher, TextStream, check_stop
 from prefixcache.chat.template import repeated_name, validate_tools
 from prefixcache.chat.tool_calls import TOOL_CALL_OPEN, parse_tool_calls
-from prefixcache.engine.grammar import Grammar, check_response_format, strict_tools, structured_available
+from prefixcache.engine.grammar import (
+    Grammar,
+    check_response_format,
+    require_structured,
+    strict_tools,
+    structured_available,
+)
 from prefixcache.engine.request import RequestHandle
 from prefixcache.engine.results import GenerationResult, TokenLogprob, Usage
 from prefixcache.engine.sampling import SamplingParams
@@ -80,7 +86,8 @@ def check_tool_choice(tool_choice: Any, tools: Sequence[Mapping[str, Any]] | Non
     template's ``"arguments": {"`` as ``":`` and `` {"``; a forced lone space was a token the template never writes),
     so the forced ids are a prefix of the next turn's prompt and that turn hits all of them.
     Raises :class:`InvalidArgumentError` for anything else, ``"required"`` or a name without tools, or a name that is
-    not a tool's.
+    not a tool's.  (:func:`prepare_chat` also refuses a forced call where no grammar can constrain the rest of it:
+    llguidance, extra ``structured``, missing, or a tokenizer it cannot read.)
     """
     if tool_choice is None or tool_choice in ("auto", "none"):
         return ""
@@ -287,8 +294,12 @@ def prepare_chat(
     _check_tool_names(tools)
     forced_text = check_tool_choice(tool_choice, tools)
     parse_calls = bool(tools) and tool_choice != "none"
-    if forced_text and structured_available(tokenizer):
+    if forced_text:
         name = None if tool_choice == "required" else tool_choice["function"]["name"]
+        # Without a grammar the forced prefix was all there was, and a model could write anything after it: refused
+        # as response_format's json_schema is, naming the extra.
+        choice = "'required'" if name is None else f"naming function {name!r}"
+        require_structured(tokenizer, f"tool_choice {choice} forces a call that follows the function's parameters")
         sampling["grammar"] = Grammar.tool_call(tools, name, tokenizer)
     elif parse_calls and response_format is None and strict_tools(tools) and structured_available(tokenizer):
         sampling["grammar"] = Grammar.tool_calls(tools, tokenizer)
@@ -389,14 +400,16 @@ def chat_stream(
     early releases the request's blocks and caches nothing of it.  ``template_kwargs`` are extra chat-template
     variables (``{"enable_thinking": False}`` for Qwen3; a template that does not read one ignores it).
     ``response_format`` (OpenAI's ``json_object`` or ``json_schema``) constrains the answer to it
-    (:mod:`prefixcache.engine.grammar`); a forced tool call's arguments follow its function's ``parameters`` wherever
-    llguidance is installed and reads the tokenizer (a forced call takes precedence over ``response_format``).  Under
+    (:mod:`prefixcache.engine.grammar`); a forced tool call's arguments follow its function's ``parameters`` (a forced
+    call takes precedence over ``response_format``), so forcing one needs llguidance (extra ``structured``) and a
+    tokenizer it reads, as ``response_format`` does.  Under
     ``"auto"``, with a function marked ``"strict": true`` (and no ``response_format``), a call the model opens follows
     its function's ``parameters`` where strict, any object where not (nothing is masked before ``<tool_call>``, then
     the call, then text again: :func:`~prefixcache.engine.grammar.tool_calls_grammar`).
 
     Raises :class:`TemplateError` (bad messages, tools or template variables), :class:`InvalidArgumentError` (no
-    messages, two tools of one name, bad ``stop``, ``tool_choice`` or sampling), and the errors of
+    messages, two tools of one name, bad ``stop``, ``tool_choice`` or sampling; ``tool_choice`` ``"required"`` or a
+    named function, or ``response_format`` ``json_schema`` / ``json_object``, without llguidance), and the errors of
     :meth:`PrefixCachingRunner.stream`, before yielding anything.
     """
     prepared = prepare_chat(

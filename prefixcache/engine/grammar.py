@@ -37,6 +37,7 @@ __all__ = [
     "check_json_schema",
     "check_response_format",
     "llguidance_tokenizer",
+    "require_structured",
     "strict_tools",
     "structured_available",
     "tool_call_grammar",
@@ -108,11 +109,26 @@ def check_response_format(response_format: Any) -> tuple[str, str] | None:
     return kind, check_json_schema(spec.get("schema", True), "response_format.json_schema.schema")
 
 
-def structured_available(tokenizer: Any) -> bool:
-    """llguidance is installed and reads ``tokenizer``: a forced tool call is then constrained to its schema (else
-    only its prefix is forced, as before)."""
+def require_structured(tokenizer: Any, what: str) -> None:
+    """Refuse ``what`` (the request's field that needs a grammar, as the message should name it) unless llguidance is
+    installed and reads ``tokenizer``.  O(1) once the tokenizer's llguidance copy is made (about a second for an HF
+    tokenizer, the first time).
+
+    Raises InvalidArgumentError ``"{what}: structured outputs need the llguidance package: pip install
+    'prefixcache[structured]'"``, or naming the tokenizer llguidance cannot read (a slow, sentencepiece-only one).
+    """
     try:
+        _llguidance()
         llguidance_tokenizer(tokenizer)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"{what}: {error}") from None
+
+
+def structured_available(tokenizer: Any) -> bool:
+    """llguidance is installed and reads ``tokenizer`` (:func:`require_structured` would pass): a strict tool's call
+    under ``tool_choice: "auto"`` is then constrained to its schema (else it is parsed as the model writes it)."""
+    try:
+        require_structured(tokenizer, "structured outputs")
     except InvalidArgumentError:
         return False
     return True

@@ -9,7 +9,7 @@ import pytest
 from prefixcache import PrefixCachingRunner
 from prefixcache.engine.chat import chat_stream, complete_chat
 from prefixcache.errors import InvalidArgumentError, TemplateError
-from prefixcache.testing import ScriptedModel, assert_quiescent, snapshot
+from prefixcache.testing import ScriptedModel, assert_quiescent, require_extra, snapshot
 
 CALL = '<tool_call>\n{"name": "search", "arguments": {"q": "kv cache"}}\n</tool_call>'
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object", "properties": {}}}}]
@@ -79,6 +79,7 @@ def test_stop_string_and_length_finish_reasons() -> None:
 
 
 def test_named_tool_choice_forces_the_call() -> None:
+    require_extra("llguidance", "structured")  # a forced call is constrained by a grammar, or refused
     runner = runner_for(CALL)
     done = complete_chat(
         runner, ASK, TOOLS, tool_choice={"type": "function", "function": {"name": "search"}}, max_new_tokens=200
@@ -90,6 +91,7 @@ def test_named_tool_choice_forces_the_call() -> None:
 def test_a_named_tool_choice_whose_name_needs_json_escaping_still_parses() -> None:
     # The forced prefix used to write the name raw: '{"name": "say "hi"", ...' is not JSON, so the call came back
     # as text.
+    require_extra("llguidance", "structured")
     name = 'say "hi"\\now'
     tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
     done = complete_chat(

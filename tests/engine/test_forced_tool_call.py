@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from prefixcache import PrefixCachingRunner  # noqa: E402
 from prefixcache.chat.hf_tokenizer import HFTokenizer  # noqa: E402
 from prefixcache.engine.chat import complete_chat, prepare_chat  # noqa: E402
-from prefixcache.testing import ScriptedModel, assert_quiescent  # noqa: E402
+from prefixcache.testing import ScriptedModel, assert_quiescent, require_extra  # noqa: E402
 
 TOOLS = [
     {
@@ -64,6 +64,7 @@ def scripted_runner(qwen: HFTokenizer) -> PrefixCachingRunner:
 @pytest.mark.parametrize("forcing", ["required", "named"])
 def test_the_forced_ids_are_a_prefix_of_the_templates_rendering_of_the_call(qwen: HFTokenizer, forcing: str) -> None:
     # The named prefix used to end in '"arguments": ' with a lone space token, where the template writes ' {"'.
+    require_extra("llguidance", "structured")  # a forced call is constrained by a grammar, or refused
     forced = prepare_chat(qwen, ASK, TOOLS, tool_choice=FORCING[forcing]).prompt_ids
     prompt = qwen.render_chat(ASK, TOOLS, add_generation_prompt=True)
     assert len(forced) > len(prompt)
@@ -72,6 +73,7 @@ def test_the_forced_ids_are_a_prefix_of_the_templates_rendering_of_the_call(qwen
 
 @pytest.mark.parametrize("forcing", ["required", "named"])
 def test_a_forced_calls_next_turn_is_cached_like_a_free_calls(qwen: HFTokenizer, forcing: str) -> None:
+    require_extra("llguidance", "structured")
     cached = {}
     for way in ("auto", forcing):
         runner = scripted_runner(qwen)

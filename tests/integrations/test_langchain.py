@@ -9,7 +9,7 @@ from langchain_core.tools import tool
 
 from prefixcache import PrefixCachingRunner
 from prefixcache.integrations.langchain import ChatPrefixCache
-from prefixcache.testing import ScriptedModel, assert_quiescent
+from prefixcache.testing import ScriptedModel, assert_quiescent, require_extra
 
 SYSTEM = "You are a travel assistant. Look up the weather of every city the user names, then summarize. " * 6
 VISITS: list[str] = []
@@ -67,6 +67,7 @@ def test_stop_strings_and_forced_tool_choice(weather_calls: list[str]) -> None:
     runner = PrefixCachingRunner(ScriptedModel.from_texts(["Thought: go\nObservation: x"]), cache_tokens=4096)
     answer = ChatPrefixCache(runner=runner, stop=["Observation:"]).invoke("hi")
     assert answer.content == "Thought: go\n"
+    require_extra("llguidance", "structured")  # a forced call is constrained by a grammar, or refused
     forced = PrefixCachingRunner(ScriptedModel.from_texts([weather_calls[1]]), cache_tokens=4096)
     call = ChatPrefixCache(runner=forced).bind_tools([get_weather], tool_choice="get_weather").invoke("Oslo?")
     assert call.tool_calls[0]["args"] == {"city": "Oslo"}

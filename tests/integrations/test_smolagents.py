@@ -7,7 +7,10 @@ from smolagents.memory import ActionStep
 
 from prefixcache import PrefixCachingRunner
 from prefixcache.integrations.smolagents import PrefixCacheModel
-from prefixcache.testing import ScriptedModel, assert_quiescent
+from prefixcache.testing import ScriptedModel, assert_quiescent, require_extra
+
+# A ToolCallingAgent sends tool_choice "required": a forced call, constrained by a grammar.
+require_extra("llguidance", "structured")
 
 VISITS: list[str] = []
 

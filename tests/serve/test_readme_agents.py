@@ -63,6 +63,7 @@ def test_langchain_snippet(tmp_path: Path) -> None:
 
 def test_smolagents_snippet(tmp_path: Path) -> None:
     needs("smolagents", "smolagents")
+    needs("llguidance", "structured")  # a ToolCallingAgent sends tool_choice "required"
     printed = run_snippet(snippets()[2], tmp_path)  # smolagents also prints the agent's parsing errors
     cached = [int(n) for n in re.findall(r"^(\d+) of \d+ prompt tokens cached$", printed, re.MULTILINE)]
     assert len(cached) >= 2

@@ -12,7 +12,7 @@ import pytest
 
 from prefixcache import PrefixCachingRunner
 from prefixcache.serve import start_background
-from prefixcache.testing import ScriptedModel, assert_quiescent
+from prefixcache.testing import ScriptedModel, assert_quiescent, require_extra
 
 DOCS = "Each call goes in <tool_call>...</tool_call> tags.\n"
 EDIT = {"name": "write_file", "arguments": {"path": "docs/tools.md", "text": DOCS}}
@@ -58,6 +58,7 @@ def test_arguments_holding_the_end_tag_are_a_call_plain_and_streamed(make_app) -
 
 def test_a_forced_calls_next_turn_is_cached_like_a_free_calls(make_app, qwen_dir: Path) -> None:
     pytest.importorskip("transformers", reason="needs: pip install 'prefixcache[hf]'")
+    require_extra("llguidance", "structured")  # a forced call is constrained by a grammar, or refused
     from prefixcache.chat.hf_tokenizer import HFTokenizer
 
     qwen = HFTokenizer(qwen_dir)
