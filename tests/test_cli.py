@@ -221,7 +221,9 @@ def test_verify_without_a_model_exits_2(capsys: pytest.CaptureFixture[str]) -> N
 def test_failed_verification_exits_1(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr("prefixcache.models.llama.build_model", lambda name, **kwargs: ShiftedLogits(build_model(name, **kwargs)))
+    monkeypatch.setattr(
+        "prefixcache.models.llama.build_model", lambda name, **kwargs: ShiftedLogits(build_model(name, **kwargs))
+    )
     path = write_lines(tmp_path / "one.jsonl", [GOOD_LINE])
 
     assert replay(path, "--verify") == 1

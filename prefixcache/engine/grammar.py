@@ -138,7 +138,8 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, clos
     """The llguidance grammar of what follows the prefix :func:`~prefixcache.engine.chat.check_tool_choice` forces:
     for a named function, `` {arguments}}\\n</tool_call>``; else (``"required"``) one of the tools' names, then
     ``", "arguments": {arguments}}\\n</tool_call>``; the arguments valid against that function's ``parameters``
-    (absent: any object; keywords llguidance does not implement are ignored, as a forced call worked before they
+    (absent: any object; objects without other keys where the schema does not say: :func:`closed_objects`; keywords
+    llguidance does not implement are ignored, as a forced call worked before they
     were checked).  ``close_id`` is the id of ``</tool_call>`` where the tokenizer has it as one added token (Qwen's):
     the grammar then ends on that token, the one the template renders (spelled as text, pieces would be allowed too,
     and the next turn's rendering would not repeat them).  Raises InvalidArgumentError naming the tool whose parameters
@@ -192,6 +193,7 @@ def _call_rules(
         parameters = parameters if isinstance(parameters, Mapping) else {}
         if strict_only and function.get("strict") is not True:
             parameters = {"type": "object"}
+        parameters = closed_objects(parameters)
         # %json in a Lark grammar takes the compiler's options from the schema's own "x-guidance" key.
         options = {**_JSON_OPTIONS, "lenient": True}
         rules.append(f"args{index}: %json {json.dumps({**parameters, 'x-guidance': options})}")
@@ -199,6 +201,37 @@ def _call_rules(
         head = "" if name is not None else json.dumps(tool_name, ensure_ascii=False)[1:] + ', "arguments":'
         choices.append(f"{_lark_literal(head + ' ')} args{index}")
     return rules, choices
+
+
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of the JSON Schema ``schema`` in which every object schema that names its ``properties`` and says
+    nothing of ``additionalProperties`` takes no other keys (``"additionalProperties": false``); other schemas as
+    given.  O(schema size).
+
+    Why: a tool call's arguments are what the function declares.  Left open, a schema lets a constrained model add
+    keys without end (a 135M model asked for ``{"city": ...}`` went on writing invented keys until ``max_tokens``,
+    so no call parsed); closed, the call ends once the declared keys are written, and still validates against the
+    schema as given.  OpenAI's strict mode asks every object to say ``false``; this makes it the default for calls
+    only, never for ``response_format``."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, Mapping):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), Mapping):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in (*_SUBSCHEMA_LISTS, *_SUBSCHEMAS):
+        if key in out:
+            out[key] = closed_objects(out[key])
+    if isinstance(out.get("properties"), Mapping) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _close(close_id: int | None) -> str:

@@ -148,6 +148,40 @@ class PrefixCachingRunner:
 
     # ---- public API ----------------------------------------------------------------------------------------
 
+    @classmethod
+    def from_model(
+        cls,
+        model: str | os.PathLike[str],
+        *,
+        dtype: Any = "auto",
+        device: Any = None,
+        tokenizer: str | os.PathLike[str] | None = None,
+        **options: Any,
+    ) -> PrefixCachingRunner:
+        """A runner over the model ``model`` names, with its own tokenizer and chat template: ``"smollm2"``, a
+        ``.gguf`` file, a Hugging Face folder (``"hf:PATH"`` or ``PATH``) or an embedded preset
+        (:func:`~prefixcache.models.loading.load_model`, whose ``dtype`` and ``device`` these are); ``tokenizer`` (a
+        folder or ``.gguf``) replaces the model's own, and a model without one gets the byte tokenizer.  ``options``
+        are the constructor's (``cache_tokens``, ``block_size``, ...).  As vLLM's ``LLM(model=...)``.
+
+        Raises InvalidArgumentError (unknown model or dtype, missing path, ``smollm2`` not installed, a missing
+        extra) and UnsupportedModelError, as ``load_model``; the constructor's errors.
+        """
+        from prefixcache.models.loading import load_source, loading
+        from prefixcache.models.sources import resolve_model
+
+        source = resolve_model(model)
+        chosen = tokenizer if tokenizer is not None else source.tokenizer
+        with loading(source):
+            if chosen is not None:
+                from prefixcache.chat.hf_tokenizer import HFTokenizer
+
+                loaded_tokenizer = HFTokenizer(chosen)
+            else:
+                loaded_tokenizer = None
+            loaded = load_source(source, dtype, device)
+        return cls(loaded, loaded_tokenizer, **options)
+
     def invalidate(self) -> None:
         """Never serve anything cached so far: the next request starts a new namespace fingerprint.  For weight
         changes that ``weights_version`` cannot see; the old entries age out of the pool through eviction.  Also

@@ -101,7 +101,7 @@ def load_gguf_model(
         UnsupportedModelError: transformers has no GGUF mapping for the file's architecture, the ``gguf`` package
             cannot dequantize one of its tensor types, or the adapter refuses the architecture.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GgufConfig
 
     from prefixcache.models.hf import HFCausalLM
 
@@ -115,6 +115,9 @@ def load_gguf_model(
                 str(file.parent),
                 gguf_file=file.name,
                 dtype=dtype if dtype is not None else "auto",
+                # Plain dense weights, always: packed GGUF layers (transformers' kernels path) are not what the
+                # adapter's exactness was tested on.  Quantized decode is the engine's job, not this loader's.
+                quantization_config=GgufConfig(dequantize=True),
                 local_files_only=True,
             )
     except NotImplementedError as error:  # gguf's dequantize for a type it lacks
