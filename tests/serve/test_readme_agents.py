@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from prefixcache import PrefixCachingRunner
-from prefixcache.models.llama import build_model
 from prefixcache.serve import start_background
+from prefixcache.testing import require_smollm2
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -47,7 +47,8 @@ def test_the_section_has_the_three_ways() -> None:
 
 
 def test_base_url_snippet(make_app, tmp_path: Path) -> None:
-    app = make_app(PrefixCachingRunner(build_model("tiny", device="cpu")), model_name="tiny")
+    require_smollm2()
+    app = make_app(PrefixCachingRunner.from_model("smollm2", cache_tokens=8192), model_name="smollm2")
     with start_background(app) as server:
         code = snippets()[0].replace("http://127.0.0.1:8000", server.url)
         printed = run_snippet(code, tmp_path)
@@ -57,13 +58,17 @@ def test_base_url_snippet(make_app, tmp_path: Path) -> None:
 
 def test_langchain_snippet(tmp_path: Path) -> None:
     needs("langchain_core", "langchain")
+    needs("llguidance", "structured")  # the snippet forces its tool
+    require_smollm2()
     printed = run_snippet(snippets()[1], tmp_path)
     assert "'cache_read': " in printed and "'cache_read': 0}" not in printed
+    assert "'name': 'get_weather'" in printed and "Paris" in printed
 
 
 def test_smolagents_snippet(tmp_path: Path) -> None:
     needs("smolagents", "smolagents")
     needs("llguidance", "structured")  # a ToolCallingAgent sends tool_choice "required"
+    require_smollm2()
     printed = run_snippet(snippets()[2], tmp_path)  # smolagents also prints the agent's parsing errors
     cached = [int(n) for n in re.findall(r"^(\d+) of \d+ prompt tokens cached$", printed, re.MULTILINE)]
     assert len(cached) >= 2
