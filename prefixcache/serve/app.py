@@ -159,12 +159,12 @@ def create_app(
     With ``snapshot_dir`` the app's lifespan restores the cache from that snapshot folder at start (cold, saying
     why, when there is none or it is refused), saves it every ``snapshot_every_s`` seconds and on a clean shutdown
     (:class:`~prefixcache.serve.snapshots.SnapshotKeeper`, ``app.state.snapshots``).  The Responses API
-    (:mod:`prefixcache.serve.responses_routes`) keeps the last ``max_stored_responses`` responses
-    (``app.state.responses``).  A request body over ``max_request_bytes`` (``app.state.max_request_bytes``) is a
-    413 in OpenAI's error shape, read no further; prompts are rendered and tokenized on a worker thread, and a body
-    over 64 KiB is parsed and checked there too (:class:`~prefixcache.serve.offload.RequestWork`), so the event
-    loop goes on serving streams and ``/health`` meanwhile.  Raises InvalidArgumentError for a ``max_request_bytes``
-    below 1."""
+    (:mod:`prefixcache.serve.responses_routes`) keeps the last ``max_stored_responses`` responses of each API key's
+    namespace, within a byte bound (``app.state.responses``: :mod:`prefixcache.serve.response_store`).  A request
+    body over ``max_request_bytes`` (``app.state.max_request_bytes``) is a 413 in OpenAI's error shape, read no
+    further; prompts are rendered and tokenized on a worker thread, and a body over 64 KiB is parsed and checked there
+    too (:class:`~prefixcache.serve.offload.RequestWork`), so the event loop goes on serving streams and ``/health``
+    meanwhile.  Raises InvalidArgumentError for a ``max_request_bytes`` below 1."""
     work = RequestWork(max_request_bytes)
     keys = api_keys if api_keys is not None else ApiKeys.open()
     engine: BatchEngine | EngineProcess = (
@@ -566,7 +566,7 @@ def create_app(
             return done
         return _json({"object": "cache.prefill", "usage": usage_json(done.usage)})
 
-    app.state.responses = ResponseStore(max_stored_responses)
+    app.state.responses = ResponseStore(max_stored_responses, namespaces=set(keys.namespaces.values()) or {None})
     hooks = AppHooks(
         route=route,
         authenticate=authenticate,

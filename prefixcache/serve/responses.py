@@ -1,6 +1,6 @@
 """The OpenAI Responses API wire format: request bodies checked into a typed record, input items turned into chat
-messages, and the ``response`` object and its streamed events; plus the bounded store that ``previous_response_id``
-and ``GET /v1/responses/{id}`` read.
+messages, and the ``response`` object and its streamed events.  The store that ``previous_response_id`` and
+``GET /v1/responses/{id}`` read is :mod:`prefixcache.serve.response_store` (its names are exported here too).
 
 A request runs on the chat layer (:func:`~prefixcache.engine.chat.prepare_chat`): ``instructions`` become a first
 system message, ``input`` items become chat messages (``developer`` is ``system``; ``function_call`` items join the
@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ from prefixcache.engine.grammar import check_response_format
 from prefixcache.engine.results import Usage
 from prefixcache.errors import InvalidArgumentError, TemplateError
 from prefixcache.serve.protocol import DEFAULT_MAX_TOKENS, BadRequest, check_unique_tool_names
+from prefixcache.serve.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore, StoredResponse
 from prefixcache.serve.schemas import BodyError, ResponsesBody, validate_body
 
 __all__ = [
@@ -52,9 +52,6 @@ __all__ = [
     "response_body",
     "response_usage",
 ]
-
-DEFAULT_MAX_STORED_RESPONSES = 1000
-"""Responses kept for ``previous_response_id`` and ``GET /v1/responses/{id}`` (least recently used go first)."""
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
@@ -394,9 +391,14 @@ class ResponseEvents:
         lines.append(self._event("response.output_text.delta", delta=delta, logprobs=[], **self._where()))
         return lines
 
-    def finish(self, done: ChatCompletion) -> tuple[list[str], dict[str, Any]]:
-        """The closing events of a finished answer, and the final ``response`` object (as stored)."""
-        output = output_items(done, self.message_id)
+    def final_body(self, done: ChatCompletion) -> dict[str, Any]:
+        """The final ``response`` object of a finished answer (as stored)."""
+        return self._body(output_items(done, self.message_id), done)
+
+    def finish(self, done: ChatCompletion, body: dict[str, Any]) -> list[str]:
+        """The closing events of a finished answer whose final ``response`` object is ``body`` (:meth:`final_body`,
+        its ``store`` false when the store could not keep it)."""
+        output = body["output"]
         lines: list[str] = []
         calls = output
         if output and output[0]["type"] == "message":
@@ -414,59 +416,8 @@ class ResponseEvents:
             lines.append(self._event("response.function_call_arguments.delta", delta=item["arguments"], **where))
             lines.append(self._event("response.function_call_arguments.done", arguments=item["arguments"], **where))
             lines.append(self._event("response.output_item.done", output_index=index, item=item))
-        body = self._body(output, done)
         lines.append(self._event("response.completed", response=body))
-        return lines, body
+        return lines
 
     def failed(self, message: str) -> str:
         return self._event("response.failed", response=self._body([], error=message))
-
-
-@dataclass(frozen=True, slots=True)
-class StoredResponse:
-    """A finished response kept for ``previous_response_id`` and ``GET``: its ``namespace`` (API key's; another
-    cannot see it), the ``response`` object, and the chat ``messages`` of its conversation through its answer
-    (instructions excluded).  The messages are shared with the stored responses before it, not copied."""
-
-    namespace: str | None
-    body: dict[str, Any]
-    messages: tuple[dict[str, Any], ...]
-
-
-class ResponseStore:
-    """The last ``max_responses`` stored responses, least recently used evicted first.  Used from the event loop
-    only (not thread-safe).  Every operation is O(1)."""
-
-    __slots__ = ("_responses", "max_responses")
-
-    def __init__(self, max_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
-        if max_responses < 0:
-            raise InvalidArgumentError(f"max_responses must be >= 0, got {max_responses}")
-        self.max_responses = max_responses
-        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._responses)
-
-    def put(self, response_id: str, stored: StoredResponse) -> None:
-        if self.max_responses == 0:
-            return
-        self._responses[response_id] = stored
-        self._responses.move_to_end(response_id)
-        while len(self._responses) > self.max_responses:
-            self._responses.popitem(last=False)
-
-    def get(self, response_id: str, namespace: str | None) -> StoredResponse | None:
-        """The stored response, if ``namespace`` stored it (and marks it recently used), else None."""
-        stored = self._responses.get(response_id)
-        if stored is None or stored.namespace != namespace:
-            return None
-        self._responses.move_to_end(response_id)
-        return stored
-
-    def delete(self, response_id: str, namespace: str | None) -> bool:
-        """Forget the response; False when ``namespace`` has none by that id."""
-        if self.get(response_id, namespace) is None:
-            return False
-        del self._responses[response_id]
-        return True

@@ -70,7 +70,8 @@ def _error_message(failure: Response) -> str:
 
 def add_response_routes(hooks: AppHooks, runner: Any, engine: Any, store: ResponseStore) -> None:
     """Add the routes to the app ``hooks.route`` adds to; responses run on ``engine`` with ``runner``'s tokenizer and
-    are kept in ``store`` (unless the request says ``store: false``)."""
+    are kept in ``store`` (unless the request says ``store: false``; one the store refuses is answered with ``store``
+    false: :mod:`prefixcache.serve.response_store`)."""
     route = hooks.route
 
     def keep(
@@ -82,9 +83,11 @@ def add_response_routes(hooks: AppHooks, runner: Any, engine: Any, store: Respon
     ) -> None:
         # The conversation through this answer, for a next turn's previous_response_id; its messages are shared
         # with the stored responses before it, so a chain of n turns keeps O(n) references per response, no text.
+        # One the store cannot keep (too large) says so: store false, as OpenAI's field for "retrievable later".
         if request.store:
             conversation = (*messages, assistant_message(done))
-            store.put(body["id"], StoredResponse(namespace, body, conversation))
+            if not store.put(body["id"], StoredResponse(namespace, body, conversation)):
+                body["store"] = False
 
     @route(ENDPOINT, "POST")
     async def create(request: Request) -> Response:
@@ -145,9 +148,9 @@ def add_response_routes(hooks: AppHooks, runner: Any, engine: Any, store: Respon
                 if isinstance(done, Response):
                     yield stream.failed(_error_message(done)).encode("utf-8", "backslashreplace")
                     return
-                lines, answer = stream.finish(done)
+                answer = stream.final_body(done)
                 keep(body, namespace, answer, conversation, done)
-                for line in lines:
+                for line in stream.finish(done, answer):
                     yield line.encode("utf-8", "backslashreplace")
             finally:
                 await events.aclose()  # however the stream ends: cancels the request if it still runs

@@ -284,7 +284,7 @@ def test_bad_or_unsupported_fields_are_400s_naming_the_field_and_touch_nothing(m
 
 
 def test_the_store_keeps_the_last_n_responses_per_namespace() -> None:
-    store = ResponseStore(max_responses=2)
+    store = ResponseStore(max_responses=2, namespaces={"team", "other"})
     for name in ("a", "b", "c"):
         store.put(name, StoredResponse("team", {"id": name}, ()))
     assert store.get("a", "team") is None and len(store) == 2
@@ -364,3 +364,49 @@ def test_a_stored_response_is_seen_only_with_the_api_key_namespace_that_made_it(
 
     fetched, follow_up = run(main())
     assert fetched.output_text == "Sunny." and follow_up.output_text == "Still sunny."
+
+
+def test_one_key_storing_past_the_bound_leaves_another_keys_responses_readable(asgi_client) -> None:
+    keys = ApiKeys({"key-a": "team-a", "key-b": "team-b"})
+    app = create_app(scripted(*["Sunny."] * 7), model_name="scripted", api_keys=keys, max_stored_responses=3)
+    try:
+
+        async def main():
+            mine, theirs = asgi_client(app, api_key="key-a"), asgi_client(app, api_key="key-b")
+            kept = await theirs.responses.create(model="scripted", input="Hi")
+            flood = [await mine.responses.create(model="scripted", input=f"Hi {i}") for i in range(5)]
+            fetched = await theirs.responses.retrieve(kept.id)
+            follow_up = await theirs.responses.create(model="scripted", input="And?", previous_response_id=kept.id)
+            with pytest.raises(openai.NotFoundError):
+                await mine.responses.retrieve(flood[0].id)
+            return fetched, follow_up, [await mine.responses.retrieve(r.id) for r in flood[2:]]
+
+        fetched, follow_up, recent = run(main())
+    finally:
+        app.state.engine.close()
+    assert fetched.output_text == "Sunny." and follow_up.previous_response_id == fetched.id
+    assert len(recent) == 3 and len(app.state.responses) == 5  # team-a's last 3, team-b's 2
+    app.state.responses.check_invariants()
+
+
+def test_a_response_too_large_to_store_is_answered_with_store_false_and_not_kept(make_app, asgi_client) -> None:
+    app = make_app(scripted("Sunny.", "Sunny."))
+    metadata = {f"key{i}": "m" * 100_000 for i in range(16)}  # 1.6 MB: over the 1 MiB a response may keep
+
+    async def main():
+        client = asgi_client(app)
+        plain = await client.responses.create(model="scripted", input="Hi", metadata=metadata)
+        async with await client.responses.create(
+            model="scripted", input="Hi", metadata=metadata, stream=True
+        ) as stream:
+            events = [event async for event in stream]
+        for response_id in (plain.id, events[-1].response.id):
+            with pytest.raises(openai.NotFoundError):
+                await client.responses.retrieve(response_id)
+        return plain, events
+
+    plain, events = run(main())
+    assert plain.output_text == "Sunny." and plain.store is False and plain.metadata == metadata
+    assert events[0].response.store is True  # announced before the answer was known
+    assert events[-1].type == "response.completed" and events[-1].response.store is False
+    assert len(app.state.responses) == 0
