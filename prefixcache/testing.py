@@ -300,7 +300,9 @@ class ScriptedModel:
     ``RuntimeError``).  The turn number ``k`` is the number of ``turn_marker`` sequences (the generation prompt,
     ``<|im_start|>assistant\\n``) in the context minus one; within a turn, while the tokens after the marker follow
     ``script[k]``, the next token is the next one of the script, and otherwise (past the script, or off it)
-    ``end_token_id``.  The chosen token gets logit 50, every other 0, so sampling picks it too.
+    ``end_token_id``.  The chosen token gets logit 50, every other 0, so sampling picks it too; ``runner_up_ids``,
+    when given, get 49, 48, ... in that order (the chosen one among them keeps 50), so a request's top logprobs name
+    them after the chosen token.
 
     Use :meth:`from_texts` for a script written as text.  ``forward_cached`` costs O(context length) per call.
     """
@@ -319,15 +321,18 @@ class ScriptedModel:
         end_token_id: int,
         vocab_size: int,
         max_position: int = 1 << 16,
+        runner_up_ids: Sequence[int] = (),
     ) -> None:
         self.script = [list(map(int, answer)) for answer in script]
+        self.runner_up_ids = [int(t) for t in runner_up_ids]
         self.turn_marker = [int(t) for t in turn_marker]
         if not self.turn_marker:
             raise ValueError("turn_marker must not be empty")
         self.end_token_id = int(end_token_id)
         self.vocab_size = int(vocab_size)
         self.max_position = int(max_position)
-        self._fingerprint = xxhash.xxh64(repr((self.script, self.turn_marker, self.end_token_id)).encode()).hexdigest()
+        shape = (self.script, self.turn_marker, self.end_token_id, self.runner_up_ids)
+        self._fingerprint = xxhash.xxh64(repr(shape if self.runner_up_ids else shape[:3]).encode()).hexdigest()
 
     @classmethod
     def from_texts(cls, texts: Sequence[str], tokenizer: Tokenizer | None = None) -> ScriptedModel:
@@ -383,6 +388,9 @@ class ScriptedModel:
     def _logits(self, context: list[int], first: int) -> torch.Tensor:
         targets = self._next_tokens(context)[first:]
         logits = torch.zeros(len(targets), self.vocab_size)
+        if self.runner_up_ids:
+            runner_ups = torch.tensor(self.runner_up_ids, dtype=torch.long)
+            logits[:, runner_ups] = 49.0 - torch.arange(len(runner_ups), dtype=torch.float32)
         logits[torch.arange(len(targets)), torch.tensor(targets, dtype=torch.long)] = 50.0
         return logits
 

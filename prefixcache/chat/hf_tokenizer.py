@@ -33,10 +33,24 @@ from prefixcache.chat.template import check_template_kwargs, validate_messages, 
 from prefixcache.chat.tool_calls import call_arguments, call_name
 from prefixcache.errors import InvalidArgumentError, InvalidTokensError, TemplateError
 
-__all__ = ["HFTokenizer"]
+__all__ = ["BYTE_LEVEL_ALPHABET", "HFTokenizer"]
 
 # Pieces remembered by render_chat before the memo is cleared (a bound on memory, not a tuning knob).
 _MEMO_PIECES = 1 << 16
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    others = [byte for byte in range(256) if byte not in printable]
+    return {**{chr(byte): byte for byte in printable}, **{chr(256 + n): byte for n, byte in enumerate(others)}}
+
+
+BYTE_LEVEL_ALPHABET: Mapping[str, int] = _byte_level_alphabet()
+"""The character a byte-level BPE vocabulary (GPT-2's, Qwen's, Llama 3's) writes for each byte -> that byte: GPT-2's
+``bytes_to_unicode`` inverted (printable Latin-1 bytes stand for themselves, the other 68 for U+0100 onwards).
+transformers keeps its copy in ``convert_slow_tokenizer``, whose import takes about a second."""
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class HFTokenizer:
@@ -95,6 +109,8 @@ class HFTokenizer:
         self._name = f"{type(tok).__name__}:{folder.resolve().name}:{digest.hexdigest()}"
         self._splitter = _added_token_splitter(tok)
         self._memo: dict[str, list[int]] = {}
+        self._added_content = {token_id: name for name, token_id in self._added.items()}
+        self._decoders = _decoder_types(tok)
 
     @property
     def name(self) -> str:
@@ -139,6 +155,36 @@ class HFTokenizer:
                 )
             checked.append(token_id)
         return self.tokenizer.decode(checked, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` adds to decoded text, read from its vocabulary string: through
+        :data:`BYTE_LEVEL_ALPHABET` for a byte-level BPE (Qwen2.5's id 26525, ``"\u0120\u00f0\u0178\u013a"``, is
+        ``b" \xf0\x9f\x98"``, the space and first three bytes of an emoji); a byte-fallback piece ``<0xF0>`` is that
+        byte and ``\u2581`` a space (SentencePiece: Llama 2, Mistral, whose decode drops the space that starts a
+        text); an added token is its text in UTF-8.  Any other tokenizer gives ``decode([token_id])`` in UTF-8.
+        O(length of the token).
+
+        Raises :class:`InvalidTokensError` for a non-integer id or one outside ``[0, vocab_size)``.
+        """
+        try:
+            token_id = operator.index(token_id)
+        except TypeError:
+            raise InvalidTokensError(f"token id is not an integer: {token_id!r}") from None
+        if not 0 <= token_id < self._vocab_size:
+            raise InvalidTokensError(f"token id {token_id} is outside [0, {self._vocab_size})")
+        added = self._added_content.get(token_id)
+        if added is not None:
+            return added.encode("utf-8")
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if "ByteLevel" in self._decoders and all(char in BYTE_LEVEL_ALPHABET for char in piece):
+                return bytes(BYTE_LEVEL_ALPHABET[char] for char in piece)
+            byte = _BYTE_PIECE.fullmatch(piece) if "ByteFallback" in self._decoders else None
+            if byte is not None:
+                return bytes((int(byte[1], 16),))
+            if self._decoders & {"Metaspace", "ByteFallback"} or "Replace" in self._decoders:
+                return piece.replace("\u2581", " ").encode("utf-8")
+        return self.decode([token_id]).encode("utf-8", "replace")
 
     def special_token_id(self, name: str) -> int:
         """Id of the added token spelled ``name`` (``"<|im_start|>"``, ``"<tool_call>"``).
@@ -231,6 +277,23 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({str(self.path)!r})"
+
+
+def _decoder_types(tok: Any) -> frozenset[str]:
+    """The ``type`` of the fast tokenizer's decoder and of each decoder in it (``{"ByteLevel"}``, ``{"Sequence",
+    "Replace", "ByteFallback", "Fuse", "Strip"}``); empty for a tokenizer without one."""
+    decoder = getattr(getattr(tok, "backend_tokenizer", None), "decoder", None)
+    try:
+        state = json.loads(decoder.__getstate__()) if decoder is not None else {}
+    except (AttributeError, TypeError, ValueError):
+        return frozenset()
+    types, stack = set(), [state]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            types.add(node.get("type"))
+            stack.extend(node.get("decoders") or ())
+    return frozenset(t for t in types if isinstance(t, str))
 
 
 def _render_text(tok: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:

@@ -44,6 +44,12 @@ class Tokenizer(Protocol):
         """Text of ``ids``; raises :class:`InvalidTokensError` for ids outside ``[0, vocab_size)``."""
         ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` adds to decoded text, whole or part of a UTF-8 character (a byte-level BPE token
+        may hold the first bytes of an emoji): the bytes of all the ids of a text, joined, are its UTF-8.
+        :class:`InvalidTokensError` for an id outside ``[0, vocab_size)``."""
+        ...
+
     def special_token_id(self, name: str) -> int:
         """Id of the special token spelled ``name`` (``"<|im_start|>"``); :class:`InvalidArgumentError` if unknown."""
         ...
@@ -137,6 +143,22 @@ class ByteTokenizer:
             parts.append(special)
         parts.append(pending.decode("utf-8", errors="replace"))
         return "".join(parts)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The byte ``token_id`` is (ids 0..255), or a special's name in UTF-8.  O(1).
+
+        Raises :class:`InvalidTokensError` for a non-integer id or one outside ``[0, 259)``.
+        """
+        try:
+            token_id = operator.index(token_id)
+        except TypeError:
+            raise InvalidTokensError(f"token id is not an integer: {token_id!r}") from None
+        if 0 <= token_id < 256:
+            return bytes((token_id,))
+        special = _BYTE_SPECIAL_NAMES.get(token_id)
+        if special is None:
+            raise InvalidTokensError(f"token id {token_id} is outside [0, {self.vocab_size})")
+        return special.encode("utf-8")
 
     def special_token_id(self, name: str) -> int:
         """Id of special token ``name``; raises :class:`InvalidArgumentError` naming the known specials."""

@@ -278,10 +278,8 @@ class _ByteLevelTokens:
     its tokenizer encodes that text, would be refused."""
 
     def __init__(self, hf: Any, eos: Sequence[int]) -> None:
-        # GPT-2's reversible map of bytes to printable characters, inverted.
-        printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-        chars = printable + [256 + n for n in range(256 - len(printable))]
-        shown = {chr(c): b for b, c in zip(printable + sorted(set(range(256)) - set(printable)), chars, strict=True)}
+        from prefixcache.chat.hf_tokenizer import BYTE_LEVEL_ALPHABET as shown
+
         added = hf.added_tokens_decoder
         special = set(hf.all_special_ids)
         self.tokens: list[bytes] = []

@@ -20,7 +20,7 @@ from prefixcache.engine.logits import LogitsPipeline
 from prefixcache.engine.request import RequestHandle
 from prefixcache.engine.results import GenerationResult, Usage
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.serve.logprobs import TokenStrings, completion_logprobs
+from prefixcache.serve.logprobs import TextOffset, TokenStrings, completion_logprobs
 
 __all__ = ["echoed_logprobs", "echoed_usage", "merge_logprobs", "prompt_logprobs_job", "running_usage"]
 
@@ -37,19 +37,19 @@ def prompt_logprobs_job(
 
 def echoed_logprobs(
     result: GenerationResult, ids: list[int], logprobs: int, vocab_limit: int, strings: TokenStrings
-) -> tuple[dict[str, Any], int]:
+) -> tuple[dict[str, Any], TextOffset]:
     """The legacy ``logprobs`` of the prompt tokens ``ids`` from ``result.prompt_logits``, and the text offset after
-    them: the first token's logprob and alternatives are ``None``, token i's come from row i - 1, with the ``logprobs``
-    most probable ids below ``vocab_limit``.  O(len(ids) * vocab)."""
+    them (:class:`~prefixcache.serve.logprobs.TextOffset`): the first token's logprob and alternatives are
+    ``None``, token i's come from row i - 1, with the ``logprobs`` most probable ids below ``vocab_limit``.
+    O(len(ids) * vocab)."""
     logits = result.prompt_logits
     pipeline = LogitsPipeline(
         SamplingParams(logprobs=logprobs, vocab_limit=vocab_limit), logits.device, logits.shape[1]
     )
     records = [pipeline.logprobs(logits[i - 1], ids[i]) for i in range(1, len(ids))]
-    first = strings(ids[0])
-    rest, offset = completion_logprobs(records, strings, len(first))
+    rest, offset = completion_logprobs(records, strings, TextOffset(0).after(strings.bytes_of(ids[0])))
     return {
-        "tokens": [first, *rest["tokens"]],
+        "tokens": [strings(ids[0]), *rest["tokens"]],
         "token_logprobs": [None, *rest["token_logprobs"]],
         "top_logprobs": [None, *rest["top_logprobs"]],
         "text_offset": [0, *rest["text_offset"]],

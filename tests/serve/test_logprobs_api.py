@@ -1,9 +1,12 @@
 """Logprobs over a real socket with the ``openai`` client: ``logprobs`` + ``top_logprobs`` on /v1/chat/completions and
 ``logprobs: k`` on /v1/completions, whole and streamed, carry the in-process engine's records (one entry per
-generated token that is not a stop token, each token's string its id decoded alone, ``bytes`` that string's UTF-8);
-the chunks of a stream add up to the whole answer's entries; a bad value is a 400 naming it, the cache untouched."""
+generated token that is not a stop token, each token's string its id decoded alone, ``bytes`` the token's own, the
+legacy ``top_logprobs`` keyed distinctly, ``text_offset`` in characters of the text); the chunks of a stream add up to
+the whole answer's entries; a bad value is a 400 naming it, the cache untouched."""
 
 from __future__ import annotations
+
+import codecs
 
 import httpx
 import openai
@@ -27,25 +30,25 @@ def tiny_model():
     return build_model("tiny", device="cpu")
 
 
-def assert_entry(entry, token_id: int, logprob: float, decode) -> None:
-    assert entry.token == decode([token_id])
-    assert entry.bytes == list(entry.token.encode("utf-8"))
+def assert_entry(entry, token_id: int, logprob: float, tokenizer) -> None:
+    assert entry.token == tokenizer.decode([token_id])
+    assert entry.bytes == list(tokenizer.token_bytes(token_id))  # a byte id's own byte, not U+FFFD's three
     assert abs(entry.logprob - logprob) <= TOLERANCE
 
 
-def assert_chat_logprobs(content, records, decode, k: int) -> None:
+def assert_chat_logprobs(content, records, tokenizer, k: int) -> None:
     assert len(content) == len(records)
     for entry, record in zip(content, records, strict=True):
-        assert_entry(entry, record.token_id, record.logprob, decode)
+        assert_entry(entry, record.token_id, record.logprob, tokenizer)
         assert len(entry.top_logprobs) == k
         for alternative, (token_id, logprob) in zip(entry.top_logprobs, record.top[:k], strict=True):
-            assert_entry(alternative, token_id, logprob, decode)
+            assert_entry(alternative, token_id, logprob, tokenizer)
 
 
 def test_chat_logprobs_whole_and_streamed_are_the_engines(make_app, tiny_model) -> None:
     reference = PrefixCachingRunner(tiny_model, cache_tokens=4096)
     expected = reference.chat(QUESTION, max_new_tokens=12, logprobs=3)
-    decode = reference.tokenizer.decode
+    tokenizer = reference.tokenizer
     runner = PrefixCachingRunner(tiny_model, cache_tokens=4096)
     with start_background(make_app(runner, model_name="tiny"), "127.0.0.1", 0) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
@@ -55,12 +58,12 @@ def test_chat_logprobs_whole_and_streamed_are_the_engines(make_app, tiny_model) 
         plain = client.chat.completions.create(**ask)
         without = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=12)
     assert answer.choices[0].message.content == expected.text
-    assert_chat_logprobs(answer.choices[0].logprobs.content, expected.logprobs, decode, 3)
+    assert_chat_logprobs(answer.choices[0].logprobs.content, expected.logprobs, tokenizer, 3)
     streamed = [entry for c in chunks if c.choices and c.choices[0].logprobs for entry in c.choices[0].logprobs.content]
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
     assert sum(1 for c in chunks if c.choices and c.choices[0].logprobs and c.choices[0].logprobs.content) > 1
-    assert_chat_logprobs(streamed, expected.logprobs, decode, 3)
-    assert_chat_logprobs(plain.choices[0].logprobs.content, expected.logprobs, decode, 0)
+    assert_chat_logprobs(streamed, expected.logprobs, tokenizer, 3)
+    assert_chat_logprobs(plain.choices[0].logprobs.content, expected.logprobs, tokenizer, 0)
     assert without.choices[0].logprobs is None
     assert_quiescent(runner.cache)
 
@@ -81,12 +84,20 @@ def test_completion_logprobs_whole_and_streamed_are_the_engines(make_app, tiny_m
     assert logprobs.tokens == strings
     assert all(abs(a - r.logprob) <= TOLERANCE for a, r in zip(logprobs.token_logprobs, expected.logprobs, strict=True))
     for top, record in zip(logprobs.top_logprobs, expected.logprobs, strict=True):
-        wanted = {decode([record.token_id]): record.logprob}
+        wanted = {decode([record.token_id]): record.logprob}  # the sampled token keeps its string
         for token_id, logprob in record.top:
-            wanted.setdefault(decode([token_id]), logprob)
+            if token_id != record.token_id:
+                key = decode([token_id])
+                wanted[f"token_id:{token_id}" if key in wanted else key] = logprob
+        assert len(top) == len({record.token_id, *(token_id for token_id, _ in record.top)})
         assert top.keys() == wanted.keys()
         assert all(abs(top[key] - wanted[key]) <= TOLERANCE for key in wanted)
-    assert logprobs.text_offset == [sum(len(s) for s in strings[:i]) for i in range(len(strings))]
+    # the characters the bytes of the tokens before each one complete (a byte id holding part of one adds 0)
+    own = [reference.tokenizer.token_bytes(r.token_id) for r in expected.logprobs]
+    completed = [
+        len(codecs.getincrementaldecoder("utf-8")("replace").decode(b"".join(own[:i]))) for i in range(len(own))
+    ]
+    assert logprobs.text_offset == completed and max(completed) < len(expected.content)
     pieces = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
     assert [t for p in pieces for t in p.tokens] == logprobs.tokens
     assert [t for p in pieces for t in p.text_offset] == logprobs.text_offset
