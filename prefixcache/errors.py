@@ -9,6 +9,8 @@ as it was before the call: no leaked block, no half-inserted node, no lock left 
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 from typing import Any
 
 
@@ -159,3 +161,31 @@ class EndpointError(PrefixCacheError, RuntimeError):
 
 class VerificationError(PrefixCacheError, AssertionError):
     """Cached output differed from the uncached reference beyond tolerance (``--verify``)."""
+
+
+def install_command(extra: str) -> str:
+    """The command that installs the optional extra ``extra`` (``"server"``, ``"hf"``...) for the copy of prefixcache
+    that runs, for the messages that name a missing one.  From a source checkout (an editable install or a clone on
+    ``sys.path``: the ``pyproject.toml`` of project ``prefixcache`` beside the package folder) it is ``pip install -e
+    ".[server]"``, the checkout's path in place of ``.`` when the current folder is not the checkout; prefixcache is
+    not on the package index, so ``pip install 'prefixcache[server]'`` fails there.  Installed from a wheel, it is
+    ``pip install 'prefixcache[server]'``, which adds the extra's packages to the installed distribution."""
+    root = _source_checkout()
+    if root is None:
+        return f"pip install 'prefixcache[{extra}]'"
+    try:
+        here = Path.cwd().resolve() == root
+    except OSError:  # the current folder was removed
+        here = False
+    return f'pip install -e ".[{extra}]"' if here else f'pip install -e "{root}[{extra}]"'
+
+
+@functools.cache
+def _source_checkout() -> Path | None:
+    """The folder of the checkout the package runs from, or None (a wheel's install in site-packages)."""
+    root = Path(os.path.realpath(__file__)).parent.parent
+    try:
+        project = (root / "pyproject.toml").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    return root if 'name = "prefixcache"' in project else None

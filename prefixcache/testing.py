@@ -28,6 +28,7 @@ import xxhash
 
 from prefixcache.cache.radix_cache import CacheStats, RadixCache
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
+from prefixcache.errors import install_command
 from prefixcache.models.base import CausalLM, LiveKV, check_cached_call, check_logits_from, check_reference_call
 
 __all__ = [
@@ -418,7 +419,7 @@ def require_extra(module: str, extra: str):
         return importlib.import_module(module)
     import pytest  # only tests call this; the package does not depend on pytest
 
-    return pytest.importorskip(module, reason=f"needs: pip install 'prefixcache[{extra}]'")
+    return pytest.importorskip(module, reason=f"needs: {install_command(extra)}")
 
 
 def require_smollm2() -> str:
@@ -436,4 +437,3 @@ def require_smollm2() -> str:
         import pytest
 
         pytest.skip(str(error), allow_module_level=True)
-

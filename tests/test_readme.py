@@ -38,3 +38,14 @@ def test_a_readme_example_runs(source: str, tmp_path: Path) -> None:
     if done.returncode != 0 and extra is not None and os.environ.get("CI", "").strip().lower() not in ("true", "1"):
         pytest.skip(f"the example needs: pip install -e '.[{extra}]'")  # CI installs every extra: there, it fails
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_server_extra_brings_the_openai_client_the_readme_server_example_imports() -> None:
+    import tomllib
+
+    section = _README[_README.index("**1. Any OpenAI client, through a base URL**") :]
+    assert section.startswith('**1. Any OpenAI client, through a base URL** (`pip install -e ".[server]"`)')
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "from openai import OpenAI" in example
+    server = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["server"]
+    assert "openai" in {re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0].lower() for requirement in server}

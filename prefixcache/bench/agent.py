@@ -40,7 +40,7 @@ from prefixcache.bench.common import BenchResult, Table
 from prefixcache.bench.engine import TORCH_THREADS, clock, one_torch_thread, timed_runner_call
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.errors import InvalidArgumentError
+from prefixcache.errors import InvalidArgumentError, install_command
 
 DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 QWEN_DIR = DATA_DIR / "tokenizers" / "qwen2.5-0.5b-instruct"
@@ -155,7 +155,7 @@ def build_agent_model(setup: AgentSetup, vocab_size: int):
     try:
         import transformers
     except ImportError:
-        raise InvalidArgumentError("this benchmark needs transformers: pip install 'prefixcache[hf]'") from None
+        raise InvalidArgumentError(f"this benchmark needs transformers: {install_command('hf')}") from None
     from prefixcache.models.hf import HFCausalLM, random_model_from_config
 
     if setup.layers is not None:

@@ -46,7 +46,7 @@ from prefixcache.bench.grammar import grammar_rows, measure_grammar
 from prefixcache.bench.hybrid import hybrid_note, hybrid_rows, measure_hybrid, own_forward
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
-from prefixcache.errors import InvalidArgumentError
+from prefixcache.errors import InvalidArgumentError, install_command
 from prefixcache.models.paged_attention import paged_attention_supported
 
 QWEN_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tokenizers" / "qwen2.5-0.5b-instruct"
@@ -174,7 +174,7 @@ def build_bench_model(quick: bool, layers: int, device: torch.device | str = "cp
     try:
         import transformers  # noqa: F401 - only to say which extra is missing
     except ImportError:
-        raise InvalidArgumentError("this benchmark needs transformers: pip install 'prefixcache[hf]'") from None
+        raise InvalidArgumentError(f"this benchmark needs transformers: {install_command('hf')}") from None
     from prefixcache.models.hf import random_model_from_config
     from prefixcache.models.hf_tiny import tiny_random_model
 

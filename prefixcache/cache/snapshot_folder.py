@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from prefixcache.errors import SnapshotCorruptError, SnapshotError, SnapshotWriteError
+from prefixcache.errors import SnapshotCorruptError, SnapshotError, SnapshotWriteError, install_command
 
 __all__ = [
     "canonical",
@@ -162,5 +162,5 @@ def safetensors_module():
     try:
         import safetensors.torch
     except ImportError:
-        raise SnapshotError("snapshots of K/V need safetensors: pip install 'prefixcache[snapshot]'") from None
+        raise SnapshotError(f"snapshots of K/V need safetensors: {install_command('snapshot')}") from None
     return safetensors.torch

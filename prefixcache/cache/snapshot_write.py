@@ -104,7 +104,7 @@ def write(snapshot: Snapshot, directory: str | os.PathLike[str]) -> SnapshotSumm
     ``snapshot`` only.  O(snapshot bytes), in pieces that hold the GIL a few ms at most.
 
     Raises:
-        SnapshotError: safetensors is not installed (``pip install 'prefixcache[snapshot]'``), or ``directory`` (or
+        SnapshotError: safetensors is not installed (the ``snapshot`` extra), or ``directory`` (or
             a folder above it) is a file.
         SnapshotWriteError: a write, fsync or rename failed, the last sync of the folder included (also an
             ``OSError``, with the operating system's ``errno``); the previous version is kept (see

@@ -68,7 +68,7 @@ class HFTokenizer:
         InvalidArgumentError: ``path`` is neither a folder nor a ``.gguf`` file, a folder lacks the files that say
             which tokenizer it holds (named in the message, with the fix), or transformers cannot load a tokenizer
             from it.
-        ImportError: transformers is not installed (``pip install "prefixcache[hf]"``).
+        ImportError: transformers is not installed (the ``hf`` extra).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, chat_template: str | None = None) -> None:

@@ -54,10 +54,10 @@ def run(args: argparse.Namespace) -> int:
         extra["serve"] = serve_bench.run
     except ImportError as error:  # without the server extra there is no serve benchmark
         if "serve" in (args.names or ()):
-            from prefixcache.errors import InvalidArgumentError
+            from prefixcache.errors import InvalidArgumentError, install_command
 
             raise InvalidArgumentError(
-                f"the serve benchmark needs the server extra: pip install 'prefixcache[server]' ({error})"
+                f"the serve benchmark needs the server extra: {install_command('server')} ({error})"
             ) from error
     if args.device != "cpu":
         from functools import partial

@@ -23,7 +23,7 @@ from prefixcache.cli.tokenizer_choice import (
     choose_tokenizer,
     model_source,
 )
-from prefixcache.errors import InvalidArgumentError
+from prefixcache.errors import InvalidArgumentError, install_command
 from prefixcache.replay.endpoint import add_endpoint_arguments
 
 KV_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
@@ -418,7 +418,7 @@ def _checked_replay(args: argparse.Namespace, progress: _Progress) -> int:
 
             return run_endpoint_replay(args, tokenizer, progress)
     except ImportError as error:
-        raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
+        raise InvalidArgumentError(f"{error}; Hugging Face models need: {install_command('hf')}") from None
     if model is not None and tokenizer is None:
         preset = not args.model_config and model_source(args).kind == "preset"
         warning = byte_vocab_warning(args.model, preset, args.model_config, model.vocab_size)

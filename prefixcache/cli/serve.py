@@ -17,7 +17,7 @@ from prefixcache.cli.tokenizer_choice import (
     choose_tokenizer,
     model_source,
 )
-from prefixcache.errors import InvalidArgumentError
+from prefixcache.errors import InvalidArgumentError, install_command
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "add_parser", "run", "served_runner"]
 
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from prefixcache.serve import ApiKeys, create_app, serve_forever
     except ImportError as error:
-        raise InvalidArgumentError(f"{error}; the server needs: pip install 'prefixcache[server]'") from None
+        raise InvalidArgumentError(f"{error}; the server needs: {install_command('server')}") from None
     if args.layers is not None and not args.model_config:
         raise InvalidArgumentError("--layers needs --model-config")
     from prefixcache.cache.pool import check_block_size
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     if args.snapshot_every is not None and (args.snapshot is None or not args.snapshot_every > 0):
         raise InvalidArgumentError("--snapshot-every needs --snapshot and a positive number of minutes")
     if args.snapshot is not None and importlib.util.find_spec("safetensors") is None:
-        raise InvalidArgumentError("--snapshot needs safetensors: pip install 'prefixcache[snapshot]'")
+        raise InvalidArgumentError(f"--snapshot needs safetensors: {install_command('snapshot')}")
     if args.snapshot is not None and Path(args.snapshot).exists() and not Path(args.snapshot).is_dir():
         raise InvalidArgumentError(f"--snapshot {args.snapshot}: is a file; give a folder (made if missing)")
     from prefixcache.models.sources import parse_dtype
@@ -202,7 +202,7 @@ def served_runner(args: argparse.Namespace) -> tuple[Any, str]:
         with loading(source):
             tokenizer, choice, model = _load(args, source)
     except ImportError as error:
-        raise InvalidArgumentError(f"{error}; Hugging Face models need: pip install 'prefixcache[hf]'") from None
+        raise InvalidArgumentError(f"{error}; Hugging Face models need: {install_command('hf')}") from None
     if tokenizer is None:
         preset = source is not None and source.kind == "preset"
         warning = byte_vocab_warning(args.model, preset, args.model_config, model.vocab_size)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from prefixcache.chat.tool_calls import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from prefixcache.errors import InvalidArgumentError, InvalidTokensError
+from prefixcache.errors import InvalidArgumentError, InvalidTokensError, install_command
 
 __all__ = [
     "Grammar",
@@ -54,7 +54,7 @@ def _llguidance() -> Any:
         import llguidance
     except ImportError:  # pragma: no cover - the structured extra is installed wherever tests run
         raise InvalidArgumentError(
-            "structured outputs need the llguidance package: pip install 'prefixcache[structured]'"
+            f"structured outputs need the llguidance package: {install_command('structured')}"
         ) from None
     return llguidance
 
@@ -114,8 +114,9 @@ def require_structured(tokenizer: Any, what: str) -> None:
     installed and reads ``tokenizer``.  O(1) once the tokenizer's llguidance copy is made (about a second for an HF
     tokenizer, the first time).
 
-    Raises InvalidArgumentError ``"{what}: structured outputs need the llguidance package: pip install
-    'prefixcache[structured]'"``, or naming the tokenizer llguidance cannot read (a slow, sentencepiece-only one).
+    Raises InvalidArgumentError ``"{what}: structured outputs need the llguidance package: pip install ..."``
+    (:func:`~prefixcache.errors.install_command`), or naming the tokenizer llguidance cannot read (a slow,
+    sentencepiece-only one).
     """
     try:
         _llguidance()

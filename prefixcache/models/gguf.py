@@ -25,12 +25,11 @@ from typing import Any
 
 import torch
 
-from prefixcache.errors import InvalidArgumentError, UnsupportedModelError
+from prefixcache.errors import InvalidArgumentError, UnsupportedModelError, install_command
 from prefixcache.models.base import resolve_device
 
 __all__ = ["gguf_architecture", "load_gguf_model", "reading_gguf"]
 
-_INSTALL = "pip install 'prefixcache[hf]'"
 
 _lock = threading.RLock()
 _memo: dict[str, dict[Any, Any]] | None = None
@@ -125,7 +124,7 @@ def load_gguf_model(
     except ValueError as error:
         text = str(error)
         if "accelerate" in text:
-            raise InvalidArgumentError(f"loading a GGUF file needs accelerate: {_INSTALL}") from None
+            raise InvalidArgumentError(f"loading a GGUF file needs accelerate: {install_command('hf')}") from None
         if "architecture" in text or "not supported" in text:
             raise UnsupportedModelError(
                 f"{file.name}: GGUF architecture {gguf_architecture(file)!r} cannot be read by transformers: {text}"
@@ -156,7 +155,7 @@ def _reader(path: str | os.PathLike[str]) -> Any:
     try:
         import gguf
     except ImportError:
-        raise InvalidArgumentError(f"reading GGUF files needs the gguf package: {_INSTALL}") from None
+        raise InvalidArgumentError(f"reading GGUF files needs the gguf package: {install_command('hf')}") from None
     try:
         with reading_gguf():
             return gguf.GGUFReader(os.fspath(path))

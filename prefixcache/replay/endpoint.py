@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from prefixcache.errors import EndpointError, InvalidArgumentError
+from prefixcache.errors import EndpointError, InvalidArgumentError, install_command
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -158,7 +158,7 @@ def _httpx():
     try:
         import httpx
     except ImportError:
-        raise InvalidArgumentError("--endpoint needs httpx: pip install 'prefixcache[server]'") from None
+        raise InvalidArgumentError(f"--endpoint needs httpx: {install_command('server')}") from None
     return httpx
 
 

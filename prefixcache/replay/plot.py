@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from prefixcache.errors import PrefixCacheError
+from prefixcache.errors import PrefixCacheError, install_command
 
 if TYPE_CHECKING:
     from prefixcache.replay.results import ReplayReport, ScenarioReport
@@ -36,7 +36,7 @@ def require_matplotlib() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise MissingDependencyError(
-            "plotting needs matplotlib: pip install 'prefixcache[plot]' (or pip install matplotlib)"
+            f"plotting needs matplotlib: {install_command('plot')} (or pip install matplotlib)"
         ) from None
 
 

@@ -262,9 +262,10 @@ def _template_kwargs(checked: ChatCompletionBody) -> dict[str, Any]:
 
 
 def _chat_logprobs(checked: ChatCompletionBody) -> int | None:
-    """``top_logprobs`` (0 when not given) if ``logprobs`` is true, else None.  ``top_logprobs`` without
-    ``logprobs: true`` is refused, as OpenAI and vLLM refuse it."""
-    if checked.top_logprobs is not None and not checked.logprobs:
+    """``top_logprobs`` (0 when not given) if ``logprobs`` is true, else None.  ``top_logprobs`` above 0 without
+    ``logprobs: true`` is refused, as OpenAI and vLLM refuse it; 0 asks for nothing and is accepted, as vLLM accepts
+    it (clients send ``logprobs: false, top_logprobs: 0`` as their defaults)."""
+    if checked.top_logprobs and not checked.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     return (checked.top_logprobs or 0) if checked.logprobs else None
 

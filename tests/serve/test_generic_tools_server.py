@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from prefixcache import PrefixCachingRunner
+from prefixcache.errors import install_command
 from prefixcache.testing import assert_quiescent, require_extra
 
 pytest.importorskip("transformers", reason="needs: pip install 'prefixcache[hf]'")
@@ -78,5 +79,5 @@ def test_a_forced_call_without_the_grammar_engine_is_a_400_naming_the_extra(serv
         asyncio.run(call)
     error = refused.value.body
     assert refused.value.status_code == 400 and error["type"] == "invalid_request_error"
-    assert error["message"].startswith("tool_choice ") and "pip install 'prefixcache[structured]'" in error["message"]
+    assert error["message"].startswith("tool_choice ") and install_command("structured") in error["message"]
     assert_quiescent(runner.cache)

@@ -138,6 +138,20 @@ def test_bad_logprobs_values_are_400_naming_them_and_touch_nothing(make_app, tin
     assert_quiescent(runner.cache)
 
 
+def test_logprobs_false_with_top_logprobs_0_asks_for_none_as_vllm_accepts_it(make_app, tiny_model) -> None:
+    runner = PrefixCachingRunner(tiny_model, cache_tokens=4096)
+    with start_background(make_app(runner, model_name="tiny"), "127.0.0.1", 0) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        ask = dict(model="tiny", messages=QUESTION, max_tokens=3)
+        off = client.chat.completions.create(**ask, logprobs=False, top_logprobs=0)
+        zero = client.chat.completions.create(**ask, top_logprobs=0)
+        on = client.chat.completions.create(**ask, logprobs=True, top_logprobs=0)
+    assert off.choices[0].logprobs is None and zero.choices[0].logprobs is None
+    assert off.choices[0].message.content == on.choices[0].message.content
+    assert [entry.top_logprobs for entry in on.choices[0].logprobs.content] == [[]] * 3
+    assert_quiescent(runner.cache)
+
+
 def test_the_entries_of_text_a_stop_string_held_back_come_on_the_finishing_chunk(make_app) -> None:
     runner = PrefixCachingRunner(ScriptedModel.from_texts(["hello there"]), cache_tokens=4096)
     with start_background(make_app(runner), "127.0.0.1", 0) as server:
