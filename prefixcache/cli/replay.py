@@ -150,6 +150,14 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
         help="LRU hit rate at every cache size in one pass (stack distances), Belady's bound and the knee",
     )
     sweep.add_argument(
+        "--sweep-at",
+        type=parse_count,
+        action="append",
+        metavar="TOKENS",
+        help="with --sweep: also the hit rate at a pool of TOKENS (rounded up to whole blocks), e.g. 8192; "
+        "repeat for more sizes (the table and --json hold them)",
+    )
+    sweep.add_argument(
         "--kv-dtype",
         choices=KV_DTYPE_CHOICES,
         default="bf16",
@@ -294,6 +302,8 @@ def run(args: argparse.Namespace) -> int:
     (:mod:`prefixcache.replay.audit`), else a replay."""
     from prefixcache.replay.sweep_cli import or_sweep
 
+    if args.sweep_at and not args.sweep:
+        raise InvalidArgumentError("--sweep-at needs --sweep")
     piped = _piped(args.paths)
     if piped and (args.endpoint or args.sweep):
         option = "--endpoint" if args.endpoint else "--sweep"

@@ -127,6 +127,7 @@ def run_sweep(args: argparse.Namespace, tokenizer: Tokenizer | None, progress: P
             None if args.no_belady else pairs,
             bytes_per_token=per_token,
             exact=exact,
+            at_tokens=args.sweep_at or (),
         )
         summary.sweep_s = time.perf_counter() - start
         summaries.append(summary)

@@ -136,10 +136,12 @@ def summarize(
     bytes_per_token: int | None = None,
     knee_points: float = 1.0,
     exact: Callable[[int], float] | None = None,
+    at_tokens: Sequence[int] = (),
 ) -> SweepSummary:
-    """The table rows of one file: the curve at :func:`round_sizes`, Belady's bound at each (when the request
-    ``pairs`` are given; one simulation per size, O(accesses log capacity) each), the knee, and ``exact(tokens)``
-    (the radix tree's own hit rate at a size) at the knee when given."""
+    """The table rows of one file: the curve at :func:`round_sizes` and at each size of ``at_tokens`` (``--sweep-at``:
+    pool sizes in tokens, rounded up to whole blocks as ``--cache-tokens`` is), Belady's bound at each (when the
+    request ``pairs`` are given; one simulation per size, O(accesses log capacity) each), the knee, and
+    ``exact(tokens)`` (the radix tree's own hit rate at a size) at the knee when given."""
     bs = result.block_size
     ws_blocks = max(result.working_set_blocks, result.min_blocks)
     knee = knee_blocks(result, knee_points)
@@ -156,7 +158,8 @@ def summarize(
         bytes_per_token=bytes_per_token,
     )
     trace = build_block_trace(pairs, bs) if pairs is not None and result.num_requests else None
-    for tokens in round_sizes(result.min_blocks * bs, ws_blocks * bs, bs):
+    asked = {-(-int(tokens) // bs) * bs for tokens in at_tokens}
+    for tokens in sorted(set(round_sizes(result.min_blocks * bs, ws_blocks * bs, bs)) | asked):
         blocks = tokens // bs
         belady = simulate(trace, blocks, "belady").hit_rate if trace is not None and blocks else None
         summary.points.append(

@@ -142,6 +142,29 @@ def test_replay_sweep_prints_the_curve_writes_json_and_reuses_the_tokens(
     assert "tokens read from the token store" in capsys.readouterr().err
 
 
+def test_replay_sweep_at_a_size_reports_the_hit_rate_there(
+    chats: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    from prefixcache.replay.sweep import sweep_lru
+
+    monkeypatch.setenv("PREFIXCACHE_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "sweep.json"
+    argv = ["replay", str(chats), "--sweep", "--block-size", "4", "--json", str(out), "--no-progress"]
+    assert main([*argv, "--sweep-at", "150", "--sweep-at", "1e2"]) == 0
+    requests, _ = load_requests(chats, ByteTokenizer())
+    curve = sweep_lru([(r.prompt, r.answer) for r in requests], 4)
+    points = {p["capacity_tokens"]: p for p in json.loads(out.read_text())["sweeps"][0]["points"]}
+    for tokens in (100, 152):  # 150 tokens is 38 whole blocks of 4
+        assert points[tokens]["lru_hit_tokens"] == curve.hit_tokens(tokens // 4) > 0
+        assert points[tokens]["lru_hit_rate"] == pytest.approx(curve.hit_rate(tokens // 4))
+    assert f"|            152 | {100 * curve.hit_rate(38):.2f}%" in capsys.readouterr().out
+
+
+def test_sweep_at_without_sweep_is_refused(chats: Path, capsys: pytest.CaptureFixture[str]):
+    assert main(["replay", str(chats), "--no-model", "--sweep-at", "8192"]) == 2
+    assert "--sweep-at needs --sweep" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
