@@ -470,7 +470,9 @@ def submit_chat(
     steps every request); when the sampling asks for logprobs, ``on_logprob(record)`` gets each entry of
     :attr:`ChatCompletion.logprobs` there too, before the delta its token's text is part of (if any).  The future
     holds the :class:`ChatCompletion`, or the request's error (``concurrent.futures.CancelledError`` once
-    ``handle.cancel()`` took effect).  Raises as :meth:`BatchEngine.submit`, at once."""
+    ``handle.cancel()`` took effect).  Raises as :meth:`BatchEngine.submit`, at once; an engine process returns
+    without waiting for its child, whose refusal is then the future's error
+    (:meth:`~prefixcache.engine.process.EngineProcess.submit_prepared`)."""
     remote = getattr(engine, "submit_prepared", None)
     if remote is not None:  # an engine process runs the same function on its side (prefixcache.engine.process)
         return remote(prepared, namespace=namespace, request_id=request_id, on_delta=on_delta, on_logprob=on_logprob)

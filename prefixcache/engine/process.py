@@ -18,10 +18,19 @@ with its logprob records, then the end.  Functions run in the child are module-l
 (pickle), never closures.  Wire messages are tuples; a request's own arguments are pickled by the parent into bytes,
 so one that the child cannot unpickle fails that request alone.
 
-- parent to child: ``("chat" | "submit", job, payload)``, ``("cancel", job, None)``, ``("call" | "query", job,
-  payload)``, ``("close", 0, None)``;
+- parent to child: ``(factory, options, heartbeat_s)`` once, then ``("chat" | "submit", job, payload)``,
+  ``("cancel", job, None)``, ``("call" | "query", job, payload)``, ``("close", 0, None)``;
 - child to parent: ``("ready", info)`` or ``("failed", error)`` once, then ``("ack", job, error)``, ``("delta",
-  job, (text, records))``, ``("end", job, (kind, value))`` and ``("closed", 0, None)``.
+  job, (text, records))``, ``("end", job, (kind, value))``, ``("beat", 0, None)`` every ``heartbeat_s`` seconds and
+  ``("closed", 0, None)``.
+
+Nothing waits on the child without a bound (issue 44).  The parent writes on a sender thread of its own
+(:class:`~prefixcache.engine.outbox.Outbox`): a submit or a cancel only queues its message, so a child that does not
+read (stopped, stuck) never holds the caller, a server's event loop included.  A submit does not wait for the
+child's answer either: what the child's checks refuse fails the handle's future.  The child's heartbeat tells a
+child that is stopped from one that is busy: a watchdog thread that has heard nothing from it for
+``answer_timeout_s`` fails every request and call in flight at once with EngineDeadError, and every new one, until
+the child is heard again (then it serves on; the requests failed meanwhile are cancelled there).
 
 Thread safety: every method may be called from any thread.  ``on_delta`` and ``on_logprob`` run on the parent's
 receiver thread (not the engine's): they must not block, as on the engine thread.
@@ -38,6 +47,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future, InvalidStateError
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -46,12 +56,16 @@ from typing import Any
 
 from prefixcache.engine.batching import BatchEngine
 from prefixcache.engine.chat import PreparedChat
+from prefixcache.engine.outbox import Outbox
 from prefixcache.engine.process_main import CHILD_COMMAND, Ready, receive_message, send_message
 from prefixcache.errors import EngineDeadError, InvalidArgumentError
 
 __all__ = ["EngineProcess", "RemoteHandle"]
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_MAX_S = 1.0
+"""The longest interval between two heartbeats of the child: a quarter of ``answer_timeout_s``, at most this."""
 
 RunnerFactory = Callable[[], Any]
 """Builds the runner in the child: a module-level function (or ``functools.partial`` of one), since it is pickled.
@@ -61,9 +75,10 @@ parent gets back as :attr:`EngineProcess.note` (the server's start line says how
 
 class RemoteHandle:
     """A request running in an :class:`EngineProcess`: ``future`` holds its outcome (the
-    :class:`~prefixcache.engine.results.GenerationResult`, or ``ChatCompletion`` for a chat; its error; a
-    ``concurrent.futures.CancelledError`` once ``cancel()`` took effect), ``cancel()`` drops it (its blocks are freed
-    at the engine's next step; harmless once it has finished)."""
+    :class:`~prefixcache.engine.results.GenerationResult`, or ``ChatCompletion`` for a chat; its error, the child's
+    refusal of it included; a ``concurrent.futures.CancelledError`` once ``cancel()`` took effect), ``cancel()`` drops
+    it (its blocks are freed at the engine's next step; harmless once it has finished).  ``cancel()`` never waits on
+    the child: it queues a message."""
 
     __slots__ = ("_ask_cancel", "cancelled", "future")
 
@@ -86,10 +101,19 @@ class RemoteHandle:
 
 
 class _Job:
-    __slots__ = ("ack", "error", "handle", "on_delta", "on_logprob")
+    __slots__ = ("error", "future", "handle", "on_delta", "on_logprob", "op")
 
-    def __init__(self, handle: RemoteHandle | None, on_delta: Any = None, on_logprob: Any = None) -> None:
-        self.ack: Future[None] = Future()
+    def __init__(
+        self,
+        op: str,
+        future: Future[Any],
+        handle: RemoteHandle | None = None,
+        on_delta: Any = None,
+        on_logprob: Any = None,
+    ) -> None:
+        self.op = op
+        self.future = future
+        """Its outcome: the request's handle's future, or a call's or query's result."""
         self.handle = handle
         self.on_delta = on_delta
         self.on_logprob = on_logprob
@@ -130,9 +154,12 @@ class EngineProcess:
     ``max_batch_tokens``, ``max_running`` and ``policy`` are the engine's.  The constructor returns once the child has
     built its runner and started its engine (seconds: it imports torch and builds the model), or raises what the
     factory raised (its type kept where it pickles), EngineDeadError if the child died first, TimeoutError after
-    ``start_timeout_s``.  A submit or :meth:`query` the child has not answered within ``answer_timeout_s`` raises
-    EngineDeadError.  :meth:`close` ends the child; a child that dies fails every request it held and every later
-    call with EngineDeadError.
+    ``start_timeout_s``, InvalidArgumentError for an ``answer_timeout_s`` that is not a positive number of seconds.
+
+    A child that sends nothing, not even its heartbeat, for ``answer_timeout_s`` seconds is taken as stopped: every
+    request and call it held fails at once with EngineDeadError (a server answers 503 and ends its streams with an
+    error event), and so does every new one until it is heard again.  :meth:`close` ends the child; a child that dies
+    fails every request it held and every later call with EngineDeadError.
 
     ``tokenizer`` is a copy of the child runner's tokenizer (sent back pickled), for the server's prompt rendering,
     tokenization and logprob strings; ``pid`` the child's process id and ``engine_thread_id`` its engine thread's
@@ -148,9 +175,14 @@ class EngineProcess:
         start_timeout_s: float | None = 600.0,
         answer_timeout_s: float = 60.0,
     ) -> None:
-        self.answer_timeout_s = answer_timeout_s
-        """How long a submit waits for the child to accept a request, and :meth:`query` for its answer, before it
-        raises EngineDeadError (a child that stopped answering: stopped, or stuck in one step)."""
+        number = isinstance(answer_timeout_s, (int, float)) and not isinstance(answer_timeout_s, bool)
+        if not number or not 0 < answer_timeout_s < float("inf"):
+            message = f"answer_timeout_s must be a positive number of seconds, got {answer_timeout_s!r}"
+            raise InvalidArgumentError(message)
+        self.answer_timeout_s = float(answer_timeout_s)
+        """How long the child may send nothing (its heartbeat comes every quarter of it, at most every
+        :data:`HEARTBEAT_MAX_S`) before it counts as stopped, and the longest :meth:`query` waits for its answer."""
+        self._heartbeat_s = min(HEARTBEAT_MAX_S, self.answer_timeout_s / 4)
         # A fresh interpreter started by its command line, not multiprocessing's spawn: spawn runs the parent's main
         # module again in the child, which fails for a script without a ``__main__`` guard (and for a notebook).
         parent_end, child_end = socket.socketpair()
@@ -167,15 +199,16 @@ class EngineProcess:
         )
         child_end.close()
         self._conn = Connection(parent_end.detach())
-        self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._jobs: dict[int, _Job] = {}
         self._ids = itertools.count(1)
         self._dead: EngineDeadError | None = None
+        self._silent: EngineDeadError | None = None
+        """Set while the child has not been heard for ``answer_timeout_s``: what every request meanwhile fails with."""
         self._closed = False
         options = {"max_batch_tokens": max_batch_tokens, "max_running": max_running, "policy": policy}
         try:
-            send_message(self._conn, (factory, options))
+            send_message(self._conn, (factory, options, self._heartbeat_s))
             ready = self._first_message(start_timeout_s)
         except BaseException:
             self._process.kill()
@@ -187,8 +220,13 @@ class EngineProcess:
         self.engine_thread_id = ready.engine_thread_id
         self.pid: int = self._process.pid
         self.cache = _RemoteCache(self)
+        self._heard_at = time.monotonic()
+        self._stopping = threading.Event()
+        self._outbox = Outbox(self._conn, "prefixcache-engine-sender")
         self._receiver = threading.Thread(target=self._receive, name="prefixcache-engine-receiver", daemon=True)
         self._receiver.start()
+        self._watchdog = threading.Thread(target=self._watch, name="prefixcache-engine-watchdog", daemon=True)
+        self._watchdog.start()
 
     def _first_message(self, timeout_s: float | None) -> Ready:
         if not self._conn.poll(timeout_s):
@@ -206,9 +244,12 @@ class EngineProcess:
 
     def submit(self, prompt_ids: Any, sampling: Any = None, **options: Any) -> RemoteHandle:
         """Queue a request as :meth:`BatchEngine.submit` does, without per-token callbacks (``on_token`` and
-        ``on_logprob`` cannot cross the process boundary: use :meth:`submit_prepared` for a streamed answer).  Raises
-        what the engine's submit raises (InvalidTokensError, CapacityError, NamespaceError, InvalidArgumentError),
-        InvalidArgumentError for a callback, EngineDeadError once the child is gone.  Blocks for one round trip."""
+        ``on_logprob`` cannot cross the process boundary: use :meth:`submit_prepared` for a streamed answer).  Returns
+        at once, without waiting for the child: what the engine's submit raises there (InvalidTokensError,
+        CapacityError, NamespaceError, InvalidArgumentError) fails the handle's future, as its own type.  Raises
+        InvalidArgumentError for a callback or a closed engine, EngineDeadError once the child is gone or while it is
+        not answering (see the class), or when it has not read :data:`~prefixcache.engine.outbox.MAX_UNSENT_BYTES`
+        sent to it.  O(size of the prompt) to pickle it."""
         if options.get("on_token") is not None or options.get("on_logprob") is not None:
             raise InvalidArgumentError("on_token and on_logprob do not cross to an engine process: use submit_chat")
         options.pop("on_token", None)
@@ -229,41 +270,48 @@ class EngineProcess:
     ) -> tuple[RemoteHandle, Future[Any]]:
         """:func:`~prefixcache.engine.chat.submit_chat` in the child (which calls this for an engine process): the
         same text deltas, logprob records (each before the delta its token's text is part of) and
-        ``ChatCompletion``.  Raises as :meth:`submit`."""
+        ``ChatCompletion``.  Returns at once and raises as :meth:`submit`."""
         payload = (prepared.prompt_ids, prepared.sampling, prepared.decoder.arguments, namespace, request_id)
         payload += (on_delta is not None or on_logprob is not None, on_logprob is not None)
         handle = self._start("chat", payload, on_delta, on_logprob)
         return handle, handle.future
 
     def _start(self, op: str, payload: Any, on_delta: Any, on_logprob: Any) -> RemoteHandle:
+        job_id = next(self._ids)
+        handle = RemoteHandle(functools.partial(self._post, "cancel", job_id, None))
+        self._send_job(_Job(op, handle.future, handle, on_delta, on_logprob), job_id, payload)
+        return handle
+
+    def _send_job(self, job: _Job, job_id: int, payload: Any) -> None:
+        """Register ``job`` and queue its message; raises what :meth:`_check_open` and :meth:`_post` raise (the job
+        then left unregistered)."""
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
+        message = pickle.dumps((job.op, job_id, data), protocol=pickle.HIGHEST_PROTOCOL)
+        # Registered and queued under one lock: a watchdog that fails every job in flight then queues their cancels
+        # after their requests, never before (the child would run a request whose cancel it had already dropped).
         with self._lock:
             self._check_open()
-            job_id = next(self._ids)
-            handle = RemoteHandle(functools.partial(self._post, "cancel", job_id, None))
-            job = self._jobs[job_id] = _Job(handle, on_delta, on_logprob)
-        self._post(op, job_id, data)
-        try:
-            job.ack.result(self.answer_timeout_s)  # the engine's own checks raise here, as in-process
-        except FutureTimeout:
-            with self._lock:
-                self._jobs.pop(job_id, None)
-            handle.cancel()
-            raise EngineDeadError(f"the engine process did not answer within {self.answer_timeout_s} s") from None
-        return handle
+            self._jobs[job_id] = job
+            try:
+                self._outbox.put(message, bounded=True)
+            except EngineDeadError as error:
+                del self._jobs[job_id]
+                raise self._dead or error from None
 
     # -- functions in the child -------------------------------------------------------------------------------------
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn(engine, *args)`` on the child's engine thread between two steps (:meth:`BatchEngine.call_soon`);
         ``fn`` must be a module-level function (it is pickled).  A result that is a ``Future`` is waited for in the
-        child.  The future holds the result or the error.  Raises EngineDeadError once the child is gone."""
+        child.  The future holds the result or the error.  Raises EngineDeadError once the child is gone or while it
+        is not answering."""
         return self._run("call", fn, args)
 
     def query(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None) -> Any:
         """``fn(engine, *args)`` run at once on the child's command thread, not between steps (for reads that the
         engine's own locks make safe: counters, cache stats), and its result.  Raises what ``fn`` raised,
-        EngineDeadError once the child is gone, TimeoutError after ``timeout_s``."""
+        EngineDeadError once the child is gone, while it is not answering, or when it has not answered within
+        ``timeout_s`` (default ``answer_timeout_s``)."""
         timeout_s = self.answer_timeout_s if timeout_s is None else timeout_s
         try:
             return self._run("query", fn, args).result(timeout_s)
@@ -271,13 +319,9 @@ class EngineProcess:
             raise EngineDeadError(f"the engine process did not answer within {timeout_s} s") from None
 
     def _run(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
-        data = pickle.dumps((fn, args), protocol=pickle.HIGHEST_PROTOCOL)
-        with self._lock:
-            self._check_open()
-            job_id = next(self._ids)
-            job = self._jobs[job_id] = _Job(None)
-        self._post(op, job_id, data)
-        return job.ack
+        future: Future[Any] = Future()
+        self._send_job(_Job(op, future), next(self._ids), (fn, args))
+        return future
 
     def save_snapshot(self, directory: str | os.PathLike[str]) -> Future[Any]:
         """:meth:`BatchEngine.save_snapshot` in the child (the copy between two steps, the files on its writer)."""
@@ -291,7 +335,16 @@ class EngineProcess:
         """:meth:`BatchEngine.evict_all` in the child (between two steps)."""
         return self._run("query", BatchEngine.evict_all, ())
 
-    num_pending = property(lambda self: self.query(getattr, "num_pending"), doc="The child engine's num_pending.")
+    @property
+    def num_pending(self) -> int:
+        """The requests submitted here that have not ended, plus the :meth:`call` functions not yet answered: the
+        child engine's ``num_pending`` as this process has heard it, without a round trip (a server's ``/health``
+        reads it, whatever the child does).  O(requests in flight).  Raises EngineDeadError once the child is gone or
+        while it is not answering, InvalidArgumentError once closed."""
+        with self._lock:
+            self._check_open()
+            return sum(job.op != "query" for job in self._jobs.values())
+
     preempted_requests = property(lambda self: self.query(getattr, "preempted_requests"), doc="Its preemptions.")
     cancelled_requests = property(lambda self: self.query(getattr, "cancelled_requests"), doc="Its cancellations.")
 
@@ -302,29 +355,37 @@ class EngineProcess:
 
     @property
     def alive(self) -> bool:
-        """Whether the child runs and has not been closed."""
-        return self._dead is None and not self._closed and self._process.poll() is None
+        """Whether the child runs, answers (it was heard within ``answer_timeout_s``) and has not been closed."""
+        return self._dead is None and self._silent is None and not self._closed and self._process.poll() is None
 
     def close(self, timeout_s: float = 30.0) -> None:
         """End the child: its engine closes (requests still queued are cancelled, a snapshot being written finishes)
-        and it exits; killed if it has not within ``timeout_s``.  Idempotent."""
+        and it exits; killed if it has not within ``timeout_s``, or at once when it is not answering (a stopped
+        child would never read the close).  Idempotent; never waits on a thread from that thread (a future's
+        callback may close it from the receiver or the watchdog)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            silent = self._silent is not None
         if self._dead is None:
             try:
                 self._post("close", 0, None)
             except EngineDeadError:
                 pass
         try:
-            self._process.wait(timeout_s)
+            self._process.wait(0 if silent else timeout_s)
         except subprocess.TimeoutExpired:
-            logger.warning("the engine process did not exit within %s s: killed", timeout_s)
+            if not silent:
+                logger.warning("the engine process did not exit within %s s: killed", timeout_s)
             self._process.kill()
             self._process.wait()
-        if threading.current_thread() is not self._receiver:  # a future's callback may close it from there
-            self._receiver.join(timeout_s)
+        self._stopping.set()
+        self._outbox.close()
+        self._outbox.join(timeout_s)  # ends at once: what it was writing failed when the child exited
+        for thread in (self._receiver, self._watchdog):
+            if threading.current_thread() is not thread:
+                thread.join(timeout_s)
         self._conn.close()
 
     def _check_open(self) -> None:
@@ -332,13 +393,18 @@ class EngineProcess:
             raise InvalidArgumentError("the engine is closed")
         if self._dead is not None:
             raise self._dead
+        if self._silent is not None:
+            raise self._silent
 
     def _post(self, op: str, job: int, data: Any) -> None:
+        """Queue a message that is never refused for its size (a cancel, the close); O(1), never waits on the child.
+        Raises EngineDeadError once the connection failed."""
         try:
-            with self._send_lock:
-                send_message(self._conn, (op, job, data))
-        except (OSError, ValueError) as error:  # a broken pipe, or the connection closed
-            raise self._dead or EngineDeadError(f"the engine process is gone ({error})") from None
+            self._outbox.put(pickle.dumps((op, job, data), protocol=pickle.HIGHEST_PROTOCOL))
+        except EngineDeadError as error:
+            raise self._dead or error from None
+
+    # -- the receiver and the watchdog ------------------------------------------------------------------------------
 
     def _receive(self) -> None:
         """The receiver thread: every message of the child, in order, to its job."""
@@ -348,20 +414,20 @@ class EngineProcess:
                 kind, job_id, value = receive_message(self._conn)
             except (EOFError, OSError):
                 break
+            self._heard_at = time.monotonic()
+            if self._silent is not None:
+                self._heard_again()
             if kind == "delta":
                 job = jobs.get(job_id)
                 if job is not None:
                     job.deliver(*value)
             elif kind == "ack":
-                job = jobs.get(job_id)
-                if job is None:  # its caller stopped waiting (answer_timeout_s) and cancelled it
+                if value is None:  # accepted: its deltas and end follow
                     continue
-                if value is None:
-                    _settle(job.ack, "done", None)
-                else:
-                    with self._lock:
-                        jobs.pop(job_id, None)
-                    _settle(job.ack, "error", value)
+                with self._lock:
+                    job = jobs.pop(job_id, None)
+                if job is not None:  # else failed already (the child was silent) or its caller gave up on it
+                    _settle(job.future, "error", value)
             elif kind == "end":
                 with self._lock:
                     job = jobs.pop(job_id, None)
@@ -369,7 +435,7 @@ class EngineProcess:
                     continue
                 if job.error is not None:
                     value = ("error", job.error)
-                _settle(job.handle.future if job.handle is not None else job.ack, *value)
+                _settle(job.future, *value)
             elif kind == "closed":
                 break
         try:
@@ -381,14 +447,61 @@ class EngineProcess:
         )
         with self._lock:
             self._dead = dead
-            pending, self._jobs = list(self._jobs.values()), {}
+            pending = list(jobs.values())
+            jobs.clear()
+        self._stopping.set()
+        self._outbox.close()
         if not self._closed:
             logger.error("%s; %d request(s) in flight failed", dead, len(pending))
         for job in pending:
-            if not job.ack.done():  # a submit or call the child never answered: refused as after close
-                _settle(job.ack, "error", InvalidArgumentError("the engine is closed") if self._closed else dead)
-            if job.handle is not None and not job.handle.future.done():
-                _settle(job.handle.future, "error", CancelledError() if self._closed else dead)
+            if not self._closed:
+                _settle(job.future, "error", dead)
+            elif job.handle is not None:  # cancelled by close, as in-process
+                _settle(job.future, "cancelled", None)
+            else:  # a call the child never answered: refused as after close
+                _settle(job.future, "error", InvalidArgumentError("the engine is closed"))
+
+    def _watch(self) -> None:
+        """The watchdog thread: every heartbeat interval, whether the child has been silent for ``answer_timeout_s``
+        (then :meth:`_went_silent`)."""
+        while not self._stopping.wait(self._heartbeat_s):
+            if self._silent is not None or time.monotonic() - self._heard_at <= self.answer_timeout_s:
+                continue
+            try:
+                unread = self._conn.poll(0)  # sent, but this process's receiver has not had the GIL to read it
+            except (OSError, ValueError):
+                return  # closed
+            if not unread:
+                self._went_silent()
+
+    def _went_silent(self) -> None:
+        """Fail every job in flight with one EngineDeadError and refuse new ones until the child is heard again; the
+        child is asked to cancel the requests (it does once it runs again)."""
+        silent = EngineDeadError(
+            f"the engine process did not answer within {self.answer_timeout_s} s (stopped, or stuck with its GIL held)"
+        )
+        with self._lock:
+            if self._closed or self._dead is not None or self._silent is not None:
+                return
+            self._silent = silent
+            pending = list(self._jobs.items())
+            self._jobs.clear()
+            for job_id, job in pending:
+                if job.handle is not None:
+                    try:
+                        self._post("cancel", job_id, None)
+                    except EngineDeadError:
+                        break  # the connection failed: the child is gone and the receiver says so
+        logger.error("%s; %d request(s) and call(s) in flight failed", silent, len(pending))
+        for _, job in pending:
+            _settle(job.future, "error", silent)
+
+    def _heard_again(self) -> None:
+        with self._lock:
+            if self._silent is None:
+                return
+            self._silent = None
+        logger.warning("the engine process answers again after %s s of silence or more", self.answer_timeout_s)
 
     def __repr__(self) -> str:
         return f"EngineProcess(pid={self.pid}, alive={self.alive})"

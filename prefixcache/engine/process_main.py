@@ -103,11 +103,12 @@ CHILD_COMMAND = (
 
 
 def child_main(fd: int) -> None:
-    """The engine process (``python -c CHILD_COMMAND fd``): read the factory and the engine's options, build the
-    runner and its engine, then serve the parent's commands until ``close`` or the parent's end closes."""
+    """The engine process (``python -c CHILD_COMMAND fd``): read the factory, the engine's options and the heartbeat
+    interval, build the runner and its engine, then serve the parent's commands until ``close`` or the parent's end
+    closes, with a heartbeat meanwhile."""
     conn = Connection(fd)
     try:
-        factory, options = receive_message(conn)
+        factory, options, heartbeat_s = receive_message(conn)
     except BaseException as error:  # noqa: BLE001 - a factory that does not unpickle here
         hint = "the runner factory must be a module-level function of a module the engine process can import"
         with contextlib.suppress(OSError):
@@ -137,14 +138,27 @@ def child_main(fd: int) -> None:
         engine.close()
         return
     handles: dict[int, Any] = {}
+    served = threading.Event()
+    beats = threading.Thread(target=_beat, args=(link, heartbeat_s, served), name="prefixcache-heartbeat", daemon=True)
+    beats.start()
     try:
         _serve(conn, link, engine, handles)
     finally:
+        served.set()
         engine.close()
         try:
             link.send("closed", 0, None)
         finally:
             conn.close()
+
+
+def _beat(link: _ChildLink, interval_s: float, served: threading.Event) -> None:
+    """The heartbeat thread: ``("beat", 0, None)`` every ``interval_s`` seconds until ``served`` is set, so that the
+    parent tells this process, busy or idle, from one that is stopped (its watchdog; see
+    :mod:`prefixcache.engine.process`).  A thread of its own: the engine thread may be in a long step, the command
+    thread waiting for the parent."""
+    while not served.wait(interval_s):
+        link.send("beat", 0, None)
 
 
 def _serve(conn: Any, link: _ChildLink, engine: BatchEngine, handles: dict[int, Any]) -> None:

@@ -301,13 +301,14 @@ def create_app(
         metrics.failed(request.url.path, error.status)
         return _error_response(error)
 
-    # Both read the engine's counters, a round trip to an engine process (its command thread waits for its GIL): on a
-    # worker thread, so that the streams on the event loop never wait for it.
+    # On the loop: num_pending is O(1) under a lock held briefly, an engine process's without a round trip, so /health
+    # answers whatever the engine does (503 once an engine process is gone or stopped answering).
     @route("/health", "GET")
     async def health(request: Request) -> Response:
-        pending = await asyncio.to_thread(lambda: engine.num_pending)
-        return _json({"status": "ok", "model": model_name, "pending_requests": pending})
+        return _json({"status": "ok", "model": model_name, "pending_requests": engine.num_pending})
 
+    # The cache's counters are a round trip to an engine process (its command thread waits for its GIL): on a worker
+    # thread, so that the streams on the event loop never wait for it.
     @route("/metrics", "GET")
     async def scrape(request: Request) -> Response:
         return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)

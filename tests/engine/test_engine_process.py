@@ -2,7 +2,9 @@
 exactly as one on a thread of this process (text deltas, logprob records before their delta, stop strings, grammars,
 plain submits), keeps the errors' types, leaves the engine as it was after bad input, cancels and frees, fails a
 request whose callback raised with that error, refuses a factory that fails or does not pickle without leaving a
-child behind, turns a killed child into EngineDeadError, and cancels what is pending on close()."""
+child behind, turns a killed child into EngineDeadError, and cancels what is pending on close().  A child that does
+not read never holds a caller (submits and cancels are queued for a sender thread), and one that stops answering is
+found by its heartbeat's silence once: everything in flight fails at once, and it serves on when continued."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import CancelledError
 from pathlib import Path
@@ -257,14 +260,15 @@ def test_the_tokenizer_note_and_functions_run_in_the_child(remote: EngineProcess
         ([1, 2, 3], {"request_id": 7}, InvalidArgumentError),
     ],
 )
-def test_bad_input_raises_the_in_process_error_and_changes_nothing(
+def test_bad_input_fails_with_the_in_process_error_and_changes_nothing(
     remote: EngineProcess, local: BatchEngine, prompt: Any, options: dict[str, Any], error: type
 ) -> None:
     before = baseline(remote)
     with pytest.raises(error) as expected:
         local.submit(prompt, **options)
+    # The submit does not wait for the child: its refusal is the handle's error.
     with pytest.raises(error) as raised:
-        remote.submit(prompt, **options)
+        remote.submit(prompt, **options).result(WAIT_S)
     assert type(raised.value) is type(expected.value)
     assert str(raised.value) == str(expected.value)
     assert baseline(remote) == before
@@ -500,22 +504,120 @@ def test_the_child_does_not_import_from_its_current_folder(tmp_path: Path, monke
         process.close()
 
 
-def test_a_child_that_stops_answering_is_an_engine_dead_error_not_a_hang() -> None:
-    process = EngineProcess(FACTORY, answer_timeout_s=1.0, **ENGINE)
+def finished_within(fn: Any, seconds: float) -> tuple[bool, Any]:
+    """``(True, fn())`` when ``fn()`` returns within ``seconds``, else ``(False, None)`` (it is left running on a
+    daemon thread): a call that would block forever fails the test instead of hanging it."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return bool(result), result[0] if result else None
+
+
+def wait_until(condition: Any, seconds: float = WAIT_S) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_a_child_that_does_not_read_never_holds_a_submit_a_cancel_or_num_pending() -> None:
+    # A stopped child reads nothing: a message larger than the socket's buffer (3 MB of prompt ids here) used to
+    # block its sender in send_bytes, holding the lock that every later send (a server's cancels, on its event loop)
+    # waited on.  The watchdog is kept out of the way (a long answer_timeout_s): this is about the sends alone.
+    process = EngineProcess(FACTORY, answer_timeout_s=60.0, **ENGINE)
+    big = list(range(500)) * 2000
+    assert len(pickle.dumps(big)) > 2_000_000
     try:
         os.kill(process.pid, signal.SIGSTOP)
         try:
-            with pytest.raises(EngineDeadError, match="did not answer within 1.0 s"):
-                process.submit([1, 2, 3], SamplingParams(max_new_tokens=2))
-            with pytest.raises(EngineDeadError, match="did not answer within 1.0 s"):
-                _ = process.num_pending
+            returned, handle = finished_within(lambda: process.submit(big, SamplingParams(max_new_tokens=2)), 1.0)
+            assert returned, "submit waited for the stopped child to read"
+            returned, second = finished_within(lambda: process.submit([1, 2, 3], SamplingParams(**LONG)), 1.0)
+            assert returned, "a second submit waited behind the first"
+            assert finished_within(handle.cancel, 1.0)[0], "cancel waited for the stopped child"
+            assert finished_within(second.cancel, 1.0)[0]
+            assert finished_within(lambda: process.num_pending, 1.0) == (True, 2)
         finally:
             os.kill(process.pid, signal.SIGCONT)
-        # The request it gave up on was cancelled; the late answers about it are dropped, and the child serves on.
+        # Once it reads again, both are answered: the large one refused by the child's checks, the other cancelled.
+        with pytest.raises((CapacityError, CancelledError)):
+            handle.result(WAIT_S)
+        with pytest.raises(CancelledError):
+            second.result(WAIT_S)
         assert process.submit([4, 5, 6], SamplingParams(max_new_tokens=2)).result(WAIT_S).usage.generated_tokens == 2
+    finally:
+        process.close()
+
+
+def test_a_stopped_child_fails_every_request_and_call_at_once_then_serves_again_when_continued(tmp_path: Path) -> None:
+    process = EngineProcess(FACTORY, answer_timeout_s=1.0, **ENGINE)
+    failed_at: list[float] = []
+    try:
+        _, running = started(process)
+        os.kill(process.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        try:
+            queued = [process.submit([4, 5, 6 + i], SamplingParams(max_new_tokens=2)) for i in range(3)]
+            calls = [process.call(getattr, "policy"), process.save_snapshot(tmp_path / "snapshot")]
+            futures = [running, *(handle.future for handle in queued), *calls]
+            for future in futures:
+                future.add_done_callback(lambda _: failed_at.append(time.monotonic()))
+            for future in futures:
+                with pytest.raises(EngineDeadError, match="did not answer within 1.0 s"):
+                    future.result(WAIT_S)
+            # Detected once, by the heartbeat's silence: all at one moment, not one timeout after another.
+            assert len(failed_at) == len(futures)
+            assert max(failed_at) - min(failed_at) < 0.5
+            assert max(failed_at) - stopped_at < 10  # a bound on a hang, not a timing: 1 s plus a heartbeat
+            assert not process.alive
+            # While it is silent, what needs it fails at once.
+            refused_at = time.monotonic()
+            with pytest.raises(EngineDeadError, match="did not answer within 1.0 s"):
+                process.submit([7, 8, 9], SamplingParams(max_new_tokens=2))
+            with pytest.raises(EngineDeadError, match="did not answer within 1.0 s"):
+                _ = process.num_pending
+            with pytest.raises(EngineDeadError, match="did not answer within 1.0 s"):
+                process.query(getattr, "num_pending")
+            assert time.monotonic() - refused_at < 1.0
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        # Heard again, it serves on; the requests failed meanwhile were cancelled in the child.
+        assert wait_until(lambda: process.alive), "the continued child was never heard again"
+        assert process.submit([4, 5, 6], SamplingParams(max_new_tokens=2)).result(WAIT_S).usage.generated_tokens == 2
+        assert wait_until(lambda: process.query(getattr, "num_pending") == 0)
+        assert_freed(process)
+    finally:
+        process.close()
+
+
+def test_an_idle_child_is_not_taken_for_a_stopped_one() -> None:
+    # Nothing in flight: only the heartbeat keeps it heard, for several answer timeouts in a row.
+    process = EngineProcess(FACTORY, answer_timeout_s=1.0, **ENGINE)
+    try:
+        time.sleep(3.0)
+        assert process.alive
+        assert process.num_pending == 0
         assert process.query(getattr, "num_pending") == 0
     finally:
         process.close()
+
+
+@pytest.mark.parametrize("timeout_s", [0, -1.0, float("nan"), float("inf"), True, "60"])
+def test_an_answer_timeout_that_is_not_a_positive_number_of_seconds_is_refused(timeout_s: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="answer_timeout_s"):
+        EngineProcess(FACTORY, answer_timeout_s=timeout_s)
+
+
+def test_a_stopped_child_is_killed_at_close_without_waiting_for_it() -> None:
+    process = EngineProcess(FACTORY, answer_timeout_s=1.0, **ENGINE)
+    os.kill(process.pid, signal.SIGSTOP)
+    assert wait_until(lambda: not process.alive, 30)
+    closed, _ = finished_within(lambda: process.close(timeout_s=60), 5.0)
+    assert closed, "close waited for a child that cannot read its close"
+    assert process.pid not in children_of(os.getpid())
 
 
 def test_a_snapshot_folder_that_is_not_a_path_is_the_engines_invalid_argument(remote: EngineProcess) -> None:

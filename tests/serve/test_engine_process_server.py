@@ -1,6 +1,8 @@
 """A server over an :class:`~prefixcache.engine.process.EngineProcess` (``create_app(engine_process)``, ``prefixcache
 serve --engine-process``): it streams what a server over an in-thread engine streams, reports health and metrics from
-the child, answers 503 in OpenAI's error shape once the child is gone, and the CLI's engine child ends with it."""
+the child, answers 503 in OpenAI's error shape once the child is gone, and the CLI's engine child ends with it.  A
+stopped child never freezes it (``/health`` within a second throughout, every waiting request a 503 at once, running
+streams ended with an error event)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import os
 import re
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import CancelledError
 from pathlib import Path
@@ -229,3 +233,103 @@ def test_a_snapshot_save_stops_waiting_for_an_engine_child_that_stopped_answerin
         assert any("no answer in 0.5 s; not waiting" in record.getMessage() for record in caplog.records)
     finally:
         process.close()
+
+
+STOPPED_S = 3.0
+"""The answer timeout of the stopped-child tests: the silence after which the child counts as stopped."""
+
+
+def _error_of(answer: httpx.Response) -> dict[str, Any]:
+    error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_a_stopped_engine_child_never_freezes_the_server_and_fails_every_waiting_request_at_once() -> None:
+    # Issue 44: with the child stopped, a 3 MB prompt blocked the sender holding its lock, /health gave no answer for
+    # 90-100 s, a disconnecting client's cancel froze the event loop, three completions got their 503 after 60, 120
+    # and 180 s and a running stream got nothing until its client gave up.
+    process = EngineProcess(FACTORY, answer_timeout_s=STOPPED_S)
+    app = create_app(process, model_name="tiny")
+    with start_background(app, "127.0.0.1", 0) as server:
+        url = server.url
+        streamed: list[str] = []
+        streaming = threading.Event()
+
+        def stream() -> None:
+            body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3000, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=WAIT_S) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        streamed.append(line)
+                        streaming.set()
+            streamed.append(f"closed after {time.monotonic() - stopped_at:.1f} s")
+
+        answers: dict[str, tuple[float, httpx.Response | None]] = {}
+
+        def post(name: str, body: dict[str, Any], timeout_s: float = WAIT_S) -> None:
+            try:
+                answer = httpx.post(url + "/v1/completions", json=body, timeout=timeout_s)
+            except httpx.TimeoutException:
+                answer = None  # the client that gives up and disconnects
+            answers[name] = (time.monotonic(), answer)
+
+        streamer = threading.Thread(target=stream, daemon=True)
+        streamer.start()
+        assert streaming.wait(WAIT_S), "the stream never started"
+        os.kill(process.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        probes: dict[str, list[tuple[float, int]]] = {"/health": [], "/v1/models": [], "/tokenize": []}
+        try:
+            big = {"model": "tiny", "prompt": "x" * 3_000_000, "max_tokens": 2}
+            small = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+            requests = [(f"big {i}", big) for i in range(2)] + [(f"small {i}", small) for i in range(3)]
+            threads = [threading.Thread(target=post, args=request, daemon=True) for request in requests]
+            threads.append(threading.Thread(target=post, args=("leaver", small, 0.5), daemon=True))
+            for thread in threads:
+                thread.start()
+            while (any(t.is_alive() for t in threads) or streamer.is_alive()) and time.monotonic() - stopped_at < 30:
+                for path in probes:
+                    began = time.monotonic()
+                    try:
+                        if path == "/tokenize":
+                            answer = httpx.post(url + path, json={"prompt": "Hello"}, timeout=10)
+                        else:
+                            answer = httpx.get(url + path, timeout=10)
+                        status = answer.status_code
+                    except httpx.TimeoutException:
+                        status = 0
+                    probes[path].append((time.monotonic() - began, status))
+                time.sleep(0.1)
+            silent_health = httpx.get(url + "/health", timeout=10)
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        # /health answered within a second throughout: 200 while the child might be busy, 503 once it was found
+        # silent; what needs no engine answered all along.  (1 s bounds a hang; it is not a timing.)
+        assert max(seconds for seconds, _ in probes["/health"]) < 1.0, probes["/health"]
+        assert {status for _, status in probes["/health"]} <= {200, 503}
+        assert silent_health.status_code == 503
+        assert "did not answer within 3.0 s" in _error_of(silent_health)["message"]
+        for path in ("/v1/models", "/tokenize"):
+            assert max(seconds for seconds, _ in probes[path]) < 1.0, (path, probes[path])
+            assert {status for _, status in probes[path]} == {200}
+        # Every waiting request failed at once, with the 503 of OpenAI's error shape.
+        failed = {name: answers[name] for name, _ in requests}
+        for _, answer in failed.values():
+            assert answer is not None and answer.status_code == 503, answer and answer.text
+            assert _error_of(answer)["type"] == "server_error"
+            assert "did not answer within 3.0 s" in _error_of(answer)["message"]
+        times = [at for at, _ in failed.values()]
+        assert max(times) - min(times) < 1.0, [at - stopped_at for at in times]
+        assert max(times) - stopped_at < 3 * STOPPED_S, [at - stopped_at for at in times]
+        # The running stream ended with an error event in OpenAI's shape, then [DONE].
+        assert streamed[-1].startswith("closed after"), streamed[-3:]
+        assert streamed[-2] == "data: [DONE]"
+        assert '"type": "server_error"' in streamed[-3] and "did not answer within 3.0 s" in streamed[-3]
+        # Continued, the child is heard again and the server serves on.
+        deadline = time.monotonic() + WAIT_S
+        while httpx.get(url + "/health", timeout=WAIT_S).status_code != 200:
+            assert time.monotonic() < deadline, "the continued child was never heard again"
+            time.sleep(0.1)
+        assert client(url).completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+    process.close()
