@@ -23,7 +23,7 @@ from prefixcache import PrefixCachingRunner  # noqa: E402
 from prefixcache.chat.generic_tools import tools_block  # noqa: E402
 from prefixcache.chat.hf_tokenizer import HFTokenizer  # noqa: E402
 from prefixcache.engine.chat import complete_chat, prepare_chat  # noqa: E402
-from prefixcache.errors import InvalidArgumentError  # noqa: E402
+from prefixcache.errors import InvalidArgumentError, install_command  # noqa: E402
 from prefixcache.models.llama import LlamaModel  # noqa: E402
 from prefixcache.testing import assert_quiescent  # noqa: E402
 
@@ -93,6 +93,6 @@ def test_a_forced_call_without_the_grammar_engine_is_refused(monkeypatch, tokeni
         prepare_chat(tokenizer, ASK, TOOLS, tool_choice=tool_choice)
     assert str(refused.value) == (
         f"tool_choice {named} forces a call that follows the function's parameters: structured outputs need the "
-        "llguidance package: pip install 'prefixcache[structured]'"
+        f"llguidance package: {install_command('structured')}"
     )
     assert prepare_chat(tokenizer, ASK, TOOLS, tool_choice="auto").sampling.grammar is None  # auto still runs

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from array import array
 
 import pytest
 
 from prefixcache.cli import main
+from prefixcache.errors import install_command
 from prefixcache.replay.plot import MissingDependencyError, plot_replay
 from prefixcache.replay.replayer import Replayer, ReplayReport, ReplayRequest, ReplaySeries, replay_paths
 
@@ -64,8 +66,8 @@ def test_replay_plot_option_writes_the_file(tmp_path, capsys) -> None:
 def test_without_matplotlib_plotting_fails_with_install_advice(monkeypatch, tmp_path, capsys) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` raise ImportError
     report = replay_paths(SCENARIOS[:1], Replayer(None))
-    with pytest.raises(MissingDependencyError, match=r"prefixcache\[plot\]"):
+    with pytest.raises(MissingDependencyError, match=re.escape(install_command("plot"))):
         plot_replay(report, tmp_path / "x.png")
     assert main(["replay", SCENARIOS[0], "--no-model", "--no-progress", "--plot", str(tmp_path / "x.png")]) == 2
-    assert "pip install 'prefixcache[plot]'" in capsys.readouterr().err
+    assert install_command("plot") in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()

@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from prefixcache import PrefixCachingRunner
 from prefixcache.chat.tokenizer import ByteTokenizer
 from prefixcache.cli import main
+from prefixcache.errors import install_command
 from prefixcache.replay.endpoint import base_url, percentile
 from prefixcache.replay.replayer import Replayer
 from prefixcache.replay.requests import read_requests
@@ -172,7 +173,7 @@ def test_without_httpx_the_error_names_the_extra(capsys, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "httpx", None)
     argv = ["replay", str(SCENARIOS / "few_shot.jsonl"), "--endpoint", "http://127.0.0.1:1", "--no-progress"]
     assert main(argv) == 2
-    assert capsys.readouterr().err.strip() == "error: --endpoint needs httpx: pip install 'prefixcache[server]'"
+    assert capsys.readouterr().err.strip() == f"error: --endpoint needs httpx: {install_command('server')}"
 
 
 def test_the_base_url_gets_v1_only_when_it_has_no_path() -> None:
