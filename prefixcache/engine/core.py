@@ -17,7 +17,8 @@ error, out of blocks, a callback's exception, a cancel) releases every lock and 
 it half-wrote is cached.
 
 Request options: teacher forcing (``forced``: the answer is given, computed in one pass after the prompt, finish
-reason ``"forced"``), prompt logits (``return_logits``), the log-probabilities of the sampled tokens
+reason ``"forced"``), prompt logits (``return_logits``) or their records (``sampling.prompt_logprobs``, made as each
+chunk is computed: :meth:`EngineRequest.keep_prompt_rows`), the log-probabilities of the sampled tokens
 (``sampling.logprobs``: one record per token, made when it is picked, by :meth:`LogitsPipeline.logprobs`; a resumed
 request recomputes the tokens it knows and records only the ones it picks anew), and who decides whether a sampled
 token ends the request: its ``on_token`` callback (returning True stops it there, as a stop token would, the token's
@@ -272,7 +273,7 @@ class EngineCore:
         # skip rows it has not returned yet.
         tokens = request.prompt_array if request.preemptions == 0 else request.known_tokens()
         match = tokens
-        if request.preemptions and request.return_logits and request.logits_until < len(request.prompt):
+        if request.preemptions and request.wants_prompt_rows and request.logits_until < len(request.prompt):
             match = tokens[: request.logits_until + 1]
         elif request.preemptions == 0 and request.recompute_prompt:
             match = tokens[:1]  # a match ends one short of the tokens: nothing cached is used
@@ -335,7 +336,7 @@ class EngineCore:
                 continue
             table = self._block_table(request)
             token_ids = self._token_ids(request, request.position, end)
-            wants_logits = request.return_logits and request.position < len(request.prompt)
+            wants_logits = request.wants_prompt_rows and request.position < len(request.prompt)
             rows.append(BatchRow(token_ids, request.position, table, request.live, wants_logits))
             members.append(request)
             budget -= end - request.position
@@ -423,11 +424,8 @@ class EngineCore:
         start = request.position
         request.position = end = start + num_tokens
         prompt_length = len(request.prompt)
-        if request.return_logits and start < prompt_length:
-            lo, hi = max(start, request.logits_until), min(end, prompt_length)
-            if hi > lo:
-                request.prompt_logits.append(logits[lo - start : hi - start].float().cpu())
-                request.logits_until = hi
+        if request.wants_prompt_rows and start < prompt_length:
+            request.keep_prompt_rows(start, end, logits)
         if self.recurrent and end < prompt_length and not self._keep_inner_state(request):
             return
         if request.forced is None:
@@ -587,7 +585,9 @@ class EngineCore:
             chunks = request.prompt_logits
             logits = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
         logprobs = None if request.sampling.logprobs is None else tuple(request.logprobs)
-        request.handle.settle(GenerationResult(tuple(request.generated), reason, usage, logits, insert, logprobs))
+        prompt_logprobs = None if request.sampling.prompt_logprobs is None else tuple(request.prompt_logprobs)
+        result = GenerationResult(tuple(request.generated), reason, usage, logits, insert, logprobs, prompt_logprobs)
+        request.handle.settle(result)
 
     def _fail(self, request: EngineRequest, error: BaseException) -> None:
         if request.lease is not None and not request.lease.closed:

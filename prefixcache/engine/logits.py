@@ -43,7 +43,11 @@ import torch
 from prefixcache.engine.results import TokenLogprob
 from prefixcache.engine.sampling import SamplingParams
 
-__all__ = ["LogitsPipeline"]
+__all__ = ["PROMPT_LOGPROB_VALUES", "LogitsPipeline"]
+
+PROMPT_LOGPROB_VALUES = 1 << 22
+"""The most logits (4 Mi float32 values, 16 MiB) :meth:`LogitsPipeline.prompt_logprobs` takes the log-softmax of at
+once: about 27 rows of a 151,936-token vocabulary."""
 
 
 class LogitsPipeline:
@@ -172,6 +176,36 @@ class LogitsPipeline:
         top = torch.topk(logprobs, count)
         values = torch.cat((logprobs[token_id].reshape(1), top.values)).tolist()
         return TokenLogprob(token_id, values[0], tuple(zip(top.indices.tolist(), values[1:], strict=True)))
+
+    def prompt_logprobs(self, logits: torch.Tensor, token_ids: Sequence[int]) -> list[TokenLogprob]:
+        """One :class:`TokenLogprob` per prompt token: ``token_ids[i]`` from the row before it, ``logits[i]``
+        (``[len(token_ids), vocab_size]``, any float dtype), with the ``params.prompt_logprobs`` most probable ids:
+        the distribution of :meth:`logprobs` (raw, ids below ``vocab_limit``; a token at or above it reads -inf).
+
+        The log-softmax runs on chunks of at most :data:`PROMPT_LOGPROB_VALUES` values (a few rows of a large
+        vocabulary), so no float32 copy of the whole ``[n, vocab]`` is made beside the logits themselves; one
+        device-to-host copy of ``1 + k`` values and ``k`` ids per row.  O(n * vocab)."""
+        count = self.params.prompt_logprobs or 0
+        width = logits.shape[1] if self.params.vocab_limit is None else min(self.params.vocab_limit, logits.shape[1])
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=logits.device)
+        inside = ids < width
+        step = max(1, PROMPT_LOGPROB_VALUES // width)
+        records: list[TokenLogprob] = []
+        for lo in range(0, len(ids), step):
+            chunk = torch.log_softmax(logits[lo : lo + step, :width].float(), dim=-1)
+            chosen_ids = ids[lo : lo + step]
+            chosen = chunk.gather(1, torch.where(inside[lo : lo + step], chosen_ids, 0).unsqueeze(1)).squeeze(1)
+            chosen = chosen.masked_fill(~inside[lo : lo + step], float("-inf"))
+            values = chosen.tolist()
+            if count == 0:
+                records += map(TokenLogprob, chosen_ids.tolist(), values)
+                continue
+            top = torch.topk(chunk, min(count, width), dim=-1)
+            for token_id, value, top_ids, top_values in zip(
+                chosen_ids.tolist(), values, top.indices.tolist(), top.values.tolist(), strict=True
+            ):
+                records.append(TokenLogprob(token_id, value, tuple(zip(top_ids, top_values, strict=True))))
+        return records
 
     def ends(self, token_id: int, num_generated: int, stop_requested: bool = False) -> str | None:
         """Why the request ends with ``token_id``, its ``num_generated``-th token: ``"stop"`` (a stop token after

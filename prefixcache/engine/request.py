@@ -106,10 +106,34 @@ class EngineRequest:
     generated: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per sampled token (sampling.logprobs set)
     prompt_logits: list[torch.Tensor] = field(default_factory=list)  # chunks of [tokens, vocab] float32 on the CPU
-    logits_until: int = 0  # prompt positions up to which prompt_logits hold rows
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per prompt token after a computed row
+    logits_until: int = 0  # prompt positions up to which prompt_logits (and prompt_logprobs) hold rows
     awaiting_verdict: bool = False  # a token was sampled; its caller decides whether the request stops there
     external_verdict: bool = False  # the caller, not on_token, decides after each sampled token (serial streams)
     first_token_at: float | None = None
+
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Whether every computed prompt position's logits are needed: kept (``return_logits``) or reduced to records
+        (``sampling.prompt_logprobs``)."""
+        return self.return_logits or self.sampling.prompt_logprobs is not None
+
+    def keep_prompt_rows(self, start: int, end: int, logits: torch.Tensor) -> None:
+        """Keep what is asked of the prompt positions ``start .. end - 1`` just computed (``logits``: their rows,
+        ``[end - start, vocab]``) that no earlier forward kept (a resumed request computes some again): the float32
+        rows (``return_logits``, copied to the CPU) and their records (``sampling.prompt_logprobs``: row p gives
+        prompt token p + 1's; the prompt's last row, which predicts a generated token, gives none).  O(rows * vocab).
+        """
+        lo, hi = max(start, self.logits_until), min(end, len(self.prompt))
+        if hi <= lo:
+            return
+        rows = logits[lo - start : hi - start]
+        if self.return_logits:
+            self.prompt_logits.append(rows.float().cpu())
+        if self.sampling.prompt_logprobs is not None:
+            following = self.prompt[lo + 1 : hi + 1]
+            self.prompt_logprobs += self.picker.prompt_logprobs(rows[: len(following)], following)
+        self.logits_until = hi
 
     @property
     def answer(self) -> list[int]:

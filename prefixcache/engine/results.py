@@ -70,7 +70,10 @@ class GenerationResult:
     teacher forcing, ``"prefill"`` when nothing was generated), usage, and, when asked for, the float32 logits of
     the prefilled prompt positions (``[prefilled_tokens, vocab_size]``, on the CPU) and ``logprobs``: one
     :class:`TokenLogprob` per sampled token, in order (``SamplingParams.logprobs`` set; None otherwise).  Forced
-    tokens are not sampled and get none: a forced or prefill-only request's ``logprobs`` is ``()``."""
+    tokens are not sampled and get none: a forced or prefill-only request's ``logprobs`` is ``()``.
+    ``prompt_logprobs`` (``SamplingParams.prompt_logprobs`` set; None otherwise): one :class:`TokenLogprob` per
+    prompt token whose position before it was prefilled, in order, so prompt tokens ``cached_tokens + 1 ..`` (every
+    one after the first with ``recompute_prompt``)."""
 
     token_ids: tuple[int, ...]
     finish_reason: str
@@ -78,6 +81,7 @@ class GenerationResult:
     prompt_logits: torch.Tensor | None = None
     insert: InsertResult | None = None
     logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

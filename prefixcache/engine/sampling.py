@@ -14,7 +14,8 @@ what it asks vLLM or OpenAI:
 - ``min_tokens`` and ``ignore_eos`` (vLLM: the stop tokens are masked until ``min_tokens`` tokens are generated; with
   ``ignore_eos`` a stop token does not end the request);
 - ``logprobs`` (vLLM's ``SamplingParams.logprobs``, OpenAI's ``top_logprobs``: the log-probability of each sampled
-  token and of its ``logprobs`` most probable alternatives, at most 20 as both allow);
+  token and of its ``logprobs`` most probable alternatives, at most 20 as both allow) and ``prompt_logprobs`` (vLLM's:
+  the same of each prompt token, what ``echo`` with ``logprobs`` returns on OpenAI's legacy completions);
 - ``grammar`` (structured outputs: OpenAI's ``response_format``, vLLM's ``guided_decoding``): a
   :class:`~prefixcache.engine.grammar.Grammar` the answer must follow.
 """
@@ -77,6 +78,13 @@ class SamplingParams:
     the log-softmax of its raw logits over the ids below ``vocab_limit``, before ``min_tokens``, the bias, the
     penalties and temperature (see :meth:`~prefixcache.engine.logits.LogitsPipeline.logprobs` for why).
 
+    ``prompt_logprobs`` (None: off, the default) asks for the same record of each prompt token from the position
+    before it, with the ``prompt_logprobs`` most probable tokens there, in ``GenerationResult.prompt_logprobs``: of the
+    tokens whose position before is computed, so every one after the first with ``recompute_prompt`` (a cache keeps
+    K/V, not logits).  The engine reduces each computed chunk of rows to these records as it goes
+    (:meth:`~prefixcache.engine.logits.LogitsPipeline.prompt_logprobs`): the ``[prompt, vocab]`` logits are never
+    kept, returned or sent from an engine process.
+
     ``grammar`` (None: off) constrains every picked token to what the :class:`~prefixcache.engine.grammar.Grammar`
     allows there (a stop token only where the text may end); a complete grammar ends the request (``"stop"``).
 
@@ -85,8 +93,9 @@ class SamplingParams:
             ``top_k`` not an int >= -1, ``min_p`` outside [0, 1], ``presence_penalty`` or ``frequency_penalty``
             outside [-2, 2], ``repetition_penalty`` not a finite number > 0, ``logit_bias`` not a mapping of
             non-negative int ids to numbers in [-100, 100], ``min_tokens`` not an int in 0 .. ``max_new_tokens``,
-            ``ignore_eos`` not a bool, ``stop_token_ids`` not a collection of non-negative ints, ``logprobs`` not None
-            or an int in 0 .. ``MAX_LOGPROBS``; ``grammar`` not None or a Grammar; a value of the wrong type.
+            ``ignore_eos`` not a bool, ``stop_token_ids`` not a collection of non-negative ints, ``logprobs`` or
+            ``prompt_logprobs`` not None or an int in 0 .. ``MAX_LOGPROBS``; ``grammar`` not None or a Grammar; a
+            value of the wrong type.
     """
 
     max_new_tokens: int = 32
@@ -105,6 +114,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: Grammar | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_new_tokens", "top_k", "min_tokens"):
@@ -154,14 +164,12 @@ class SamplingParams:
             isinstance(self.vocab_limit, bool) or not isinstance(self.vocab_limit, int) or self.vocab_limit < 1
         ):
             raise InvalidArgumentError(f"vocab_limit must be a positive int or None, got {self.vocab_limit!r}")
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise InvalidArgumentError(
-                f"logprobs must be None (off) or an int in 0 .. {MAX_LOGPROBS}, got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise InvalidArgumentError(f"{name} must be None (off) or an int in 0 .. {MAX_LOGPROBS}, got {value!r}")
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise InvalidArgumentError(f"grammar must be None or a Grammar, got {type(self.grammar).__name__}")
         object.__setattr__(self, "stop_token_ids", check_stop_token_ids(self.stop_token_ids))

@@ -477,13 +477,15 @@ def create_app(
         echo_text, echo_logprobs, echo_offset, prefill = prompt_text if body.echo else "", None, 0, None
         if body.echo and body.logprobs is not None:
             first = outcome(
-                *await finish_job(lambda _: prompt_logprobs_job(engine, ids, namespace, vocab_limit), request),
+                *await finish_job(
+                    lambda _: prompt_logprobs_job(engine, ids, namespace, vocab_limit, body.logprobs), request
+                ),
                 "/v1/completions",
             )
             if isinstance(first, Response):
                 return first
             prefill = first.usage
-            echoed = await off_loop(request, echoed_logprobs, first, ids, body.logprobs, vocab_limit, strings)
+            echoed = await off_loop(request, echoed_logprobs, first, ids, strings)
             echo_logprobs, echo_offset = echoed
 
         if not body.stream:

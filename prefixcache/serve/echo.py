@@ -3,11 +3,14 @@
 ``stream_options.continuous_usage_stats``.
 
 Cached prompt positions have no logits: a cache keeps K/V, not the LM head's output.  So a request with ``echo`` and
-``logprobs`` first runs a prefill of its prompt that reuses nothing cached (``recompute_prompt``) and keeps every
+``logprobs`` first runs a prefill of its prompt that reuses nothing cached (``recompute_prompt``) and computes every
 position's logits; its usage says so (``cached_tokens`` 0, every prompt token prefilled).  That prefill caches the
 prompt, so the completion after it finds the prompt cached.  A prompt token's logprob is the model's
 ``log_softmax`` at the position before it (vLLM's raw logprobs, as for generated tokens:
 :meth:`~prefixcache.engine.logits.LogitsPipeline.logprobs`); the first token has none (``null``), as OpenAI writes.
+The engine reduces each chunk of logits to those records as the prefill goes (``SamplingParams.prompt_logprobs``), so
+what it returns, and what crosses from an engine process, is ``k + 1`` values per token, not ``[prompt, vocab]``
+floats (869 MB for 1,500 tokens of a 151,936-token vocabulary, issue 44).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ import dataclasses
 from concurrent.futures import Future
 from typing import Any
 
-from prefixcache.engine.logits import LogitsPipeline
 from prefixcache.engine.request import RequestHandle
 from prefixcache.engine.results import GenerationResult, Usage
 from prefixcache.engine.sampling import SamplingParams
@@ -26,27 +28,23 @@ __all__ = ["echoed_logprobs", "echoed_usage", "merge_logprobs", "prompt_logprobs
 
 
 def prompt_logprobs_job(
-    engine: Any, ids: list[int], namespace: str | None, vocab_limit: int
+    engine: Any, ids: list[int], namespace: str | None, vocab_limit: int, logprobs: int
 ) -> tuple[RequestHandle, Future[GenerationResult]]:
-    """Submit the prefill of ``ids`` that reuses nothing cached and returns the logits of every prompt position
-    (``[len(ids), vocab]``, row i predicting token i + 1).  Raises as ``engine.submit``."""
-    params = SamplingParams(max_new_tokens=0, vocab_limit=vocab_limit)
-    handle = engine.submit(ids, params, namespace=namespace, return_logits=True, recompute_prompt=True)
+    """Submit the prefill of ``ids`` that reuses nothing cached and returns the logprob record of every prompt token
+    after the first (``GenerationResult.prompt_logprobs``: token i's from position i - 1, with the ``logprobs`` most
+    probable ids below ``vocab_limit``).  Raises as ``engine.submit``."""
+    params = SamplingParams(max_new_tokens=0, vocab_limit=vocab_limit, prompt_logprobs=logprobs)
+    handle = engine.submit(ids, params, namespace=namespace, recompute_prompt=True)
     return handle, handle.future
 
 
 def echoed_logprobs(
-    result: GenerationResult, ids: list[int], logprobs: int, vocab_limit: int, strings: TokenStrings
+    result: GenerationResult, ids: list[int], strings: TokenStrings
 ) -> tuple[dict[str, Any], TextOffset]:
-    """The legacy ``logprobs`` of the prompt tokens ``ids`` from ``result.prompt_logits``, and the text offset after
-    them (:class:`~prefixcache.serve.logprobs.TextOffset`): the first token's logprob and alternatives are
-    ``None``, token i's come from row i - 1, with the ``logprobs`` most probable ids below ``vocab_limit``.
-    O(len(ids) * vocab)."""
-    logits = result.prompt_logits
-    pipeline = LogitsPipeline(
-        SamplingParams(logprobs=logprobs, vocab_limit=vocab_limit), logits.device, logits.shape[1]
-    )
-    records = [pipeline.logprobs(logits[i - 1], ids[i]) for i in range(1, len(ids))]
+    """The legacy ``logprobs`` of the prompt tokens ``ids`` from ``result.prompt_logprobs`` (of
+    :func:`prompt_logprobs_job`), and the text offset after them (:class:`~prefixcache.serve.logprobs.TextOffset`):
+    the first token's logprob and alternatives are ``None``.  O(len(ids) * (k + 1)) token strings."""
+    records = result.prompt_logprobs
     rest, offset = completion_logprobs(records, strings, TextOffset(0).after(strings.bytes_of(ids[0])))
     return {
         "tokens": [strings(ids[0]), *rest["tokens"]],

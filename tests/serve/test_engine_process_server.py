@@ -2,12 +2,13 @@
 serve --engine-process``): it streams what a server over an in-thread engine streams, reports health and metrics from
 the child, answers 503 in OpenAI's error shape once the child is gone, and the CLI's engine child ends with it.  A
 stopped child never freezes it (``/health`` within a second throughout, every waiting request a 503 at once, running
-streams ended with an error event)."""
+streams ended with an error event), and echo with logprobs sends records across the socket, not logits."""
 
 from __future__ import annotations
 
 import functools
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -23,6 +24,7 @@ import openai
 import pytest
 
 from prefixcache import SamplingParams
+from prefixcache.engine import process as engine_process_module
 from prefixcache.engine.process import EngineProcess
 from prefixcache.errors import EngineDeadError
 from prefixcache.serve import create_app, start_background
@@ -332,4 +334,32 @@ def test_a_stopped_engine_child_never_freezes_the_server_and_fails_every_waiting
             assert time.monotonic() < deadline, "the continued child was never heard again"
             time.sleep(0.1)
         assert client(url).completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+    process.close()
+
+
+def test_echo_with_logprobs_sends_records_across_the_socket_not_the_prompts_logits(monkeypatch) -> None:
+    # Issue 44: the child sent every prompt position's logits ([n, vocab] float32: 869 MB for 1,500 tokens of a
+    # 151,936-token vocabulary) though only the top entries of each row were used.
+    crossed: list[int] = []
+
+    def counted(conn: Any) -> Any:
+        data = conn.recv_bytes()
+        crossed.append(len(data))
+        return pickle.loads(data)
+
+    monkeypatch.setattr(engine_process_module, "receive_message", counted)
+    process = EngineProcess(FACTORY)
+    app = create_app(process, model_name="tiny")
+    with start_background(app, "127.0.0.1", 0) as server:
+        ids = process.tokenizer.encode("The weather in Paris is mild in spring. " * 38)[:1500]
+        assert len(ids) == 1500
+        crossed.clear()
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1}
+        answer = httpx.post(server.url + "/v1/completions", json=body, timeout=WAIT_S)
+        assert answer.status_code == 200, answer.text
+        logprobs = answer.json()["choices"][0]["logprobs"]
+        assert len(logprobs["tokens"]) == 1501
+        assert logprobs["token_logprobs"][0] is None and all(v <= 0 for v in logprobs["token_logprobs"][1:])
+        logits_bytes = 1500 * 512 * 4  # what crossed before: the tiny model's [1500, 512] float32 logits
+        assert sum(crossed) < 150_000 < logits_bytes // 20, sum(crossed)  # ~1,500 records of a token and its top 1
     process.close()
