@@ -17,7 +17,6 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from prefixcache.cache.host_tier import HostRun, HostTier
 from prefixcache.cache.snapshot import COPY_CHUNK_BLOCKS, Snapshot
@@ -75,6 +74,8 @@ def capture(
         num_blocks += size
     host_kv = None
     if host.pool.kv is not None and num_blocks:
+        import torch
+
         shape = list(host.pool.kv.shape)
         shape[2] = num_blocks
         dtype = host.pool.kv.dtype
@@ -160,6 +161,8 @@ def apply(snapshot: Snapshot, host: HostTier | None, chosen: HostPlan) -> dict[s
     allocated = host.pool.allocate(num).astype(np.intp)
     try:
         if host.pool.kv is not None:
+            import torch
+
             source = torch.tensor([b for record, take in chosen.runs for b in record["blocks"][:take]])
             target = torch.from_numpy(allocated.astype(np.int64))
             for first in range(0, num, COPY_CHUNK_BLOCKS):

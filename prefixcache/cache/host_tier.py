@@ -44,7 +44,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import xxhash
 
 from prefixcache.cache.blocks import BlockLedger
@@ -251,8 +250,8 @@ class HostTier:
         host_ids = self.pool.allocate(num).astype(np.intp)
         try:
             if self.pool.kv is not None:
-                src = torch.from_numpy(np.asarray(block_ids[:num], dtype=np.int64)).to(self.device_pool.device)
-                self.pool.kv[:, :, torch.from_numpy(host_ids)] = self.device_pool.kv[:, :, src].to("cpu")
+                src = self.device_pool.block_table_tensor(block_ids[:num])
+                self.pool.kv[:, :, self.pool.block_table_tensor(host_ids)] = self.device_pool.kv[:, :, src].to("cpu")
         except BaseException:
             self.pool.decref(host_ids)
             raise
@@ -513,8 +512,8 @@ class HostTier:
         device = self.device_pool
         if device.kv is None:
             return
-        rows = self.pool.kv[:, :, torch.from_numpy(np.asarray(host_ids, dtype=np.int64))]
-        dst = torch.from_numpy(np.asarray(device_ids, dtype=np.int64)).to(device.device)
+        rows = self.pool.kv[:, :, self.pool.block_table_tensor(host_ids)]
+        dst = device.block_table_tensor(device_ids)
         device.kv[:, :, dst] = rows.to(device.device, non_blocking=True)
 
     # ---- observation ----------------------------------------------------------------------------------------

@@ -8,11 +8,14 @@ between requests by reference counting instead of copying.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from prefixcache.errors import InvalidArgumentError, LockError, OutOfBlocksError
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_BLOCK_SIZE = 256
 BLOCK_ID_DTYPE = np.int32
@@ -47,6 +50,8 @@ def check_count(value: object, name: str) -> int:
 
 def default_device() -> torch.device:
     """CUDA when a GPU is present, else the CPU."""
+    import torch
+
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
@@ -56,7 +61,8 @@ class KVBlockPool:
     ``kv`` has shape ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 of the
     second axis holds keys, 1 values); it is allocated in the constructor and never grown, concatenated or
     reallocated.  With ``num_layers == 0`` the pool is *metadata only* (``kv is None``): the cache-only
-    replay (``--no-model``) uses it to count blocks without holding any KV.
+    replay (``--no-model``) uses it to count blocks without holding any KV, and imports no torch: its ``dtype``
+    (``torch.float32`` unless given) and ``device`` (CUDA when present, unless given) are resolved on first use.
 
     Reference counts live in a numpy array, so releasing the hundreds of blocks of an evicted node is one
     vectorized operation.  A block is on the free list exactly when its count is 0.  Counts are kept by
@@ -77,7 +83,7 @@ class KVBlockPool:
         num_layers: int = 0,
         num_kv_heads: int = 0,
         head_dim: int = 0,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         check_block_size(block_size)
@@ -94,16 +100,38 @@ class KVBlockPool:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.dtype = dtype
-        self.device = torch.device(device) if device is not None else default_device()
+        self._dtype = dtype
+        self._device_given = device
+        self._device: torch.device | None = None
         self.kv: torch.Tensor | None = None
         if num_layers > 0:
+            import torch
+
             shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-            self.kv = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._ref = np.zeros(num_blocks, dtype=np.int32)
         # A stack of free block ids: the top is _free[_num_free - 1]; pops hand out low ids first.
         self._free = np.arange(num_blocks - 1, -1, -1, dtype=BLOCK_ID_DTYPE)
         self._num_free = num_blocks
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The K/V element type (``torch.float32`` unless one was given)."""
+        if self._dtype is None:
+            import torch
+
+            self._dtype = torch.float32
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The K/V's device: the one given, else CUDA when a GPU is present, else the CPU."""
+        if self._device is None:
+            import torch
+
+            given = self._device_given
+            self._device = torch.device(given) if given is not None else default_device()
+        return self._device
 
     @classmethod
     def from_memory_budget(
@@ -114,7 +142,7 @@ class KVBlockPool:
         num_layers: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> KVBlockPool:
         """Size the pool to the most whole blocks whose KV fits in ``budget_bytes``.
@@ -125,6 +153,10 @@ class KVBlockPool:
         check_block_size(block_size)
         if num_layers < 1 or num_kv_heads < 1 or head_dim < 1:
             raise InvalidArgumentError("from_memory_budget needs num_layers, num_kv_heads, head_dim >= 1")
+        if dtype is None:
+            import torch
+
+            dtype = torch.float32
         per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         num_blocks = int(budget_bytes) // (per_token * block_size)
         if num_blocks < 1:
@@ -274,6 +306,8 @@ class KVBlockPool:
 
     def block_table_tensor(self, block_ids: BlockIds) -> torch.Tensor:
         """The block table as an int64 tensor on the pool's device, shape ``[len(block_ids)]`` (one transfer)."""
+        import torch
+
         ids = np.asarray(block_ids, dtype=np.int64)
         return torch.from_numpy(ids).to(self.device, non_blocking=True)
 
@@ -305,5 +339,7 @@ def _as_index(block_ids: BlockIds) -> np.ndarray:
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """``2 * num_layers * num_kv_heads * head_dim * element_size`` bytes: the K and V of one token."""
+    import torch
+
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * num_kv_heads * head_dim * element_size

@@ -63,7 +63,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from prefixcache.cache.node import Node, new_root
 from prefixcache.cache.pool import BLOCK_ID_DTYPE, KVBlockPool
@@ -80,6 +79,8 @@ from prefixcache.errors import (
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
+
+    import torch
 
     from prefixcache.cache.snapshot_staging import StagingBuffer
     from prefixcache.cache.tree import RadixTree
@@ -206,6 +207,8 @@ def capture(
         record["blocks"] = blocks
     kv = None
     if pool.kv is not None:
+        import torch
+
         ids = torch.from_numpy(saved).to(pool.kv.device)
         shape = list(pool.kv.shape)
         shape[2] = len(ids)
@@ -370,6 +373,8 @@ def restore(snapshot: Snapshot, tree: RadixTree) -> SnapshotSummary:
     shared: list[np.ndarray] = []
     try:
         if pool.kv is not None and new_id:
+            import torch
+
             source = torch.tensor(list(new_id), dtype=torch.long)
             target = torch.from_numpy(allocated.astype(np.int64)).to(pool.kv.device)
             for first in range(0, len(source), COPY_CHUNK_BLOCKS):

@@ -14,10 +14,12 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from prefixcache.cache.pool import KVBlockPool
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["StagingBuffer", "staging_for"]
 
@@ -32,6 +34,8 @@ class StagingBuffer:
     out front to back by :meth:`take`.  Not thread-safe: one capture uses it at a time."""
 
     def __init__(self, num_elements: int, dtype: torch.dtype, *, pin: bool = False) -> None:
+        import torch
+
         data = None
         if pin:
             try:
@@ -55,6 +59,8 @@ class StagingBuffer:
         whatever the buffer held: the caller overwrites all of it.  O(1) from the buffer."""
         num = math.prod(shape)
         if dtype != self._data.dtype or num > self.num_free_elements:
+            import torch
+
             logger.debug("a snapshot copy outgrew its staging buffer: %d elements in new memory", num)
             return torch.empty(tuple(shape), dtype=dtype)
         part = self._data[self._used : self._used + num].view(tuple(shape))

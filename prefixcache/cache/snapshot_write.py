@@ -18,9 +18,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.cache.snapshot import (
     CURRENT,
@@ -45,26 +43,30 @@ from prefixcache.cache.snapshot_folder import (
 )
 from prefixcache.errors import SnapshotError, SnapshotWriteError
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["SAFETENSORS_DTYPES", "WRITE_CHUNK_BYTES", "kv_file_parts", "write"]
 
 WRITE_CHUNK_BYTES = 8 << 20
 """Bytes of K/V written or checksummed at a time (each piece a few ms of GIL at most)."""
 
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
 }
-"""The safetensors names of the tensor dtypes a snapshot's K/V may have."""
+"""The safetensors names of the tensor dtypes a snapshot's K/V may have, by the torch dtype's name (``float32`` for
+``torch.float32``: the names, so that importing the cache imports no torch)."""
 
 # One save at a time in this process: two savers racing on CURRENT could each remove the other's new version.
 _write_lock = threading.Lock()
@@ -79,15 +81,18 @@ def kv_file_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) ->
     Raises:
         SnapshotError: a dtype safetensors has no name for.
     """
+    import torch
+
     header: dict[str, Any] = {"__metadata__": metadata}
     views = []
     offset = 0
     for name, tensor in tensors.items():
-        if tensor.dtype not in SAFETENSORS_DTYPES:
+        dtype = SAFETENSORS_DTYPES.get(str(tensor.dtype).removeprefix("torch."))
+        if dtype is None:
             raise SnapshotError(f"a snapshot cannot store K/V of dtype {tensor.dtype} (no safetensors name)")
         flat = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
         header[name] = {
-            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "dtype": dtype,
             "shape": list(tensor.shape),
             "data_offsets": [offset, offset + len(flat)],
         }

@@ -1,7 +1,8 @@
 """The ``prefixcache`` command line: ``replay``, ``bench``, ``plan`` and ``serve``, one module each.
 
-``prefixcache --help``, ``--version`` and ``plan`` import no torch: each command imports the layers it runs on
-only when it runs (the package's facade is lazy too).
+``prefixcache --help``, ``--version``, ``plan`` and the replays that run no model (``replay --no-model``,
+``--sweep``, ``--endpoint``) import no torch: each command imports the layers it runs on only when it runs (the
+package's facade and ``prefixcache.models`` are lazy too, and the cache imports torch only for a pool that holds K/V).
 """
 
 from __future__ import annotations

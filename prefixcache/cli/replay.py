@@ -390,7 +390,7 @@ def _replay(args: argparse.Namespace) -> int:
         require_matplotlib()  # fail before a long replay, not after it
     if args.layers is not None and not args.model_config:
         raise InvalidArgumentError("--layers needs --model-config")
-    if not args.no_model:
+    if not args.no_model and not args.endpoint:
         from prefixcache.models.sources import parse_dtype
 
         parse_dtype(args.dtype)  # a typo is one line before a model loads
@@ -417,10 +417,14 @@ def _checked_replay(args: argparse.Namespace, progress: _Progress) -> int:
     from prefixcache.replay.requests import read_options
 
     _check_inputs_exist(args.paths)
-    from prefixcache.models.loading import loading
+    if args.no_model or args.endpoint:  # no model runs here: nothing imports torch
+        context: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    else:
+        from prefixcache.models.loading import loading
 
+        context = loading(model_source(args))
     try:
-        with loading(None if args.no_model or args.endpoint else model_source(args)):
+        with context:
             tokenizer = _load_tokenizer(args, progress)
             model = None if args.endpoint else _load_model(args, progress)
         if args.endpoint:

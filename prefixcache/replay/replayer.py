@@ -26,18 +26,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.cache.host_tier import host_pool_for
 from prefixcache.cache.pool import KVBlockPool, check_block_size, kv_bytes_per_token
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.cache.resume import DEFAULT_STATE_INTERVAL_BLOCKS, StateMarker
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
-from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.errors import CapacityError, InvalidArgumentError
-from prefixcache.models.base import CausalLM
 from prefixcache.replay.explain import (
     DivergenceTally,
     Explanation,
@@ -46,7 +42,6 @@ from prefixcache.replay.explain import (
 )
 from prefixcache.replay.ideal import IdealCache
 from prefixcache.replay.options import check_options as check_options
-from prefixcache.replay.reference import UncachedReference
 from prefixcache.replay.requests import ORDERS as ORDERS
 from prefixcache.replay.requests import Progress, read_requests, smallest_pool_tokens
 from prefixcache.replay.requests import ReplayRequest as ReplayRequest
@@ -58,6 +53,12 @@ from prefixcache.replay.results import ReplayReport as ReplayReport
 from prefixcache.replay.results import ReplaySeries as ReplaySeries
 from prefixcache.replay.results import ScenarioReport as ScenarioReport
 from prefixcache.replay.scenarios import expand_paths
+
+if TYPE_CHECKING:  # a replay without a model (--no-model) imports no torch
+    import torch
+
+    from prefixcache.engine.runner import PrefixCachingRunner
+    from prefixcache.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -188,6 +189,8 @@ class Replayer:
         runner, cache = self._make_cache(requests, ideal_hits)
         reference = None
         if runner is not None:
+            from prefixcache.replay.reference import UncachedReference
+
             reference = UncachedReference(self.model, self.block_size, self.atol, self.prefill_chunk_tokens)
             if requests:
                 reference.warm_up(requests[0].prompt)
@@ -369,6 +372,8 @@ class Replayer:
             return None, cache
         if num_blocks is not None:
             self.check_pool_memory(num_blocks * bs * self.bytes_per_token, "the unlimited pool this replay needs")
+        from prefixcache.engine.runner import PrefixCachingRunner
+
         runner = PrefixCachingRunner(
             self.model,
             self.tokenizer,
@@ -439,6 +444,8 @@ def _prefill_note(note: Callable[..., object] | None, prompt_tokens: int) -> Cal
 def free_memory_bytes(device: torch.device | str) -> int | None:
     """Bytes free for new tensors on ``device``: the CUDA driver's count, or the kernel's ``MemAvailable`` for the
     CPU; ``None`` when unknown."""
+    import torch
+
     device = torch.device(device)
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
