@@ -377,23 +377,25 @@ def test_a_json_schema_answer_stops_and_validates(float32_model: HFCausalLM, tok
     jsonschema.validate(json.loads(answer.text), PERSON)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_replay_with_verify_on_smollm2_verifies(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], one_header_parse: None
+    dtype: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], one_header_parse: None
 ) -> None:
-    """``prefixcache replay FILE --model smollm2 --verify`` on the first turn of two conversations of the bundled
-    multi-turn scenario (the second finds the system prompt they share cached) exits 0, and both the table and the
-    JSON report say the cached logits were verified against the uncached reference."""
+    """``prefixcache replay FILE --model smollm2 --dtype DTYPE --verify`` on two turns of two conversations of the
+    bundled multi-turn scenario (the second turn finds the first cached) exits 0, and both the table and the JSON
+    report say the cached logits were verified against the uncached reference (bfloat16 within ``HALF_ATOL``)."""
     with (ROOT / "scenarios" / "multi_turn_chat.jsonl").open(encoding="utf-8") as lines:
         chosen = [json.loads(line) for line in lines if '"chat-garden"' in line or '"chat-10k-training"' in line]
     assert len(chosen) == 2
     transcript = tmp_path / "two.jsonl"
-    transcript.write_text("".join(json.dumps({**c, "messages": c["messages"][:3]}) + "\n" for c in chosen))
+    transcript.write_text("".join(json.dumps({**c, "messages": c["messages"][:5]}) + "\n" for c in chosen))
     report = tmp_path / "report.json"
-    args = ["replay", str(transcript), "--model", "smollm2", "--verify", "--no-baseline", "--no-progress"]
+    args = ["replay", str(transcript), "--model", "smollm2", "--dtype", dtype, "--verify", "--no-baseline"]
+    args.append("--no-progress")
     assert main([*args, "--json", str(report)]) == 0
     data = json.loads(report.read_text())
     assert data["verified"] is True
-    assert data["requests"] == 2 and data["cached_tokens"] > 0
+    assert data["requests"] == 4 and data["cached_tokens"] > 0
     header, _, row = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")][:3]
     columns = [cell.strip() for cell in header.strip("|").split("|")]
     assert row.strip("|").split("|")[columns.index("verified")].strip() == "yes"
