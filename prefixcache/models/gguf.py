@@ -16,6 +16,7 @@ the adapter serves exactly; others are :class:`UnsupportedModelError` naming the
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import threading
@@ -42,8 +43,9 @@ def reading_gguf() -> Iterator[None]:
     transformers reads a file's header once for the config, once for the weights and once for the tokenizer, and
     builds llama.cpp's tensor-name map once per module of the model; each header parse of SmolLM2-135M (its 49,152
     vocabulary strings) takes about 6 s in the ``gguf`` package, and the maps 7 s in all.  This swaps the package's
-    ``GGUFReader`` and ``get_tensor_name_map`` (which transformers imports from it at each call) for memoised ones,
-    and puts them back on exit: loading SmolLM2's model and tokenizer drops from about 40 s to about 12.  Reentrant
+    ``GGUFReader`` and ``get_tensor_name_map`` and transformers' metadata-only ``load_gguf_checkpoint`` (all imported
+    from their modules at each call) for memoised ones (the metadata handed out as a copy), and puts them back on
+    exit: loading SmolLM2's model and tokenizer drops from about 40 s to about 10.  Reentrant
     (an inner use shares the outer memo); holds a lock, so loads in two threads take turns.  The memo (parsed headers,
     memory-mapped files) is dropped on the outermost exit.
     """
@@ -54,9 +56,15 @@ def reading_gguf() -> Iterator[None]:
         if _memo is not None:
             yield
             return
-        real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
-        _memo = {"readers": {}, "maps": {}}
-        readers, maps = _memo["readers"], _memo["maps"]
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+        real_reader, real_map, real_checkpoint = (
+            gguf.GGUFReader,
+            gguf.get_tensor_name_map,
+            gguf_utils.load_gguf_checkpoint,
+        )
+        _memo = {"readers": {}, "maps": {}, "headers": {}}
+        readers, maps, headers = _memo["readers"], _memo["maps"], _memo["headers"]
 
         def reader(path: Any, mode: str = "r") -> Any:
             key = (os.path.realpath(os.fspath(path)), mode)
@@ -69,11 +77,21 @@ def reading_gguf() -> Iterator[None]:
                 maps[arch, n_blocks] = real_map(arch, n_blocks)
             return maps[arch, n_blocks]
 
+        def checkpoint(path: Any, return_tensors: bool = False, *args: Any, **kwargs: Any) -> Any:
+            if return_tensors or args or kwargs:
+                return real_checkpoint(path, return_tensors, *args, **kwargs)
+            key = os.path.realpath(os.fspath(path))
+            if key not in headers:
+                headers[key] = real_checkpoint(path, False)
+            return copy.deepcopy(headers[key])  # its callers edit the dicts they get
+
         gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        gguf_utils.load_gguf_checkpoint = checkpoint
         try:
             yield
         finally:
             gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+            gguf_utils.load_gguf_checkpoint = real_checkpoint
             _memo = None
 
 
