@@ -53,6 +53,7 @@ _LAZY = {
     **dict.fromkeys(
         ("ChatResult", "GenerationResult", "PrefixCachingRunner", "SamplingParams", "Usage"), "prefixcache.engine"
     ),
+    "load_model": "prefixcache.models.loading",
 }
 """The facade's names that import torch: name -> the module it is taken from on first use."""
 
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
         StateMarker,
     )
     from prefixcache.engine import ChatResult, GenerationResult, PrefixCachingRunner, SamplingParams, Usage
+    from prefixcache.models.loading import load_model
 
 
 def __getattr__(name: str) -> Any:
@@ -98,6 +100,7 @@ __all__ = [
     "GenerationResult",
     "InsertResult",
     "InvalidArgumentError",
+    "load_model",
     "InvalidTokensError",
     "KVBlockPool",
     "LFUPolicy",
