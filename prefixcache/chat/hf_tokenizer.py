@@ -73,7 +73,7 @@ class HFTokenizer:
 
     def __init__(self, path: str | os.PathLike[str], *, chat_template: str | None = None) -> None:
         folder = Path(path)
-        gguf_file = folder.is_file() and folder.suffix.lower() == ".gguf"
+        gguf_file = folder.is_file() and folder.suffix == ".gguf"  # transformers' own test: lower case only
         if not folder.is_dir() and not gguf_file:
             raise InvalidArgumentError(f"tokenizer path {str(folder)!r} is not a folder or a .gguf file")
         if not gguf_file:

@@ -250,16 +250,18 @@ def _load(args: argparse.Namespace, source: Any) -> tuple[Any, Any, Any]:
 
     from prefixcache.models.loading import load_source
 
+    if args.model_config:
+        from prefixcache.models.hf import random_model_from_config
+        from prefixcache.models.sources import parse_dtype
+
+        dtype = parse_dtype(args.dtype) or torch.float32
+        model = random_model_from_config(args.model_config, layers=args.layers, dtype=dtype)
+    else:
+        model = load_source(source, args.dtype)  # first: a bad model file is named as a model, not a tokenizer
     tokenizer = None
     choice = choose_tokenizer(args.tokenizer, source)
     if choice.path is not None:
         from prefixcache.chat.hf_tokenizer import HFTokenizer
 
         tokenizer = HFTokenizer(choice.path)
-    if args.model_config:
-        from prefixcache.models.hf import random_model_from_config
-        from prefixcache.models.sources import parse_dtype
-
-        dtype = parse_dtype(args.dtype) or torch.float32
-        return tokenizer, choice, random_model_from_config(args.model_config, layers=args.layers, dtype=dtype)
-    return tokenizer, choice, load_source(source, args.dtype)
+    return tokenizer, choice, model

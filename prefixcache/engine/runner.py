@@ -173,13 +173,13 @@ class PrefixCachingRunner:
         source = resolve_model(model)
         chosen = tokenizer if tokenizer is not None else source.tokenizer
         with loading(source):
+            loaded = load_source(source, dtype, device)  # first: a bad model file is named as a model, not a tokenizer
             if chosen is not None:
                 from prefixcache.chat.hf_tokenizer import HFTokenizer
 
                 loaded_tokenizer = HFTokenizer(chosen)
             else:
                 loaded_tokenizer = None
-            loaded = load_source(source, dtype, device)
         return cls(loaded, loaded_tokenizer, **options)
 
     def invalidate(self) -> None:

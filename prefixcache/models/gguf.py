@@ -4,8 +4,8 @@ The file is read by transformers' own GGUF loader (``from_pretrained(folder, ggu
 ``gguf`` package to parse the metadata and dequantize the tensors, maps llama.cpp's tensor names to the architecture's
 and undoes llama.cpp's rotary row permutation of Q and K), then wrapped in
 :class:`~prefixcache.models.hf.HFCausalLM` like any checkpoint.  The weights are dequantized once at load: to float32
-for quantized files (``dtype=None``, transformers' choice: the dequantized values exactly) or to the file's own float
-type for F16 / BF16 files, or to ``dtype`` when given.  The tokenizer and chat template in the same file are read by
+(``dtype=None``, transformers' choice, for quantized and F16 / BF16 files alike: the dequantized values exactly), or
+to ``dtype`` when given.  The tokenizer and chat template in the same file are read by
 :class:`~prefixcache.chat.hf_tokenizer.HFTokenizer`.
 
 Architectures: those transformers reads from GGUF (Llama, Mistral, Qwen2/3, Qwen2-MoE, Phi-3, Gemma 2/3, ...) that
@@ -109,14 +109,15 @@ def load_gguf_model(
     path: str | os.PathLike[str], dtype: torch.dtype | None = None, device: torch.device | str | None = None
 ) -> Any:
     """Load the GGUF file at ``path`` into an :class:`~prefixcache.models.hf.HFCausalLM`, its weights dequantized
-    to ``dtype`` (None: float32 for a quantized file, the file's own float type otherwise).  Takes about 15 s for
-    SmolLM2-135M's 98 MB Q4_1 file on two cores (the dequantization runs in numpy).
+    to ``dtype`` (None: float32, whatever the file's types).  Takes about 10 s for SmolLM2-135M's 98 MB Q4_1 file on
+    two cores (the dequantization runs in numpy).
 
     Raises:
         InvalidArgumentError: no such file, not a GGUF file, or the ``gguf`` / ``accelerate`` packages missing (the
             message gives the install command).
         UnsupportedModelError: transformers has no GGUF mapping for the file's architecture, the ``gguf`` package
-            cannot dequantize one of its tensor types, or the adapter refuses the architecture.
+            cannot dequantize one of its tensor types, a tensor's shape does not fit the architecture, a weight is
+            missing (but a tied LM head), or the adapter refuses the architecture.
     """
     from transformers import AutoModelForCausalLM, GgufConfig
 
@@ -136,9 +137,13 @@ def load_gguf_model(
                 # adapter's exactness was tested on.  Quantized decode is the engine's job, not this loader's.
                 quantization_config=GgufConfig(dequantize=True),
                 local_files_only=True,
+                output_loading_info=True,
             )
     except NotImplementedError as error:  # gguf's dequantize for a type it lacks
         raise UnsupportedModelError(f"{file.name}: {error}") from None
+    except (RuntimeError, KeyError, IndexError, TypeError) as error:  # a tensor of the wrong shape, a short vocabulary
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UnsupportedModelError(f"{file.name}: its tensors do not fit its architecture: {first}") from None
     except ValueError as error:
         text = str(error)
         if "accelerate" in text:
@@ -148,7 +153,26 @@ def load_gguf_model(
                 f"{file.name}: GGUF architecture {gguf_architecture(file)!r} cannot be read by transformers: {text}"
             ) from None
         raise InvalidArgumentError(f"cannot load {str(file)!r}: {text}") from None
+    model, info = model
+    # A weight the file lacks would be left at its random initialisation: a model that answers noise.  A tied LM
+    # head is the one weight a GGUF may leave out (llama.cpp then uses the token embedding).
+    tied = model.config.tie_word_embeddings
+    missing = [key for key in info.get("missing_keys", ()) if not (tied and key == "lm_head.weight")]
+    if missing:
+        raise UnsupportedModelError(f"{file.name} lacks weights its architecture needs: {_some(missing)}")
+    # transformers re-initialises a weight whose shape differs from the architecture's, with a warning only.
+    mismatched = [
+        str(entry[0]) if isinstance(entry, tuple) else str(entry) for entry in info.get("mismatched_keys", ())
+    ]
+    if mismatched:
+        raise UnsupportedModelError(f"{file.name}: its tensors do not fit its architecture: {_some(mismatched)}")
     return HFCausalLM(model.to(resolve_device(device)))
+
+
+def _some(names: list[str]) -> str:
+    """Up to five of ``names``, sorted, and how many more."""
+    shown = ", ".join(sorted(names)[:5])
+    return shown + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 @contextlib.contextmanager

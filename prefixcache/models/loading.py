@@ -20,7 +20,7 @@ def load_model(
     device: torch.device | str | None = None,
 ) -> Any:
     """The model ``model`` names, in ``dtype`` (``"auto"``: the checkpoint's own; float32 for an embedded preset and
-    for a quantized GGUF, whose weights are dequantized) on ``device`` (None: CUDA when available, else the CPU).
+    for a GGUF file, whose weights are dequantized) on ``device`` (None: CUDA when available, else the CPU).
 
     Raises:
         InvalidArgumentError: an unknown name or dtype, a missing path, ``smollm2`` not installed, a missing extra.

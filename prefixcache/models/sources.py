@@ -137,8 +137,8 @@ def resolve_model(value: str | os.PathLike[str]) -> ModelSource:
         InvalidArgumentError: not a preset, ``smollm2``, a ``.gguf`` file or a folder (the message lists the presets);
             a folder with neither ``config.json`` nor exactly one ``.gguf`` file; ``smollm2`` not installed.
     """
-    text = os.fspath(value)
-    if not isinstance(text, str) or not text:
+    text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(text, str) or not text or text == "hf:":
         raise InvalidArgumentError(f"a model is a preset name or a path, got {value!r}")
     if text in PRESET_NAMES:
         return ModelSource("preset", text, text, None)
@@ -148,7 +148,10 @@ def resolve_model(value: str | os.PathLike[str]) -> ModelSource:
     explicit = text.startswith("hf:")
     path = Path(text[3:] if explicit else text)
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
+        if path.suffix == ".GGUF" or (path.suffix.lower() == ".gguf" and path.suffix != ".gguf"):
+            # transformers reads a GGUF only by its lower-case suffix; any other spelling it unpickles as torch's.
+            raise InvalidArgumentError(f"model {text!r}: rename it to end in .gguf (lower case) to load it as GGUF")
+        if path.suffix != ".gguf":
             raise InvalidArgumentError(
                 f"model {text!r} is a file but not a .gguf; give a GGUF file or a Hugging Face model folder"
             )
@@ -163,7 +166,7 @@ def resolve_model(value: str | os.PathLike[str]) -> ModelSource:
     if (path / "config.json").is_file():
         tokenizer = str(path) if has_tokenizer_files(path) else None
         return ModelSource("hf", str(path), path.resolve().name, tokenizer)
-    ggufs = sorted(p for p in path.iterdir() if p.suffix.lower() == ".gguf" and p.is_file())
+    ggufs = sorted(p for p in path.iterdir() if p.suffix == ".gguf" and p.is_file())
     if len(ggufs) == 1:
         return ModelSource("gguf", str(ggufs[0]), ggufs[0].stem, str(ggufs[0]))
     found = f"{len(ggufs)} .gguf files ({', '.join(p.name for p in ggufs)}): name one" if ggufs else "no .gguf file"

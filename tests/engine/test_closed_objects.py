@@ -4,6 +4,7 @@ model cannot go on inventing keys, and what it writes still validates against th
 from __future__ import annotations
 
 import jsonschema
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -20,6 +21,26 @@ WEATHER = {
     "$defs": {"point": {"properties": {"x": {"type": "number"}}}},
     "anyOf": [{"properties": {"city": {"type": "string"}}}],
 }
+COMPOSED = [
+    {
+        "allOf": [
+            {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]},
+            {"type": "object", "properties": {"email": {"type": "string"}}, "required": ["email"]},
+        ]
+    },
+    {
+        "type": "object",
+        "$defs": {"base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+        "allOf": [{"$ref": "#/$defs/base"}],
+        "properties": {"title": {"type": "string"}},
+        "required": ["title"],
+    },
+    {
+        "type": "object",
+        "$defs": {"base": {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}},
+        "properties": {"item": {"$ref": "#/$defs/base", "properties": {"title": {"type": "string"}}}},
+    },
+]
 
 
 def test_every_object_that_names_properties_is_closed_and_an_explicit_choice_is_kept() -> None:
@@ -28,7 +49,7 @@ def test_every_object_that_names_properties_is_closed_and_an_explicit_choice_is_
     assert closed["properties"]["where"]["additionalProperties"] is False
     assert closed["properties"]["stops"]["items"]["additionalProperties"] is False
     assert closed["properties"]["extra"]["additionalProperties"] is True
-    assert closed["$defs"]["point"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["$defs"]["point"]
     assert closed["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in closed["properties"]["city"]
 
@@ -51,3 +72,13 @@ def test_what_the_closed_schema_accepts_the_given_schema_accepts(known: dict, ot
     closed_valid = jsonschema.Draft202012Validator(closed_objects(schema)).is_valid(value)
     assert not closed_valid or jsonschema.Draft202012Validator(schema).is_valid(value)
     assert closed_valid == (set(value) <= {"city", "unit", "days"})
+
+
+@pytest.mark.parametrize("schema", COMPOSED, ids=["allOf", "allOf-ref-and-properties", "ref-beside-properties"])
+def test_composed_objects_stay_open_so_each_parts_keys_remain_allowed(schema: dict) -> None:
+    closed = closed_objects(schema)
+    value = {"name": "a", "email": "b"} if "allOf" in schema and "$defs" not in schema else {"id": 1, "title": "t"}
+    if "item" in schema.get("properties", {}):
+        value = {"item": {"id": 1, "title": "t"}}
+    assert jsonschema.Draft202012Validator(schema).is_valid(value)
+    assert jsonschema.Draft202012Validator(closed).is_valid(value)
