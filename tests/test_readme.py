@@ -44,7 +44,7 @@ def test_the_server_extra_brings_the_openai_client_the_readme_server_example_imp
     import tomllib
 
     section = _README[_README.index("**1. Any OpenAI client, through a base URL**") :]
-    assert section.startswith('**1. Any OpenAI client, through a base URL** (`pip install -e ".[server]"`)')
+    assert section.startswith('**1. Any OpenAI client, through a base URL** (`pip install -e ".[server,hf]"`)')
     example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     assert "from openai import OpenAI" in example
     server = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["server"]

