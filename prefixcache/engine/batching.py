@@ -23,9 +23,11 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.cache.snapshot import SnapshotSummary
+from prefixcache.cache.stats import CacheStats
 from prefixcache.cache.tokens import TokenIds
 from prefixcache.engine.request import EngineRequest, RequestHandle
 from prefixcache.engine.results import TokenLogprob
@@ -35,9 +37,19 @@ from prefixcache.engine.scheduler import POLICIES, admission_order
 from prefixcache.engine.snapshot_saver import SnapshotSaver
 from prefixcache.errors import InvalidArgumentError
 
-__all__ = ["POLICIES", "BatchEngine", "RequestHandle"]
+__all__ = ["POLICIES", "BatchEngine", "EngineFigures", "RequestHandle"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFigures:
+    """What a server's metrics read of an engine at once (:meth:`BatchEngine.figures`): its cache's stats and its
+    counts of preemptions and cancellations."""
+
+    cache: CacheStats
+    preempted_requests: int
+    cancelled_requests: int
 
 
 class BatchEngine:
@@ -185,6 +197,11 @@ class BatchEngine:
         """Empty the runner's cache of every unreferenced block on the engine thread between two steps (as
         :meth:`call_soon`).  Raises InvalidArgumentError once the engine is closed."""
         return self.call_soon(self.runner.cache.evict_all)
+
+    def figures(self) -> EngineFigures:
+        """The cache's stats and the engine's counters, read now from any thread (an engine process's in one round
+        trip).  O(1)."""
+        return EngineFigures(self.runner.cache.stats(), self.preempted_requests, self.cancelled_requests)
 
     @property
     def num_pending(self) -> int:

@@ -19,10 +19,11 @@ with its logprob records, then the end.  Functions run in the child are module-l
 so one that the child cannot unpickle fails that request alone.
 
 - parent to child: ``(factory, options, heartbeat_s)`` once, then ``("chat" | "submit", job, payload)``,
-  ``("cancel", job, None)``, ``("call" | "query", job, payload)``, ``("close", 0, None)``;
+  ``("call" | "query", job, payload)``, ``("close", 0, None)``, in the order of their job ids;
+- parent to child on a second socket, the cancels: a tuple of the job ids of requests to cancel;
 - child to parent: ``("ready", info)`` or ``("failed", error)`` once, then ``("ack", job, error)``, ``("delta",
   job, (text, records))``, ``("end", job, (kind, value))``, ``("beat", 0, None)`` every ``heartbeat_s`` seconds and
-  ``("closed", 0, None)``.
+  ``("closed", 0, None)``; a request cancelled before the child admitted it ends ``("cancelled", "not admitted")``.
 
 Nothing waits on the child without a bound (issue 44).  The parent writes on a sender thread of its own
 (:class:`~prefixcache.engine.outbox.Outbox`): a submit or a cancel only queues its message, so a child that does not
@@ -30,7 +31,14 @@ read (stopped, stuck) never holds the caller, a server's event loop included.  A
 child's answer either: what the child's checks refuse fails the handle's future.  The child's heartbeat tells a
 child that is stopped from one that is busy: a watchdog thread that has heard nothing from it for
 ``answer_timeout_s`` fails every request and call in flight at once with EngineDeadError, and every new one, until
-the child is heard again (then it serves on; the requests failed meanwhile are cancelled there).
+the child is heard again (then it serves on).
+
+A request that failed or was cancelled never runs in the child if the child has not started it: its message, if it
+still waits on the sender thread, is taken back unsent (nor is a cancel sent for it), and the cancels of those the
+child may have been sent go on a second socket, which the child reads before it admits each request (a cancel that
+comes before its request is kept until the request comes, which is then answered cancelled).  So a child stopped with
+requests queued for it, continued after they got their 503, reads at most the few already in its socket's buffer and
+admits none of them; on the one socket, their cancels came after all of them, and it prefilled them all first.
 
 Thread safety: every method may be called from any thread.  ``on_delta`` and ``on_logprob`` run on the parent's
 receiver thread (not the engine's): they must not block, as on the engine thread.
@@ -38,6 +46,7 @@ receiver thread (not the engine's): they must not block, as on the engine thread
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -54,10 +63,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from multiprocessing.connection import Connection
 from typing import Any
 
-from prefixcache.engine.batching import BatchEngine
+from prefixcache.engine.batching import BatchEngine, EngineFigures
 from prefixcache.engine.chat import PreparedChat
 from prefixcache.engine.outbox import Outbox
-from prefixcache.engine.process_main import CHILD_COMMAND, Ready, receive_message, send_message
+from prefixcache.engine.process_main import CHILD_COMMAND, NOT_ADMITTED, Ready, receive_message, send_message
 from prefixcache.errors import EngineDeadError, InvalidArgumentError
 
 __all__ = ["EngineProcess", "RemoteHandle"]
@@ -78,13 +87,14 @@ class RemoteHandle:
     :class:`~prefixcache.engine.results.GenerationResult`, or ``ChatCompletion`` for a chat; its error, the child's
     refusal of it included; a ``concurrent.futures.CancelledError`` once ``cancel()`` took effect), ``cancel()`` drops
     it (its blocks are freed at the engine's next step; harmless once it has finished).  ``cancel()`` never waits on
-    the child: it queues a message."""
+    the child: it queues a message, or takes back the request's own if that was not sent yet (its future is then
+    cancelled at once)."""
 
     __slots__ = ("_ask_cancel", "cancelled", "future")
 
-    def __init__(self, ask_cancel: Callable[[], None]) -> None:
+    def __init__(self, ask_cancel: Callable[[], None], future: Future[Any]) -> None:
         self._ask_cancel = ask_cancel
-        self.future: Future[Any] = Future()
+        self.future = future
         self.cancelled = False
 
     def cancel(self) -> None:
@@ -101,7 +111,7 @@ class RemoteHandle:
 
 
 class _Job:
-    __slots__ = ("error", "future", "handle", "on_delta", "on_logprob", "op")
+    __slots__ = ("error", "future", "handle", "job_id", "on_delta", "on_logprob", "op")
 
     def __init__(
         self,
@@ -119,6 +129,8 @@ class _Job:
         self.on_logprob = on_logprob
         self.error: BaseException | None = None
         """What a callback raised: the request is cancelled and fails with it, as in-process."""
+        self.job_id = 0
+        """Its id, given when its message is queued."""
 
     def deliver(self, text: str, records: tuple[Any, ...]) -> None:
         if self.error is not None:
@@ -186,6 +198,7 @@ class EngineProcess:
         # A fresh interpreter started by its command line, not multiprocessing's spawn: spawn runs the parent's main
         # module again in the child, which fails for a script without a ``__main__`` guard (and for a notebook).
         parent_end, child_end = socket.socketpair()
+        cancels_end, child_cancels_end = socket.socketpair()
         environment = dict(os.environ)
         # The child imports from where this process imports, in its order (an empty entry, this process's current
         # folder, made absolute), and from nowhere else: not from its own current folder, which ``python -c`` would
@@ -193,19 +206,26 @@ class EngineProcess:
         path = [os.path.abspath(entry) for entry in sys.path]
         environment["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
         self._process = subprocess.Popen(
-            [sys.executable, "-c", CHILD_COMMAND, str(child_end.fileno())],
-            pass_fds=(child_end.fileno(),),
+            [sys.executable, "-c", CHILD_COMMAND, str(child_end.fileno()), str(child_cancels_end.fileno())],
+            pass_fds=(child_end.fileno(), child_cancels_end.fileno()),
             env=environment,
         )
         child_end.close()
+        child_cancels_end.close()
         self._conn = Connection(parent_end.detach())
+        self._cancels_conn = Connection(cancels_end.detach())
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        """Held from taking a job id to queueing its message, so that the child gets them in the order of their ids
+        (it tells a cancel that came before its request from one that came after the request ended)."""
         self._jobs: dict[int, _Job] = {}
         self._ids = itertools.count(1)
         self._dead: EngineDeadError | None = None
         self._silent: EngineDeadError | None = None
         """Set while the child has not been heard for ``answer_timeout_s``: what every request meanwhile fails with."""
         self._closed = False
+        self._cancelled_unadmitted = 0
+        """Requests cancelled by their holder before the child's engine admitted them."""
         options = {"max_batch_tokens": max_batch_tokens, "max_running": max_running, "policy": policy}
         try:
             send_message(self._conn, (factory, options, self._heartbeat_s))
@@ -214,6 +234,7 @@ class EngineProcess:
             self._process.kill()
             self._process.wait()
             self._conn.close()
+            self._cancels_conn.close()
             raise
         self.tokenizer = ready.tokenizer
         self.note = ready.note
@@ -223,6 +244,7 @@ class EngineProcess:
         self._heard_at = time.monotonic()
         self._stopping = threading.Event()
         self._outbox = Outbox(self._conn, "prefixcache-engine-sender")
+        self._cancels = Outbox(self._cancels_conn, "prefixcache-engine-canceller")
         self._receiver = threading.Thread(target=self._receive, name="prefixcache-engine-receiver", daemon=True)
         self._receiver.start()
         self._watchdog = threading.Thread(target=self._watch, name="prefixcache-engine-watchdog", daemon=True)
@@ -277,26 +299,53 @@ class EngineProcess:
         return handle, handle.future
 
     def _start(self, op: str, payload: Any, on_delta: Any, on_logprob: Any) -> RemoteHandle:
-        job_id = next(self._ids)
-        handle = RemoteHandle(functools.partial(self._post, "cancel", job_id, None))
-        self._send_job(_Job(op, handle.future, handle, on_delta, on_logprob), job_id, payload)
+        job = _Job(op, Future(), None, on_delta, on_logprob)
+        job.handle = handle = RemoteHandle(functools.partial(self._cancel, job), job.future)
+        self._send_job(job, payload)
         return handle
 
-    def _send_job(self, job: _Job, job_id: int, payload: Any) -> None:
-        """Register ``job`` and queue its message; raises what :meth:`_check_open` and :meth:`_post` raise (the job
-        then left unregistered)."""
+    def _send_job(self, job: _Job, payload: Any) -> int:
+        """Give ``job`` the next id, register it and queue its message; returns its id.  Raises what
+        :meth:`_check_open` raises, and EngineDeadError when the message cannot be queued (the job then left
+        unregistered)."""
         data = pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL)
-        message = pickle.dumps((job.op, job_id, data), protocol=pickle.HIGHEST_PROTOCOL)
-        # Registered and queued under one lock: a watchdog that fails every job in flight then queues their cancels
-        # after their requests, never before (the child would run a request whose cancel it had already dropped).
+        with self._send_lock:
+            job.job_id = job_id = next(self._ids)
+            message = pickle.dumps((job.op, job_id, data), protocol=pickle.HIGHEST_PROTOCOL)
+            # Registered and queued under the lock the watchdog fails jobs under: a job it fails is one whose
+            # message it can take back.
+            with self._lock:
+                self._check_open()
+                self._jobs[job_id] = job
+                try:
+                    self._outbox.put(message, job=job_id, bounded=True)
+                except EngineDeadError as error:
+                    del self._jobs[job_id]
+                    raise self._dead or error from None
+        return job_id
+
+    def _cancel(self, job: _Job) -> None:
+        """A request's cancel (:meth:`RemoteHandle.cancel`): one still waiting to be sent is taken back and ends
+        cancelled here; the child is told of one it was sent.  O(1), never waits on the child.  Raises
+        EngineDeadError once the connection failed."""
+        job_id = job.job_id
         with self._lock:
-            self._check_open()
-            self._jobs[job_id] = job
-            try:
-                self._outbox.put(message, bounded=True)
-            except EngineDeadError as error:
+            if self._jobs.get(job_id) is not job:
+                return  # ended, failed already, or never queued: nothing of it runs
+            unsent = bool(self._outbox.discard((job_id,)))
+            if unsent:
                 del self._jobs[job_id]
-                raise self._dead or error from None
+                self._cancelled_unadmitted += 1
+        if unsent:
+            _settle(job.future, "cancelled", None)
+        else:
+            self._post_cancels((job_id,))
+
+    def _post_cancels(self, job_ids: tuple[int, ...]) -> None:
+        try:
+            self._cancels.put(pickle.dumps(job_ids, protocol=pickle.HIGHEST_PROTOCOL))
+        except EngineDeadError as error:
+            raise self._dead or error from None
 
     # -- functions in the child -------------------------------------------------------------------------------------
 
@@ -320,7 +369,7 @@ class EngineProcess:
 
     def _run(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
         future: Future[Any] = Future()
-        self._send_job(_Job(op, future), next(self._ids), (fn, args))
+        self._send_job(_Job(op, future), (fn, args))
         return future
 
     def save_snapshot(self, directory: str | os.PathLike[str]) -> Future[Any]:
@@ -346,7 +395,19 @@ class EngineProcess:
             return sum(job.op != "query" for job in self._jobs.values())
 
     preempted_requests = property(lambda self: self.query(getattr, "preempted_requests"), doc="Its preemptions.")
-    cancelled_requests = property(lambda self: self.query(getattr, "cancelled_requests"), doc="Its cancellations.")
+
+    def figures(self, timeout_s: float | None = None) -> EngineFigures:
+        """:meth:`BatchEngine.figures` in the child, in one round trip, its cancellations counted as
+        :attr:`cancelled_requests` counts them.  Raises as :meth:`query`."""
+        figures = self.query(BatchEngine.figures, timeout_s=timeout_s)
+        return dataclasses.replace(figures, cancelled_requests=figures.cancelled_requests + self._cancelled_unadmitted)
+
+    @property
+    def cancelled_requests(self) -> int:
+        """Requests cancelled before they finished: the child engine's count (a round trip, raising as
+        :meth:`query`), plus those cancelled before it admitted them (taken back unsent, or cancelled on their way),
+        which it never saw.  Not those failed while the child did not answer."""
+        return self.query(getattr, "cancelled_requests") + self._cancelled_unadmitted
 
     # -- life -------------------------------------------------------------------------------------------------------
 
@@ -381,12 +442,14 @@ class EngineProcess:
             self._process.kill()
             self._process.wait()
         self._stopping.set()
-        self._outbox.close()
-        self._outbox.join(timeout_s)  # ends at once: what it was writing failed when the child exited
+        for outbox in (self._outbox, self._cancels):
+            outbox.close()
+            outbox.join(timeout_s)  # ends at once: what it was writing failed when the child exited
         for thread in (self._receiver, self._watchdog):
             if threading.current_thread() is not thread:
                 thread.join(timeout_s)
         self._conn.close()
+        self._cancels_conn.close()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -397,8 +460,8 @@ class EngineProcess:
             raise self._silent
 
     def _post(self, op: str, job: int, data: Any) -> None:
-        """Queue a message that is never refused for its size (a cancel, the close); O(1), never waits on the child.
-        Raises EngineDeadError once the connection failed."""
+        """Queue a message that is never refused for its size (the close); O(1), never waits on the child.  Raises
+        EngineDeadError once the connection failed."""
         try:
             self._outbox.put(pickle.dumps((op, job, data), protocol=pickle.HIGHEST_PROTOCOL))
         except EngineDeadError as error:
@@ -431,6 +494,8 @@ class EngineProcess:
             elif kind == "end":
                 with self._lock:
                     job = jobs.pop(job_id, None)
+                    if job is not None and value == NOT_ADMITTED:
+                        self._cancelled_unadmitted += 1
                 if job is None:
                     continue
                 if job.error is not None:
@@ -451,6 +516,7 @@ class EngineProcess:
             jobs.clear()
         self._stopping.set()
         self._outbox.close()
+        self._cancels.close()
         if not self._closed:
             logger.error("%s; %d request(s) in flight failed", dead, len(pending))
         for job in pending:
@@ -475,8 +541,9 @@ class EngineProcess:
                 self._went_silent()
 
     def _went_silent(self) -> None:
-        """Fail every job in flight with one EngineDeadError and refuse new ones until the child is heard again; the
-        child is asked to cancel the requests (it does once it runs again)."""
+        """Fail every job in flight with one EngineDeadError and refuse new ones until the child is heard again.
+        What was not sent of them is never sent; the child is asked to cancel the requests it was sent (it does before
+        it admits anything once it runs again)."""
         silent = EngineDeadError(
             f"the engine process did not answer within {self.answer_timeout_s} s (stopped, or stuck with its GIL held)"
         )
@@ -486,12 +553,13 @@ class EngineProcess:
             self._silent = silent
             pending = list(self._jobs.items())
             self._jobs.clear()
-            for job_id, job in pending:
-                if job.handle is not None:
-                    try:
-                        self._post("cancel", job_id, None)
-                    except EngineDeadError:
-                        break  # the connection failed: the child is gone and the receiver says so
+            unsent = self._outbox.discard(job_id for job_id, _ in pending)
+        sent = tuple(job_id for job_id, job in pending if job.handle is not None and job_id not in unsent)
+        if sent:
+            try:
+                self._post_cancels(sent)
+            except EngineDeadError:
+                pass  # the connection failed: the child is gone and the receiver says so
         logger.error("%s; %d request(s) and call(s) in flight failed", silent, len(pending))
         for _, job in pending:
             _settle(job.future, "error", silent)

@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from prefixcache.engine.batching import BatchEngine
@@ -24,7 +24,10 @@ from prefixcache.engine.grammar import register_tokenizer
 from prefixcache.engine.results import GenerationResult
 from prefixcache.errors import InvalidArgumentError, PrefixCacheError
 
-__all__ = ["CHILD_COMMAND", "Ready", "child_main", "portable", "receive_message", "send_message"]
+__all__ = ["CHILD_COMMAND", "NOT_ADMITTED", "Ready", "child_main", "portable", "receive_message", "send_message"]
+
+NOT_ADMITTED = ("cancelled", "not admitted")
+"""The end of a request whose cancel came before it: its engine never saw it (nor counted it as cancelled)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,16 +100,18 @@ CHILD_COMMAND = (
     "import sys\n"
     "if sys.path[:1] == ['']: del sys.path[0]\n"  # python -c's current folder: the parent's path comes as PYTHONPATH
     "from prefixcache.engine.process_main import child_main\n"
-    "child_main(int(sys.argv[1]))"
+    "child_main(int(sys.argv[1]), int(sys.argv[2]))"
 )
-"""The engine process's command line after ``python -c``; its one argument is its end of the socket pair."""
+"""The engine process's command line after ``python -c``; its arguments are its ends of the two socket pairs (the
+commands', the cancels')."""
 
 
-def child_main(fd: int) -> None:
-    """The engine process (``python -c CHILD_COMMAND fd``): read the factory, the engine's options and the heartbeat
-    interval, build the runner and its engine, then serve the parent's commands until ``close`` or the parent's end
-    closes, with a heartbeat meanwhile."""
+def child_main(fd: int, cancels_fd: int) -> None:
+    """The engine process (``python -c CHILD_COMMAND fd cancels_fd``): read the factory, the engine's options and the
+    heartbeat interval, build the runner and its engine, then serve the parent's commands and cancels until ``close``
+    or the parent's end closes, with a heartbeat meanwhile."""
     conn = Connection(fd)
+    cancels = Connection(cancels_fd)
     try:
         factory, options, heartbeat_s = receive_message(conn)
     except BaseException as error:  # noqa: BLE001 - a factory that does not unpickle here
@@ -137,12 +142,11 @@ def child_main(fd: int) -> None:
     except OSError:  # the parent died while this one started
         engine.close()
         return
-    handles: dict[int, Any] = {}
     served = threading.Event()
     beats = threading.Thread(target=_beat, args=(link, heartbeat_s, served), name="prefixcache-heartbeat", daemon=True)
     beats.start()
     try:
-        _serve(conn, link, engine, handles)
+        _serve(conn, _Commands(engine, link, cancels))
     finally:
         served.set()
         engine.close()
@@ -150,6 +154,7 @@ def child_main(fd: int) -> None:
             link.send("closed", 0, None)
         finally:
             conn.close()
+            cancels.close()
 
 
 def _beat(link: _ChildLink, interval_s: float, served: threading.Event) -> None:
@@ -161,18 +166,67 @@ def _beat(link: _ChildLink, interval_s: float, served: threading.Event) -> None:
         link.send("beat", 0, None)
 
 
-def _serve(conn: Any, link: _ChildLink, engine: BatchEngine, handles: dict[int, Any]) -> None:
+class _Commands:
+    """What the command thread knows of the parent's jobs: the requests running (their handles, until they end), the
+    highest job id received, and the cancels that came before their request.
+
+    The cancels come on a socket of their own, read before each request is admitted, so that one cancelled while it
+    waited in the commands' socket (the parent gave up on it while this process was stopped) is never started.  Jobs
+    come in the order of their ids, so a cancel naming a job above the highest received is one whose request is still
+    on its way (kept until it comes: then answered cancelled, never admitted), and one naming a job at or below it
+    that is not running names one that has ended (ignored)."""
+
+    def __init__(self, engine: BatchEngine, link: _ChildLink, cancels: Connection) -> None:
+        self.engine = engine
+        self.link = link
+        self.cancels: Connection | None = cancels
+        self.handles: dict[int, Any] = {}
+        self.last_job = 0
+        self.cancelled_ahead: set[int] = set()
+
+    def read_cancels(self) -> None:
+        """Apply every cancel already sent.  O(cancels read)."""
+        while self.cancels is not None:
+            try:
+                if not self.cancels.poll(0):
+                    return
+                jobs = receive_message(self.cancels)
+            except (EOFError, OSError):
+                self.cancels = None  # the parent is gone: its commands' socket ends too
+                return
+            for job in jobs:
+                handle = self.handles.get(job)
+                if handle is not None:
+                    handle.cancel()
+                elif job > self.last_job:
+                    self.cancelled_ahead.add(job)
+
+    def arrived(self, job: int) -> bool:
+        """Note that ``job`` has come; False when it was cancelled before (answered cancelled here)."""
+        self.last_job = max(self.last_job, job)
+        if job not in self.cancelled_ahead:
+            return True
+        self.cancelled_ahead.discard(job)
+        self.link.send("end", job, NOT_ADMITTED)
+        return False
+
+
+def _serve(conn: Any, commands: _Commands) -> None:
+    link, engine, handles = commands.link, commands.engine, commands.handles
     while True:
+        sources = [conn] if commands.cancels is None else [conn, commands.cancels]
+        ready = wait(sources)
+        commands.read_cancels()
+        if conn not in ready:
+            continue
         try:
             op, job, data = receive_message(conn)
         except (EOFError, OSError):
             return  # the parent is gone
         if op == "close":
             return
-        if op == "cancel":
-            handle = handles.get(job)
-            if handle is not None:
-                handle.cancel()
+        commands.read_cancels()  # those sent while this request was on its way
+        if not commands.arrived(job):
             continue
         try:
             payload = pickle.loads(data)

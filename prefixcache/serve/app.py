@@ -172,7 +172,7 @@ def create_app(
         if isinstance(runner, EngineProcess)
         else BatchEngine(runner, max_batch_tokens=max_batch_tokens, max_running=max_running)
     )
-    metrics = ServerMetrics(runner.cache, engine)
+    metrics = ServerMetrics(engine)
     strings = TokenStrings(runner.tokenizer)  # the logprobs' token strings
     snapshots = None if snapshot_dir is None else SnapshotKeeper(engine, snapshot_dir, snapshot_every_s)
     engine.start()
@@ -307,11 +307,11 @@ def create_app(
     async def health(request: Request) -> Response:
         return _json({"status": "ok", "model": model_name, "pending_requests": engine.num_pending})
 
-    # The cache's counters are a round trip to an engine process (its command thread waits for its GIL): on a worker
-    # thread, so that the streams on the event loop never wait for it.
+    # The engine's figures are a round trip to an engine process: read on one worker thread and awaited for at most
+    # metrics.figures_timeout_s, so a silent engine gets prefixcache_engine_up 0 at once (serve.metrics).
     @route("/metrics", "GET")
     async def scrape(request: Request) -> Response:
-        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
+        return Response(await metrics.scrape(), media_type=CONTENT_TYPE)
 
     document: list[dict[str, Any]] = []
 

@@ -10,12 +10,18 @@ object (OpenAI's field for whether a response can be retrieved later), and a lat
 is a 404, as for an evicted one.  Clients send ``store`` true by default without needing the store, so refusing the
 request (a 400) would fail answers nobody meant to keep.
 
-A response's bytes are the UTF-8 JSON of what it keeps: its ``response`` object (output items, ``metadata``, ``user``,
-``instructions``, ``tools``...) and its conversation's chat messages.  A conversation continued by
-``previous_response_id`` shares the earlier turns' message objects, so each message counts once per namespace however
-many stored turns hold it, and stops counting when the last of them goes.  Evictions are logged (logger
-``prefixcache.serve.response_store``): at DEBUG those of the count bound, at INFO those of the byte bound, a response
-too large to store at WARNING.
+A response's bytes are what the store holds for it, and the store holds it serialized: its ``response`` object
+(output items, ``metadata``, ``user``, ``instructions``, ``tools``...) as UTF-8 JSON bytes, and each chat message of
+its conversation likewise, decoded again when it is read.  So its count is the memory it keeps, whatever its
+characters (a Python string holding one emoji keeps every character in 4 bytes: counting its UTF-8 let 64 MiB of
+counted bytes hold 266 MiB).  A message kept costs its JSON's bytes plus :data:`MESSAGE_OVERHEAD_BYTES` (the Python
+objects that keep it), and each message a response's conversation holds :data:`REFERENCE_BYTES` (its place in that
+response's list): a message can be 30 bytes of JSON, and a conversation continued turn after turn holds every earlier
+message again.  (What each response costs beside, a few hundred bytes, the count bound bounds.) A conversation
+continued by ``previous_response_id`` shares the earlier turns' messages: each message (by its JSON) is kept and
+counted once per namespace however many stored turns hold it, and stops counting when the last of them goes.
+Evictions are logged (logger ``prefixcache.serve.response_store``): at DEBUG those of the count bound, at INFO those
+of the byte bound, a response too large to store at WARNING.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ __all__ = [
     "DEFAULT_MAX_STORED_BYTES",
     "DEFAULT_MAX_STORED_RESPONSES",
     "DEFAULT_MAX_TOTAL_STORED_BYTES",
+    "MESSAGE_OVERHEAD_BYTES",
+    "REFERENCE_BYTES",
     "ResponseStore",
     "StoredResponse",
     "json_bytes",
@@ -54,17 +62,31 @@ DEFAULT_MAX_RESPONSE_BYTES = 1 << 20
 """A response's own bytes (what it adds to its namespace's store) above which it is answered but not stored."""
 
 
+MESSAGE_OVERHEAD_BYTES = 160
+"""What keeping a message costs beside its JSON's bytes: the bytes object's header, its entry in its namespace's
+table of messages and the record of its holders (measured: about 130 bytes on CPython 3.11)."""
+
+REFERENCE_BYTES = 8
+"""What each message of a stored response's conversation costs that response: one pointer."""
+
+
+def to_json(value: Any) -> bytes:
+    """``value`` as UTF-8 JSON, as the server writes it (a lone surrogate as its escape, which reads back as the same
+    surrogate).  O(size of ``value``)."""
+    return json.dumps(value, ensure_ascii=False).encode("utf-8", "backslashreplace")
+
+
 def json_bytes(value: Any) -> int:
-    """The size in bytes of ``value`` as UTF-8 JSON (a lone surrogate counted as its escape, as the server writes
-    it).  O(size of ``value``)."""
-    return len(json.dumps(value, ensure_ascii=False).encode("utf-8", "backslashreplace"))
+    """The size in bytes of ``value`` as UTF-8 JSON (:func:`to_json`).  O(size of ``value``)."""
+    return len(to_json(value))
 
 
 @dataclass(frozen=True, slots=True)
 class StoredResponse:
     """A finished response kept for ``previous_response_id`` and ``GET``: its ``namespace`` (API key's; another
     cannot see it), the ``response`` object, and the chat ``messages`` of its conversation through its answer
-    (instructions excluded).  The messages are shared with the stored responses before it, not copied."""
+    (instructions excluded).  What :meth:`ResponseStore.put` takes and :meth:`ResponseStore.get` gives back (a fresh
+    copy, decoded from what the store keeps: JSON's types, a tuple read back as a list)."""
 
     namespace: str | None
     body: dict[str, Any]
@@ -72,19 +94,35 @@ class StoredResponse:
 
 
 @dataclass(slots=True)
+class _Held:
+    """A message a namespace keeps (its JSON) and how many of its stored responses hold it."""
+
+    data: bytes
+    holders: int
+
+
+@dataclass(slots=True)
 class _Entry:
-    stored: StoredResponse
-    body_bytes: int
+    """A stored response as kept: its body's JSON and its conversation's messages (each its namespace's one copy)."""
+
+    namespace: str | None
+    body: bytes
+    messages: tuple[bytes, ...]
+
+    @property
+    def own_bytes(self) -> int:
+        """What it counts beside its messages: its body's JSON and its references to its messages."""
+        return len(self.body) + REFERENCE_BYTES * len(self.messages)
 
 
 @dataclass(slots=True)
 class _Shelf:
-    """One namespace's responses, most recently used last, and the bytes they keep: their bodies' and, once per
-    message object, their messages' (``message_refs``: ``id(message)`` -> [stored responses holding it, bytes])."""
+    """One namespace's responses, most recently used last, and the bytes they keep: each response's own
+    (:attr:`_Entry.own_bytes`) and, once each, the messages they hold (``messages``: JSON -> its one copy)."""
 
     responses: OrderedDict[str, _Entry] = field(default_factory=OrderedDict)
     num_bytes: int = 0
-    message_refs: dict[int, list[int]] = field(default_factory=dict)
+    messages: dict[bytes, _Held] = field(default_factory=dict)
 
 
 class ResponseStore:
@@ -94,9 +132,9 @@ class ResponseStore:
     within ``max_total_bytes``, and a response of another namespace is not stored.  ``max_responses`` 0 stores
     nothing.  Used from the event loop only (not thread-safe).
 
-    Costs: :meth:`get` and :meth:`delete` O(1) (a delete frees the deleted conversation's messages: O(its length));
-    :meth:`put` O(bytes of the response's body and new messages + length of its conversation), plus the same for
-    each response it evicts.
+    Costs: :meth:`get` O(bytes of the response and its conversation), to decode them; :meth:`delete` O(length of the
+    conversation); :meth:`put` O(bytes of the response and its conversation), to encode them, plus O(length of the
+    conversation) for each response it evicts.
 
     Raises:
         InvalidArgumentError: a negative ``max_responses``, a byte bound below 1, or no ``namespaces``.
@@ -149,18 +187,22 @@ class ResponseStore:
         """Keep ``stored`` under ``response_id`` in its namespace, evicting that namespace's least recently used
         responses until it is within its bounds again (a response of the same id is replaced); True if kept.  False
         when ``max_responses`` is 0, the namespace is not one of :attr:`namespaces`, the response's own bytes (its
-        body and the messages its namespace does not hold yet) are over :attr:`max_response_bytes`, or its whole
-        conversation is over :attr:`max_bytes`."""
+        body, its references to its messages and the messages its namespace does not hold yet) are over
+        :attr:`max_response_bytes`, or its whole conversation is over :attr:`max_bytes`."""
         namespace = stored.namespace
         if self.max_responses == 0 or namespace not in self.namespaces:
             return False
         shelf = self._shelves.get(namespace) or _Shelf()
         if response_id in shelf.responses:
             self._drop(shelf, response_id)
-        body_bytes = json_bytes(stored.body)
-        new = {id(m): m for m in stored.messages if id(m) not in shelf.message_refs}
-        new_bytes = {key: json_bytes(message) for key, message in new.items()}
-        own_bytes = body_bytes + sum(new_bytes.values())
+        new: dict[bytes, bytes] = {}  # the messages its namespace does not hold yet, each once, in order
+        messages = []
+        for message in stored.messages:
+            data = to_json(message)
+            kept = shelf.messages.get(data)
+            messages.append(kept.data if kept is not None else new.setdefault(data, data))  # one copy of each
+        entry = _Entry(namespace, to_json(stored.body), tuple(messages))
+        own_bytes = entry.own_bytes + sum(len(data) + MESSAGE_OVERHEAD_BYTES for data in new)
         if own_bytes > self.max_response_bytes:
             logger.warning(
                 "response %s of namespace %s not stored: its %s bytes are over the store's limit of %s a response",
@@ -171,26 +213,26 @@ class ResponseStore:
             )
             return False
         self._shelves[namespace] = shelf
-        for message in stored.messages:
-            ref = shelf.message_refs.get(id(message))
-            if ref is None:
-                shelf.message_refs[id(message)] = [1, new_bytes[id(message)]]
-                shelf.num_bytes += new_bytes[id(message)]
+        for data in entry.messages:
+            kept = shelf.messages.get(data)
+            if kept is None:
+                shelf.messages[data] = _Held(data, 1)
+                shelf.num_bytes += len(data) + MESSAGE_OVERHEAD_BYTES
             else:
-                ref[0] += 1
-        shelf.responses[response_id] = _Entry(stored, body_bytes)
-        shelf.num_bytes += body_bytes
+                kept.holders += 1
+        shelf.responses[response_id] = entry
+        shelf.num_bytes += entry.own_bytes
         self._evict(shelf, namespace)
         return response_id in shelf.responses  # not when its whole conversation is over the namespace's bound
 
     def get(self, response_id: str, namespace: str | None) -> StoredResponse | None:
-        """The stored response, if ``namespace`` stored it (and marks it recently used), else None."""
+        """The stored response, decoded afresh, if ``namespace`` stored it (and marks it recently used), else None."""
         shelf = self._shelves.get(namespace)
         entry = None if shelf is None else shelf.responses.get(response_id)
         if entry is None:
             return None
         shelf.responses.move_to_end(response_id)
-        return entry.stored
+        return StoredResponse(namespace, json.loads(entry.body), tuple(json.loads(data) for data in entry.messages))
 
     def delete(self, response_id: str, namespace: str | None) -> bool:
         """Forget the response; False when ``namespace`` has none by that id."""
@@ -201,23 +243,24 @@ class ResponseStore:
         return True
 
     def check_invariants(self) -> None:
-        """Assert every namespace is within its bounds and its byte count is what its responses keep: their bodies'
-        bytes and, once each, their messages' (each message's count of holders exact).  O(everything stored)."""
+        """Assert every namespace is within its bounds and its byte count is what its responses keep: their own bytes
+        and, once each, their messages' (each message's count of holders exact, each kept once).  O(everything
+        stored)."""
         total = 0
         for namespace, shelf in self._shelves.items():
             assert namespace in self.namespaces, namespace
             assert len(shelf.responses) <= self.max_responses, (namespace, len(shelf.responses))
-            holders: dict[int, int] = {}
+            holders: dict[bytes, int] = {}
             counted = 0
             for entry in shelf.responses.values():
-                assert entry.stored.namespace == namespace
-                assert entry.body_bytes == json_bytes(entry.stored.body)
-                counted += entry.body_bytes
-                for message in entry.stored.messages:
-                    if id(message) not in holders:
-                        counted += json_bytes(message)
-                    holders[id(message)] = holders.get(id(message), 0) + 1
-            assert holders == {key: ref[0] for key, ref in shelf.message_refs.items()}, namespace
+                assert entry.namespace == namespace
+                counted += entry.own_bytes
+                for data in entry.messages:
+                    assert shelf.messages[data].data is data, "a message kept twice"
+                    if data not in holders:
+                        counted += len(data) + MESSAGE_OVERHEAD_BYTES
+                    holders[data] = holders.get(data, 0) + 1
+            assert holders == {data: held.holders for data, held in shelf.messages.items()}, namespace
             assert counted == shelf.num_bytes <= self.max_bytes, (namespace, counted, shelf.num_bytes)
             total += shelf.num_bytes
         assert total <= self.max_total_bytes, total
@@ -251,10 +294,10 @@ class ResponseStore:
     @staticmethod
     def _drop(shelf: _Shelf, response_id: str) -> None:
         entry = shelf.responses.pop(response_id)
-        shelf.num_bytes -= entry.body_bytes
-        for message in entry.stored.messages:
-            ref = shelf.message_refs[id(message)]
-            ref[0] -= 1
-            if ref[0] == 0:
-                del shelf.message_refs[id(message)]
-                shelf.num_bytes -= ref[1]
+        shelf.num_bytes -= entry.own_bytes
+        for data in entry.messages:
+            kept = shelf.messages[data]
+            kept.holders -= 1
+            if kept.holders == 0:
+                del shelf.messages[data]
+                shelf.num_bytes -= len(data) + MESSAGE_OVERHEAD_BYTES

@@ -81,8 +81,8 @@ def add_response_routes(hooks: AppHooks, runner: Any, engine: Any, store: Respon
         messages: list[dict[str, Any]],
         done: ChatCompletion,
     ) -> None:
-        # The conversation through this answer, for a next turn's previous_response_id; its messages are shared
-        # with the stored responses before it, so a chain of n turns keeps O(n) references per response, no text.
+        # The conversation through this answer, for a next turn's previous_response_id; the store keeps each of its
+        # messages once per namespace (by its JSON), so a chain of n turns keeps O(n) references per response.
         # One the store cannot keep (too large) says so: store false, as OpenAI's field for "retrievable later".
         if request.store:
             conversation = (*messages, assistant_message(done))

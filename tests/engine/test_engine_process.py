@@ -539,7 +539,8 @@ def test_a_child_that_does_not_read_never_holds_a_submit_a_cancel_or_num_pending
             assert returned, "a second submit waited behind the first"
             assert finished_within(handle.cancel, 1.0)[0], "cancel waited for the stopped child"
             assert finished_within(second.cancel, 1.0)[0]
-            assert finished_within(lambda: process.num_pending, 1.0) == (True, 2)
+            # The second never left this process (the sender is still writing the first): taken back, it ended here.
+            assert finished_within(lambda: process.num_pending, 1.0) == (True, 1)
         finally:
             os.kill(process.pid, signal.SIGCONT)
         # Once it reads again, both are answered: the large one refused by the child's checks, the other cancelled.
@@ -623,3 +624,60 @@ def test_a_stopped_child_is_killed_at_close_without_waiting_for_it() -> None:
 def test_a_snapshot_folder_that_is_not_a_path_is_the_engines_invalid_argument(remote: EngineProcess) -> None:
     with pytest.raises(InvalidArgumentError, match="path"):
         remote.save_snapshot(123).result(WAIT_S)  # type: ignore[arg-type]
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once it is stopped (the signal is delivered asynchronously: a child still running
+    for a moment could admit what the test sends next)."""
+    os.kill(pid, signal.SIGSTOP)
+    state = lambda: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]  # noqa: E731
+    assert wait_until(lambda: state() == "T", 10), "the child did not stop"
+
+
+def test_requests_failed_while_the_child_was_stopped_never_run_when_it_continues() -> None:
+    # 60 prompts of 3,000 ids (about 360 KB pickled): more than the socket's buffer holds, so some wait in this
+    # process's sender and the rest in the socket.  Once the watchdog has failed them, the ones still unsent are
+    # dropped and the ones the child will read arrive cancelled: when it runs again it admits none of them (it used
+    # to prefill them all first, as its cancels came after them).
+    process = EngineProcess(FACTORY, answer_timeout_s=1.0, **ENGINE)
+    try:
+        assert process.query(getattr, "cancelled_requests") == 0
+        stop(process.pid)
+        try:
+            prompts = [[(i + k) % 200 + 1 for k in range(3000)] for i in range(60)]
+            handles = [process.submit(prompt, SamplingParams(max_new_tokens=2)) for prompt in prompts]
+            for handle in handles:
+                with pytest.raises(EngineDeadError, match="did not answer within 1.0 s"):
+                    handle.result(WAIT_S)
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        assert wait_until(lambda: process.alive), "the continued child was never heard again"
+        assert process.submit([4, 5, 6], SamplingParams(max_new_tokens=2)).result(WAIT_S).usage.generated_tokens == 2
+        assert process.query(getattr, "cancelled_requests") == 0  # none was admitted, so none was cancelled
+        assert process.cache.stats().used_blocks <= 1  # the small request's prompt and answer, nothing of theirs
+        assert_freed(process)
+    finally:
+        process.close()
+
+
+def test_a_request_cancelled_before_it_was_sent_ends_at_once_and_is_never_sent() -> None:
+    process = EngineProcess(FACTORY, answer_timeout_s=60.0, **ENGINE)
+    big = list(range(1, 201)) * 5000  # 2 MB pickled: the stopped child's socket cannot take it whole
+    try:
+        stop(process.pid)
+        try:
+            first = process.submit(big, SamplingParams(max_new_tokens=2))
+            queued = process.submit([1, 2, 3], SamplingParams(**LONG))
+            queued.cancel()
+            with pytest.raises(CancelledError):
+                queued.result(1.0)  # settled here, without the child
+            assert process.num_pending == 1
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        with pytest.raises(CapacityError):  # the child's own answer to the first: it was sent
+            first.result(WAIT_S)
+        assert process.query(getattr, "cancelled_requests") == 0  # the child never saw the cancelled one
+        assert process.cancelled_requests == 1  # counted all the same, as in-process
+        assert_freed(process)
+    finally:
+        process.close()

@@ -63,3 +63,33 @@ def test_a_closed_outbox_refuses_puts_and_its_thread_ends(ends) -> None:
     outbox.join(10)
     with pytest.raises(EngineDeadError, match="closed"):
         outbox.put(b"late")
+
+
+def test_discarded_messages_are_never_written_and_free_their_bytes_at_once(ends) -> None:
+    writer, reader = ends
+    outbox = Outbox(writer, "test-sender", max_unsent_bytes=8 * MIB)
+    outbox.put(b"a" * (3 * MIB), job=1, bounded=True)  # being written: the stopped reader holds the sender on it
+    assert wait_for(lambda: outbox.writing == 1)
+    outbox.put(b"b" * (2 * MIB), job=2, bounded=True)
+    outbox.put(b"c" * (2 * MIB), job=3, bounded=True)
+    outbox.put(b"cancel")
+    assert outbox.discard([1, 2, 7]) == {2}  # not the one being written, nor one never put
+    assert outbox.unsent_bytes == 5 * MIB + len(b"cancel")
+    outbox.put(b"d" * (2 * MIB), job=4, bounded=True)  # the freed bytes count at once
+    assert reader.recv_bytes() == b"a" * (3 * MIB)
+    assert reader.recv_bytes() == b"c" * (2 * MIB)
+    assert reader.recv_bytes() == b"cancel"
+    assert reader.recv_bytes() == b"d" * (2 * MIB)
+    assert outbox.discard([3, 4]) == set()  # written already
+    outbox.close()
+    outbox.join(10)
+    assert outbox.unsent_bytes == 0
+
+
+def wait_for(condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

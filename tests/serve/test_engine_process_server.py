@@ -141,9 +141,11 @@ def test_a_killed_engine_child_makes_the_server_answer_503_in_openais_shape() ->
         assert '"type": "server_error"' in events[-2] and "exit code -9" in events[-2]
         with pytest.raises(EngineDeadError):
             process.submit([1, 2, 3])
+        metrics = httpx.get(url + "/metrics", timeout=WAIT_S)  # the server's own metrics, the engine marked down
+        assert metrics.status_code == 200 and "prefixcache_engine_up 0.0" in metrics.text
+        assert 'prefixcache_requests_total{endpoint="/v1/completions",status="503"} 1.0' in metrics.text
         for method, path, json in (
             ("GET", "/health", None),
-            ("GET", "/metrics", None),
             ("POST", "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 3}),
             ("POST", "/v1/chat/completions", {"model": "tiny", "messages": QUESTION, "max_tokens": 3}),
         ):
@@ -362,4 +364,47 @@ def test_echo_with_logprobs_sends_records_across_the_socket_not_the_prompts_logi
         assert logprobs["token_logprobs"][0] is None and all(v <= 0 for v in logprobs["token_logprobs"][1:])
         logits_bytes = 1500 * 512 * 4  # what crossed before: the tiny model's [1500, 512] float32 logits
         assert sum(crossed) < 150_000 < logits_bytes // 20, sum(crossed)  # ~1,500 records of a token and its top 1
+    process.close()
+
+
+def test_metrics_answer_at_once_while_the_child_is_stopped_and_hold_one_thread_for_its_figures() -> None:
+    # A scrape used to wait for the child's cache stats for up to answer_timeout_s on a worker of the event loop's
+    # default pool, three round trips in a row; scrapes that came meanwhile each held a worker of their own.
+    process = EngineProcess(FACTORY, answer_timeout_s=2 * STOPPED_S)  # not found silent while the scrapes run
+    app = create_app(process, model_name="tiny")
+    app.state.metrics.figures_timeout_s = 0.5
+    with start_background(app, "127.0.0.1", 0) as server:
+        url = server.url
+        answered = httpx.get(url + "/metrics", timeout=WAIT_S).text
+        assert "prefixcache_engine_up 1.0" in answered and "prefixcache_hit_rate" in answered
+        before = {thread.ident for thread in threading.enumerate()}
+        scrapes: list[tuple[float, httpx.Response]] = []
+
+        def scrape() -> None:
+            began = time.monotonic()
+            answer = httpx.get(url + "/metrics", timeout=WAIT_S)
+            scrapes.append((time.monotonic() - began, answer))
+
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            threads = [threading.Thread(target=scrape, daemon=True) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(WAIT_S)
+            workers = [t for t in threading.enumerate() if t.ident not in before and t.name.startswith("asyncio_")]
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        assert len(scrapes) == 8
+        assert max(seconds for seconds, _ in scrapes) < 0.5 + 1.5, scrapes  # a bound on a hang, not a timing
+        for _, answer in scrapes:
+            assert answer.status_code == 200
+            # The server's own counters, and the engine marked down with its figures left out (not stale ones).
+            assert "prefixcache_engine_up 0.0" in answer.text and "prefixcache_requests_total" in answer.text
+            assert "prefixcache_hit_rate" not in answer.text and "prefixcache_cancelled_requests" not in answer.text
+        assert workers == [], workers  # the one worker the first scrape started, shared by all eight
+        deadline = time.monotonic() + WAIT_S
+        while "prefixcache_engine_up 1.0" not in httpx.get(url + "/metrics", timeout=WAIT_S).text:
+            assert time.monotonic() < deadline, "the continued child's figures never came back"
+            time.sleep(0.1)
     process.close()

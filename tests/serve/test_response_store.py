@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import logging
+import tracemalloc
 
 import pytest
 
@@ -11,6 +13,8 @@ from prefixcache.serve.response_store import (
     DEFAULT_MAX_RESPONSE_BYTES,
     DEFAULT_MAX_STORED_BYTES,
     DEFAULT_MAX_STORED_RESPONSES,
+    MESSAGE_OVERHEAD_BYTES,
+    REFERENCE_BYTES,
     ResponseStore,
     StoredResponse,
     json_bytes,
@@ -82,6 +86,11 @@ def test_evictions_are_logged_with_the_bytes_they_free(caplog) -> None:
     assert f"namespace team evicted 1 response(s), {one:,} bytes, to stay within {2 * one:,} bytes" in caplog.text
 
 
+def kept(message: dict) -> int:
+    """What a namespace counts for keeping ``message``: its JSON and the objects that keep it."""
+    return json_bytes(message) + MESSAGE_OVERHEAD_BYTES
+
+
 def test_a_conversations_shared_messages_count_once_and_until_their_last_holder_goes() -> None:
     system = {"role": "user", "content": "u" * 500}
     answer = {"role": "assistant", "content": "a" * 300}
@@ -90,18 +99,32 @@ def test_a_conversations_shared_messages_count_once_and_until_their_last_holder_
     store.put("t1", response(None, "t1", system, answer))
     store.put("t2", response(None, "t2", system, answer, follow))
     bodies = json_bytes({"id": "t1", "metadata": {"pad": ""}}) * 2
-    assert store.num_bytes == bodies + json_bytes(system) + json_bytes(answer) + json_bytes(follow)
+    assert store.num_bytes == bodies + kept(system) + kept(answer) + kept(follow) + 5 * REFERENCE_BYTES
     store.check_invariants()
     store.put("t3", response(None, "t3", {"role": "user", "content": "new"}))  # t1 goes; t2 still holds its messages
     assert store.get("t1", None) is None
     new = {"role": "user", "content": "new"}
-    assert store.num_bytes == bodies + sum(map(json_bytes, (system, answer, follow, new)))
+    assert store.num_bytes == bodies + sum(map(kept, (system, answer, follow, new))) + 4 * REFERENCE_BYTES
     store.check_invariants()
     assert store.delete("t2", None)
-    assert store.num_bytes == json_bytes({"id": "t3", "metadata": {"pad": ""}}) + json_bytes(
-        {"role": "user", "content": "new"}
-    )
+    assert store.num_bytes == json_bytes({"id": "t3", "metadata": {"pad": ""}}) + kept(new) + REFERENCE_BYTES
     store.check_invariants()
+
+
+def test_a_message_is_kept_once_however_often_its_namespace_holds_it() -> None:
+    # Shared by its JSON, not by its object: a next turn's conversation is decoded afresh from the store.
+    ok = {"role": "user", "content": "ok"}
+    store = ResponseStore()
+    store.put("a", response(None, "a", ok, dict(ok), {"role": "assistant", "content": "fine"}))
+    store.put("b", response(None, "b", *store.get("a", None).messages, dict(ok)))
+    store.check_invariants()  # one copy of each
+    assert (
+        store.num_bytes
+        == 2 * json_bytes({"id": "a", "metadata": {"pad": ""}})
+        + kept(ok)
+        + kept({"role": "assistant", "content": "fine"})
+        + 7 * REFERENCE_BYTES
+    )
 
 
 def test_the_total_bound_is_each_namespaces_fixed_share() -> None:
@@ -133,3 +156,62 @@ def test_the_defaults_keep_the_last_1000_ordinary_responses() -> None:
 def test_bad_bounds_are_refused(kwargs) -> None:
     with pytest.raises(InvalidArgumentError):
         ResponseStore(**kwargs)
+
+
+def held_bytes(fill) -> int:
+    """The bytes of memory still allocated after ``fill()`` returns (what it left behind: what the store keeps)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        fill()
+        gc.collect()
+        return tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_namespace_holds_no_more_memory_than_its_byte_bound_whatever_its_characters() -> None:
+    # One character past Latin-1 makes Python keep a whole string at 4 bytes a character: 150 responses whose `user`
+    # was an emoji and 1,040,000 ASCII characters kept 64 of them, 64 MiB of UTF-8 JSON, in 266 MiB of memory.
+    store = ResponseStore(max_bytes=2 << 20, max_response_bytes=1 << 20)
+
+    def fill() -> None:
+        for i in range(12):
+            body = {"id": f"r{i}", "user": "\N{SMILING FACE WITH SMILING EYES}" + "x" * 200_000}
+            assert store.put(f"r{i}", StoredResponse(None, body, ()))
+
+    held = held_bytes(fill)
+    assert len(store) == 10  # 200,008 bytes of UTF-8 JSON each
+    assert held <= store.max_bytes, f"{held:,} bytes held for a bound of {store.max_bytes:,}"
+    store.check_invariants()
+    assert store.get("r11", None).body["user"] == "\N{SMILING FACE WITH SMILING EYES}" + "x" * 200_000
+
+
+def test_a_namespace_of_many_small_messages_holds_no_more_memory_than_its_byte_bound() -> None:
+    # A message's JSON can be 30 bytes and a conversation's earlier turns are shared, not copied: what Python keeps
+    # for each message and each reference to it counts too, or a chain of turns of short messages passes the bound.
+    store = ResponseStore(max_bytes=1 << 20)
+
+    def fill() -> None:
+        prior: tuple[dict, ...] = ()
+        for turn in range(60):
+            new = tuple({"role": "user", "content": f"{turn}.{k}"} for k in range(200))
+            store.put(f"t{turn}", StoredResponse(None, {"id": f"t{turn}"}, prior + new))  # False once over the bound
+            kept = store.get(f"t{turn}", None)
+            prior = () if kept is None else kept.messages
+
+    held = held_bytes(fill)
+    assert held <= store.max_bytes, f"{held:,} bytes held for a bound of {store.max_bytes:,}"
+    assert 0 < len(store) < 60
+    store.check_invariants()
+
+
+def test_a_stored_response_reads_back_as_it_was_put() -> None:
+    body = {"id": "r", "user": "Zürich \N{SMILING FACE WITH SMILING EYES} \udc80 \\u00e9", "n": [1, 2.5, None, True]}
+    messages = ({"role": "user", "content": "naïve \udcff"}, {"role": "assistant", "content": None, "tool_calls": []})
+    store = ResponseStore()
+    assert store.put("r", StoredResponse("k", body, messages)) is False  # "k" is not one of its namespaces
+    store = ResponseStore(namespaces={"k"})
+    assert store.put("r", StoredResponse("k", body, messages))
+    assert store.get("r", "k") == StoredResponse("k", body, messages)
