@@ -315,7 +315,9 @@ def test_a_stopped_engine_child_never_freezes_the_server_and_fails_every_waiting
         assert silent_health.status_code == 503
         assert "did not answer within 3.0 s" in _error_of(silent_health)["message"]
         for path in ("/v1/models", "/tokenize"):
-            assert max(seconds for seconds, _ in probes[path]) < 1.0, (path, probes[path])
+            # Under one answer_timeout_s: never queued behind a submit waiting on the child (a loaded CI machine has
+            # taken 2.5 s to tokenize here while the large bodies were parsed).
+            assert max(seconds for seconds, _ in probes[path]) < 3.0, (path, probes[path])
             assert {status for _, status in probes[path]} == {200}
         # Every waiting request failed at once, with the 503 of OpenAI's error shape.
         failed = {name: answers[name] for name, _ in requests}
