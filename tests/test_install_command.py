@@ -41,3 +41,16 @@ def test_no_message_in_the_package_spells_the_command_itself() -> None:
         if spelled.search(line)
     ]
     assert offenders == []
+
+
+def test_a_benchmark_without_transformers_is_one_line_naming_the_hf_extra(monkeypatch, capsys) -> None:
+    import prefixcache.bench
+    from prefixcache.cli import main
+
+    def without_transformers(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+    monkeypatch.setattr(prefixcache.bench, "run", without_transformers)
+    assert main(["bench", "agent", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "this benchmark needs transformers: pip install" in err and "[hf]" in err and "Traceback" not in err

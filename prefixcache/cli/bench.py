@@ -44,7 +44,8 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmarks ``args.names`` (all by default) and print their tables; 0.  Raises InvalidArgumentError for
-    an unknown name, and for ``serve`` without the server extra (saying what to install)."""
+    an unknown name, for ``serve`` without the server extra and for a benchmark of Hugging Face models without the
+    hf extra (saying what to install)."""
     from prefixcache import bench
 
     extra = {}
@@ -68,5 +69,13 @@ def run(args: argparse.Namespace) -> int:
         extra["engine"] = partial(engine.run, device=args.device)
     if args.quick:
         print("quick run (--quick): small sizes for a smoke test; the figures are not judged against the goals\n")
-    bench.run(args.names or None, quick=args.quick, json_path=args.json, extra=extra)
+    try:
+        bench.run(args.names or None, quick=args.quick, json_path=args.json, extra=extra)
+    except ModuleNotFoundError as error:  # a benchmark of Hugging Face models (agent, engine's 24 layers) without hf
+        from prefixcache.errors import InvalidArgumentError, install_command
+
+        extra_name = "hf" if error.name in ("transformers", "tokenizers", "gguf", "accelerate") else None
+        if extra_name is None:
+            raise
+        raise InvalidArgumentError(f"this benchmark needs {error.name}: {install_command(extra_name)}") from None
     return 0
