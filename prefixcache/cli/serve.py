@@ -199,12 +199,10 @@ def served_runner(args: argparse.Namespace) -> tuple[Any, str]:
         describe_pool,
     )
     from prefixcache.engine.runner import PrefixCachingRunner
-    from prefixcache.models.loading import loading
 
     source = model_source(args)
     try:
-        with loading(source):
-            tokenizer, choice, model = _load(args, source)
+        tokenizer, choice, model = _load(args, source)
     except ImportError as error:
         raise InvalidArgumentError(f"{error}; Hugging Face models need: {install_command('hf')}") from None
     if tokenizer is None:
@@ -250,22 +248,22 @@ def _name(dtype: Any) -> str:
 
 def _load(args: argparse.Namespace, source: Any) -> tuple[Any, Any, Any]:
     """The tokenizer (None: the byte tokenizer), its :class:`TokenizerChoice` and the model ``serve`` runs."""
+    choice = choose_tokenizer(args.tokenizer, source)
+    if not args.model_config:
+        from prefixcache.engine.runner import load_pretrained
+
+        model, tokenizer = load_pretrained(source, dtype=args.dtype, tokenizer=choice.path)
+        return tokenizer, choice, model
     import torch
 
-    from prefixcache.models.loading import load_source
+    from prefixcache.models.hf import random_model_from_config
+    from prefixcache.models.sources import parse_dtype
 
-    if args.model_config:
-        from prefixcache.models.hf import random_model_from_config
-        from prefixcache.models.sources import parse_dtype
+    model = random_model_from_config(
+        args.model_config, layers=args.layers, dtype=parse_dtype(args.dtype) or torch.float32
+    )
+    if choice.path is None:
+        return None, choice, model
+    from prefixcache.chat.hf_tokenizer import HFTokenizer
 
-        dtype = parse_dtype(args.dtype) or torch.float32
-        model = random_model_from_config(args.model_config, layers=args.layers, dtype=dtype)
-    else:
-        model = load_source(source, args.dtype)  # first: a bad model file is named as a model, not a tokenizer
-    tokenizer = None
-    choice = choose_tokenizer(args.tokenizer, source)
-    if choice.path is not None:
-        from prefixcache.chat.hf_tokenizer import HFTokenizer
-
-        tokenizer = HFTokenizer(choice.path)
-    return tokenizer, choice, model
+    return HFTokenizer(choice.path), choice, model

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import CancelledError
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixcache.cache import snapshot_write
 from prefixcache.cache.host_tier import host_pool_for
@@ -37,7 +37,18 @@ from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.base import CausalLM
 
-__all__ = ["DEFAULT_CACHE_TOKENS", "ChatResult", "GenerationResult", "PrefixCachingRunner", "SamplingParams", "Usage"]
+if TYPE_CHECKING:
+    from prefixcache.models.sources import ModelSource
+
+__all__ = [
+    "DEFAULT_CACHE_TOKENS",
+    "ChatResult",
+    "GenerationResult",
+    "PrefixCachingRunner",
+    "SamplingParams",
+    "Usage",
+    "load_pretrained",
+]
 
 DEFAULT_CACHE_TOKENS = 1 << 16
 
@@ -57,6 +68,27 @@ def state_budget(model: CausalLM, pool: KVBlockPool, state_cache_memory: int | N
             raise InvalidArgumentError(f"state_cache_memory must be a positive int (bytes), got {state_cache_memory!r}")
         return state_cache_memory
     return max(pool.nbytes // 4, MIN_STATES * int(getattr(model, "state_bytes", 0)), 1)
+
+
+def load_pretrained(
+    source: ModelSource, *, dtype: Any = "auto", device: Any = None, tokenizer: str | os.PathLike[str] | None = None
+) -> tuple[CausalLM, Tokenizer | None]:
+    """The model of a resolved ``source`` and its tokenizer: ``tokenizer`` (a folder or ``.gguf``) when given, else the
+    model's own (:attr:`ModelSource.tokenizer <prefixcache.models.sources.ModelSource.tokenizer>`), else None (the byte
+    tokenizer).  Both are read in one :func:`~prefixcache.models.loading.loading` context (a GGUF's header parsed
+    once), the model first, so that a bad file is named as a model.  The one loading path of
+    :meth:`PrefixCachingRunner.from_model` and ``prefixcache serve``.  Raises as
+    :func:`~prefixcache.models.loading.load_source` and :class:`~prefixcache.chat.hf_tokenizer.HFTokenizer`."""
+    from prefixcache.models.loading import load_source, loading
+
+    chosen = tokenizer if tokenizer is not None else source.tokenizer
+    with loading(source):
+        model = load_source(source, dtype, device)
+        if chosen is None:
+            return model, None
+        from prefixcache.chat.hf_tokenizer import HFTokenizer
+
+        return model, HFTokenizer(chosen)
 
 
 class PrefixCachingRunner:
@@ -167,19 +199,11 @@ class PrefixCachingRunner:
         Raises InvalidArgumentError (unknown model or dtype, missing path, ``smollm2`` not installed, a missing
         extra) and UnsupportedModelError, as ``load_model``; the constructor's errors.
         """
-        from prefixcache.models.loading import load_source, loading
         from prefixcache.models.sources import resolve_model
 
-        source = resolve_model(model)
-        chosen = tokenizer if tokenizer is not None else source.tokenizer
-        with loading(source):
-            loaded = load_source(source, dtype, device)  # first: a bad model file is named as a model, not a tokenizer
-            if chosen is not None:
-                from prefixcache.chat.hf_tokenizer import HFTokenizer
-
-                loaded_tokenizer = HFTokenizer(chosen)
-            else:
-                loaded_tokenizer = None
+        loaded, loaded_tokenizer = load_pretrained(
+            resolve_model(model), dtype=dtype, device=device, tokenizer=tokenizer
+        )
         return cls(loaded, loaded_tokenizer, **options)
 
     def invalidate(self) -> None:
