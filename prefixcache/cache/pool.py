@@ -105,10 +105,8 @@ class KVBlockPool:
         self._device: torch.device | None = None
         self.kv: torch.Tensor | None = None
         if num_layers > 0:
-            import torch
-
             shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-            self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv = zeroed(shape, self.dtype, self.device)
         self._ref = np.zeros(num_blocks, dtype=np.int32)
         # A stack of free block ids: the top is _free[_num_free - 1]; pops hand out low ids first.
         self._free = np.arange(num_blocks - 1, -1, -1, dtype=BLOCK_ID_DTYPE)
@@ -335,6 +333,22 @@ def _as_index(block_ids: BlockIds) -> np.ndarray:
     checks below use ``argmin`` and ``count_nonzero`` instead of ufunc reductions for the same reason.
     """
     return np.asarray(block_ids, dtype=np.intp)
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor of ``shape`` whose host memory is committed as it is written, not at allocation.
+
+    ``torch.zeros`` on the CPU writes every byte, so a pool sized for 32 full-context sessions is resident from the
+    start.  numpy's ``zeros`` takes memory from ``calloc``, whose large allocations are fresh zero pages mapped on
+    first touch: resident memory then follows the blocks used (vLLM and llama.cpp preallocate too; llama.cpp's
+    ``mmap``-style K/V pages likewise stay unbacked until written).  Other devices use ``torch.zeros``.
+    """
+    import torch
+
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -1,0 +1,42 @@
+"""The K/V pool's host memory follows use: allocating a large CPU pool commits no pages until blocks are written."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from prefixcache.cache.pool import KVBlockPool, zeroed
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status (Linux)")
+
+
+def resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_new_zeroed_tensor_is_zero_and_has_its_shape_and_dtype(dtype: torch.dtype) -> None:
+    tensor = zeroed((3, 2, 5, 4, 2, 8), dtype, torch.device("cpu"))
+    assert tensor.shape == (3, 2, 5, 4, 2, 8)
+    assert tensor.dtype == dtype
+    assert tensor.is_contiguous()
+    assert torch.count_nonzero(tensor) == 0
+
+
+def test_a_large_pool_is_not_resident_until_its_blocks_are_written() -> None:
+    # 2 layers x 2 x 4,096 blocks x 16 tokens x 8 heads x 64 dims x 4 bytes = 512 MiB of K/V.
+    before = resident_mib()
+    pool = KVBlockPool(4096, 16, num_layers=2, num_kv_heads=8, head_dim=64, device="cpu")
+    assert pool.kv is not None and pool.kv.numel() * 4 == 512 * 1024 * 1024
+    allocated = resident_mib() - before
+    assert allocated < 64, f"{allocated:.0f} MiB resident right after allocating a 512 MiB pool"
+    blocks = pool.allocate(256)  # 1/16 of the pool, every layer's K and V written: 32 MiB
+    pool.kv[:, :, torch.as_tensor(blocks, dtype=torch.long)] = 1.0
+    written = resident_mib() - before
+    assert 24 < written < 96, f"{written:.0f} MiB resident after writing 32 MiB of blocks"
+    assert float(pool.kv[0, 0, int(blocks[0])].sum()) == 16 * 8 * 64
+    assert torch.count_nonzero(pool.kv[:, :, 300:]) == 0
