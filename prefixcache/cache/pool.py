@@ -340,8 +340,8 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
     ``torch.zeros`` on the CPU writes every byte, so a pool sized for 32 full-context sessions is resident from the
     start.  numpy's ``zeros`` takes memory from ``calloc``, whose large allocations are fresh zero pages mapped on
-    first touch: resident memory then follows the blocks used (vLLM and llama.cpp preallocate too; llama.cpp's
-    ``mmap``-style K/V pages likewise stay unbacked until written).  Other devices use ``torch.zeros``.
+    first touch: resident memory then follows the blocks written, as a CPU user expects of a preallocated pool.
+    Other devices use ``torch.zeros``.
     """
     import torch
 
