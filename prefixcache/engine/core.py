@@ -29,6 +29,11 @@ first).
 With ``policy="lpm"`` a request's prompt is inserted into the cache as soon as its prefill ends
 (:meth:`RadixCache.insert_prefix`), not when it finishes: requests admitted while it decodes hit its prompt.
 
+The core keeps the queues, the step and each request's way through it; its parts do one job each: the lease of an
+admitted request (:mod:`prefixcache.engine.admission`), the rows of a step (:mod:`prefixcache.engine.batch_plan`),
+the writes into the tree (:mod:`prefixcache.engine.tree_writes`) and the result record
+(:mod:`prefixcache.engine.outcome`).
+
 Admission reserves a request's known tokens only; when a running request's next block cannot be had because the
 others hold the pool, the latest admitted ones are preempted (recompute preemption,
 :mod:`prefixcache.engine.preemption`): each caches what it has computed, frees its blocks and waits at the front of
@@ -51,17 +56,18 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError
 from typing import Any
 
-import numpy as np
 import torch
 
 from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.engine.admission import admit
+from prefixcache.engine.batch_plan import BatchPlanner
 from prefixcache.engine.checks import RequestChecks
-from prefixcache.engine.logits import LogitsPipeline
+from prefixcache.engine.outcome import generation_result
 from prefixcache.engine.preemption import can_preempt_for, choose_victim
 from prefixcache.engine.request import EngineRequest
-from prefixcache.engine.results import GenerationResult, Usage
 from prefixcache.engine.scheduler import POLICIES, admission_order, held_back
-from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
+from prefixcache.engine.tree_writes import TreeWrites
+from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.base import BatchRow, CausalLM, forward_batch
 
 __all__ = ["EngineCore"]
@@ -134,6 +140,10 @@ class EngineCore:
         """Requests dropped by ``cancel()`` (or a front end closing) before they finished (their blocks were freed)."""
         self.preempted_requests = 0
         """Preemptions: a running request gave its blocks back to wait and resume (once per preemption)."""
+        self.planner = BatchPlanner(model, cache.pool, recurrent=self.recurrent, state_interval=self.state_interval)
+        """Plans each step's batch (:mod:`prefixcache.engine.batch_plan`)."""
+        self.writes = TreeWrites(model, cache, recurrent=self.recurrent, state_interval=self.state_interval)
+        """A request's writes into the tree (:mod:`prefixcache.engine.tree_writes`)."""
 
     # ---- what a front end calls ----------------------------------------------------------------------------
 
@@ -245,8 +255,7 @@ class EngineCore:
                     break
                 if cached is not None and held_back(request, cached, self.running, self.cache.block_size):
                     continue
-                outcome = self._try_admit(request)
-                if outcome is None:
+                if not self._try_admit(request):
                     break  # running requests hold the pool: wait for them to finish and free it
                 admitted.add(id(request))
                 with self.lock:
@@ -264,117 +273,29 @@ class EngineCore:
         for request in waiting:
             request.namespace = self.checks.namespace_key(request.user_namespace)
 
-    def _try_admit(self, request: EngineRequest) -> bool | None:
-        """Acquire ``request``'s lease and move it to running (True), or fail it (False), or leave it waiting because
-        the pool is held by running requests (None)."""
-        cache = self.cache
-        # A first admission matches the prompt (never into forced tokens); a resumption all it knows, except that one
-        # owing prompt logits matches no further than its first missing row: what others cached meanwhile must not
-        # skip rows it has not returned yet.
-        tokens = request.prompt_array if request.preemptions == 0 else request.known_tokens()
-        match = tokens
-        if request.preemptions and request.wants_prompt_rows and request.logits_until < len(request.prompt):
-            match = tokens[: request.logits_until + 1]
-        elif request.preemptions == 0 and request.recompute_prompt:
-            match = tokens[:1]  # a match ends one short of the tokens: nothing cached is used
+    def _try_admit(self, request: EngineRequest) -> bool:
+        """Move ``request`` to running once :func:`~prefixcache.engine.admission.admit` took its lease, or fail it:
+        True, it left the queue; False when it waits for the running requests to free the pool."""
         try:
-            request.lease = cache.acquire(
-                match,
-                request.namespace,
-                request_id=request.request_id,
-                num_tokens=len(tokens),
-                resumed=request.preemptions > 0,
+            admitted = admit(
+                request,
+                self.cache,
+                device=self.pool.kv.device,
+                vocab_size=self.model.vocab_size,
+                recurrent=self.recurrent,
+                can_wait=bool(self.running),
             )
-            cache.reserve(request.lease, len(tokens))
-        except OutOfBlocksError as error:
-            if request.lease is not None:
-                cache.release(request.lease)
-                request.lease = None
-            if self.running:
-                return None
-            self._fail(request, error)
-            return False
         except Exception as error:  # noqa: BLE001 - this request fails, the others go on
             self._fail(request, error)
-            return False
-        request.position = request.lease.num_cached_tokens
-        if self.recurrent:
-            request.live.start_state = request.lease.resume_state
-        if request.preemptions == 0:
-            request.cached, request.copied = request.position, request.lease.num_copied_tokens
-            request.unresumed = request.lease.num_matched_tokens - request.position if self.recurrent else 0
-            request.host_cached = request.lease.num_host_tokens
-            request.logits_until = request.position  # the rows start at the first prefilled position, resumed or not
-            request.live.capacity = len(request.prompt) + request.num_new_tokens()
-            request.picker = LogitsPipeline(
-                request.sampling, self.pool.kv.device, self.model.vocab_size, request.prompt_array
-            )
-        self.running.append(request)
-        return True
+            return True
+        if admitted:
+            self.running.append(request)
+        return admitted
 
     # ---- the batch -----------------------------------------------------------------------------------------
 
     def _plan(self) -> tuple[list[BatchRow], list[EngineRequest]]:
-        budget = self.max_batch_tokens if self.max_batch_tokens is not None else float("inf")
-        rows, members = [], []
-        # A forced answer is computed as a prompt is, in chunks: it takes what the decode rows leave of the budget,
-        # else one long answer admitted first would hold back every decode row for many steps.
-        decoding = [r for r in self.running if r.forced is None and r.position >= len(r.prompt)]
-        chunked = [r for r in self.running if r.forced is not None or r.position < len(r.prompt)]
-        for request in decoding + chunked:
-            if budget <= 0:
-                break
-            if request.awaiting_verdict or request not in self.running:
-                continue  # its caller has not decided yet; or preempted to make room for one before it
-            known = request.sequence_length()
-            if request.forced is not None and request.position < len(request.prompt):
-                known = len(request.prompt)  # the prompt in one pass, its forced answer in the next (as served alone)
-            end = int(min(known, request.position + budget))
-            if self.recurrent and request.position < len(request.prompt):
-                end = min(end, self._next_state_point(request))
-            if end > request.lease.capacity_tokens and not self._reserve(request, end, members):
-                continue
-            table = self._block_table(request)
-            token_ids = self._token_ids(request, request.position, end)
-            wants_logits = request.wants_prompt_rows and request.position < len(request.prompt)
-            rows.append(BatchRow(token_ids, request.position, table, request.live, wants_logits))
-            members.append(request)
-            budget -= end - request.position
-        return rows, members
-
-    def _next_state_point(self, request: EngineRequest) -> int:
-        """The first position after ``request.position`` where a recurrent model's prefill stops to keep its state:
-        the next multiple of ``state_interval`` inside the prompt, else the position before the prompt's last token,
-        else the prompt's end."""
-        prompt_length = len(request.prompt)
-        stops = [prompt_length]
-        if request.position < prompt_length - 1:
-            stops.append(prompt_length - 1)
-        if self.state_interval:
-            stops.append((request.position // self.state_interval + 1) * self.state_interval)
-        return min(stop for stop in stops if stop > request.position)
-
-    def _block_table(self, request: EngineRequest) -> torch.Tensor:
-        """The lease's block table on the device, made again only when the lease's table changed: a reserve makes a
-        new array, an insert of the prompt rewrites it in place (and drops the tensor, :meth:`_insert_prompt`)."""
-        source = request.lease.block_table
-        if request.table is None or request.table_source is not source:
-            request.table = self.pool.block_table_tensor(source)
-            request.table_source = source
-        return request.table
-
-    def _token_ids(self, request: EngineRequest, start: int, end: int) -> torch.Tensor:
-        """Known tokens ``start .. end - 1`` of ``request`` as int64 on the model's device (a prompt slice without a
-        Python loop: prompts run to tens of thousands of tokens)."""
-        prompt_length = len(request.prompt)
-        if start >= prompt_length:  # a decode step: one token, no numpy round trip
-            answer = request.answer[start - prompt_length : end - prompt_length]
-            return torch.tensor(answer, dtype=torch.long, device=self.model.device)
-        ids = np.frombuffer(request.prompt_array, dtype=np.uint32)[start : min(end, prompt_length)].astype(np.int64)
-        if end > prompt_length:  # a resumed request recomputes its prompt and answer in one chunk
-            answer = np.asarray(request.answer[: end - prompt_length], dtype=np.int64)
-            ids = np.concatenate([ids, answer])
-        return torch.from_numpy(ids).to(self.model.device)
+        return self.planner.plan(self.running, self.max_batch_tokens, self._reserve)
 
     def _reserve(self, request: EngineRequest, end: int, members: list[EngineRequest]) -> bool:
         """Grow ``request``'s lease to ``end`` tokens, preempting running requests not in ``members`` (latest
@@ -394,17 +315,7 @@ class EngineCore:
 
     def _preempt(self, request: EngineRequest) -> None:
         """Cache the tokens ``request`` has computed, free its blocks and queue it first, due, to resume."""
-        try:
-            if request.position:
-                self.cache.commit(
-                    request.lease, request.known_tokens()[: request.position], state=self._state_at(request)
-                )
-            else:
-                self.cache.release(request.lease)
-        except Exception:  # noqa: BLE001 - the tokens are only a cache hit to come: recompute them instead
-            logger.exception("caching a preempted request's tokens failed; it will recompute them")
-            if not request.lease.closed:
-                self.cache.release(request.lease)
+        self.writes.commit_preempted(request)
         self.running.remove(request)
         request.lease = request.table = request.table_source = None
         request.live.reset()
@@ -420,13 +331,15 @@ class EngineCore:
     # ---- after the forward ---------------------------------------------------------------------------------
 
     def _computed(self, request: EngineRequest, num_tokens: int, logits: torch.Tensor) -> None:
-        """``request``'s row of ``num_tokens`` ran, with these logits (``[1 or num_tokens, vocab]``)."""
+        """``request``'s row of ``num_tokens`` ran, with these logits (``[1 or num_tokens, vocab]``).  Raises what a
+        write into the tree raised (the step then fails the request)."""
         start = request.position
         request.position = end = start + num_tokens
         prompt_length = len(request.prompt)
         if request.wants_prompt_rows and start < prompt_length:
             request.keep_prompt_rows(start, end, logits)
-        if self.recurrent and end < prompt_length and not self._keep_inner_state(request):
+        if self.recurrent and end < prompt_length:
+            self.writes.keep_inner_state(request)
             return
         if request.forced is None:
             if end == request.sequence_length():
@@ -444,56 +357,12 @@ class EngineCore:
             self._synchronize()
             request.first_token_at = time.perf_counter()
         if (self.policy == "lpm" or self.recurrent) and not request.prompt_inserted and request.forced:
-            self._insert_prompt(request)
+            self.writes.insert_prompt(request)
 
     def _synchronize(self) -> None:
         """Wait for the device's queued work, so a time read next is the time of the work, not of its launch."""
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
-
-    def _keep_inner_state(self, request: EngineRequest) -> bool:
-        """A recurrent model's prefill stopped inside the prompt: keep the state there.  At a multiple of
-        ``state_interval`` (a block boundary) the tree takes the prompt so far with it at once; the state before the
-        prompt's last token waits for the whole prompt's insert (:meth:`_insert_prompt`), as its block is the one
-        the request goes on writing.  False when the insert failed the request."""
-        position = request.position
-        if position == len(request.prompt) - 1:
-            request.pending_state = self._state_at(request)
-            return True
-        if not self.state_interval or position % self.state_interval:
-            return True
-        try:
-            self.cache.insert_prefix(request.lease, request.prompt_array[:position], state=self._state_at(request))
-        except Exception as error:  # noqa: BLE001
-            self._fail(request, error)
-            return False
-        request.table = None  # the insert rewrote the lease's table in place
-        return True
-
-    def _state_at(self, request: EngineRequest) -> Any:
-        """A recurrent model's state after ``request.position`` tokens, for the cache to keep (a copy), else None:
-        the model has no recurrent layers, or the request's live state stands elsewhere."""
-        live = request.live
-        if not self.recurrent or live.data is None or live.num_tokens != request.position:
-            return None
-        return self.model.take_state(live)
-
-    def _insert_prompt(self, request: EngineRequest) -> bool:
-        try:
-            self.cache.insert_prefix(request.lease, request.prompt_array, state=self._state_at(request))
-        except Exception as error:  # noqa: BLE001
-            self._fail(request, error)
-            return False
-        request.table = None  # the insert may have rewritten the lease's table in place (blocks shared with the tree)
-        request.prompt_inserted = True
-        pending, request.pending_state = request.pending_state, None
-        if pending is not None:
-            try:
-                self.cache.put_state(request.lease, len(request.prompt) - 1, pending)
-            except Exception as error:  # noqa: BLE001
-                self._fail(request, error)
-                return False
-        return True
 
     def _emit_forced(self, request: EngineRequest) -> None:
         request.generated = list(request.forced)
@@ -517,8 +386,7 @@ class EngineCore:
         # A recurrent model's state at the end of the prompt is a resume point worth keeping under any policy.
         inserts = self.policy == "lpm" or self.recurrent
         if inserts and not request.prompt_inserted and sampling.max_new_tokens > 1:
-            if not self._insert_prompt(request):
-                return
+            self.writes.insert_prompt(request)
         token = request.picker.pick(logits)
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
@@ -553,41 +421,13 @@ class EngineCore:
             return False, None
 
     def _finish(self, request: EngineRequest, reason: str) -> None:
-        if request.pending_state is not None and not request.prompt_inserted and not self._insert_prompt(request):
-            return  # the state before the prompt's last token needs the prompt in the tree before the commit
         try:
-            insert = self.cache.commit(
-                request.lease, request.known_tokens()[: request.position], state=self._state_at(request)
-            )
-            if request.retention is not None:
-                priority, retain_s = request.retention
-                self.cache.retain(request.prompt_array, request.namespace, priority=priority, retain_s=retain_s)
+            insert = self.writes.commit_finished(request)
         except Exception as error:  # noqa: BLE001
             self._fail(request, error)
             return
         self.running.remove(request)
-        now = time.perf_counter()
-        first = request.first_token_at if request.first_token_at is not None else now
-        usage = Usage(
-            prompt_tokens=len(request.prompt),
-            cached_tokens=request.cached,
-            prefilled_tokens=len(request.prompt) - request.cached,
-            copied_tokens=request.copied,
-            generated_tokens=len(request.generated),
-            ttft_s=first - request.submitted_at,
-            decode_s=now - first,
-            host_cached_tokens=request.host_cached,
-            unresumed_tokens=request.unresumed,
-        )
-        logits = None
-        if request.return_logits and request.prompt_logits:
-            # One chunk (a prompt prefilled in one forward) is returned as is: a copy of [n, vocab] doubles the peak.
-            chunks = request.prompt_logits
-            logits = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
-        logprobs = None if request.sampling.logprobs is None else tuple(request.logprobs)
-        prompt_logprobs = None if request.sampling.prompt_logprobs is None else tuple(request.prompt_logprobs)
-        result = GenerationResult(tuple(request.generated), reason, usage, logits, insert, logprobs, prompt_logprobs)
-        request.handle.settle(result)
+        request.handle.settle(generation_result(request, reason, insert, time.perf_counter()))
 
     def _fail(self, request: EngineRequest, error: BaseException) -> None:
         if request.lease is not None and not request.lease.closed:
