@@ -9,21 +9,17 @@ engine's thread waits for it between its many small tensor operations: a few per
 only pickles the text delta and writes it to a socket (a syscall that gives up its GIL).  vLLM's V1 splits its API
 server and its ``EngineCore`` the same way.
 
-What crosses the socket (the child's side is :mod:`prefixcache.engine.process_main`): the parent sends each request
-as its prompt ids, its :class:`SamplingParams` (a grammar travels as its source and is rebuilt in the child over the
-child's own tokenizer, see :func:`~prefixcache.engine.grammar.register_tokenizer`) and its decoder's arguments; the
-child runs it exactly as in-process (``submit_chat``: the stop strings and the detokenizer on the engine thread, so
-a stop string ends the request before that token's K/V are computed, as in-process) and sends back each text delta
-with its logprob records, then the end.  Functions run in the child are module-level ones, passed by reference
-(pickle), never closures.  Wire messages are tuples; a request's own arguments are pickled by the parent into bytes,
-so one that the child cannot unpickle fails that request alone.
+What crosses the socket (the child's side is :mod:`prefixcache.engine.process_main`, the messages
+:mod:`prefixcache.engine.process_wire`): the parent sends each request as its prompt ids, its :class:`SamplingParams`
+(a grammar travels as its source and is rebuilt in the child over the child's own tokenizer, see
+:func:`~prefixcache.engine.grammar.register_tokenizer`) and its decoder's arguments; the child runs it exactly as
+in-process (``submit_chat``: the stop strings and the detokenizer on the engine thread, so a stop string ends the
+request before that token's K/V are computed, as in-process) and sends back each text delta with its logprob
+records, then the end.
 
-- parent to child: ``(factory, options, heartbeat_s)`` once, then ``("chat" | "submit", job, payload)``,
-  ``("call" | "query", job, payload)``, ``("close", 0, None)``, in the order of their job ids;
-- parent to child on a second socket, the cancels: a tuple of the job ids of requests to cancel;
-- child to parent: ``("ready", info)`` or ``("failed", error)`` once, then ``("ack", job, error)``, ``("delta",
-  job, (text, records))``, ``("end", job, (kind, value))``, ``("beat", 0, None)`` every ``heartbeat_s`` seconds and
-  ``("closed", 0, None)``; a request cancelled before the child admitted it ends ``("cancelled", "not admitted")``.
+This module is the parent's proxy: its requests and calls in flight (:mod:`prefixcache.engine.remote_jobs`) and the
+receiver thread that ends them; the child's start and exit are :mod:`prefixcache.engine.process_child`, its
+heartbeat's watch :mod:`prefixcache.engine.process_watchdog`.
 
 Nothing waits on the child without a bound (issue 44).  The parent writes on a sender thread of its own
 (:class:`~prefixcache.engine.outbox.Outbox`): a submit or a cancel only queues its message, so a child that does not
@@ -52,24 +48,22 @@ import itertools
 import logging
 import os
 import pickle
-import socket
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import CancelledError, Future, InvalidStateError
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from multiprocessing.connection import Connection
 from typing import Any
 
 from prefixcache.engine.batching import BatchEngine, EngineFigures
 from prefixcache.engine.chat import PreparedChat
 from prefixcache.engine.outbox import Outbox
-from prefixcache.engine.process_main import CHILD_COMMAND, NOT_ADMITTED, Ready, receive_message, send_message
+from prefixcache.engine.process_child import ChildProcess
+from prefixcache.engine.process_watchdog import Watchdog
+from prefixcache.engine.process_wire import NOT_ADMITTED, receive_message, settle
+from prefixcache.engine.remote_jobs import RemoteHandle, RemoteJob
 from prefixcache.errors import EngineDeadError, InvalidArgumentError
 
-__all__ = ["EngineProcess", "RemoteHandle"]
+__all__ = ["EngineProcess"]
 
 logger = logging.getLogger(__name__)
 
@@ -80,71 +74,6 @@ RunnerFactory = Callable[[], Any]
 """Builds the runner in the child: a module-level function (or ``functools.partial`` of one), since it is pickled.
 Returns the :class:`~prefixcache.engine.runner.PrefixCachingRunner`, or ``(runner, note)`` with a line of text the
 parent gets back as :attr:`EngineProcess.note` (the server's start line says how large the pool is)."""
-
-
-class RemoteHandle:
-    """A request running in an :class:`EngineProcess`: ``future`` holds its outcome (the
-    :class:`~prefixcache.engine.results.GenerationResult`, or ``ChatCompletion`` for a chat; its error, the child's
-    refusal of it included; a ``concurrent.futures.CancelledError`` once ``cancel()`` took effect), ``cancel()`` drops
-    it (its blocks are freed at the engine's next step; harmless once it has finished).  ``cancel()`` never waits on
-    the child: it queues a message, or takes back the request's own if that was not sent yet (its future is then
-    cancelled at once)."""
-
-    __slots__ = ("_ask_cancel", "cancelled", "future")
-
-    def __init__(self, ask_cancel: Callable[[], None], future: Future[Any]) -> None:
-        self._ask_cancel = ask_cancel
-        self.future = future
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        self.cancelled = True
-        if not self.future.done() or self.future.cancelled():  # cancelled by its holder: the child runs it still
-            try:
-                self._ask_cancel()
-            except EngineDeadError:
-                pass  # its future fails on its own
-
-    def result(self, timeout: float | None = None) -> Any:
-        """Block until done; raises what the request raised."""
-        return self.future.result(timeout)
-
-
-class _Job:
-    __slots__ = ("error", "future", "handle", "job_id", "on_delta", "on_logprob", "op")
-
-    def __init__(
-        self,
-        op: str,
-        future: Future[Any],
-        handle: RemoteHandle | None = None,
-        on_delta: Any = None,
-        on_logprob: Any = None,
-    ) -> None:
-        self.op = op
-        self.future = future
-        """Its outcome: the request's handle's future, or a call's or query's result."""
-        self.handle = handle
-        self.on_delta = on_delta
-        self.on_logprob = on_logprob
-        self.error: BaseException | None = None
-        """What a callback raised: the request is cancelled and fails with it, as in-process."""
-        self.job_id = 0
-        """Its id, given when its message is queued."""
-
-    def deliver(self, text: str, records: tuple[Any, ...]) -> None:
-        if self.error is not None:
-            return
-        try:
-            if self.on_logprob is not None:
-                for record in records:
-                    self.on_logprob(record)
-            if self.on_delta is not None and text:
-                self.on_delta(text)
-        except BaseException as error:  # noqa: BLE001 - the request's error, a SystemExit too: it must not end the
-            self.error = error  # receiver thread (every request would wait forever), as the engine thread serves on
-            assert self.handle is not None
-            self.handle.cancel()
 
 
 class _RemoteCache:
@@ -194,31 +123,14 @@ class EngineProcess:
         self.answer_timeout_s = float(answer_timeout_s)
         """How long the child may send nothing (its heartbeat comes every quarter of it, at most every
         :data:`HEARTBEAT_MAX_S`) before it counts as stopped, and the longest :meth:`query` waits for its answer."""
-        self._heartbeat_s = min(HEARTBEAT_MAX_S, self.answer_timeout_s / 4)
-        # A fresh interpreter started by its command line, not multiprocessing's spawn: spawn runs the parent's main
-        # module again in the child, which fails for a script without a ``__main__`` guard (and for a notebook).
-        parent_end, child_end = socket.socketpair()
-        cancels_end, child_cancels_end = socket.socketpair()
-        environment = dict(os.environ)
-        # The child imports from where this process imports, in its order (an empty entry, this process's current
-        # folder, made absolute), and from nowhere else: not from its own current folder, which ``python -c`` would
-        # put first (CHILD_COMMAND drops it), nor from an empty entry of a PYTHONPATH.
-        path = [os.path.abspath(entry) for entry in sys.path]
-        environment["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
-        self._process = subprocess.Popen(
-            [sys.executable, "-c", CHILD_COMMAND, str(child_end.fileno()), str(child_cancels_end.fileno())],
-            pass_fds=(child_end.fileno(), child_cancels_end.fileno()),
-            env=environment,
-        )
-        child_end.close()
-        child_cancels_end.close()
-        self._conn = Connection(parent_end.detach())
-        self._cancels_conn = Connection(cancels_end.detach())
+        heartbeat_s = min(HEARTBEAT_MAX_S, self.answer_timeout_s / 4)
+        options = {"max_batch_tokens": max_batch_tokens, "max_running": max_running, "policy": policy}
+        self._child = child = ChildProcess(factory, options, heartbeat_s, start_timeout_s)
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         """Held from taking a job id to queueing its message, so that the child gets them in the order of their ids
         (it tells a cancel that came before its request from one that came after the request ended)."""
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, RemoteJob] = {}
         self._ids = itertools.count(1)
         self._dead: EngineDeadError | None = None
         self._silent: EngineDeadError | None = None
@@ -226,41 +138,23 @@ class EngineProcess:
         self._closed = False
         self._cancelled_unadmitted = 0
         """Requests cancelled by their holder before the child's engine admitted them."""
-        options = {"max_batch_tokens": max_batch_tokens, "max_running": max_running, "policy": policy}
-        try:
-            send_message(self._conn, (factory, options, self._heartbeat_s))
-            ready = self._first_message(start_timeout_s)
-        except BaseException:
-            self._process.kill()
-            self._process.wait()
-            self._conn.close()
-            self._cancels_conn.close()
-            raise
-        self.tokenizer = ready.tokenizer
-        self.note = ready.note
-        self.engine_thread_id = ready.engine_thread_id
-        self.pid: int = self._process.pid
+        self.tokenizer = child.ready.tokenizer
+        self.note = child.ready.note
+        self.engine_thread_id = child.ready.engine_thread_id
+        self.pid: int = child.pid
         self.cache = _RemoteCache(self)
-        self._heard_at = time.monotonic()
-        self._stopping = threading.Event()
-        self._outbox = Outbox(self._conn, "prefixcache-engine-sender")
-        self._cancels = Outbox(self._cancels_conn, "prefixcache-engine-canceller")
+        self._outbox = Outbox(child.conn, "prefixcache-engine-sender")
+        self._cancels = Outbox(child.cancels_conn, "prefixcache-engine-canceller")
         self._receiver = threading.Thread(target=self._receive, name="prefixcache-engine-receiver", daemon=True)
         self._receiver.start()
-        self._watchdog = threading.Thread(target=self._watch, name="prefixcache-engine-watchdog", daemon=True)
+        self._watchdog = Watchdog(
+            child.conn,
+            timeout_s=self.answer_timeout_s,
+            interval_s=heartbeat_s,
+            is_silent=lambda: self._silent is not None,
+            on_silent=self._went_silent,
+        )
         self._watchdog.start()
-
-    def _first_message(self, timeout_s: float | None) -> Ready:
-        if not self._conn.poll(timeout_s):
-            raise TimeoutError(f"the engine process did not start within {timeout_s} s")
-        try:
-            kind, value = receive_message(self._conn)
-        except (EOFError, OSError):
-            code = self._process.wait(10)
-            raise EngineDeadError(f"the engine process exited while starting (exit code {code})") from None
-        if kind == "failed":
-            raise value
-        return value
 
     # -- requests ---------------------------------------------------------------------------------------------------
 
@@ -299,12 +193,12 @@ class EngineProcess:
         return handle, handle.future
 
     def _start(self, op: str, payload: Any, on_delta: Any, on_logprob: Any) -> RemoteHandle:
-        job = _Job(op, Future(), None, on_delta, on_logprob)
+        job = RemoteJob(op, Future(), None, on_delta, on_logprob)
         job.handle = handle = RemoteHandle(functools.partial(self._cancel, job), job.future)
         self._send_job(job, payload)
         return handle
 
-    def _send_job(self, job: _Job, payload: Any) -> int:
+    def _send_job(self, job: RemoteJob, payload: Any) -> int:
         """Give ``job`` the next id, register it and queue its message; returns its id.  Raises what
         :meth:`_check_open` raises, and EngineDeadError when the message cannot be queued (the job then left
         unregistered)."""
@@ -324,7 +218,7 @@ class EngineProcess:
                     raise self._dead or error from None
         return job_id
 
-    def _cancel(self, job: _Job) -> None:
+    def _cancel(self, job: RemoteJob) -> None:
         """A request's cancel (:meth:`RemoteHandle.cancel`): one still waiting to be sent is taken back and ends
         cancelled here; the child is told of one it was sent.  O(1), never waits on the child.  Raises
         EngineDeadError once the connection failed."""
@@ -337,7 +231,7 @@ class EngineProcess:
                 del self._jobs[job_id]
                 self._cancelled_unadmitted += 1
         if unsent:
-            _settle(job.future, "cancelled", None)
+            settle(job.future, "cancelled", None)
         else:
             self._post_cancels((job_id,))
 
@@ -369,7 +263,7 @@ class EngineProcess:
 
     def _run(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Future[Any]:
         future: Future[Any] = Future()
-        self._send_job(_Job(op, future), (fn, args))
+        self._send_job(RemoteJob(op, future), (fn, args))
         return future
 
     def save_snapshot(self, directory: str | os.PathLike[str]) -> Future[Any]:
@@ -417,7 +311,7 @@ class EngineProcess:
     @property
     def alive(self) -> bool:
         """Whether the child runs, answers (it was heard within ``answer_timeout_s``) and has not been closed."""
-        return self._dead is None and self._silent is None and not self._closed and self._process.poll() is None
+        return self._dead is None and self._silent is None and not self._closed and self._child.running()
 
     def close(self, timeout_s: float = 30.0) -> None:
         """End the child: its engine closes (requests still queued are cancelled, a snapshot being written finishes)
@@ -434,22 +328,15 @@ class EngineProcess:
                 self._post("close", 0, None)
             except EngineDeadError:
                 pass
-        try:
-            self._process.wait(0 if silent else timeout_s)
-        except subprocess.TimeoutExpired:
-            if not silent:
-                logger.warning("the engine process did not exit within %s s: killed", timeout_s)
-            self._process.kill()
-            self._process.wait()
-        self._stopping.set()
+        self._child.end(timeout_s, at_once=silent)
+        self._watchdog.stop()
         for outbox in (self._outbox, self._cancels):
             outbox.close()
             outbox.join(timeout_s)  # ends at once: what it was writing failed when the child exited
-        for thread in (self._receiver, self._watchdog):
-            if threading.current_thread() is not thread:
-                thread.join(timeout_s)
-        self._conn.close()
-        self._cancels_conn.close()
+        if threading.current_thread() is not self._receiver:
+            self._receiver.join(timeout_s)
+        self._watchdog.join(timeout_s)
+        self._child.close_sockets()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -467,17 +354,17 @@ class EngineProcess:
         except EngineDeadError as error:
             raise self._dead or error from None
 
-    # -- the receiver and the watchdog ------------------------------------------------------------------------------
+    # -- the receiver and the child's silence -------------------------------------------------------------------
 
     def _receive(self) -> None:
         """The receiver thread: every message of the child, in order, to its job."""
         jobs = self._jobs
         while True:
             try:
-                kind, job_id, value = receive_message(self._conn)
+                kind, job_id, value = receive_message(self._child.conn)
             except (EOFError, OSError):
                 break
-            self._heard_at = time.monotonic()
+            self._watchdog.heard()
             if self._silent is not None:
                 self._heard_again()
             if kind == "delta":
@@ -490,7 +377,7 @@ class EngineProcess:
                 with self._lock:
                     job = jobs.pop(job_id, None)
                 if job is not None:  # else failed already (the child was silent) or its caller gave up on it
-                    _settle(job.future, "error", value)
+                    settle(job.future, "error", value)
             elif kind == "end":
                 with self._lock:
                     job = jobs.pop(job_id, None)
@@ -500,13 +387,10 @@ class EngineProcess:
                     continue
                 if job.error is not None:
                     value = ("error", job.error)
-                _settle(job.future, *value)
+                settle(job.future, *value)
             elif kind == "closed":
                 break
-        try:
-            code: int | None = self._process.wait(10)
-        except subprocess.TimeoutExpired:
-            code = None
+        code = self._child.exit_code(10)
         dead = EngineDeadError(
             "the engine process was closed" if self._closed else f"the engine process exited (exit code {code})"
         )
@@ -514,36 +398,23 @@ class EngineProcess:
             self._dead = dead
             pending = list(jobs.values())
             jobs.clear()
-        self._stopping.set()
+        self._watchdog.stop()
         self._outbox.close()
         self._cancels.close()
         if not self._closed:
             logger.error("%s; %d request(s) in flight failed", dead, len(pending))
         for job in pending:
             if not self._closed:
-                _settle(job.future, "error", dead)
+                settle(job.future, "error", dead)
             elif job.handle is not None:  # cancelled by close, as in-process
-                _settle(job.future, "cancelled", None)
+                settle(job.future, "cancelled", None)
             else:  # a call the child never answered: refused as after close
-                _settle(job.future, "error", InvalidArgumentError("the engine is closed"))
-
-    def _watch(self) -> None:
-        """The watchdog thread: every heartbeat interval, whether the child has been silent for ``answer_timeout_s``
-        (then :meth:`_went_silent`)."""
-        while not self._stopping.wait(self._heartbeat_s):
-            if self._silent is not None or time.monotonic() - self._heard_at <= self.answer_timeout_s:
-                continue
-            try:
-                unread = self._conn.poll(0)  # sent, but this process's receiver has not had the GIL to read it
-            except (OSError, ValueError):
-                return  # closed
-            if not unread:
-                self._went_silent()
+                settle(job.future, "error", InvalidArgumentError("the engine is closed"))
 
     def _went_silent(self) -> None:
-        """Fail every job in flight with one EngineDeadError and refuse new ones until the child is heard again.
-        What was not sent of them is never sent; the child is asked to cancel the requests it was sent (it does before
-        it admits anything once it runs again)."""
+        """The watchdog found the child silent: fail every job in flight with one EngineDeadError and refuse new ones
+        until the child is heard again.  What was not sent of them is never sent; the child is asked to cancel the
+        requests it was sent (it does before it admits anything once it runs again)."""
         silent = EngineDeadError(
             f"the engine process did not answer within {self.answer_timeout_s} s (stopped, or stuck with its GIL held)"
         )
@@ -562,7 +433,7 @@ class EngineProcess:
                 pass  # the connection failed: the child is gone and the receiver says so
         logger.error("%s; %d request(s) and call(s) in flight failed", silent, len(pending))
         for _, job in pending:
-            _settle(job.future, "error", silent)
+            settle(job.future, "error", silent)
 
     def _heard_again(self) -> None:
         with self._lock:
@@ -573,20 +444,6 @@ class EngineProcess:
 
     def __repr__(self) -> str:
         return f"EngineProcess(pid={self.pid}, alive={self.alive})"
-
-
-def _settle(future: Future[Any], kind: str, value: Any) -> None:
-    # A future its holder cancelled (asyncio.wrap_future cancels it with the task awaiting it) takes no outcome: raising
-    # InvalidStateError here would end the receiver thread, and every later call would wait forever.
-    try:
-        if kind == "done":
-            future.set_result(value)
-        elif kind == "cancelled":
-            future.set_exception(CancelledError())
-        else:
-            future.set_exception(value)
-    except InvalidStateError:
-        pass
 
 
 def _cache_stats(engine: BatchEngine) -> Any:

@@ -1,8 +1,6 @@
 """The engine process's own side of :mod:`prefixcache.engine.process`: its main loop (``python -c``
 :data:`CHILD_COMMAND`), which builds the runner and its :class:`~prefixcache.engine.batching.BatchEngine` and serves
-the parent's commands, and the wire both ends share (one pickled message per frame of a
-``multiprocessing.connection.Connection`` over a socket pair).  See :mod:`prefixcache.engine.process` for the
-messages."""
+the parent's commands (the messages: :mod:`prefixcache.engine.process_wire`)."""
 
 from __future__ import annotations
 
@@ -14,52 +12,18 @@ import threading
 import traceback
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from prefixcache.engine.batching import BatchEngine
 from prefixcache.engine.chat import ChatDecoder, PreparedChat, submit_chat
 from prefixcache.engine.grammar import register_tokenizer
+from prefixcache.engine.process_wire import NOT_ADMITTED, Ready, portable, receive_message, send_message
 from prefixcache.engine.results import GenerationResult
 from prefixcache.errors import InvalidArgumentError, PrefixCacheError
 
-__all__ = ["CHILD_COMMAND", "NOT_ADMITTED", "Ready", "child_main", "portable", "receive_message", "send_message"]
-
-NOT_ADMITTED = ("cancelled", "not admitted")
-"""The end of a request whose cancel came before it: its engine never saw it (nor counted it as cancelled)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Ready:
-    """What the engine process sends once it has started: its tokenizer (pickled), the factory's note and the native
-    id of its engine thread."""
-
-    tokenizer: Any
-    note: str
-    engine_thread_id: int
-
-
-def send_message(conn: Connection, message: Any) -> None:
-    # Plain pickle, not the Connection's own (multiprocessing's ForkingPickler), on which torch registers reducers
-    # that move tensors through shared memory: a result's prompt logits are copied as bytes instead.
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def receive_message(conn: Connection) -> Any:
-    return pickle.loads(conn.recv_bytes())
-
-
-def portable(error: BaseException) -> BaseException:
-    """``error`` if it survives pickling as itself (its type and message), else a ``RuntimeError`` naming its type
-    and message, so that the parent always gets an exception.  O(size of the error's pickle)."""
-    try:
-        copy = pickle.loads(pickle.dumps(error))
-        if type(copy) is type(error) and str(copy) == str(error):
-            return error
-    except Exception:  # noqa: BLE001 - any failure to pickle means: send a stand-in
-        pass
-    return RuntimeError(f"{type(error).__name__}: {error}")
+__all__ = ["CHILD_COMMAND", "child_main"]
 
 
 def _portable_value(value: Any) -> Any:

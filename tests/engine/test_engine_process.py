@@ -467,7 +467,7 @@ def test_close_cancels_what_is_pending_ends_the_child_and_refuses_later_requests
 
 
 def test_errors_with_their_own_fields_cross_the_process_boundary_as_themselves() -> None:
-    from prefixcache.engine.process_main import portable
+    from prefixcache.engine.process_wire import portable
     from prefixcache.errors import PoolBusyError, SnapshotWriteError
 
     busy = PoolBusyError(3, free_blocks=1, evictable_blocks=0, locked_blocks=2, owned_blocks=1, pool_blocks=4, what="x")
