@@ -20,6 +20,10 @@ recurrent state of other kinds (Mamba-1, whose prefill does not continue a kept 
 layers keeping both a state and K/V, as Zamba's and Falcon-H1's), rotary scalings that depend on the call's length
 (dynamic NTK, LongRoPE), encoder-decoders.  Other architectures that pass the checks are untested; replay them with
 ``--verify``.
+
+The adapter's parts: the logits of a forward (:mod:`~prefixcache.models.hf_logits`), K/V between the pool and the
+live caches (:mod:`~prefixcache.models.hf_pool`), rows batched in one padded forward
+(:mod:`~prefixcache.models.hf_batch`).
 """
 
 from __future__ import annotations
@@ -47,18 +51,15 @@ from prefixcache.models.base import (
     resolve_device,
     weights_version_of,
 )
-from prefixcache.models.hf_cache import PaddedBatch
-from prefixcache.models.hf_decode_attention import grouped_decode
-from prefixcache.models.hf_decode_step import decode_logits
-from prefixcache.models.hf_last_position import last_layer_mlp, last_position_mlp
+from prefixcache.models.hf_batch import forward_padded
+from prefixcache.models.hf_logits import HeadRunner
+from prefixcache.models.hf_pool import PoolTransfer, flat_pool
 from prefixcache.models.hf_state import (
     RecurrentState,
     StateLayout,
     check_resume,
     new_live_cache,
     probe_state_bytes,
-    restore_state,
-    start_state,
     take_state,
 )
 from prefixcache.models.hf_support import (
@@ -67,11 +68,9 @@ from prefixcache.models.hf_support import (
     check_supported,
     drops_in_training,
     output_embeddings,
-    plain_head,
     probe_kv_layout,
     read_config,
 )
-from prefixcache.models.linear import WeightPacks, large_cpu_linears, lay_out_for_decode, project, tall_skinny_linears
 
 logger = logging.getLogger(__name__)
 
@@ -118,19 +117,19 @@ class HFCausalLM:
                 f"{type(model).__name__} has no LM head (get_output_embeddings() is None); wrap the *ForCausalLM "
                 "model, not its base model"
             )
-        # Older or custom heads without logits_to_keep compute every position's logits; we still return the last.
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._decode_layout = decode_layout
-        self._resolve_head()
-        self._head_packs = WeightPacks() if pack_head else None  # the LM head's oneDNN copy, batched CPU decode
+        self.head = HeadRunner(model, self._cache_kwarg, pack_head=pack_head, decode_layout=decode_layout)
+        """Runs the model to its logits (:mod:`~prefixcache.models.hf_logits`)."""
         # The pool holds the K/V layers only (layout.kv_layers[i] in pool layer i); a model with none (pure Mamba-2)
         # gets a one-element placeholder per token that nothing reads.
         self.num_layers = len(self.layout.kv_layers) or 1
         if self.layout.kv_layers:
-            self.kv_layout = probe_kv_layout(model, self._cache_kwarg, self.layout.kv_layers, self._new_cache(1))
+            probe_cache = new_live_cache(config, self.layout, 1)
+            self.kv_layout = probe_kv_layout(model, self._cache_kwarg, self.layout.kv_layers, probe_cache)
         else:
             self.kv_layout = KVLayout(num_kv_heads=1, key_dim=1, value_dim=1)
         self.num_kv_heads, self.head_dim = self.kv_layout.num_kv_heads, self.kv_layout.head_dim
+        self.transfer = PoolTransfer(model, self.layout, self.kv_layout, self.num_layers, self.name)
+        """K/V between the pool and the live caches (:mod:`~prefixcache.models.hf_pool`)."""
         self.state_bytes = 0
         """Bytes of one recurrent-state snapshot (:meth:`take_state`); 0 for a model without recurrent layers."""
         # A model without attention (pure Mamba-2) has no position limit of its own: 2**20 tokens then.
@@ -179,15 +178,6 @@ class HFCausalLM:
         """``config.vocab_size``, read at each use: ``resize_token_embeddings`` changes it."""
         return int(self.config.vocab_size)
 
-    def _resolve_head(self) -> None:
-        """Find the head and base this adapter runs itself (:func:`.hf_support.plain_head`), noted by head module."""
-        self._head_module = output_embeddings(self.model)
-        self._head = plain_head(self.model)
-        self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
-        self._last_mlp = last_layer_mlp(self._head[0], self.config) if self._head is not None else None
-        if self._decode_layout:
-            lay_out_for_decode(self.model)
-
     @property
     def cache_kwarg(self) -> str:
         """The wrapped model's forward argument that takes a cache: ``"cache"`` (transformers >= 5.x releases that
@@ -229,8 +219,7 @@ class HFCausalLM:
     def drop_weight_copies(self) -> None:
         """Drop the packed copy of the LM head (made again on the next batched forward), for a weight write that
         :meth:`weights_version` does not see; :meth:`PrefixCachingRunner.invalidate` calls it."""
-        if self._head_packs is not None:
-            self._head_packs.clear()
+        self.head.drop_weight_copies()
 
     def fingerprint(self) -> str:
         """xxh3-128 hex of the config JSON (less its load path), the model class, the dtype and every byte of every
@@ -294,14 +283,14 @@ class HFCausalLM:
         block_size = kv.shape[3]
         end_pos = start_pos + ids.numel()
         positions = torch.arange(start_pos, end_pos, device=self.device)
-        flat = _flat(kv)
-        cache = live.data if reuse else self._cache_from_pool(live, kv, table, start_pos, end_pos)
+        flat = flat_pool(kv)
+        cache = live.data if reuse else self.transfer.cache_from_pool(live, kv, table, start_pos, end_pos)
         try:
-            logits = self._logits(
+            logits = self.head.logits(
                 cache, return_logits, **self._inputs(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0))
             )
             new_slots = table[positions // block_size] * block_size + positions % block_size
-            flat.index_copy_(2, new_slots, self._new_kv(cache, start_pos, end_pos))
+            flat.index_copy_(2, new_slots, self.transfer.new_rows(cache, start_pos, end_pos))
         except BaseException:
             if live is not None:
                 live.reset()  # some layers may already hold rows of this failed call
@@ -347,7 +336,7 @@ class HFCausalLM:
                 continue
             group_rows = [rows[i] for i in members]
             try:
-                out = self._forward_padded(group_rows, [checked[i] for i in members], kv)
+                out = forward_padded(group_rows, [checked[i] for i in members], kv, self.transfer, self.head.logits)
             except BaseException:
                 for row in group_rows:
                     row.live.reset()
@@ -355,72 +344,6 @@ class HFCausalLM:
             for index, row_logits in zip(members, out, strict=True):
                 logits[index] = row_logits
         return logits
-
-    def _forward_padded(
-        self, rows: list[BatchRow], checked: list[tuple[torch.Tensor, torch.Tensor]], kv: torch.Tensor
-    ) -> list[torch.Tensor]:
-        """One forward of ``B`` rows of ``n`` new tokens each over a padded batch cache (see :meth:`forward_batch`)."""
-        n, batch = checked[0][0].numel(), len(rows)
-        caches = []
-        for row, (_, table) in zip(rows, checked, strict=True):
-            reuse = check_live(row.live, row.start_pos)
-            end_pos = row.start_pos + n
-            caches.append(
-                row.live.data if reuse else self._cache_from_pool(row.live, kv, table, row.start_pos, end_pos)
-            )
-        starts = [row.start_pos for row in rows]
-        offsets = torch.arange(n, device=self.device)
-        positions = torch.stack([offsets + start for start in starts])  # [B, n]
-        state = PaddedBatch.find(caches, starts)
-        if state is not None:
-            mask = torch.cat([state.mask, state.mask.new_ones(batch, n)], dim=1)
-        else:
-            longest = max(starts)
-            mask = torch.ones(batch, longest + n, dtype=torch.long, device=self.device)
-            for b, start in enumerate(starts):
-                mask[b, start:longest] = 0
-            # Room for the longest any member may still grow, so that decode steps append without regrowing.
-            batch_cache = self._new_cache(max(r.live.room(r.start_pos + n) - r.start_pos + longest for r in rows))
-            for index, layer in enumerate(batch_cache.layers):
-                keys = [
-                    cache.layers[index].keys if start else None for cache, start in zip(caches, starts, strict=True)
-                ]
-                values = [
-                    cache.layers[index].values if start else None for cache, start in zip(caches, starts, strict=True)
-                ]
-                layout = self.kv_layout
-                layer.fill_padded(
-                    keys,
-                    values,
-                    starts,
-                    longest,
-                    (layout.num_kv_heads, layout.key_dim, layout.value_dim),
-                    self.dtype,
-                    self.device,
-                )
-            state = PaddedBatch.attach(caches, mask, batch_cache)
-        width = mask.shape[1] - n
-        batch_cache = state.cache
-        logits = self._logits(
-            batch_cache,
-            False,
-            input_ids=torch.stack([ids for ids, _ in checked]),
-            attention_mask=mask,
-            position_ids=positions,
-        )
-        new = self._new_kv(batch_cache, width, width + n, batch)  # [L, 2, B, n, H_kv, D]
-        state.mask, state.ends = mask, tuple(start + n for start in starts)
-        slots = []
-        for b, (row, (_, table)) in enumerate(zip(rows, checked, strict=True)):
-            row_positions = offsets + row.start_pos
-            slots.append(table[row_positions // kv.shape[3]] * kv.shape[3] + row_positions % kv.shape[3])
-            keys, values = self.kv_layout.unpack(new[:, :, b])  # [L, n, H_kv, D_k], [L, n, H_kv, D_v]
-            for layer_index, layer in enumerate(caches[b].layers):
-                # [1, H_kv, n, D], the layout the model appends in.
-                layer.update(keys[layer_index].transpose(0, 1)[None], values[layer_index].transpose(0, 1)[None])
-            row.live.num_tokens = row.start_pos + n
-        _flat(kv).index_copy_(2, torch.cat(slots), new.flatten(2, 3))
-        return list(logits[:, -1].float().split(1))
 
     @torch.inference_mode()
     def forward_reference(
@@ -438,7 +361,7 @@ class HFCausalLM:
         check_logits_from(logits_from, ids.numel())
         positions = torch.arange(ids.numel(), device=self.device)
         keep = ids.numel() - logits_from if return_logits else 1
-        kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
+        kwargs = self.head.keep_kwargs(keep)
         inputs = self._inputs(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0))
         out = self.model(**inputs, use_cache=False, **kwargs)
         # A model without logits_to_keep returns every position: keep the asked ones.
@@ -450,101 +373,8 @@ class HFCausalLM:
             inputs.pop("position_ids", None)
         return inputs
 
-    def _cache_from_pool(
-        self, live: LiveKV | None, kv: torch.Tensor | None, table: torch.Tensor | None, start_pos: int, end_pos: int
-    ) -> Any:
-        """A new cache (capacity ``end_pos``, or ``live.room(end_pos)``) holding positions
-        ``0 .. start_pos - 1`` gathered from the pool (a copy); it becomes ``live``'s cache when ``live`` is given.
-        A recurrent model's state layers start from ``live.start_state``, which must stand at ``start_pos``
-        (InvalidArgumentError otherwise: K/V alone cannot resume a recurrent layer)."""
-        layout = self.layout
-        state = start_state(layout, live, start_pos, self.name)
-        cache = self._new_cache(live.room(end_pos) if live is not None else end_pos)
-        if start_pos and layout.kv_layers:
-            prefix = torch.arange(start_pos, device=self.device)
-            block_size = kv.shape[3]
-            slots = table[prefix // block_size] * block_size + prefix % block_size
-            # index_select copies; [L, 2, start_pos, H_kv, D] -> per layer [1, H_kv, start_pos, D_k or D_v] (HF layout).
-            keys, values = self.kv_layout.unpack(_flat(kv).index_select(2, slots))
-            for pool_layer, layer in enumerate(layout.kv_layers):
-                cache.update(keys[pool_layer].transpose(0, 1)[None], values[pool_layer].transpose(0, 1)[None], layer)
-        if state is not None:
-            restore_state(cache, layout, state)
-        if live is not None:
-            live.data, live.num_tokens = cache, start_pos
-        return cache
-
-    def _logits(self, cache: Any, return_logits: bool, **inputs: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, n or 1, vocab]`` (model dtype) of one cached forward of ``inputs``: every position with
-        ``return_logits``, else the last.  A plain head (:func:`.hf_support.plain_head`) is run by us on the base's
-        hidden state (few tokens: tall-skinny products; the last layer's MLP on the last position alone unless
-        ``return_logits``, :mod:`.hf_last_position`); else the model's own forward with ``logits_to_keep``."""
-        if output_embeddings(self.model) is not self._head_module:
-            self._resolve_head()  # replaced since we looked (resize_token_embeddings, a new lm_head)
-        # One decode query on the CPU attends its KV heads grouped (.hf_decode_attention), and where the layers allow,
-        # through our own layer loop (.hf_decode_step); an attention mask (a padded batch) goes through the model.
-        decode = inputs["input_ids"].shape[-1] == 1 and self.device.type == "cpu"
-        if decode and self._head is not None:
-            logits = decode_logits(self._head, self.config, cache, inputs, self._linears, self._head_packs)
-            if logits is not None:
-                return logits
-        grouped = grouped_decode(self.config, decode)
-        if self._head is None:
-            with grouped:
-                out = self.model(
-                    **inputs, use_cache=True, **self._logits_kwargs(return_logits), **{self._cache_kwarg: cache}
-                )
-            return out.logits if return_logits else out.logits[:, -1:]
-        base, base_cache_kwarg, head = self._head
-        last = self._last_mlp if not return_logits and inputs["input_ids"].shape[-1] > 1 else None
-        with tall_skinny_linears(self._linears, inputs["input_ids"].numel()), last_position_mlp(last), grouped:
-            hidden = base(**inputs, use_cache=True, **{base_cache_kwarg: cache}).last_hidden_state
-        return project(hidden if return_logits else hidden[:, -1:], head.weight, head.bias, self._head_packs)
-
-    def _logits_kwargs(self, return_logits: bool) -> dict[str, int]:
-        # logits_to_keep=0 means every position in transformers.
-        return {"logits_to_keep": 0 if return_logits else 1} if self._keeps_logits else {}
-
-    def _new_cache(self, capacity: int) -> Any:
-        """A live transformers cache of this model's layout (:func:`~prefixcache.models.hf_state.new_live_cache`)."""
-        return new_live_cache(self.config, self.layout, capacity)
-
-    def _new_kv(self, cache: Any, start_pos: int, end_pos: int, batch: int | None = None) -> torch.Tensor:
-        """K/V of positions ``start_pos .. end_pos - 1`` from ``cache`` as pool rows ``[num_layers, 2, n, H_kv, D]``
-        (packed by :attr:`kv_layout` where K and V differ in size), or with ``batch`` rows as ``[num_layers, 2,
-        batch, n, H_kv, D]``."""
-        layout = self.kv_layout
-        if not self.layout.kv_layers:  # the placeholder pool of a model without attention layers
-            shape = (1, 2, end_pos - start_pos, 1, 1) if batch is None else (1, 2, batch, end_pos - start_pos, 1, 1)
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        want_k = (batch or 1, layout.num_kv_heads, end_pos, layout.key_dim)
-        want_v = (*want_k[:3], layout.value_dim)
-        keys, values = [], []
-        for index in self.layout.kv_layers:
-            layer = cache.layers[index]
-            if tuple(layer.keys.shape) != want_k or tuple(layer.values.shape) != want_v:
-                raise UnsupportedModelError(
-                    f"{type(self.model).__name__} layer {index} cached K {tuple(layer.keys.shape)} and V "
-                    f"{tuple(layer.values.shape)}, expected {want_k} and {want_v} [batch, kv_heads, positions, size] "
-                    "as after its one-token probe; its attention does not keep plain per-token K/V"
-                )
-            keys.append(layer.keys[..., start_pos:, :])
-            values.append(layer.values[..., start_pos:, :])
-        if len(keys) != self.num_layers:
-            raise UnsupportedModelError(
-                f"{type(self.model).__name__} filled {len(keys)} cache layers, expected {self.num_layers}"
-            )
-        # [L, B, H_kv, n, D_k or D_v] -> [L, B, n, H_kv, D_k or D_v] -> pool rows [2, L, B, n, H_kv, D].
-        rows = layout.pack(torch.stack(keys).transpose(2, 3), torch.stack(values).transpose(2, 3)).transpose(0, 1)
-        return rows[:, :, 0] if batch is None else rows
-
     def __repr__(self) -> str:
         return f"HFCausalLM({self.name}, dtype={self.dtype}, device={self.device})"
-
-
-def _flat(kv: torch.Tensor) -> torch.Tensor:
-    """``kv`` as ``[num_layers, 2, num_blocks * block_size, H_kv, D]``: a view, so index_copy_ writes the pool."""
-    return kv.view(kv.shape[0], 2, kv.shape[2] * kv.shape[3], kv.shape[4], kv.shape[5])
 
 
 def load_hf_model(

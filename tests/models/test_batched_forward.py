@@ -168,7 +168,7 @@ def test_hf_pack_head_off_keeps_no_copy_and_the_same_logits() -> None:
     sequences = [_ids(7, 11), _ids(5, 12), _ids(9, 13)]
 
     with_copy, without = _decode_together(packed, sequences), _decode_together(plain, sequences)
-    assert len(packed._head_packs) == 1 and plain._head_packs is None
+    assert len(packed.head.head_packs) == 1 and plain.head.head_packs is None
     for a, b, seq in zip(with_copy, without, sequences, strict=True):
         assert float((a - b).abs().max()) < 1e-5
         assert _close(b, plain, seq) < TOL

@@ -364,7 +364,7 @@ def test_last_position_logits_equal_the_full_forward_with_the_last_mlp_on_one_ro
     torch.testing.assert_close(last, reference, atol=TOL, rtol=0)
     torch.testing.assert_close(every[-1:], reference, atol=TOL, rtol=0)
     torch.testing.assert_close(kv, full, atol=TOL, rtol=0)
-    mlp = wrapped._last_mlp
+    mlp = wrapped.head.last_mlp
     assert (mlp is not None) == (wrapped.config.model_type in {"llama", "qwen2"})
     if mlp is not None:
         assert not mlp._forward_pre_hooks
