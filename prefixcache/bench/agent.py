@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from prefixcache.bench.common import BenchResult, Table
-from prefixcache.bench.engine import TORCH_THREADS, clock, one_torch_thread, timed_runner_call
+from prefixcache.bench.device_clock import TORCH_THREADS, clock, one_torch_thread, timed_runner_call
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError, install_command

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from prefixcache.bench.engine import QUICK, measure_shared_prefill
+from prefixcache.bench.engine_batching import measure_shared_prefill
+from prefixcache.bench.engine_setup import QUICK
 
 
 def test_shared_system_prompt_is_prefilled_once_with_prefix_aware_scheduling() -> None:

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixcache.bench import engine
+from prefixcache.bench.device_clock import check_device, device_clock
+from prefixcache.bench.engine_paged import measure_paged
+from prefixcache.bench.engine_setup import QUICK
 from prefixcache.cli import main
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.base import LiveKV, kv_pool_shape
@@ -145,16 +147,16 @@ def test_the_fused_kernel_needs_blocks_of_a_multiple_of_16_tokens() -> None:
 
 
 def test_engine_benchmark_paged_decode_checks_its_logits_against_the_gather_path() -> None:
-    with engine.device_clock(torch.device("cpu")):
-        figures = engine.measure_paged(engine.QUICK, 40, torch.device("cpu"))
+    with device_clock(torch.device("cpu")):
+        figures = measure_paged(QUICK, 40, torch.device("cpu"))
 
-    assert figures["context"] == 40 and figures["steps"] == engine.QUICK.decode_steps
+    assert figures["context"] == 40 and figures["steps"] == QUICK.decode_steps
     assert figures["paged_s"] > 0 and figures["gather_s"] > 0
 
 
 def test_engine_benchmark_refuses_an_unknown_device() -> None:
     with pytest.raises(InvalidArgumentError, match="one of"):
-        engine.check_device("tpu")
+        check_device("tpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error a machine without CUDA gives")
