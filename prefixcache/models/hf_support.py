@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from prefixcache.errors import InvalidArgumentError, UnsupportedModelError
+from prefixcache.models.architectures import ARCHITECTURES
 
 if TYPE_CHECKING:
     from prefixcache.models.hf_state import StateLayout
@@ -65,12 +66,9 @@ called as ``attention(module, query [B, H, n, D], key/value [B, H_kv, S, D], mas
 adapter's own shortcuts apply: the last position's MLP (:mod:`.hf_last_position`), the grouped decode attention
 (:mod:`.hf_decode_attention`) and the own decode step (:mod:`.hf_decode_step`)."""
 
-TESTED_MODEL_TYPES = frozenset(
-    "cohere2 deepseek_v2 deepseek_v3 exaone4 gemma gemma2 gemma3_text glm4_moe gpt2 gpt_oss llama llama4_text "
-    "mistral olmo2 phi3 qwen2 qwen3 qwen3_moe qwen3_next nemotron_h granitemoehybrid minimax mamba2".split()
-)
-"""``config.model_type`` values whose exactness ``tests/models/test_hf.py`` and ``test_architectures.py`` check;
-others log a warning."""
+TESTED_MODEL_TYPES = frozenset(architecture.model_type for architecture in ARCHITECTURES)
+"""``config.model_type`` values whose exactness ``tests/models/test_hf.py`` and ``test_architectures.py`` check
+(the support table, :data:`~prefixcache.models.architectures.ARCHITECTURES`); others log a warning."""
 
 # Tested types whose *ForCausalLM.forward does more than its LM head on the base's last hidden state: Gemma 2/3
 # soft-cap the logits (final_logit_softcapping), Cohere scales them (logit_scale).  They keep the model's own forward.
