@@ -22,7 +22,7 @@ from pathlib import Path
 
 from prefixcache.bench.common import BenchResult, Table, progress
 from prefixcache.bench.policy import DATA_DIR
-from prefixcache.cache.host_tier import make_host_pool
+from prefixcache.cache.host import make_host_pool
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.cache.tokens import TOKEN_TYPECODE
@@ -170,7 +170,7 @@ def measure_host_tier(
     path: Path, *, limit: int | None, working_set_blocks: int, block_size: int = BLOCK_SIZE
 ) -> list[dict]:
     """Stream the trace through LRU device pools X of 10/25% of its working set, alone and with a host-memory tier of
-    ``HOST_TIER_FACTOR`` X (:mod:`prefixcache.cache.host_tier`, metadata only: demotion and promotion move block ids);
+    ``HOST_TIER_FACTOR`` X (:mod:`prefixcache.cache.host`, metadata only: demotion and promotion move block ids);
     per X the token hit rate alone, and with the tier split into device and host hits."""
     sizes = [max(1, round(f * working_set_blocks)) for f in HOST_TIER_FRACTIONS]
     caches: dict[tuple[int, bool], RadixCache] = {}

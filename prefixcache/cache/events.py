@@ -77,7 +77,7 @@ class BlockStored:
     ``first_block - 1`` (the namespace root hash when ``first_block == 0``); ``token_ids`` are the tokens of the
     stored blocks, ``len(block_hashes) * block_size`` of them.  ``medium`` says where they live: None for a cache
     with one pool, ``"GPU"`` (the device pool) or ``"CPU"`` (host memory) with a host tier
-    (:mod:`prefixcache.cache.host_tier`), as vLLM's events name them.
+    (:mod:`prefixcache.cache.host.tier`), as vLLM's events name them.
     """
 
     namespace: str | None

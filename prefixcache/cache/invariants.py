@@ -17,8 +17,6 @@ were announced.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from prefixcache.cache.blocks import BlockLedger
@@ -26,9 +24,6 @@ from prefixcache.cache.events import DEVICE_MEDIUM, HOST_MEDIUM, BlockIndex, wal
 from prefixcache.cache.locks import LockRegistry
 from prefixcache.cache.node import EMPTY_BLOCKS
 from prefixcache.cache.tree import RadixTree
-
-if TYPE_CHECKING:
-    from prefixcache.cache.host_tier import HostTier
 
 
 def check_invariants(tree: RadixTree, blocks: BlockLedger, locks: LockRegistry) -> None:
@@ -164,24 +159,26 @@ def device_block_hashes(tree: RadixTree, seed: int) -> set[tuple[str | None, int
     return {(node.namespace, h) for node, _, _, hashes in walk for h in hashes}
 
 
-def check_mirror(tree: RadixTree, host: HostTier | None, index: BlockIndex, seed: int) -> None:
+def check_mirror(
+    tree: RadixTree, host_announced: set[tuple[str | None, int]] | None, index: BlockIndex, seed: int
+) -> None:
     """``index``, fed every event of the cache since it was empty (or since ``index`` subscribed), mirrors it: the
     blocks it holds on the device (medium ``"GPU"``, or none without a host tier) are exactly the device tree's full
-    blocks, and those it holds on host (``"CPU"``) exactly the host blocks that were announced.  O(cached tokens).
+    blocks, and those it holds on host (``"CPU"``) exactly ``host_announced``, the ``(namespace, hash)`` of the host
+    blocks that were announced (:meth:`~prefixcache.cache.host.tier.HostTier.announced_blocks`; None without a host
+    tier).  O(cached tokens).
 
     Raises:
         AssertionError: naming the blocks that differ.
     """
     device = device_block_hashes(tree, seed)
-    if host is None:
+    if host_announced is None:
         held_device, held_host = set(index.hashes), set()
         announced: set[tuple[str | None, int]] = set()
     else:
         held_device = {key for key, media in index.media.items() if DEVICE_MEDIUM in media}
         held_host = {key for key, media in index.media.items() if HOST_MEDIUM in media}
-        announced = {
-            (run.namespace, h) for run in host.runs.values() if run.stored for e in run.stored for h in e.block_hashes
-        }
+        announced = host_announced
         if {key for key in index.hashes if key not in index.media}:
             raise AssertionError("the index holds blocks without a medium from a cache with a host tier")
     if held_device != device:

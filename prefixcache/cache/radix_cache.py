@@ -5,9 +5,13 @@
 - :mod:`~prefixcache.cache.tree`: the radix tree (match, insert, split, evict leaves), after SGLang's RadixAttention;
 - :mod:`~prefixcache.cache.blocks`: which blocks callers own, allocation (evicting when short), hand-over on insert;
 - :mod:`~prefixcache.cache.locks`: lock handles on matched paths;
-- :mod:`~prefixcache.cache.admission`: request leases (acquire / reserve / commit / release, copy-on-write);
+- :mod:`~prefixcache.cache.admission`: request leases (acquire / reserve / commit / release, copy-on-write), with
+  :mod:`~prefixcache.cache.handover` (what a running request gives the tree) and :mod:`~prefixcache.cache.lease`;
 - :mod:`~prefixcache.cache.stats`, :mod:`~prefixcache.cache.events`, :mod:`~prefixcache.cache.invariants`:
-  hit accounting, KV events, invariant checks.
+  hit accounting, KV events, invariant checks;
+- :mod:`~prefixcache.cache.host` (the host-memory tier, wired into the tree's and admission's hooks here) and
+  :mod:`~prefixcache.cache.snapshot` (save and restore, :class:`~prefixcache.cache.snapshot.cache.CacheSnapshots`):
+  the two subpackages beside the core, which only this module brings in.
 
 Ownership.  Each block's reference count is the number of tree nodes holding it plus one while a caller owns it
 (from :meth:`RadixCache.allocate` until it hands the block to :meth:`RadixCache.insert` or :meth:`RadixCache.free`).
@@ -20,17 +24,14 @@ serialized; model compute happens outside, on blocks the request owns privately.
 
 from __future__ import annotations
 
-import dataclasses
-import os
+import functools
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
-from prefixcache.cache import host_events, host_snapshot, snapshot, snapshot_write
-from prefixcache.cache.admission import Admission, Lease
+from prefixcache.cache.admission import Admission
 from prefixcache.cache.blocks import BlockLedger
 from prefixcache.cache.events import (
     DEVICE_MEDIUM,
@@ -41,18 +42,20 @@ from prefixcache.cache.events import (
     check_namespace,
 )
 from prefixcache.cache.evictor import EvictionPolicy, Evictor
-from prefixcache.cache.host_tier import HostTier
+from prefixcache.cache.host import events as host_events
+from prefixcache.cache.host.tier import HostTier
 from prefixcache.cache.invariants import check_invariants, check_mirror
+from prefixcache.cache.lease import Lease
 from prefixcache.cache.locks import ChangeGuard, LockHandle, LockRegistry
 from prefixcache.cache.pool import BlockIds, KVBlockPool, check_count
 from prefixcache.cache.results import EvictResult, InsertResult, MatchResult
 from prefixcache.cache.resume import StateMarker, StateStore, check_resume_options, check_state, state_bytes
 from prefixcache.cache.retention import Retention, check_retain, path_to
-from prefixcache.cache.snapshot_staging import StagingBuffer
+from prefixcache.cache.snapshot.cache import CacheSnapshots
 from prefixcache.cache.stats import CacheStats, HitCounters, check_request_id, collect_stats
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.cache.tree import RadixTree
-from prefixcache.errors import InvalidArgumentError, LockError, SnapshotError
+from prefixcache.errors import InvalidArgumentError, LockError
 
 __all__ = [
     "CacheStats",
@@ -67,7 +70,7 @@ __all__ = [
 ]
 
 
-class RadixCache:
+class RadixCache(CacheSnapshots):
     """A prefix cache over exact token-id sequences, backed by a :class:`~prefixcache.KVBlockPool`.
 
     Low-level operations: :meth:`match` (read-only lookup), :meth:`lock` / :meth:`unlock`, :meth:`allocate` /
@@ -92,9 +95,9 @@ class RadixCache:
     ``max_retained_fraction`` of the pool (``clock`` gives the seconds retention times are measured in).
 
     Host-memory tier: with ``host_pool`` (a second, larger :class:`~prefixcache.KVBlockPool` on the CPU, e.g. from
-    :func:`~prefixcache.cache.host_tier.make_host_pool`) the full blocks eviction frees are copied there instead of
+    :func:`~prefixcache.cache.host.tier.make_host_pool`) the full blocks eviction frees are copied there instead of
     dropped, and :meth:`acquire` promotes them back into device blocks when a prompt matches them
-    (:mod:`prefixcache.cache.host_tier`).  Without one, nothing on the lookup, lock or eviction path changes.
+    (:mod:`prefixcache.cache.host.tier`).  Without one, nothing on the lookup, lock or eviction path changes.
 
     Recurrent models (``resume_states=True``, :mod:`prefixcache.cache.resume`): inserts take an opaque state (with
     ``nbytes``) to keep at a position, lookups end at the deepest kept state, within ``max_state_bytes`` (required).
@@ -148,7 +151,9 @@ class RadixCache:
             self._host = HostTier(host_pool, pool, self._events)
             self._tree.demote = self._host.demote
             self._tree.cover = self._host.cover
-            self._admission.host = self._host
+            self._admission.promote = functools.partial(
+                self._host.promote, self._tree, self._blocks, self._locks, owner=self
+            )
             self._events.medium = DEVICE_MEDIUM
         self._states: StateStore | None = None
         if resume_states:
@@ -455,99 +460,6 @@ class RadixCache:
                 return 0
             return tree.retention.retain(path_to(tree.lock_point(match.node, match.num_tokens)), priority, retain_s)
 
-    # ---- snapshots ----------------------------------------------------------------------------------------
-
-    def save(
-        self,
-        directory: str | os.PathLike[str],
-        *,
-        identity: Mapping[str, str] | None = None,
-        keep_namespace: Callable[[str | None], bool] | None = None,
-    ) -> snapshot.SnapshotSummary:
-        """:meth:`capture`, then write it into the snapshot folder ``directory`` atomically
-        (:func:`~prefixcache.cache.snapshot_write.write`): the previous snapshot stays current until the new one is
-        durable.  The mutex is held during the copy only.  O(cached tokens) plus the copy and the write of its blocks.
-
-        Raises:
-            SnapshotWriteError: a write or sync failed (also an OSError); the previous snapshot is kept.
-            SnapshotError: safetensors is missing.
-        """
-        return snapshot_write.write(self.capture(identity=identity, keep_namespace=keep_namespace), directory)
-
-    def capture(
-        self,
-        *,
-        identity: Mapping[str, str] | None = None,
-        keep_namespace: Callable[[str | None], bool] | None = None,
-        staging: StagingBuffer | None = None,
-    ) -> snapshot.Snapshot:
-        """A consistent copy of the cached tree and its K/V in host memory, for
-        :func:`~prefixcache.cache.snapshot_write.write` (on any thread: nothing the cache does later reaches it).
-        ``identity`` (e.g. model and tokenizer fingerprints) is stored for :meth:`restore` to check;
-        ``keep_namespace`` picks the namespaces (all when None); a host tier's runs are copied too, recurrent states
-        are not.  ``staging`` (:func:`~prefixcache.cache.snapshot_staging.staging_for`) holds the copy.  Changes
-        nothing in the cache.  O(cached tokens) plus one memcpy of the saved blocks, under the mutex."""
-        with self._mutex:
-            captured = snapshot.capture(self._tree, identity, keep_namespace, staging)
-            return host_snapshot.capture(captured, self._host, keep_namespace, staging)
-
-    def restore(
-        self,
-        directory: str | os.PathLike[str],
-        *,
-        identity: Mapping[str, str] | None = None,
-        replace: bool = False,
-    ) -> snapshot.SnapshotSummary:
-        """Load the snapshot in ``directory`` into this cache, which must be empty (``replace=True`` evicts
-        everything first, once the snapshot has been read and checked).  When the snapshot holds more than the pool,
-        the most recently used whole prefixes that fit are loaded; saved host runs go back into this cache's host tier
-        (the most recently used that fit; dropped and counted when it has none).  Every checksum is verified before
-        the cache is touched; on any error the cache is left as it was.  Snapshots hold no recurrent states.
-
-        Raises:
-            SnapshotNotFoundError: no snapshot there.  SnapshotCorruptError: truncated, edited or damaged files.
-            SnapshotMismatchError: another block size, KV dtype or shape, format version, or ``identity`` value.
-            SnapshotError: the cache (device or host tier) is not empty (or locked/owned blocks remain after
-                ``replace``, which also drops the host runs).
-        """
-        loaded = snapshot.read(directory)
-        snapshot.check_compatible(loaded, self.pool, identity)
-        snapshot.check_nodes(loaded, self.pool.block_size)
-        host_snapshot.check(loaded, self.pool.block_size)
-        with self._change:
-            if replace:
-                if self._tree.locked_tokens or self._blocks.num_owned:
-                    raise SnapshotError("cannot replace the cache's content while requests hold locks or blocks")
-                self._tree.evict(self.pool.num_blocks + 1)
-                if self._host is not None:
-                    self._host.clear()
-            host_plan = host_snapshot.plan(loaded, self._host, self.pool.block_size)
-            # The host runs first: the device restore is the step that may refuse (a cache not empty), and undoing it
-            # would demote; the host runs are taken out again without a trace.
-            host_counts = host_snapshot.apply(loaded, self._host, host_plan)
-            try:
-                summary = snapshot.restore(loaded, self._tree)
-            except BaseException:
-                host_snapshot.discard(self._host)
-                raise
-            host_events.announce_held(self._host, self._tree.roots)
-            return dataclasses.replace(summary, **host_counts)
-
-    @classmethod
-    def load(
-        cls,
-        directory: str | os.PathLike[str],
-        pool: KVBlockPool,
-        *,
-        identity: Mapping[str, str] | None = None,
-        **kwargs: Any,
-    ) -> RadixCache:
-        """A new cache over ``pool`` (``kwargs`` as for the constructor) holding the snapshot in ``directory``;
-        see :meth:`restore` (``pool`` must have no block in use).  Raises as :meth:`restore`."""
-        cache = cls(pool, **kwargs)
-        cache.restore(directory, identity=identity)
-        return cache
-
     # ---- observation --------------------------------------------------------------------------------------
 
     def stats(self) -> CacheStats:
@@ -594,4 +506,5 @@ class RadixCache:
             if self._host is not None:
                 self._host.check_invariants()
             if index is not None:
-                check_mirror(self._tree, self._host, index, self.hash_seed)
+                announced = None if self._host is None else self._host.announced_blocks()
+                check_mirror(self._tree, announced, index, self.hash_seed)

@@ -1,4 +1,5 @@
-"""What the cache's operations return: a match, an insert, an eviction, as frozen records.
+"""What the cache's operations return: a match, an insert, an eviction, a promotion from host memory, as frozen
+records.
 
 Kept apart from the tree that makes them (:mod:`prefixcache.cache.tree`) so that every layer above reads them without
 the tree's machinery; :class:`~prefixcache.RadixCache` hands them out.
@@ -50,3 +51,17 @@ class EvictResult:
     num_blocks: int
     num_nodes: int
     num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """What the host tier's promotion (:meth:`~prefixcache.cache.host.tier.HostTier.promote`) did for a prompt: the
+    device match before it (``device_tokens``) and the end of the promoted blocks (``host_end``, a token position;
+    equal to ``device_tokens`` when nothing was promoted)."""
+
+    device_tokens: int
+    host_end: int
+
+    def host_tokens(self, num_cached_tokens: int) -> int:
+        """Of a request's ``num_cached_tokens``, those that came from host memory."""
+        return max(0, min(num_cached_tokens, self.host_end) - self.device_tokens)

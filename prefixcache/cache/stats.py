@@ -28,7 +28,7 @@ class CacheStats:
     ``retained_tokens`` / ``retained_blocks`` are what retention keeps (:mod:`prefixcache.cache.retention`);
     ``evictable_blocks`` what evicting every unlocked node would free.
 
-    With a host-memory tier (:mod:`prefixcache.cache.host_tier`): ``host_hit_tokens`` of the hit tokens were promoted
+    With a host-memory tier (:mod:`prefixcache.cache.host.tier`): ``host_hit_tokens`` of the hit tokens were promoted
     from host memory (the rest, ``device_hit_tokens``, were on the device already); ``host_num_blocks`` /
     ``host_used_blocks`` size the host pool; ``demoted_blocks``, ``promoted_blocks`` and ``host_dropped_blocks``
     count blocks moved to host, brought back, and dropped by the host LRU.  All 0 without a host tier.

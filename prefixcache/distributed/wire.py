@@ -17,7 +17,7 @@ root hash, the way vLLM folds its cache salt into the first block's hash: :func:
 with ``namespace=None``, and a consumer looks a prompt up by ``(None, hash)`` with hashes computed for the prompt's
 namespace.  The block position is not sent either: decoded :class:`BlockStored` events carry ``first_block=0``
 for a root block and ``-1`` (unknown) otherwise.  An event's own ``medium`` (set by a cache with a host tier,
-:mod:`prefixcache.cache.host_tier`) is sent in place of the publisher's, and decoded back onto the event.
+:mod:`prefixcache.cache.host`) is sent in place of the publisher's, and decoded back onto the event.
 
 Needs the ``[events]`` extra (msgspec).
 """

@@ -19,13 +19,13 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.cache import snapshot_write
-from prefixcache.cache.host_tier import host_pool_for
+from prefixcache.cache.host import host_pool_for
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.cache.resume import DEFAULT_STATE_INTERVAL_BLOCKS
 from prefixcache.cache.snapshot import Snapshot, SnapshotSummary
-from prefixcache.cache.snapshot_staging import StagingBuffer
+from prefixcache.cache.snapshot import writer as snapshot_write
+from prefixcache.cache.snapshot.staging import StagingBuffer
 from prefixcache.cache.tokens import TokenIds
 from prefixcache.chat.tokenizer import ByteTokenizer, Tokenizer
 from prefixcache.engine.chat import complete_chat
@@ -107,7 +107,7 @@ class PrefixCachingRunner:
 
     ``eviction_granularity`` and ``max_retained_fraction`` are passed to the :class:`RadixCache`.  With
     ``host_cache_tokens`` or ``host_cache_memory`` (bytes) the cache gets a host-memory tier of that size
-    (:mod:`prefixcache.cache.host_tier`): evicted blocks move there and come back when a prompt matches them.
+    (:mod:`prefixcache.cache.host`): evicted blocks move there and come back when a prompt matches them.
 
     A model with recurrent layers (``model.recurrent``: Qwen3-Next, Nemotron-H, Granite-4.0-H, MiniMax, Mamba-2 through
     :class:`~prefixcache.models.hf.HFCausalLM`) gets a cache that also keeps state snapshots at the end of every prompt
@@ -240,7 +240,8 @@ class PrefixCachingRunner:
         """What :meth:`save_snapshot` writes, copied into host memory (into ``staging`` when given): the cache's
         :meth:`~prefixcache.cache.radix_cache.RadixCache.capture` of this fingerprint's namespaces, with the model and
         tokenizer fingerprints.  Call it between model steps; write it with
-        :func:`~prefixcache.cache.snapshot_write.write` on any thread.  O(cached tokens) plus a memcpy of the blocks."""
+        :func:`~prefixcache.cache.snapshot.writer.write` on any thread.  O(cached tokens) plus a memcpy of the
+        blocks."""
         self.checks.refresh_weights()
         prefix = f"{self.fingerprint}:"
         return self.cache.capture(

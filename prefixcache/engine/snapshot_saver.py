@@ -4,9 +4,9 @@ A save (:meth:`SnapshotSaver.save`) is two steps.  The copy runs on the engine t
 the ``call_soon`` of :class:`~prefixcache.engine.batching.BatchEngine`): the runner's
 :meth:`~prefixcache.engine.runner.PrefixCachingRunner.capture_snapshot`, a walk of the tree and one gather of the
 saved blocks into host memory that the writer thread has allocated and written once beforehand
-(:func:`~prefixcache.cache.snapshot_staging.staging_for`), so the engine pays a memcpy, not page faults.  The copy is
+(:func:`~prefixcache.cache.snapshot.staging.staging_for`), so the engine pays a memcpy, not page faults.  The copy is
 the snapshot: blocks freed or reused by later steps do not change it.  Then the writer thread writes and fsyncs the
-files (:func:`~prefixcache.cache.snapshot_write.write`, commit semantics unchanged) while the engine steps on, and
+files (:func:`~prefixcache.cache.snapshot.writer.write`, commit semantics unchanged) while the engine steps on, and
 the caller's future gets the :class:`~prefixcache.cache.snapshot.SnapshotSummary` or the exception
 (:class:`~prefixcache.errors.SnapshotWriteError`: the previous version is kept).
 
@@ -28,9 +28,9 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixcache.cache import snapshot_write
 from prefixcache.cache.snapshot import Snapshot, SnapshotSummary
-from prefixcache.cache.snapshot_staging import StagingBuffer, staging_for
+from prefixcache.cache.snapshot import writer as snapshot_write
+from prefixcache.cache.snapshot.staging import StagingBuffer, staging_for
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.errors import InvalidArgumentError
 

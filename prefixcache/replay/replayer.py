@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.cache.host_tier import host_pool_for
+from prefixcache.cache.host import host_pool_for
 from prefixcache.cache.pool import KVBlockPool, check_block_size, kv_bytes_per_token
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.cache.resume import DEFAULT_STATE_INTERVAL_BLOCKS, StateMarker
@@ -108,7 +108,7 @@ class Replayer:
     ``model=None`` is the cache-only mode.  The pool holds ``cache_tokens`` tokens (``cache_memory`` bytes with a
     model); with neither, it is sized so that nothing is ever evicted (an infinite cache for this replay).
     ``host_cache_tokens`` / ``host_cache_memory`` add a host-memory tier of that size
-    (:mod:`prefixcache.cache.host_tier`); the report then says how many cached tokens came from it.
+    (:mod:`prefixcache.cache.host`); the report then says how many cached tokens came from it.
     With ``explain``, each request is explained against the cache just before it runs
     (:func:`~prefixcache.replay.explain.explain`) and the report keeps the most frequent divergence points.
     ``state_bytes`` (cache-only) models a recurrent model (see the module docstring): states of that many bytes,

@@ -1,5 +1,5 @@
 """Host blocks no listener heard of, announced later: demoted before anyone subscribed, or restored from a snapshot
-(:mod:`prefixcache.cache.host_events`).  A mirror fed from the subscription on must predict exactly the hits the
+(:mod:`prefixcache.cache.host.events`).  A mirror fed from the subscription on must predict exactly the hits the
 cache gives, host blocks included."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from test_host_tier_events import Mirror
 
 from prefixcache import KVBlockPool, RadixCache
 from prefixcache.cache.events import BlockIndex, block_hashes
-from prefixcache.cache.host_tier import make_host_pool
+from prefixcache.cache.host import make_host_pool
 from prefixcache.distributed.router import cached_prefix_blocks
 
 

@@ -1,5 +1,5 @@
 """The host-memory tier: demotion of evicted blocks, promotion on a match, counters, events, bad configuration and
-faults during promotion (:mod:`prefixcache.cache.host_tier`)."""
+faults during promotion (:mod:`prefixcache.cache.host.tier`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from prefixcache import InvalidArgumentError, KVBlockPool, PoolBusyError, RadixCache
 from prefixcache.cache.events import BlockIndex, BlockRemoved, BlockStored
-from prefixcache.cache.host_tier import HostTier, host_pool_for, make_host_pool
+from prefixcache.cache.host import HostTier, host_pool_for, make_host_pool
 
 BS = 4
 SHAPE = {"num_layers": 2, "num_kv_heads": 1, "head_dim": 3}

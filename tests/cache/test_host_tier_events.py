@@ -15,7 +15,7 @@ from test_host_tier import DOC, OTHER, make_cache, run
 
 from prefixcache import KVBlockPool, RadixCache
 from prefixcache.cache.events import BlockIndex, BlockRemoved, BlockStored, KVEvent, block_hashes, namespace_root_hash
-from prefixcache.cache.host_tier import make_host_pool
+from prefixcache.cache.host import make_host_pool
 
 
 class Mirror:

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from test_host_tier_events import Mirror
 
 from prefixcache import KVBlockPool, OutOfBlocksError, RadixCache
-from prefixcache.cache.host_tier import make_host_pool
+from prefixcache.cache.host import make_host_pool
 
 VOCAB = 3
 DEVICE_BLOCKS = 8

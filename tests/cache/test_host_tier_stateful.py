@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from prefixcache import KVBlockPool, OutOfBlocksError, RadixCache
-from prefixcache.cache.host_tier import make_host_pool
+from prefixcache.cache.host import make_host_pool
 
 VOCAB = 3
 DEVICE_BLOCKS = 8

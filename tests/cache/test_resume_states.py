@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from prefixcache import KVBlockPool, RadixCache, StateMarker
-from prefixcache.cache.host_tier import make_host_pool
+from prefixcache.cache.host import make_host_pool
 from prefixcache.errors import InvalidArgumentError, LockError
 
 BS = 4

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from prefixcache import KVBlockPool, RadixCache
-from prefixcache.cache import snapshot, snapshot_folder
 from prefixcache.cache.events import BlockStored
+from prefixcache.cache.snapshot import folder as snapshot_folder
+from prefixcache.cache.snapshot import tree as snapshot
 from prefixcache.errors import SnapshotCorruptError, SnapshotError, SnapshotMismatchError, SnapshotNotFoundError
 
 pytest.importorskip("safetensors", reason="needs: pip install 'prefixcache[snapshot]'")

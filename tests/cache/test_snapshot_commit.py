@@ -14,7 +14,8 @@ import torch
 from test_snapshot import _version, busy_cache, describe, make_pool, node_kv, saved_and_changed
 
 from prefixcache import RadixCache
-from prefixcache.cache import snapshot, snapshot_write
+from prefixcache.cache.snapshot import tree as snapshot
+from prefixcache.cache.snapshot import writer as snapshot_write
 from prefixcache.errors import SnapshotError, SnapshotWriteError
 
 pytest.importorskip("safetensors", reason="needs: pip install 'prefixcache[snapshot]'")

@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from test_snapshot import _resign, _version, make_pool, serve
 
 from prefixcache import RadixCache
-from prefixcache.cache import snapshot, snapshot_folder, snapshot_manifest
-from prefixcache.cache.host_tier import make_host_pool
+from prefixcache.cache.host import make_host_pool
+from prefixcache.cache.snapshot import folder as snapshot_folder
+from prefixcache.cache.snapshot import manifest as snapshot_manifest
+from prefixcache.cache.snapshot import tree as snapshot
 from prefixcache.errors import SnapshotError
 from prefixcache.testing import assert_quiescent
 from prefixcache.testing import snapshot as record_state

@@ -11,8 +11,9 @@ import pytest
 from test_snapshot import _resign, _version, busy_cache, describe, make_pool, serve
 
 from prefixcache import RadixCache
-from prefixcache.cache import host_snapshot, snapshot
-from prefixcache.cache.host_tier import make_host_pool
+from prefixcache.cache.host import make_host_pool
+from prefixcache.cache.snapshot import host as host_snapshot
+from prefixcache.cache.snapshot import tree as snapshot
 from prefixcache.errors import SnapshotCorruptError
 from prefixcache.testing import InjectedFault, fail_on_call
 

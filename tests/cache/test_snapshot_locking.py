@@ -15,7 +15,7 @@ import pytest
 from test_snapshot import busy_cache, describe, make_pool, saved_and_changed, serve
 
 from prefixcache import RadixCache, SnapshotWriteError
-from prefixcache.cache import snapshot
+from prefixcache.cache.snapshot import tree as snapshot
 from prefixcache.errors import SnapshotError
 
 pytest.importorskip("safetensors", reason="needs: pip install 'prefixcache[snapshot]'")

@@ -14,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache import RadixCache
-from prefixcache.cache import snapshot, snapshot_write
 from prefixcache.cache.pool import KVBlockPool
-from prefixcache.cache.snapshot_folder import canonical, canonical_parts
-from prefixcache.cache.snapshot_staging import StagingBuffer, staging_for
+from prefixcache.cache.snapshot import tree as snapshot
+from prefixcache.cache.snapshot import writer as snapshot_write
+from prefixcache.cache.snapshot.folder import canonical, canonical_parts
+from prefixcache.cache.snapshot.staging import StagingBuffer, staging_for
 
 safetensors_torch = pytest.importorskip("safetensors.torch", reason="needs: pip install 'prefixcache[snapshot]'")
 

@@ -1,4 +1,4 @@
-"""Snapshots of a cache with a host-memory tier: its runs are saved and put back (prefixcache.cache.host_snapshot).
+"""Snapshots of a cache with a host-memory tier: its runs are saved and put back (prefixcache.cache.snapshot.host).
 
 A 4-block device pool of 4-token blocks: a 12-token document is demoted to host by a 16-token one, the cache is saved
 and loaded into a new cache, and the next request for the document finds all 12 tokens, counted as host hits, with the
@@ -16,8 +16,8 @@ import xxhash
 from test_host_tier import BS, DOC, OTHER, SHAPE, kv_rows, make_cache, run
 
 from prefixcache import KVBlockPool, RadixCache, SnapshotCorruptError, SnapshotError
-from prefixcache.cache.host_tier import make_host_pool
-from prefixcache.cache.snapshot import CURRENT, MANIFEST
+from prefixcache.cache.host import make_host_pool
+from prefixcache.cache.snapshot.tree import CURRENT, MANIFEST
 
 pytest.importorskip("safetensors", reason="needs: pip install 'prefixcache[snapshot]'")
 

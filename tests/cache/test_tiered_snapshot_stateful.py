@@ -24,7 +24,7 @@ from hypothesis.stateful import initialize, precondition, rule
 from test_host_tier_stateful import DEVICE_BLOCKS, SHAPE, VOCAB, HostTierMachine, rows
 
 from prefixcache import KVBlockPool, RadixCache
-from prefixcache.cache.host_tier import make_host_pool
+from prefixcache.cache.host import make_host_pool
 
 pytest.importorskip("safetensors", reason="needs: pip install 'prefixcache[snapshot]'")
 

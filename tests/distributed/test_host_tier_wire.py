@@ -14,7 +14,7 @@ pytest.importorskip("msgspec", reason="needs the [events] extra")
 
 from prefixcache import KVBlockPool, RadixCache  # noqa: E402
 from prefixcache.cache.events import BlockIndex, block_hashes  # noqa: E402
-from prefixcache.cache.host_tier import make_host_pool  # noqa: E402
+from prefixcache.cache.host import make_host_pool  # noqa: E402
 from prefixcache.distributed.publisher import ZmqEventPublisher  # noqa: E402
 from prefixcache.distributed.router import cached_prefix_blocks  # noqa: E402
 from prefixcache.distributed.subscriber import ZmqEventSubscriber  # noqa: E402

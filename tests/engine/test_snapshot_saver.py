@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prefixcache import PrefixCachingRunner, SamplingParams
-from prefixcache.cache import snapshot_write
+from prefixcache.cache.snapshot import writer as snapshot_write
 from prefixcache.engine.batching import BatchEngine
 from prefixcache.errors import InvalidArgumentError, SnapshotWriteError
 from prefixcache.models.llama import LlamaModel

@@ -157,7 +157,7 @@ def _resign(folder: Path, edit) -> None:
     """Edit the current manifest and recompute its checksum: a snapshot written wrong, which checksums pass."""
     import json
 
-    from prefixcache.cache.snapshot_folder import canonical, digest
+    from prefixcache.cache.snapshot.folder import canonical, digest
 
     path = folder / (folder / "CURRENT").read_text().strip() / "snapshot.json"
     document = json.loads(path.read_text())

@@ -4,7 +4,7 @@ A fresh host allocation costs a page fault per 4 KiB page on its first write: me
 512 MiB of K/V into new memory took 2.2 s, into memory already written 0.16 s.  A save that must not stall the engine
 allocates and touches its buffer on its writer thread first (:func:`staging_for`: the blocks the pools hold now plus
 headroom for what may be cached before the copy), then hands it to
-:func:`~prefixcache.cache.snapshot.capture` and :func:`~prefixcache.cache.host_snapshot.capture`, which take their
+:func:`~prefixcache.cache.snapshot.tree.capture` and :func:`~prefixcache.cache.snapshot.host.capture`, which take their
 K/V tensors from it (:meth:`StagingBuffer.take`) under the cache's mutex.  On a GPU the buffer is pinned, so the
 device-to-host copy runs at full speed.
 """

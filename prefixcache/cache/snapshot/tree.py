@@ -21,7 +21,7 @@ failed save left behind.
 
 Capture, then write.  A save is two steps: :func:`capture` copies the tree and the K/V its nodes hold into host
 memory under the cache's mutex (a consistent picture: later inserts, evictions and reused blocks do not reach it),
-and :func:`~prefixcache.cache.snapshot_write.write` writes the files, on another thread if the caller likes (an
+and :func:`~prefixcache.cache.snapshot.writer.write` writes the files, on another thread if the caller likes (an
 engine copies between two of its steps and writes while it goes on).
 
 Several processes.  A save holds an exclusive ``flock`` on the snapshot folder itself and a read a shared one (POSIX;
@@ -44,7 +44,7 @@ recently used part that fits, whole prefixes only (a node is loaded only with it
 of retention priority, then last access, from the roots down, and a node that does not fit is skipped with its
 subtree.
 
-The host-memory tier (:mod:`prefixcache.cache.host_snapshot`): a cache with one saves its host-resident runs too
+The host-memory tier (:mod:`prefixcache.cache.snapshot.host`): a cache with one saves its host-resident runs too
 (tokens, namespace, key and LRU order in ``host_runs``, their K/V in ``host_kv``), under the same checksums.  A cache
 loading it with a host tier puts back the most recently used runs that fit its host pool; one without a host tier
 drops them, and :class:`SnapshotSummary` counts what was left out either way.
@@ -66,9 +66,9 @@ import numpy as np
 
 from prefixcache.cache.node import Node, new_root
 from prefixcache.cache.pool import BLOCK_ID_DTYPE, KVBlockPool
-from prefixcache.cache.snapshot_folder import canonical, digest, folder_lock, read_bytes, safetensors_module
-from prefixcache.cache.snapshot_manifest import check_nodes as check_manifest_nodes
-from prefixcache.cache.snapshot_manifest import choose
+from prefixcache.cache.snapshot.folder import canonical, digest, folder_lock, read_bytes, safetensors_module
+from prefixcache.cache.snapshot.manifest import check_nodes as check_manifest_nodes
+from prefixcache.cache.snapshot.manifest import choose
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.errors import (
     SnapshotCorruptError,
@@ -82,7 +82,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from prefixcache.cache.snapshot_staging import StagingBuffer
+    from prefixcache.cache.snapshot.staging import StagingBuffer
     from prefixcache.cache.tree import RadixTree
 
 FORMAT = "prefixcache-snapshot"
@@ -157,10 +157,10 @@ def capture(
     staging: StagingBuffer | None = None,
 ) -> Snapshot:
     """Copy the tree (namespaces ``keep_namespace`` accepts, all when None) and its K/V into memory, into ``staging``
-    when given (:mod:`prefixcache.cache.snapshot_staging`: then the copy is a memcpy, with no page faults).  Reads
+    when given (:mod:`prefixcache.cache.snapshot.staging`: then the copy is a memcpy, with no page faults).  Reads
     only: no access time, hit count, counter or block changes; nothing the cache does later changes the copy.  The
     caller holds the cache's mutex.  O(cached tokens) in memcpy (the manifest holds copies of the nodes' token arrays
-    and NumPy block lists, which :func:`~prefixcache.cache.snapshot_write.write` encodes as JSON lists) plus one
+    and NumPy block lists, which :func:`~prefixcache.cache.snapshot.writer.write` encodes as JSON lists) plus one
     gather of the saved blocks to the host (in chunks of ``COPY_CHUNK_BLOCKS`` from a GPU, so the device never
     holds a second copy of its cached K/V)."""
     pool = tree.pool
@@ -392,7 +392,7 @@ def restore(snapshot: Snapshot, tree: RadixTree) -> SnapshotSummary:
 
 
 def check_nodes(snapshot: Snapshot, block_size: int) -> None:
-    """:func:`~prefixcache.cache.snapshot_manifest.check_nodes` of ``snapshot``: a restore that replaces a cache's
+    """:func:`~prefixcache.cache.snapshot.manifest.check_nodes` of ``snapshot``: a restore that replaces a cache's
     content calls it before dropping anything.  Raises :class:`SnapshotCorruptError` for a malformed node."""
     check_manifest_nodes(snapshot.manifest, block_size, snapshot.path)
 

@@ -1,5 +1,5 @@
 """The complete check of a snapshot's manifest, and the choice of the nodes a pool has room for (see
-:mod:`prefixcache.cache.snapshot`).
+:mod:`prefixcache.cache.snapshot.tree`).
 
 A manifest whose checksum is right can still be written wrong (a buggy writer, an edit with the checksum redone).
 Restore relies on every field's type and range and on the tree's shape, so all of it is checked before the first

@@ -1,4 +1,4 @@
-"""The snapshot folder on disk (see :mod:`prefixcache.cache.snapshot`): its lock, reads and removals that fail with
+"""The snapshot folder on disk (see :mod:`prefixcache.cache.snapshot.tree`): its lock, reads and removals that fail with
 the package's errors, and the checksum of a manifest.
 
 A save holds an exclusive ``flock`` on the folder itself and a read a shared one (POSIX advisory locks, as SQLite and
@@ -127,9 +127,9 @@ _encode = json.JSONEncoder(sort_keys=True, separators=(",", ":"), default=_as_li
 
 def canonical_parts(manifest: dict[str, Any]) -> Iterator[bytes]:
     """:func:`canonical` of ``manifest`` in pieces that join to the same bytes (arrays in it encoded as lists, as
-    :func:`~prefixcache.cache.snapshot.capture` leaves them): the long lists (:data:`LONG_LISTS`) an item at a time,
-    so a writer thread gives up the GIL between items (one call of the C encoder holds it for the whole value: 80 ms
-    for the nodes of a million tokens).  O(manifest size)."""
+    :func:`~prefixcache.cache.snapshot.tree.capture` leaves them): the long lists (:data:`LONG_LISTS`) an item at a
+    time, so a writer thread gives up the GIL between items (one call of the C encoder holds it for the whole value:
+    80 ms for the nodes of a million tokens).  O(manifest size)."""
     yield b"{"
     for index, key in enumerate(sorted(manifest)):
         value = manifest[key]

@@ -1,6 +1,6 @@
 """Announcing the host runs no listener has heard of: blocks demoted while nobody listened, and restored runs.
 
-A host run (:class:`~prefixcache.cache.host_tier.HostRun`) keeps only its own tokens, but the chained hashes that name
+A host run (:class:`~prefixcache.cache.host.tier.HostRun`) keeps only its own tokens, but the chained hashes that name
 its blocks in KV events (:mod:`prefixcache.cache.events`) need every token before it.  Those tokens are where a
 promotion finds them: a run starts where a device path, or another run, holds its prefix, and its key is the digest
 of that prefix and its own first block.  :func:`announce_held` therefore walks the device tree and, at every block
@@ -18,7 +18,7 @@ from prefixcache.cache.events import HOST_MEDIUM, BlockStored, chain_hashes, nam
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 
 if TYPE_CHECKING:
-    from prefixcache.cache.host_tier import HostRun, HostTier
+    from prefixcache.cache.host.tier import HostRun, HostTier
     from prefixcache.cache.node import Node
 
 __all__ = ["announce_held"]

@@ -31,7 +31,7 @@ promotion ``BlockStored(GPU)`` followed by ``BlockRemoved(CPU)`` (copied first, 
 into a second, overlapping run: it is announced on host when its first copy arrives and removed when its last goes.  The
 device tree sends no ``AllCleared``: with two tiers the removals say it all.  Host blocks demoted while nobody listened,
 and runs restored from a snapshot, are announced when a listener subscribes or the restore ends, from the tokens before
-them that the device tree or another run holds (:mod:`prefixcache.cache.host_events`).
+them that the device tree or another run holds (:mod:`prefixcache.cache.host.events`).
 
 With ``num_layers == 0`` on both pools (the ``--no-model`` replay) demotion and promotion move block ids only.
 """
@@ -48,12 +48,14 @@ import xxhash
 
 from prefixcache.cache.blocks import BlockLedger
 from prefixcache.cache.events import HOST_MEDIUM, BlockRemoved, BlockStored, EventPublisher, KVEvent
+from prefixcache.cache.host.pools import check_host_pool
 from prefixcache.cache.locks import LockRegistry
 from prefixcache.cache.node import Node, common_prefix_length
 from prefixcache.cache.pool import KVBlockPool
+from prefixcache.cache.results import Promotion
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.cache.tree import RadixTree
-from prefixcache.errors import InvalidArgumentError, OutOfBlocksError
+from prefixcache.errors import OutOfBlocksError
 
 logger = logging.getLogger(__name__)
 
@@ -73,89 +75,6 @@ class HostRun:
     tokens: array
     block_ids: np.ndarray
     stored: list[BlockStored] | None
-
-
-@dataclass(frozen=True, slots=True)
-class Promotion:
-    """What :meth:`HostTier.promote` did for a prompt: the device match before it (``device_tokens``) and the end of
-    the promoted blocks (``host_end``, a token position; equal to ``device_tokens`` when nothing was promoted)."""
-
-    device_tokens: int
-    host_end: int
-
-    def host_tokens(self, num_cached_tokens: int) -> int:
-        """Of a request's ``num_cached_tokens``, those that came from host memory."""
-        return max(0, min(num_cached_tokens, self.host_end) - self.device_tokens)
-
-
-def make_host_pool(device_pool: KVBlockPool, num_blocks: int) -> KVBlockPool:
-    """A host pool of ``num_blocks`` blocks shaped like ``device_pool`` (block size, KV shape, dtype) on the CPU,
-    page-locked (pinned) when the device pool is on CUDA so that copies between them run asynchronously.
-
-    Raises:
-        InvalidArgumentError: ``num_blocks < 1``.
-    """
-    pool = KVBlockPool(
-        num_blocks,
-        device_pool.block_size,
-        num_layers=device_pool.num_layers,
-        num_kv_heads=device_pool.num_kv_heads,
-        head_dim=device_pool.head_dim,
-        dtype=device_pool.dtype,
-        device="cpu",
-    )
-    if pool.kv is not None and device_pool.device.type == "cuda":
-        pool.kv = pool.kv.pin_memory()
-    return pool
-
-
-def host_pool_for(
-    device_pool: KVBlockPool, host_tokens: int | None = None, host_bytes: int | None = None
-) -> KVBlockPool | None:
-    """The host pool for ``device_pool`` holding ``host_tokens`` tokens (rounded up to whole blocks) or as many
-    whole blocks as ``host_bytes`` bytes of KV hold; None when both are None.
-
-    Raises:
-        InvalidArgumentError: both given, a size that is not a positive int, or ``host_bytes`` for a metadata-only
-            pool (no bytes per token) or too small for one block.
-    """
-    if host_tokens is None and host_bytes is None:
-        return None
-    if host_tokens is not None and host_bytes is not None:
-        raise InvalidArgumentError("give at most one of the host tier's size in tokens and in bytes")
-    size = host_tokens if host_tokens is not None else host_bytes
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise InvalidArgumentError(f"the host tier's size must be a positive int, got {size!r}")
-    bs = device_pool.block_size
-    if host_tokens is not None:
-        return make_host_pool(device_pool, -(-host_tokens // bs))
-    per_block = device_pool.bytes_per_token * bs
-    if per_block == 0:
-        raise InvalidArgumentError("a host tier sized in bytes needs a model (bytes per token); give it in tokens")
-    if host_bytes < per_block:
-        raise InvalidArgumentError(f"{host_bytes} bytes of host memory hold no block of {per_block} bytes")
-    return make_host_pool(device_pool, host_bytes // per_block)
-
-
-def check_host_pool(host: KVBlockPool, device: KVBlockPool) -> None:
-    """Refuse a host pool that cannot hold the device pool's blocks.
-
-    Raises:
-        InvalidArgumentError: not a KVBlockPool, not on the CPU, or another block size, KV shape
-            (``num_layers``, ``num_kv_heads``, ``head_dim``) or dtype than the device pool.
-    """
-    if not isinstance(host, KVBlockPool):
-        raise InvalidArgumentError(f"host_pool must be a KVBlockPool, got {type(host).__name__}")
-    if host is device:
-        raise InvalidArgumentError("host_pool must be a second pool, not the device pool itself")
-    if host.device.type != "cpu":
-        raise InvalidArgumentError(f"host_pool must live in host memory (device 'cpu'), got {host.device}")
-    for name in ("block_size", "num_layers", "num_kv_heads", "head_dim", "dtype"):
-        if getattr(host, name) != getattr(device, name):
-            raise InvalidArgumentError(
-                f"host_pool {name} {getattr(host, name)} differs from the device pool's {getattr(device, name)}: "
-                "host blocks must have the device blocks' block size, KV shape and dtype"
-            )
 
 
 class HostTier:
@@ -384,7 +303,8 @@ class HostTier:
     ) -> Promotion | None:
         """Bring the host blocks that continue ``q``'s device match back into fresh device blocks and insert them
         into the tree, so that the admission right after finds them.  Returns None when the host holds nothing after
-        the device match; a :class:`Promotion` (possibly of no block, when the device cannot take them) otherwise.
+        the device match; a :class:`~prefixcache.cache.results.Promotion` (possibly of no block, when the device
+        cannot take them) otherwise.
 
         Feasibility first: with ``num_tokens`` the request's whole need beyond its device prefix must fit free plus
         evictable blocks, else nothing is promoted (the admission then refuses it without evicting); without, only
@@ -534,6 +454,13 @@ class HostTier:
                     seen.add(key)
                     out.append(event)
         return out
+
+    def announced_blocks(self) -> set[tuple[str | None, int]]:
+        """``(namespace, block hash)`` of every host block announced to listeners (what a mirror of the cache's events
+        holds on host).  O(announced host blocks)."""
+        return {
+            (run.namespace, h) for run in self.runs.values() if run.stored for e in run.stored for h in e.block_hashes
+        }
 
     def check_invariants(self) -> None:
         """The host pool's free list is consistent; every host-resident block has exactly one holder (its run); no

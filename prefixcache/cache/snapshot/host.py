@@ -2,12 +2,12 @@
 
 A restart should keep what the host tier held, as SGLang's HiCache keeps a storage tier below host memory: a run that
 was demoted is as good a cache entry as a device node.  :func:`capture` adds the runs of a :class:`HostTier` (least
-recently used first) to a captured :class:`~prefixcache.cache.snapshot.Snapshot`: per run its key (the xxh3-128 digest
-that names it, a pure function of its namespace and tokens, so it holds across processes), namespace, first block,
-tokens and the indices of its blocks in ``host_kv``.  :func:`plan` checks the saved runs and picks the most recently
-used ones that fit the free host blocks (cutting the tail of the last one, as the host LRU does); :func:`apply` puts
-them into the host tier.  Restored runs are announced to event listeners once the device tree is back
-(:mod:`prefixcache.cache.host_events`).
+recently used first) to a captured :class:`~prefixcache.cache.snapshot.tree.Snapshot`: per run its key (the xxh3-128
+digest that names it, a pure function of its namespace and tokens, so it holds across processes), namespace, first
+block, tokens and the indices of its blocks in ``host_kv``.  :func:`plan` checks the saved runs and picks the most
+recently used ones that fit the free host blocks (cutting the tail of the last one, as the host LRU does); :func:`apply`
+puts them into the host tier.  Restored runs are announced to event listeners once the device tree is back
+(:mod:`prefixcache.cache.host.events`).
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from prefixcache.cache.host_tier import HostRun, HostTier
-from prefixcache.cache.snapshot import COPY_CHUNK_BLOCKS, Snapshot
-from prefixcache.cache.snapshot_manifest import Malformed, is_count, is_token_list
+from prefixcache.cache.host.tier import HostRun, HostTier
+from prefixcache.cache.snapshot.manifest import Malformed, is_count, is_token_list
+from prefixcache.cache.snapshot.tree import COPY_CHUNK_BLOCKS, Snapshot
 from prefixcache.cache.tokens import TOKEN_TYPECODE
 from prefixcache.errors import SnapshotCorruptError, SnapshotError
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from prefixcache.cache.snapshot_staging import StagingBuffer
+    from prefixcache.cache.snapshot.staging import StagingBuffer
 
 _HEX_DIGITS = "0123456789abcdef"
 

@@ -1,12 +1,12 @@
-"""Writing a captured snapshot (:func:`~prefixcache.cache.snapshot.capture`) as the new current version of a snapshot
-folder: the commit protocol of :mod:`prefixcache.cache.snapshot` (a new version fsynced beside the old one, then
-``CURRENT`` replaced and the folder fsynced), and the bytes of the two files.
+"""Writing a captured snapshot (:func:`~prefixcache.cache.snapshot.tree.capture`) as the new current version of a
+snapshot folder: the commit protocol of :mod:`prefixcache.cache.snapshot.tree` (a new version fsynced beside the old
+one, then ``CURRENT`` replaced and the folder fsynced), and the bytes of the two files.
 
 The writer may run on a thread of its own beside an engine that goes on stepping, so it never holds the GIL for long:
 the K/V file is written straight from the captured tensors in ``WRITE_CHUNK_BYTES`` pieces (a safetensors header,
 then the raw bytes; not one ``bytes`` copy of the K/V as ``safetensors.torch.save`` makes, which held the GIL 4.9 s
 for 512 MiB), its checksum computed piece by piece, and the manifest's JSON encoded node by node
-(:func:`~prefixcache.cache.snapshot_folder.canonical_parts`).
+(:func:`~prefixcache.cache.snapshot.folder.canonical_parts`).
 """
 
 from __future__ import annotations
@@ -20,17 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.cache.snapshot import (
-    CURRENT,
-    FORMAT,
-    KV_FILE,
-    MANIFEST,
-    TEMP_PREFIX,
-    VERSION_PREFIX,
-    Snapshot,
-    SnapshotSummary,
-)
-from prefixcache.cache.snapshot_folder import (
+from prefixcache.cache.snapshot.folder import (
     canonical_parts,
     check_folder,
     digest,
@@ -40,6 +30,16 @@ from prefixcache.cache.snapshot_folder import (
     remove,
     safetensors_module,
     write_error,
+)
+from prefixcache.cache.snapshot.tree import (
+    CURRENT,
+    FORMAT,
+    KV_FILE,
+    MANIFEST,
+    TEMP_PREFIX,
+    VERSION_PREFIX,
+    Snapshot,
+    SnapshotSummary,
 )
 from prefixcache.errors import SnapshotError, SnapshotWriteError
 
@@ -105,7 +105,7 @@ def kv_file_parts(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) ->
 
 def write(snapshot: Snapshot, directory: str | os.PathLike[str]) -> SnapshotSummary:
     """Write ``snapshot`` as the new current version of the snapshot folder ``directory`` (made if missing), atomically
-    (see :mod:`prefixcache.cache.snapshot`).  Returns what was written.  Thread-safe (saves take turns); reads
+    (see :mod:`prefixcache.cache.snapshot.tree`).  Returns what was written.  Thread-safe (saves take turns); reads
     ``snapshot`` only.  O(snapshot bytes), in pieces that hold the GIL a few ms at most.
 
     Raises:
