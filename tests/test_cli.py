@@ -310,6 +310,7 @@ def test_python_dash_m_prefixcache_help_lists_the_commands() -> None:
 
 def test_bench_serve_without_the_server_extra_says_what_to_install(monkeypatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "prefixcache.serve", None)  # its import fails, as without FastAPI
+    monkeypatch.setitem(sys.modules, "prefixcache.bench.serve", None)  # however earlier tests imported it
     assert main(["bench", "serve", "--quick"]) == 2
     err = capsys.readouterr().err
     assert f"the serve benchmark needs the server extra: {install_command('server')}" in err and "pip install -e" in err

@@ -1,10 +1,15 @@
 """The package's layers, checked from its source: every import points down, no module imports another's private
 names, no modules import each other in a circle (inside a layer too), and no module grows past 600 lines.
 
-Layers, lowest first: errors <- cache, host_allocator <- models, chat, distributed <- engine <- replay <- bench,
-testing, ray <- serve, integrations <- cli <- the ``prefixcache`` facade.  A module may import its own subpackage and
-any lower layer; models and chat, side by side, do not import each other (nor does distributed); nothing inside the
-package imports the facade.
+Layers, lowest first: errors <- cache, host_allocator <- models, chat, distributed <- engine <- replay <- testing,
+ray <- serve, integrations <- bench (it times the server too) <- cli <- the ``prefixcache`` facade.  A module may
+import its own subpackage and any lower layer; models and chat, side by side, do not import each other (nor does
+distributed); nothing inside the package imports the facade.
+
+Inside the cache layer, two subpackages sit beside the core: ``cache.host`` (the host-memory tier) and
+``cache.snapshot`` (the cache on disk).  The core imports neither, except its assembly (``cache.radix_cache``) and the
+``prefixcache.cache`` facade; ``cache.snapshot`` may import ``cache.host`` (it saves the host runs), never the reverse;
+neither imports the assembly or the facade.
 """
 
 from __future__ import annotations
@@ -24,14 +29,14 @@ LAYERS = {
     "prefixcache.distributed": 2,
     "prefixcache.engine": 3,
     "prefixcache.replay": 4,
-    "prefixcache.bench": 5,
     "prefixcache.testing": 5,
     "prefixcache.ray": 5,
     "prefixcache.serve": 6,
     "prefixcache.integrations": 6,
-    "prefixcache.cli": 7,
-    "prefixcache.__main__": 8,
-    "prefixcache": 8,
+    "prefixcache.bench": 7,
+    "prefixcache.cli": 8,
+    "prefixcache.__main__": 9,
+    "prefixcache": 9,
 }
 MAX_LINES = 600
 
@@ -224,10 +229,106 @@ def test_no_module_is_over_600_lines(path: Path) -> None:
         ("from prefixcache import RadixCache", "prefixcache.replay.explain"),
         ("from prefixcache.chat.tokenizer import ByteTokenizer", "prefixcache.models.hf"),
         ("from prefixcache.models.base import CausalLM", "prefixcache.chat.tokenizer"),
+        ("from prefixcache.bench.common import Table", "prefixcache.serve.app"),
     ],
 )
 def test_the_check_catches_an_upward_import(source: str, module: str) -> None:
     assert len(upward_imports(source, module)) == 1
+
+
+CACHE_ASSEMBLY = {"prefixcache.cache", "prefixcache.cache.radix_cache"}
+"""The cache modules that put the core and its two subpackages together."""
+CACHE_MAY_IMPORT = {
+    "core": {"core"},
+    "assembly": {"core", "assembly", "host", "snapshot"},
+    "host": {"core", "host"},
+    "snapshot": {"core", "host", "snapshot"},
+}
+"""Which parts of the cache layer each part may import (see the module docstring)."""
+
+
+def cache_part(module: str) -> str | None:
+    """``"host"``, ``"snapshot"``, ``"assembly"`` or ``"core"`` for a module of the cache layer, None outside it."""
+    if module in CACHE_ASSEMBLY:
+        return "assembly"
+    for sub in ("host", "snapshot"):
+        if module == f"prefixcache.cache.{sub}" or module.startswith(f"prefixcache.cache.{sub}."):
+            return sub
+    return "core" if module.startswith("prefixcache.cache.") else None
+
+
+def resolved_imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """The package's modules imported anywhere in ``tree``, ``from package import submodule`` resolved to the
+    submodule (from the files under the package)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                path = PACKAGE.parent.joinpath(*sub.split("."))
+                out.append((node.lineno, sub if path.is_dir() or path.with_suffix(".py").exists() else node.module))
+    return [(line, name) for line, name in out if name.startswith("prefixcache")]
+
+
+def cache_imports_out_of_place(source: str, module: str) -> list[str]:
+    own = cache_part(module)
+    if own is None:
+        return []
+    problems = []
+    for line, target in resolved_imports(ast.parse(source)):
+        other = cache_part(target)
+        if other is not None and other not in CACHE_MAY_IMPORT[own]:
+            problems.append(
+                f"{module}:{line} imports {target} (cache part {other!r}; {own!r} may import only "
+                f"{sorted(CACHE_MAY_IMPORT[own])})"
+            )
+    return problems
+
+
+CACHE_MODULES = [p for p in MODULES if cache_part(module_name(p)) is not None]
+
+
+@pytest.mark.parametrize("path", CACHE_MODULES, ids=lambda p: module_name(p))
+def test_inside_the_cache_only_the_assembly_imports_host_and_snapshot(path: Path) -> None:
+    assert cache_imports_out_of_place(path.read_text(), module_name(path)) == []
+
+
+def test_the_cache_has_its_core_and_two_subpackages() -> None:
+    parts = {module_name(p): cache_part(module_name(p)) for p in CACHE_MODULES}
+    assert {part for part in parts.values()} == {"core", "assembly", "host", "snapshot"}
+    assert parts["prefixcache.cache.snapshot.host"] == "snapshot"
+    assert parts["prefixcache.cache.host.tier"] == "host"
+    assert parts["prefixcache.cache.tree"] == "core"
+
+
+@pytest.mark.parametrize(
+    ("source", "module"),
+    [
+        ("if TYPE_CHECKING:\n    from prefixcache.cache.host.tier import HostTier", "prefixcache.cache.admission"),
+        ("from prefixcache.cache import snapshot", "prefixcache.cache.tree"),
+        ("from prefixcache.cache.snapshot.tree import Snapshot", "prefixcache.cache.host.tier"),
+        ("from prefixcache.cache.radix_cache import RadixCache", "prefixcache.cache.snapshot.cache"),
+        ("from prefixcache.cache import KVBlockPool", "prefixcache.cache.host.pools"),
+    ],
+)
+def test_the_cache_check_catches_a_core_module_reaching_out(source: str, module: str) -> None:
+    assert len(cache_imports_out_of_place(source, module)) == 1
+
+
+def test_the_cache_check_allows_the_directions_the_cache_has() -> None:
+    allowed = {
+        "prefixcache.cache.radix_cache": "from prefixcache.cache.host.tier import HostTier\n"
+        "from prefixcache.cache.snapshot.cache import CacheSnapshots",
+        "prefixcache.cache.snapshot.host": "from prefixcache.cache.host.tier import HostRun\n"
+        "from prefixcache.cache.snapshot.tree import Snapshot\nfrom prefixcache.cache.tokens import TOKEN_TYPECODE",
+        "prefixcache.cache.host.tier": "from prefixcache.cache.tree import RadixTree\nfrom prefixcache.errors import X",
+        "prefixcache.cache": "from prefixcache.cache.host import make_host_pool",
+    }
+    assert [
+        problem for module, source in allowed.items() for problem in cache_imports_out_of_place(source, module)
+    ] == []
 
 
 def test_the_check_allows_downward_and_sibling_imports() -> None:
@@ -236,6 +337,6 @@ def test_the_check_allows_downward_and_sibling_imports() -> None:
         "from prefixcache.errors import LockError\nfrom prefixcache import bench"
     )
     assert upward_imports(source, "prefixcache.engine.runner")[:1] == [
-        "prefixcache.engine.runner:4 imports prefixcache.bench (layer 5 >= its own 3)"
+        "prefixcache.engine.runner:4 imports prefixcache.bench (layer 7 >= its own 3)"
     ]
     assert upward_imports(source.rsplit("\n", 1)[0], "prefixcache.engine.runner") == []

@@ -5,6 +5,8 @@ block pool beside ours in the same process (``pip install --no-deps sglang``; se
 ``evict`` checks that one eviction stays O(log n) as the tree grows, ``memory`` counts bytes per cached token.
 ``engine`` and ``agent`` (extra ``hf``) time the runner on a real model shape against transformers' own calls, ``route``
 compares routers in front of N simulated replicas, ``snapshot`` how long a snapshot save makes a stream wait.
+``serve`` (extra ``server``: :mod:`prefixcache.bench.serve`, imported only by the command line, so that this package
+imports without FastAPI) times the HTTP server against in-process calls.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def run(
     extra: dict[str, Callable[..., BenchResult]] | None = None,
 ) -> dict:
     """Run the named benchmarks (all when ``names`` is empty or None), print a table for each, and return the
-    figures as a JSON-ready dict (also written to ``json_path`` when given).  ``extra`` adds benchmarks from layers
-    above this one (the command line adds ``serve``).
+    figures as a JSON-ready dict (also written to ``json_path`` when given).  ``extra`` adds benchmarks that need an
+    extra this package does not import (the command line adds ``serve`` where the server extra is installed).
 
     When every benchmark runs (no ``names``), ``peers`` is skipped with a note if SGLang is not installed.
 

@@ -50,9 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     extra = {}
     try:
-        from prefixcache.serve import bench as serve_bench
-
-        extra["serve"] = serve_bench.run
+        extra["serve"] = importlib.import_module("prefixcache.bench.serve").run
     except ImportError as error:  # without the server extra there is no serve benchmark
         if "serve" in (args.names or ()):
             from prefixcache.errors import InvalidArgumentError, install_command

@@ -15,7 +15,7 @@
    nothing is evicted, the hit tokens differ only through requests overlapping in time (see the table's note); HTTP
    and in-process at the same concurrency must agree up to timing, and no request may fail.
 3. Per-token decode time served against in-process: long greedy streams on the ``small`` preset, one at a time and
-   a few together (:mod:`prefixcache.serve.bench_decode`), and (full run, where ``../shared`` holds the Qwen config)
+   a few together (:mod:`prefixcache.bench.serve_decode`), and (full run, where ``../shared`` holds the Qwen config)
    on an embedded model of Qwen2.5-0.5B's 24 layers with the ``small`` preset's vocabulary (the shape of issue 30's
    profile, where a token took 312 ms served against 270 in-process, without the 151,936-row LM head, which the byte
    tokenizer cannot decode).  Each model is measured twice: with the engine on a thread of the server's process
@@ -43,13 +43,13 @@ import torch
 
 from prefixcache.bench.common import BenchResult, Table, verdict
 from prefixcache.bench.policy import DATA_DIR
+from prefixcache.bench.serve_decode import GOAL_RATIO, decode_figures
 from prefixcache.engine.batching import BatchEngine
 from prefixcache.engine.chat import ChatCompletion, prepare_chat, submit_chat
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.models.llama import PRESETS, build_model
 from prefixcache.replay.scenarios import default_tools_for, load_scenario
 from prefixcache.serve.app import create_app
-from prefixcache.serve.bench_decode import GOAL_RATIO, decode_figures
 from prefixcache.serve.server import start_background
 
 __all__ = ["run"]
@@ -335,7 +335,7 @@ def run(quick: bool = False) -> BenchResult:
         )
     tables.extend(_decode_table(decode, label, quick) for label, decode in decodes)
     if not quick and qwen_layers is None:
-        from prefixcache.bench.engine import QWEN_DIR
+        from prefixcache.bench.engine_setup import QWEN_DIR
 
         title = "serve: per-token decode, in-process vs streamed over HTTP (Qwen2.5-0.5B's 24 layers)"
         tables.append(
@@ -351,7 +351,7 @@ def qwen_layers_config():
     """The config of the second decode table's model: Qwen2.5-0.5B's 24 layers (``../shared``'s config) with the
     ``small`` preset's vocabulary (512 ids: the byte tokenizer's 259 and padding), or None where ``../shared`` lacks
     the Qwen config."""
-    from prefixcache.bench.engine import QWEN_DIR
+    from prefixcache.bench.engine_setup import QWEN_DIR
     from prefixcache.bench.floor import embedded_config
 
     if not (QWEN_DIR / "config.json").is_file():
@@ -418,7 +418,7 @@ def _decode_table(decode: dict[str, Any], label: str, quick: bool = False) -> Ta
 
 
 def _floor_note(decode: dict[str, Any]) -> str:
-    """What a served token costs with no server code at all (:func:`~prefixcache.serve.bench_decode.bare_stream_app`),
+    """What a served token costs with no server code at all (:func:`~prefixcache.bench.serve_decode.bare_stream_app`),
     against the in-process token time: the part of the gap no change to the server can remove on this machine."""
     floor_ms = decode["bare_loop_cpu_ms"] + decode["bare_client_cpu_ms"]
     return (

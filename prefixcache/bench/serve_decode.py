@@ -6,7 +6,7 @@ Streamed ``/v1/completions`` requests of one shape (greedy, ``ignore_eos``, so e
 
 - in-process: the body parsed and its completion prepared as the server does, then :func:`submit_chat` straight to
   the engine, each token timed as its text delta is made on the engine thread;
-- served: over HTTP on 127.0.0.1 by a client in its own process (:mod:`prefixcache.serve.bench_client`; an HTTP
+- served: over HTTP on 127.0.0.1 by a client in its own process (:mod:`prefixcache.bench.serve_client`; an HTTP
   client is another process in any deployment, and in this one its threads would take the GIL from the engine's),
   each token timed as its SSE event reaches the client.
 
@@ -40,13 +40,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from prefixcache.bench import serve_client
 from prefixcache.engine.chat import prepare_completion, submit_chat
 from prefixcache.engine.process import EngineProcess
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.base import ModelConfig
 from prefixcache.models.llama import LlamaModel, build_model
-from prefixcache.serve import bench_client
 from prefixcache.serve.app import create_app
 from prefixcache.serve.protocol import completion_response, parse_completion_request
 from prefixcache.serve.server import start_background
@@ -126,12 +126,12 @@ def _in_process(
 
 
 class _ClientProcess:
-    """The served runs' client (:mod:`prefixcache.serve.bench_client`) in its own process, started once: each run
+    """The served runs' client (:mod:`prefixcache.bench.serve_client`) in its own process, started once: each run
     sends it the request bodies and reads back every stream's (wall, engine CPU) stamps (the engine's thread
     ``engine_thread_id`` of process ``engine_pid``)."""
 
     def __init__(self, host: str, port: int, engine_pid: int, engine_thread_id: int) -> None:
-        command = [sys.executable, "-c", bench_client.LAUNCH, bench_client.__file__, host, str(port)]
+        command = [sys.executable, "-c", serve_client.LAUNCH, serve_client.__file__, host, str(port)]
         command += [str(engine_pid), str(engine_thread_id)]
         self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.cpu_s = math.nan
@@ -201,7 +201,7 @@ def _pairs(runs: int, measure: Callable[[str, int], Any]) -> tuple[list[Any], li
 
 def _thread_cpu_reader(thread_id: int) -> Callable[[], float]:
     """The CPU time (seconds) thread ``thread_id`` of this process has run, NaN where Linux's schedstat is missing."""
-    read = bench_client.engine_cpu_reader(os.getpid(), thread_id)
+    read = serve_client.engine_cpu_reader(os.getpid(), thread_id)
     return lambda: math.nan if (seconds := read()) is None else seconds
 
 

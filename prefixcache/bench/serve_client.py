@@ -13,8 +13,8 @@ taken as each SSE event with a choice arrives.  Wall time is ``time.perf_counter
 same clock as the server process's); the engine thread's CPU time is read from
 ``/proc/<server pid>/task/<engine thread id>/schedstat`` (its run time in ns), null where there is no such file.
 Only the standard library is imported, and the benchmark loads this file by its path (:data:`LAUNCH`), not as
-``prefixcache.serve.bench_client``, whose package would import the server, FastAPI and torch: the process starts in a
-few tens of milliseconds and holds about 20 MB.
+``prefixcache.bench.serve_client``, whose package would import every benchmark and torch: the process starts in a few
+tens of milliseconds and holds about 20 MB.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 __all__ = ["LAUNCH", "engine_cpu_reader", "main", "stream"]
 
 LAUNCH = (
-    "import importlib.util, sys; spec = importlib.util.spec_from_file_location('bench_client', sys.argv[1]); "
+    "import importlib.util, sys; spec = importlib.util.spec_from_file_location('serve_client', sys.argv[1]); "
     "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
     "sys.exit(module.main(sys.argv[2:]))"
 )
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         or not all(n.isascii() and n.isdigit() and int(n) < 2**31 for n in numbers)
         or int(args[1]) > 65535
     ):
-        sys.stderr.write(f"usage: bench_client HOST PORT SERVER_PID ENGINE_THREAD_ID (numbers), got {args!r}\n")
+        sys.stderr.write(f"usage: serve_client HOST PORT SERVER_PID ENGINE_THREAD_ID (numbers), got {args!r}\n")
         return 2
     host, port, pid, thread_id = args
     engine_cpu = engine_cpu_reader(int(pid), int(thread_id))

@@ -6,8 +6,13 @@ import math
 
 import pytest
 
-from prefixcache.errors import InvalidArgumentError
-from prefixcache.serve import bench
+from prefixcache.testing import require_extra as require
+
+require("fastapi", "server")
+require("httpx", "server")
+
+from prefixcache.bench import serve as bench  # noqa: E402
+from prefixcache.errors import InvalidArgumentError  # noqa: E402
 
 
 def test_overhead_pairs_report_wall_and_cpu_medians() -> None:
@@ -44,8 +49,8 @@ def test_the_serial_replay_reuses_everything_but_each_prompt_s_new_part() -> Non
 
 @pytest.mark.parametrize("engine_process", [False, True], ids=["engine thread", "engine process"])
 def test_the_decode_pairs_time_every_token_both_ways(engine_process: bool) -> None:
+    from prefixcache.bench.serve_decode import decode_figures
     from prefixcache.models.llama import build_model
-    from prefixcache.serve.bench_decode import decode_figures
 
     # 32 tokens: four HTTP requests reach the engine some steps apart, and only the steps they share are timed.
     model = "tiny" if engine_process else build_model("tiny", device="cpu")  # an engine process builds its own
@@ -95,7 +100,7 @@ def test_the_bare_stream_sends_max_tokens_events_at_its_pace_then_the_finish() -
 
     import httpx
 
-    from prefixcache.serve.bench_decode import bare_stream_app
+    from prefixcache.bench.serve_decode import bare_stream_app
     from prefixcache.serve.server import start_background
 
     app = bare_stream_app(0.01, b'data: {"id": 1}\n\n', b"data: [DONE]\n\n")
@@ -113,8 +118,8 @@ def test_the_bare_stream_sends_max_tokens_events_at_its_pace_then_the_finish() -
 
 
 def test_a_clone_without_the_shared_data_says_which_tables_it_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prefixcache.bench.serve_decode import decode_figures
     from prefixcache.models.llama import build_model
-    from prefixcache.serve.bench_decode import decode_figures
 
     figures = decode_figures(model=build_model("tiny", device="cpu"), runs=2, new_tokens=32)
     overhead = bench._overhead(2)
@@ -132,8 +137,8 @@ def test_a_clone_without_the_shared_data_says_which_tables_it_skipped(monkeypatc
 
 
 def test_an_engine_process_decode_table_refuses_a_model_object_before_starting_anything() -> None:
+    from prefixcache.bench.serve_decode import decode_figures
     from prefixcache.models.llama import build_model
-    from prefixcache.serve.bench_decode import decode_figures
 
     with pytest.raises(InvalidArgumentError, match="an engine process builds its model"):
         decode_figures(model=build_model("tiny", device="cpu"), runs=2, new_tokens=2, engine_process=True)
