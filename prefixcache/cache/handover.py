@@ -54,7 +54,7 @@ class Handover:
         other requests hit ``q`` while this one goes on (SGLang caches a request's prompt when its prefill ends,
         not when it finishes).  The block the request goes on writing, where ``q`` ends inside one, stays the
         request's: the tree gets a copy of its first ``len(q) % block_size`` rows, or (no block to be had for the
-        copy) only the whole blocks of ``q``.  :meth:`commit` or :meth:`release` closes the lease as before.
+        copy) only the whole blocks of ``q``.  ``Admission.commit`` or ``release`` closes the lease as before.
         ``state`` (``nbytes`` bytes, checked by the caller), when not None, is kept at position ``len(q)`` if the tree
         now holds all of ``q``, and dropped (counted) if it holds only the whole blocks of it.
 
