@@ -89,7 +89,7 @@ def measure_hybrid(tokens: int, repeats: int, quick: bool, device: torch.device 
     prefix = torch.randint(0, model.vocab_size, (tokens - SUFFIX_TOKENS,), generator=generator).tolist()
     runner = PrefixCachingRunner(model, cache_tokens=tokens + (repeats + 4) * SUFFIX_TOKENS, block_size=BLOCK_SIZE)
     runner.generate(prefix, SamplingParams(max_new_tokens=0))
-    prefilled = model._new_cache(tokens)
+    prefilled = model.transfer.new_cache(tokens)
     own_forward(model, prefix, prefilled)
     ours, uncached, suffix_only = [], [], []
     for _ in range(repeats):
@@ -98,7 +98,7 @@ def measure_hybrid(tokens: int, repeats: int, quick: bool, device: torch.device 
         began = _clock(device)
         result = runner.generate(prefix + suffix, SamplingParams(max_new_tokens=1))
         ours.append(_clock(device) - began)
-        seconds, token = own_forward(model, prefix + suffix, model._new_cache(tokens))
+        seconds, token = own_forward(model, prefix + suffix, model.transfer.new_cache(tokens))
         own_seconds, own_token = own_forward(model, suffix, cache)
         if result.usage.cached_tokens != len(prefix):
             raise AssertionError(f"hybrid warm run resumed {result.usage.cached_tokens} tokens, not {len(prefix)}")

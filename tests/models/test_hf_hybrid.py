@@ -48,7 +48,7 @@ def _tokens() -> torch.Tensor:
 
 def _own_split_forward(model: HFCausalLM, ids: torch.Tensor, split: int) -> torch.Tensor:
     """The model's own forward of ``ids[:split]`` into a cache, then of ``ids[split:]`` on it: logits of the second."""
-    cache = model._new_cache(len(ids))
+    cache = model.transfer.new_cache(len(ids))
     with torch.inference_mode():
         for lo, hi in ((0, split), (split, len(ids))):
             inputs = model._inputs(input_ids=ids[None, lo:hi], position_ids=torch.arange(lo, hi)[None])
@@ -59,7 +59,7 @@ def _own_split_forward(model: HFCausalLM, ids: torch.Tensor, split: int) -> torc
 def test_the_layout_names_the_state_layers_and_the_pool_holds_only_the_attention_layers(hybrid):
     layout = hybrid.layout
     assert hybrid.recurrent and layout.recurrent
-    kinds = {type(layer).__name__ for layer in hybrid._new_cache(1).layers}
+    kinds = {type(layer).__name__ for layer in hybrid.transfer.new_cache(1).layers}
     assert layout.state_layers or layout.minimax_layers
     assert hybrid.num_layers == max(1, len(layout.kv_layers))
     assert set(layout.kv_layers).isdisjoint(layout.state_layers)
