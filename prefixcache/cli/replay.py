@@ -26,6 +26,9 @@ from prefixcache.cli.tokenizer_choice import (
 from prefixcache.errors import InvalidArgumentError, install_command
 from prefixcache.replay.endpoint import add_endpoint_arguments
 
+SPECULATE_CHOICES = ("off", "context", "tree")
+"""``--speculate``'s choices: :data:`prefixcache.replay.speculate.SPECULATE_MODES` (a test keeps the two equal)."""
+
 KV_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8")
 """The K/V element types a sweep sizes bytes for (prefixcache.replay.sweep_report.KV_DTYPES; kept here so that
 ``--help`` imports no torch)."""
@@ -142,6 +145,19 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     replay.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     replay.add_argument(
         "--wide", action="store_true", help="every column of the table (default: a compact one within 120 columns)"
+    )
+    speculate = replay.add_argument_group("speculative decoding drafted from the cache (recorded answers)")
+    speculate.add_argument(
+        "--speculate",
+        choices=SPECULATE_CHOICES,
+        help="predict decoding with drafts from each request's context, then the cache's blocks (tree), from the "
+        "context only (context), or not (off); default tree with --no-model, off with a model",
+    )
+    speculate.add_argument(
+        "--verify-cost",
+        metavar="C1,C2,...",
+        help="cost of verifying 1, 2, ... draft tokens in decode steps (a longer draft costs the last; 1: as cheap "
+        "as a decode step); default measured on the small preset at 2k context on a 2-core CPU",
     )
     sweep = replay.add_argument_group("every cache size in one pass (--sweep)")
     sweep.add_argument(
@@ -407,6 +423,10 @@ def _replay(args: argparse.Namespace) -> int:
         host_tier=args.host_cache_tokens is not None or args.host_cache_memory is not None,
     )
     _check_outputs(args)
+    if args.speculate is None:
+        args.speculate = "tree" if args.no_model else "off"
+    if args.verify_cost is not None and args.speculate == "off":
+        raise InvalidArgumentError("--verify-cost needs --speculate context or tree")
     with _piped_inputs_as_files(args):  # after the checks above: a long stdin is copied only for a run that goes on
         return _checked_replay(args, progress)
 
@@ -415,6 +435,7 @@ def _checked_replay(args: argparse.Namespace, progress: _Progress) -> int:
     """:func:`_replay` once its options are checked and its inputs are files."""
     from prefixcache.replay.replayer import Replayer, ReplayInterrupted, replay_paths
     from prefixcache.replay.requests import read_options
+    from prefixcache.replay.speculate import parse_verify_cost
 
     _check_inputs_exist(args.paths)
     if args.no_model or args.endpoint:  # no model runs here: nothing imports torch
@@ -454,6 +475,8 @@ def _checked_replay(args: argparse.Namespace, progress: _Progress) -> int:
         state_bytes=args.state_bytes,
         state_every=args.state_every,
         max_state_bytes=args.max_state_bytes,
+        speculate=args.speculate,
+        verify_cost=parse_verify_cost(args.verify_cost) if args.verify_cost is not None else None,
     )
     replayer.check_pool_memory()
     try:
@@ -477,7 +500,13 @@ def _checked_replay(args: argparse.Namespace, progress: _Progress) -> int:
 
 
 def _write_replay(args: argparse.Namespace, report, tokenizer_name: str) -> None:
-    from prefixcache.replay.report import drift_json, format_drift, format_drift_requests, format_replay
+    from prefixcache.replay.report import (
+        drift_json,
+        format_drift,
+        format_drift_requests,
+        format_replay,
+        format_speculation,
+    )
 
     # The files first: a stdout closed early (`| head`) must not cost them.
     if args.json:
@@ -492,6 +521,9 @@ def _write_replay(args: argparse.Namespace, report, tokenizer_name: str) -> None
                 out.write(json.dumps(record) + "\n")
     print(f"tokenizer: {tokenizer_name}")
     print(format_replay(report, wide=args.wide))
+    speculation = format_speculation(report)
+    if speculation:
+        print(speculation)
     for scenario in report.scenarios:
         line = format_drift(scenario)
         if line:

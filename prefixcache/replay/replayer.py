@@ -41,6 +41,10 @@ from prefixcache.replay.explain import (
     explain,
 )
 from prefixcache.replay.ideal import IdealCache
+from prefixcache.replay.model_limits import DEFAULT_ATOL as DEFAULT_ATOL
+from prefixcache.replay.model_limits import HALF_ATOL as HALF_ATOL
+from prefixcache.replay.model_limits import RECURRENT_ATOL as RECURRENT_ATOL
+from prefixcache.replay.model_limits import default_atol, free_memory_bytes, gib
 from prefixcache.replay.options import check_options as check_options
 from prefixcache.replay.requests import ORDERS as ORDERS
 from prefixcache.replay.requests import Progress, read_requests, smallest_pool_tokens
@@ -53,10 +57,9 @@ from prefixcache.replay.results import ReplayReport as ReplayReport
 from prefixcache.replay.results import ReplaySeries as ReplaySeries
 from prefixcache.replay.results import ScenarioReport as ScenarioReport
 from prefixcache.replay.scenarios import expand_paths
+from prefixcache.replay.speculate import DEFAULT_VERIFY_COST, SPECULATE_MODES, Speculator
 
 if TYPE_CHECKING:  # a replay without a model (--no-model) imports no torch
-    import torch
-
     from prefixcache.engine.runner import PrefixCachingRunner
     from prefixcache.models.base import CausalLM
 
@@ -66,29 +69,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_PREFILL_CHUNK_TOKENS = 512
 """Tokens per prefill forward in a model replay (the server's ``--max-batch-tokens`` default): a long prompt's
 progress shows chunk by chunk and a Ctrl-C acts between chunks."""
-DEFAULT_ATOL = 1e-4
-"""``--verify``'s tolerance on fp32 logits: cached against uncached."""
-RECURRENT_ATOL = 5e-3
-"""``--verify``'s tolerance for a model with recurrent layers: its chunked scans round differently when a forward is
-split where the prefill keeps states (up to ~2.5e-3 on tiny random models with logits near 8; the model's own
-``generate`` differs from its full forward as much), so cached and uncached logits agree to this, and greedy tokens
-too except where the reference's top two are within it (a near tie the rounding may flip)."""
-
-
-HALF_ATOL = 2.0
-"""``--verify``'s tolerance on the logits of a bfloat16 or float16 model, greedy tokens compared as for a recurrent
-model (equal except where the reference's top two are within it).  A prefill split where the cache ends rounds
-differently from one forward over the whole prompt: on SmolLM2-135M in bfloat16 the two differ by up to 1.0 (logits
-near 20, where a bfloat16 step is 0.125), and transformers' own forward split at the same place gives prefixcache's
-cached logits bit for bit (``tests/models/test_smollm2.py``)."""
-
-
-def default_atol(model: Any) -> float:
-    """``--verify``'s tolerance for ``model``: :data:`RECURRENT_ATOL` with recurrent layers, :data:`HALF_ATOL` in
-    bfloat16 / float16, else :data:`DEFAULT_ATOL`."""
-    if getattr(model, "recurrent", False):
-        return RECURRENT_ATOL
-    return HALF_ATOL if str(getattr(model, "dtype", "")) in ("torch.bfloat16", "torch.float16") else DEFAULT_ATOL
 
 
 class ReplayInterrupted(KeyboardInterrupt):
@@ -117,6 +97,8 @@ class Replayer:
     With a model, prompts (and teacher-forced answers) are computed in forwards of at most ``prefill_chunk_tokens``
     tokens (None: one forward each), the uncached baseline too, so a tqdm bar given as ``progress`` shows each
     prefill chunk by chunk (in its postfix) and a Ctrl-C acts between chunks.
+    ``speculate`` (``"context"`` or ``"tree"``; ``"off"``: none) predicts speculative decoding on the recorded answers
+    (:mod:`prefixcache.replay.speculate`), a verify of ``k`` draft tokens costing ``verify_cost[k]`` decode steps.
     """
 
     def __init__(
@@ -138,6 +120,8 @@ class Replayer:
         state_every: int = DEFAULT_STATE_INTERVAL_BLOCKS,
         max_state_bytes: int | None = None,
         prefill_chunk_tokens: int | None = DEFAULT_PREFILL_CHUNK_TOKENS,
+        speculate: str = "off",
+        verify_cost: Sequence[float] | None = None,
     ) -> None:
         check_options(
             has_model=model is not None,
@@ -172,6 +156,10 @@ class Replayer:
                 f"prefill_chunk_tokens must be a positive int or None, got {prefill_chunk_tokens}"
             )
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        if speculate not in SPECULATE_MODES:
+            raise InvalidArgumentError(f"speculate must be one of {SPECULATE_MODES}, got {speculate!r}")
+        self.speculate = speculate
+        self.verify_cost = tuple(verify_cost) if verify_cost is not None else DEFAULT_VERIFY_COST
 
     def replay(
         self,
@@ -203,6 +191,11 @@ class Replayer:
                     f"{len(longest.prompt) + len(longest.answer)} positions; the model has {self.model.max_position}"
                 )
         runner, cache = self._make_cache(requests, ideal_hits)
+        speculator = None
+        if self.speculate != "off":
+            speculator = Speculator(requests, self.speculate, self.verify_cost)
+            if self.speculate == "tree":
+                cache.subscribe(speculator.drafter)
         reference = None
         if runner is not None:
             from prefixcache.replay.reference import UncachedReference
@@ -232,6 +225,8 @@ class Replayer:
         try:
             for index, request in enumerate(iterator):
                 explanation = self._explain(cache, request, tree_namespace) if tally is not None else None
+                if speculator is not None:  # before the request's own commit: the cache holds earlier ones only
+                    speculator.run(request, tree_namespace)
                 if runner is None:
                     cached, copied, ttft = self._account(cache, request, namespace)
                 else:
@@ -270,6 +265,10 @@ class Replayer:
                     log.append(_request_record(request, cached, copied, ideal_hits[index], ttft))
         except KeyboardInterrupt:
             report.partial = True
+        if speculator is not None:
+            report.speculation = speculator.tally
+            if self.speculate == "tree":
+                cache.unsubscribe(speculator.drafter)
         self._finish(report, cache, tally)
         if report.partial:
             raise ReplayInterrupted(report)
@@ -439,7 +438,7 @@ class Replayer:
         free = free_memory_bytes(self.model.device)
         if free is not None and num_bytes > free:
             raise CapacityError(
-                f"{what} asks for {_gib(num_bytes)} of KV but {self.model.device} has only {_gib(free)} free; "
+                f"{what} asks for {gib(num_bytes)} of KV but {self.model.device} has only {gib(free)} free; "
                 f"give a smaller --cache-memory (or --cache-tokens)"
             )
 
@@ -455,30 +454,6 @@ def _prefill_note(note: Callable[..., object] | None, prompt_tokens: int) -> Cal
             note(f"prefill {position:,}/{prompt_tokens:,} tok", refresh=True)
 
     return on_step
-
-
-def free_memory_bytes(device: torch.device | str) -> int | None:
-    """Bytes free for new tensors on ``device``: the CUDA driver's count, or the kernel's ``MemAvailable`` for the
-    CPU; ``None`` when unknown."""
-    import torch
-
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def _gib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**30:,.1f} GiB"
 
 
 def _request_record(request: ReplayRequest, cached: int, copied: int, ideal: int, ttft: float | None) -> dict[str, Any]:
@@ -527,6 +502,8 @@ def replay_paths(
     report = ReplayReport(block_size=replayer.block_size)
     report.state_bytes = replayer.state_bytes
     report.state_every = replayer.state_every
+    report.speculate = replayer.speculate
+    report.verify_cost = replayer.verify_cost if replayer.speculate != "off" else None
     report.host_tier = replayer.host_cache_tokens is not None or replayer.host_cache_memory is not None
     if replayer.model is not None:
         report.model = getattr(getattr(replayer.model, "config", None), "name", type(replayer.model).__name__)

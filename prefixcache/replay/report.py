@@ -10,6 +10,7 @@ from tabulate import tabulate
 
 from prefixcache.replay.formats import FILE_FORMATS
 from prefixcache.replay.results import ReplayReport, ScenarioReport
+from prefixcache.replay.speculate import DEFAULT_COST_NOTE, DEFAULT_VERIFY_COST
 
 
 def _pct(x: float) -> str:
@@ -108,6 +109,8 @@ def compact_table(report: ReplayReport, width: int = COMPACT_WIDTH) -> str:
         columns.append(("host rate", lambda s: _pct(s.host_hit_rate)))
     if report.state_bytes is not None:
         columns += [("shortfall", lambda s: s.resume_shortfall_tokens), ("states kept", lambda s: s.num_states)]
+    if any(s.speculation is not None and s.speculation.steps for s in scenarios):
+        columns.append(("tok/step", lambda s: f"{s.speculation.tokens_per_step:.2f}" if s.speculation else "-"))
     if report.model is not None:
         columns.append(("prefill s", lambda s: _seconds(s.prefill_s_cached)))
         if any(s.prefill_s_uncached is not None for s in scenarios):
@@ -202,6 +205,30 @@ def _wide_table(report: ReplayReport) -> str:
     if len(report.scenarios) > 1:
         rows.append(_row(report.total, with_model, report.host_tier, recurrent))
     return tabulate(rows, headers=headers, tablefmt="github", intfmt=",")
+
+
+def format_speculation(report: ReplayReport) -> str | None:
+    """The lines on predicted speculative decoding (:mod:`prefixcache.replay.speculate`) over all files: tokens per
+    verify step with full drafts, overall and by draft source, then with the adaptive draft length and the projected
+    decode speed-up at the cost model; None when it was not predicted or no request had an answer."""
+    tally = report.total.speculation
+    if tally is None or report.verify_cost is None:
+        return None
+    where = "each request's own context" + (", else the cache's blocks" if report.speculate == "tree" else "")
+    if not tally.steps:
+        return f"speculative decoding: no recorded answers to draft ({where})"
+    costs = report.verify_cost
+    cost_model = "default: " + DEFAULT_COST_NOTE if tuple(costs) == DEFAULT_VERIFY_COST else "--verify-cost"
+    return (
+        f"speculative decoding, drafts of up to {len(costs) - 1} tokens from {where}, teacher forced on the "
+        f"recorded answers: {tally.tokens_per_step:.2f} answer tokens per verify step ({tally.answer_tokens:,} "
+        f"tokens in {tally.steps:,} forwards; context drafts {tally.source_tokens_per_step('context'):.2f} a step "
+        f"over {tally.context_steps:,}, cache drafts {tally.source_tokens_per_step('tree'):.2f} over "
+        f"{tally.tree_steps:,})\n"
+        f"adaptive draft length: {tally.adaptive_tokens_per_step:.2f} tokens per step, projected decode speed-up "
+        f"{tally.adaptive_speedup:.2f}x (full drafts {tally.speedup:.2f}x), a verify of 1..{len(costs) - 1} draft "
+        f"tokens costing {costs[1]:.2f}..{max(costs):.2f} decode steps ({cost_model})"
+    )
 
 
 def format_inputs(report: ReplayReport) -> list[str]:

@@ -7,6 +7,7 @@ from typing import Any
 
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.replay.explain import DivergencePoint
+from prefixcache.replay.speculate import SpeculationTally
 
 __all__ = ["DriftRecord", "ReplayReport", "ReplaySeries", "ScenarioReport"]
 
@@ -67,6 +68,9 @@ class ScenarioReport:
     ``num_states`` / ``state_bytes`` are the states kept at the end (within ``max_state_bytes``), ``evicted_states``
     the states the budget evicted, ``dropped_states`` those not kept, ``kv_evicted_states`` those freed with their
     KV.  All 0 otherwise.
+
+    ``speculation``: the predicted speculative decoding of the recorded answers (:mod:`prefixcache.replay.speculate`),
+    None when not predicted.
     """
 
     scenario: str
@@ -100,6 +104,7 @@ class ScenarioReport:
     explain_kinds: dict[str, int] | None = None
     divergences: list[DivergencePoint] = field(default_factory=list)
     drifts: list[DriftRecord] = field(default_factory=list)
+    speculation: SpeculationTally | None = None
 
     @property
     def hit_rate(self) -> float:
@@ -133,6 +138,7 @@ class ScenarioReport:
         out["device_hit_rate"] = self.device_hit_rate
         out["host_hit_rate"] = self.host_hit_rate
         out["speedup"] = self.speedup
+        out["speculation"] = self.speculation.to_json() if self.speculation is not None else None
         return out
 
 
@@ -148,6 +154,8 @@ class ReplayReport:
     host_tier: bool = False  # the replay had a host-memory tier: the table gives hit rates per tier
     state_bytes: int | None = None  # recurrent-state modelling: bytes per state (the table gives the shortfall)
     state_every: int = 0
+    speculate: str = "off"  # --speculate: how the answers' speculative decoding was predicted (off: not)
+    verify_cost: tuple[float, ...] | None = None  # the cost of a verify of k draft tokens in decode steps, index k
 
     @property
     def total(self) -> ScenarioReport:
@@ -185,6 +193,10 @@ class ReplayReport:
         total.verified = None if not verified or any(v is None for v in verified) else all(verified)
         diffs = [s.max_abs_logit_diff for s in self.scenarios if s.max_abs_logit_diff is not None]
         total.max_abs_logit_diff = max(diffs) if diffs else None
+        for s in self.scenarios:
+            if s.speculation is not None:
+                total.speculation = total.speculation or SpeculationTally()
+                total.speculation.add(s.speculation)
         return total
 
     def to_json(self) -> dict[str, Any]:
@@ -195,6 +207,8 @@ class ReplayReport:
         out["partial"] = self.partial
         out["recurrent_state_bytes"] = self.state_bytes
         out["state_every_blocks"] = self.state_every
+        out["speculate"] = self.speculate
+        out["verify_cost"] = list(self.verify_cost) if self.verify_cost is not None else None
         formats = {s.input_format for s in self.scenarios}
         out["input_format"] = (formats.pop() if len(formats) == 1 else "mixed") if formats else None
         out["scenarios"] = {s.scenario: s.to_json() for s in self.scenarios}

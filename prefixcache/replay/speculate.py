@@ -1,0 +1,295 @@
+"""Predict speculative decoding drafted from the context and the cache, on the recorded answers of a replay.
+
+For each request with a recorded answer the replay simulates greedy verification teacher forced on the answer's
+tokens: at each step the :class:`~prefixcache.engine.draft.Drafter` proposes a draft from the request's own context
+(prompt and answer so far), else from the full blocks the cache holds in the request's namespace (every earlier
+request's prompt and answer there: the drafter follows the replay's cache through its KV events, evictions
+included); the accepted part is the longest prefix of the draft equal to the next recorded tokens, and the step
+yields it plus one token (the model's own, here the recorded one).  A request's first step is the one its prefill
+would make: the draft rides along with the prompt's last token.  Every answer token counts, the template's closing
+tokens included.
+
+Tokens per verify step is answer tokens / forwards.  The projected decode speed-up divides answer tokens by the cost
+of those forwards in decode steps: a forward verifying ``k`` draft tokens costs ``verify_cost[k]`` (1 for ``k = 0``),
+:data:`DEFAULT_VERIFY_COST` unless given.
+
+``python -m prefixcache.replay.speculate --time FILE [--tokenizer DIR]`` measures the drafter's cost per step on a
+transcript file (the figures in :mod:`prefixcache.engine.draft`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from array import array
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from prefixcache.engine.draft import ContextIndex, Drafter, DraftLength
+from prefixcache.errors import InvalidArgumentError
+
+__all__ = [
+    "DEFAULT_COST_NOTE",
+    "DEFAULT_VERIFY_COST",
+    "SPECULATE_MODES",
+    "SpeculationTally",
+    "Speculator",
+    "parse_verify_cost",
+]
+
+SPECULATE_MODES = ("off", "context", "tree")
+"""``--speculate``: no prediction; drafts from the request's own context only (prompt-lookup decoding); from the
+context, else from the cache's blocks."""
+
+DEFAULT_VERIFY_COST = (1.0, 1.27, 1.58, 1.67, 1.97, 1.98, 2.13, 2.18, 2.21)
+"""The cost of a forward verifying ``k`` draft tokens (index ``k``) in decode steps: the embedded ``small`` preset
+(8 layers, hidden 512, float32) at 2,048 tokens of context with the engine's forward against live K/V, on this
+project's 2-core development machine with one torch thread (``python -m prefixcache.replay.verify_cost --threads 1
+--repeats 6``: one token 72 ms while other jobs loaded the machine, 2 tokens 92 ms, 9 tokens 159 ms).  Two threads
+on that loaded machine gave 5-8x for every draft length, a contention figure, not the forward's.  A GPU decoding a
+larger model is bound by reading weights and K/V and verifies 9 tokens for little more than one: pass its own
+figures with ``--verify-cost``."""
+
+DEFAULT_COST_NOTE = "the small preset at 2k context on a 2-core CPU, one thread"
+"""Where :data:`DEFAULT_VERIFY_COST` was measured, as the replay report names it."""
+
+
+def parse_verify_cost(text: str) -> tuple[float, ...]:
+    """``--verify-cost``: comma-separated costs of verifying ``k = 1, 2, ...`` draft tokens in decode steps (a
+    draft longer than the list costs its last value); ``"1"`` models a verify as cheap as a decode step.
+    Returns the table indexed by ``k`` (``[0]`` is 1).
+
+    Raises:
+        InvalidArgumentError: not positive numbers, or fewer than one.
+    """
+    try:
+        costs = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise InvalidArgumentError(f"--verify-cost {text!r}: give numbers separated by commas, e.g. 1.1,1.2") from None
+    if not costs or any(not c > 0 or c == float("inf") for c in costs):
+        raise InvalidArgumentError(f"--verify-cost {text!r}: costs must be positive numbers")
+    return (1.0, *costs)
+
+
+@dataclass(slots=True)
+class SpeculationTally:
+    """What the simulated verification of the answers gave, two ways.
+
+    With full drafts (every draft as long as the drafter found, up to the maximum): ``answer_tokens`` were produced in
+    ``steps`` forwards (``context_steps`` / ``tree_steps`` of them verified a draft from that source, making
+    ``context_tokens`` / ``tree_tokens``), ``proposed_tokens`` draft tokens were verified and ``accepted_tokens`` of
+    them kept, and the forwards cost ``cost`` decode steps.  With the adaptive draft length
+    (:class:`~prefixcache.engine.draft.DraftLength` at the verify cost): ``adaptive_steps`` forwards costing
+    ``adaptive_cost``, ``adaptive_proposed_tokens`` draft tokens verified.
+    """
+
+    requests: int = 0
+    answer_tokens: int = 0
+    steps: int = 0
+    context_steps: int = 0
+    context_tokens: int = 0
+    tree_steps: int = 0
+    tree_tokens: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    cost: float = 0.0
+    adaptive_steps: int = 0
+    adaptive_proposed_tokens: int = 0
+    adaptive_cost: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Answer tokens per forward with full drafts (1.0 means no gain)."""
+        return self.answer_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def speedup(self) -> float:
+        """Decode steps the answers would take without drafts, over the cost of the forwards with full drafts."""
+        return self.answer_tokens / self.cost if self.cost else 0.0
+
+    @property
+    def adaptive_tokens_per_step(self) -> float:
+        """Answer tokens per forward with the adaptive draft length."""
+        return self.answer_tokens / self.adaptive_steps if self.adaptive_steps else 0.0
+
+    @property
+    def adaptive_speedup(self) -> float:
+        """Decode steps the answers would take without drafts, over the cost of the forwards with the adaptive
+        draft length: the projected decode speed-up."""
+        return self.answer_tokens / self.adaptive_cost if self.adaptive_cost else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Draft tokens accepted over draft tokens verified, with full drafts."""
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+    def source_tokens_per_step(self, source: str) -> float:
+        """Tokens per forward over the forwards whose draft came from ``source`` (``"context"`` or ``"tree"``)."""
+        if source == "context":
+            return self.context_tokens / self.context_steps if self.context_steps else 0.0
+        return self.tree_tokens / self.tree_steps if self.tree_steps else 0.0
+
+    def add(self, other: SpeculationTally) -> None:
+        """Add ``other``'s counts to this one's."""
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = asdict(self)
+        out["tokens_per_step"] = self.tokens_per_step
+        out["context_tokens_per_step"] = self.source_tokens_per_step("context")
+        out["tree_tokens_per_step"] = self.source_tokens_per_step("tree")
+        out["acceptance_rate"] = self.acceptance_rate
+        out["full_draft_speedup"] = self.speedup
+        out["adaptive_tokens_per_step"] = self.adaptive_tokens_per_step
+        out["projected_speedup"] = self.adaptive_speedup
+        return out
+
+
+class Speculator:
+    """Simulates drafting and verification for the requests of one replayed file, in replay order.
+
+    ``mode``: ``"context"`` or ``"tree"`` (see :data:`SPECULATE_MODES`).  Subscribe :attr:`drafter` to the replay's
+    cache before the first request (mode ``"tree"``), and call :meth:`run` for each request before the cache commits
+    it.  A draft depends only on the context, and teacher forcing makes the context at answer position ``i`` the
+    prompt and the first ``i`` answer tokens whatever was drafted before, so the drafter is asked once per answer
+    position for its full draft, and both ways of verifying (full drafts, adaptive length) are played over those.
+    A conversation's context index is kept from one turn to the next while its prompt extends the previous prompt and
+    answer (and dropped after its last turn), so each conversation's tokens are indexed once.
+    """
+
+    def __init__(
+        self,
+        requests: Sequence[Any],
+        mode: str = "tree",
+        verify_cost: Sequence[float] = DEFAULT_VERIFY_COST,
+        max_draft_tokens: int = 8,
+    ) -> None:
+        if mode not in SPECULATE_MODES[1:]:
+            raise InvalidArgumentError(f"unknown speculation mode {mode!r}; choose one of {SPECULATE_MODES[1:]}")
+        self.mode = mode
+        self.verify_cost = DraftLength(max_draft_tokens, verify_cost).costs
+        self.drafter = Drafter(max_draft_tokens, use_tree=mode == "tree")
+        self.tally = SpeculationTally()
+        self._turns_left = Counter(r.conversation_id for r in requests)
+        self._contexts: dict[str, tuple[ContextIndex, array]] = {}
+
+    def run(self, request: Any, namespace: str | None = None) -> None:
+        """Simulate the decoding of ``request.answer`` after ``request.prompt`` and add it to :attr:`tally` (a request
+        without an answer adds nothing).  O(answer tokens + new prompt tokens)."""
+        conversation = request.conversation_id
+        self._turns_left[conversation] -= 1
+        kept = self._contexts.pop(conversation, None)
+        answer = request.answer
+        if not len(answer):
+            return
+        prompt = request.prompt
+        if kept is not None and len(kept[1]) <= len(prompt) and prompt[: len(kept[1])] == kept[1]:
+            index = kept[0]
+            index.extend(prompt[len(kept[1]) :])
+        else:
+            index = ContextIndex(self.drafter.ngram_sizes, prompt)
+        drafts = self._drafts(index, namespace, answer.tolist())
+        self._verify(drafts, len(answer))
+        if self._turns_left[conversation] > 0:
+            self._contexts[conversation] = (index, prompt + answer)
+
+    def _drafts(self, index: ContextIndex, namespace: str | None, answer: list[int]) -> list[tuple[int, int, bool]]:
+        """Per answer position: the full draft's length, how many of its tokens equal the answer's next ones, and
+        whether it came from the context; ``index`` is left holding the whole answer."""
+        lookup, max_tokens = self.drafter.lookup, self.drafter.max_draft_tokens
+        out = []
+        for i, token in enumerate(answer):
+            proposal = lookup(index, namespace, max_tokens)
+            draft = proposal.tokens
+            run = 0
+            for expected, drafted in zip(answer[i:], draft, strict=False):
+                if expected != drafted:
+                    break
+                run += 1
+            out.append((len(draft), run, proposal.source == "context"))
+            index.push(token)
+        return out
+
+    def _verify(self, drafts: list[tuple[int, int, bool]], end: int) -> None:
+        tally, costs = self.tally, self.verify_cost
+        tally.requests += 1
+        tally.answer_tokens += end
+        i = 0
+        while i < end:
+            drafted, run, from_context = drafts[i]
+            produced = min(run + 1, end - i)
+            tally.steps += 1
+            tally.cost += costs[drafted]
+            if drafted:
+                tally.proposed_tokens += drafted
+                tally.accepted_tokens += run
+                if from_context:
+                    tally.context_steps += 1
+                    tally.context_tokens += produced
+                else:
+                    tally.tree_steps += 1
+                    tally.tree_tokens += produced
+            i += produced
+        length = DraftLength(self.drafter.max_draft_tokens, costs)
+        i = 0
+        while i < end:
+            drafted, run, _ = drafts[i]
+            k = min(drafted, length.next_budget())
+            accepted = min(run, k)
+            tally.adaptive_steps += 1
+            tally.adaptive_cost += costs[k]
+            tally.adaptive_proposed_tokens += k
+            length.update(k, accepted)
+            i += min(accepted + 1, end - i)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``--time FILE``: the drafter's cost per propose and per appended token on a transcript file's requests."""
+    from prefixcache.chat.tokenizer import ByteTokenizer
+    from prefixcache.replay.requests import read_requests
+
+    parser = argparse.ArgumentParser(prog="python -m prefixcache.replay.speculate")
+    parser.add_argument("--time", metavar="FILE", required=True, help="a transcript file")
+    parser.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face tokenizer folder (default: bytes)")
+    parser.add_argument("--limit", type=int, default=40, help="conversations (default 40)")
+    args = parser.parse_args(argv)
+    if args.tokenizer:
+        from prefixcache.chat.hf_tokenizer import HFTokenizer
+
+        tokenizer = HFTokenizer(args.tokenizer)
+    else:
+        tokenizer = ByteTokenizer()
+    requests = read_requests(args.time, tokenizer, limit=args.limit).requests
+    drafter = Drafter()
+    for request in requests:
+        drafter.add_sequence(request.prompt + request.answer)
+    drafter.sync()
+    start_s = propose_s = extend_s = 0.0
+    proposals = appended = 0
+    for request in requests:
+        t0 = time.perf_counter()
+        session = drafter.session(request.prompt)
+        t1 = time.perf_counter()
+        answer = request.answer.tolist()
+        for i, token in enumerate(answer):
+            t2 = time.perf_counter()
+            session.propose()
+            t3 = time.perf_counter()
+            session.advance(answer[i : i + 1], 0, 0)
+            extend_s += time.perf_counter() - t3
+            propose_s += t3 - t2
+            proposals += 1
+            appended += token >= 0
+        start_s += t1 - t0
+    prompts = sum(len(r.prompt) for r in requests) / len(requests)
+    print(f"{len(requests)} requests, prompts of {prompts:,.0f} tokens on average, {proposals:,} proposals")
+    print(f"propose: {1e6 * propose_s / proposals:.1f} us; append a token: {1e6 * extend_s / appended:.1f} us; ")
+    print(f"session start (index the prompt): {1e3 * start_s / len(requests):.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""The replay's prediction of speculative decoding: exact tokens per step on hand-built transcripts, the command line's
+line and JSON, and ``--sweep`` untouched."""
+
+from __future__ import annotations
+
+import json
+from array import array
+from pathlib import Path
+
+import pytest
+
+from prefixcache.cli import main
+from prefixcache.cli.replay import SPECULATE_CHOICES
+from prefixcache.errors import InvalidArgumentError
+from prefixcache.replay.replayer import Replayer, ReplayRequest
+from prefixcache.replay.speculate import SPECULATE_MODES, parse_verify_cost
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = ROOT / "scenarios" / "multi_turn_chat.jsonl"
+
+
+def _request(conversation: str, prompt: list[int], answer: list[int]) -> ReplayRequest:
+    return ReplayRequest("s", conversation, 1, array("I", prompt), array("I", answer))
+
+
+def test_an_answer_copied_from_its_prompt_takes_two_forwards() -> None:
+    # Step 1: nothing before 9 to match, one token (5).  Step 2: the 5 matches at prompt position 4, the draft
+    # 6 7 8 9 5 agrees on four tokens, then the model's own 10: five tokens.
+    request = _request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 10])
+    tally = Replayer(None, block_size=4, speculate="context", verify_cost=(1.0,)).replay("s", [request]).speculation
+    assert (tally.answer_tokens, tally.steps, tally.tokens_per_step) == (6, 2, 3.0)
+    assert (tally.context_steps, tally.context_tokens, tally.proposed_tokens, tally.accepted_tokens) == (1, 5, 5, 4)
+    assert tally.speedup == 3.0 and tally.adaptive_tokens_per_step == 3.0
+
+
+def test_a_draft_from_an_earlier_requests_cached_blocks() -> None:
+    first = _request("a", [1, 2, 3, 4, 5, 6, 7, 8], [20, 21, 22, 23, 24, 25, 26, 27])  # 8 steps: nothing to copy
+    second = _request("b", [9, 9, 9, 20], [21, 22, 23, 30])  # 20 was followed by 21.. in the cache: one step
+    report = Replayer(None, block_size=4, speculate="tree", verify_cost=(1.0,)).replay("s", [first, second])
+    tally = report.speculation
+    assert (tally.answer_tokens, tally.steps, tally.tree_steps, tally.tree_tokens) == (12, 9, 1, 4)
+    assert tally.tokens_per_step == pytest.approx(12 / 9)
+    context_only = Replayer(None, block_size=4, speculate="context", verify_cost=(1.0,))
+    assert context_only.replay("s", [first, second]).speculation.steps == 12
+
+
+def test_a_costly_verify_is_charged_per_draft_length() -> None:
+    request = _request("a", [1, 2, 3, 4, 5, 6, 7, 8, 9], [5, 6, 7, 8, 9, 10])
+    tally = Replayer(None, block_size=4, speculate="context", verify_cost=(1.0, 2.0)).replay("s", [request]).speculation
+    assert tally.cost == 1.0 + 2.0  # one step without a draft, one verifying 5 draft tokens
+    assert tally.speedup == 2.0
+
+
+def test_speculation_is_off_by_default_in_the_library_and_the_modes_match_the_cli() -> None:
+    request = _request("a", [1, 2, 3], [1, 2])
+    assert Replayer(None).replay("s", [request]).speculation is None
+    assert SPECULATE_CHOICES == SPECULATE_MODES
+    assert parse_verify_cost("1.5,2") == (1.0, 1.5, 2.0)
+    with pytest.raises(InvalidArgumentError):
+        parse_verify_cost("1,x")
+    with pytest.raises(InvalidArgumentError):
+        parse_verify_cost("0")
+
+
+def test_the_replay_prints_and_writes_the_prediction(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "report.json"
+    assert main(["replay", str(CHAT), "--no-model", "--no-progress", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "tok/step" in printed and "answer tokens per verify step" in printed
+    assert "projected decode speed-up" in printed
+    report = json.loads(out.read_text())
+    assert report["speculate"] == "tree" and report["speculation"]["tokens_per_step"] > 1
+    assert report["scenarios"][str(CHAT)]["speculation"]["answer_tokens"] == report["speculation"]["answer_tokens"]
+    assert main(["replay", str(CHAT), "--no-model", "--no-progress", "--speculate", "off"]) == 0
+    assert "verify step" not in capsys.readouterr().out
+    assert main(["replay", str(CHAT), "--no-model", "--no-progress", "--verify-cost", "1,1,x"]) == 2
+    assert main(["replay", str(CHAT), "--no-model", "--no-progress", "--speculate", "off", "--verify-cost", "1"]) == 2
+
+
+def test_the_sweep_prints_no_prediction(capsys) -> None:
+    assert main(["replay", str(CHAT), "--sweep", "--no-progress", "--no-token-cache", "--no-belady"]) == 0
+    printed = capsys.readouterr().out
+    assert "verify step" not in printed and "tok/step" not in printed
