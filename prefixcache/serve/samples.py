@@ -1,9 +1,9 @@
 """``n`` > 1 streamed: the ``n`` samples' event streams merged into one, in OpenAI's shape.
 
 Each sample is its own engine request and its own stream of SSE lines (``data: {chunk}``), written as a stream of one
-choice would be (:mod:`prefixcache.serve.app`).  The merge forwards each line as it comes, the sample's choice given
-its ``index``, so each choice's deltas arrive in order and the choices interleave as their tokens come out (OpenAI
-streams ``n`` choices the same way).  What describes the whole response is said once, at the end: the usage-only
+choice would be (:mod:`prefixcache.serve.completion_routes`).  The merge forwards each line as it comes, the sample's
+choice given its ``index``, so each choice's deltas arrive in order and the choices interleave as their tokens come out
+(OpenAI streams ``n`` choices the same way).  What describes the whole response is said once, at the end: the usage-only
 chunk of ``stream_options.include_usage`` (the samples' usages summed, :func:`summed_usage`) and ``[DONE]``.  Without
 ``include_usage`` the usage rides on a finishing chunk, as for ``n = 1``: the summed usage on the last choice to
 finish, none on the others (with ``continuous_usage_stats`` every chunk keeps its own choice's usage so far, the last

@@ -10,15 +10,14 @@ usage the server reports.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from prefixcache.serve.protocol import BadRequest, parse_chat_request
-from prefixcache.serve.responses_routes import AppHooks
+from prefixcache.serve.replies import json_response
 from prefixcache.serve.schemas import (
     BodyError,
     DetokenizeBody,
@@ -26,16 +25,12 @@ from prefixcache.serve.schemas import (
     TokenizePromptBody,
     validate_body,
 )
+from prefixcache.serve.state import server_state
 
-__all__ = ["add_tokenize_routes"]
+__all__ = ["add_tokenize_routes", "detokenize", "tokenize", "tokenizer_info"]
 
 ModelT = TypeVar("ModelT")
 _TEMPLATE = ("chat_template_kwargs", "reasoning_effort")
-
-
-def _json(body: Any) -> Response:
-    data = json.dumps(body, ensure_ascii=False).encode("utf-8", "backslashreplace")
-    return Response(data, media_type="application/json")
 
 
 def _checked(model: type[ModelT], body: Any) -> ModelT:
@@ -45,54 +40,36 @@ def _checked(model: type[ModelT], body: Any) -> ModelT:
         raise BadRequest(str(error), error.param) from None
 
 
-def add_tokenize_routes(hooks: AppHooks, runner: Any) -> None:
-    """Add the three routes to the app ``hooks.route`` adds to, over ``runner``'s tokenizer; each is O(length of the
-    text or ids) and raises :class:`BadRequest` (400, or 404 for another model's name) naming the parameter."""
-    route, tokenizer = hooks.route, runner.tokenizer
+def _checked_tokenize(body: Any) -> TokenizePromptBody | TokenizeChatBody:
+    chat_form = isinstance(body, Mapping) and "messages" in body
+    return _checked(TokenizeChatBody if chat_form else TokenizePromptBody, body)
 
-    def checked_tokenize(body: Any) -> TokenizePromptBody | TokenizeChatBody:
-        chat_form = isinstance(body, Mapping) and "messages" in body
-        return _checked(TokenizeChatBody if chat_form else TokenizePromptBody, body)
 
-    def tokenized(body: Any, checked: TokenizePromptBody | TokenizeChatBody) -> Response:
-        """The answer of ``/tokenize``: on the worker thread, where every request's tokenizing runs (a Hugging Face
-        tokenizer must not be used by two threads at once; see :mod:`prefixcache.serve.offload`), its JSON too (a
-        million ids take the event loop ~0.2 s to write)."""
-        if isinstance(checked, TokenizeChatBody):
-            fields = {name: body[name] for name in ("messages", "tools", *_TEMPLATE) if name in body}
-            chat = parse_chat_request({"model": checked.model or "-", **fields})
-            kwargs = {"template_kwargs": chat.template_kwargs} if chat.template_kwargs else {}
-            generation = checked.add_generation_prompt is not False
-            ids = tokenizer.render_chat(chat.messages, chat.tools, add_generation_prompt=generation, **kwargs)
-        else:
-            ids = tokenizer.encode(checked.prompt)
-        # add_special_tokens is checked only: encode adds none, as /v1/completions runs the text.
-        strings = [tokenizer.decode([token]) for token in ids] if checked.return_token_strs else None
-        return _json({"count": len(ids), "max_model_len": None, "tokens": ids, "token_strs": strings})
+def _tokenized(tokenizer: Any, body: Any, checked: TokenizePromptBody | TokenizeChatBody) -> Response:
+    """The answer of ``/tokenize``: on the worker thread, where every request's tokenizing runs (a Hugging Face
+    tokenizer must not be used by two threads at once; see :mod:`prefixcache.serve.offload`), its JSON too (a
+    million ids take the event loop ~0.2 s to write)."""
+    if isinstance(checked, TokenizeChatBody):
+        fields = {name: body[name] for name in ("messages", "tools", *_TEMPLATE) if name in body}
+        chat = parse_chat_request({"model": checked.model or "-", **fields})
+        kwargs = {"template_kwargs": chat.template_kwargs} if chat.template_kwargs else {}
+        generation = checked.add_generation_prompt is not False
+        ids = tokenizer.render_chat(chat.messages, chat.tools, add_generation_prompt=generation, **kwargs)
+    else:
+        ids = tokenizer.encode(checked.prompt)
+    # add_special_tokens is checked only: encode adds none, as /v1/completions runs the text.
+    strings = [tokenizer.decode([token]) for token in ids] if checked.return_token_strs else None
+    return json_response({"count": len(ids), "max_model_len": None, "tokens": ids, "token_strs": strings})
 
-    @route("/tokenize", "POST")
-    async def tokenize(request: Request) -> Response:
-        hooks.authenticate(request)
-        body = await hooks.read_json(request)
-        checked = await hooks.off_loop(request, checked_tokenize, body)
-        if checked.model is not None:
-            hooks.check_model(checked.model)
-        return await hooks.tokenizing(tokenized, body, checked)
 
-    def detokenized(tokens: list[int]) -> Response:
-        if not all(0 <= token < tokenizer.vocab_size for token in tokens):
-            message = f"tokens must be a list of token ids in [0, {tokenizer.vocab_size})"
-            raise BadRequest(message, "tokens")
-        return _json({"prompt": tokenizer.decode(tokens)})
+def _detokenized(tokenizer: Any, tokens: list[int]) -> Response:
+    if not all(0 <= token < tokenizer.vocab_size for token in tokens):
+        message = f"tokens must be a list of token ids in [0, {tokenizer.vocab_size})"
+        raise BadRequest(message, "tokens")
+    return json_response({"prompt": tokenizer.decode(tokens)})
 
-    @route("/detokenize", "POST")
-    async def detokenize(request: Request) -> Response:
-        hooks.authenticate(request)
-        checked = await hooks.off_loop(request, _checked, DetokenizeBody, await hooks.read_json(request))
-        if checked.model is not None:
-            hooks.check_model(checked.model)
-        return await hooks.tokenizing(detokenized, checked.tokens)
 
+def _info(tokenizer: Any) -> dict[str, Any]:
     # A Hugging Face tokenizer names its own tokens and template; the byte tokenizer's EOS is <|endoftext|> (the
     # lower of its two end ids) and its ChatML template is code, not Jinja.
     hf = getattr(tokenizer, "tokenizer", None)
@@ -101,8 +78,41 @@ def add_tokenize_routes(hooks: AppHooks, runner: Any) -> None:
     for name in ("bos_token", "pad_token", "chat_template"):
         value = getattr(hf, name, None)
         info[name] = value if isinstance(value, str) else None
+    return info
 
-    @route("/tokenizer_info", "GET")
-    async def tokenizer_info(request: Request) -> Response:
-        hooks.authenticate(request)
-        return _json(info)
+
+async def tokenize(request: Request) -> Response:
+    """``POST /tokenize``: a prompt's ids (or rendered messages'), their count and, when asked, their strings.  O(the
+    text's length); raises BadRequest (400, or 404 for another model's name) naming the parameter."""
+    state = server_state(request)
+    state.authenticate(request)
+    body = await state.work.read_json(request)
+    checked = await state.work.call(request, _checked_tokenize, body)
+    if checked.model is not None:
+        state.check_model(checked.model)
+    return await state.work.tokenizing(_tokenized, state.tokenizer, body, checked)
+
+
+async def detokenize(request: Request) -> Response:
+    """``POST /detokenize``: the text of token ids.  O(the ids' number); raises BadRequest (400 for an id outside the
+    vocabulary, or 404 for another model's name) naming the parameter."""
+    state = server_state(request)
+    state.authenticate(request)
+    checked = await state.work.call(request, _checked, DetokenizeBody, await state.work.read_json(request))
+    if checked.model is not None:
+        state.check_model(checked.model)
+    return await state.work.tokenizing(_detokenized, state.tokenizer, checked.tokens)
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """``GET /tokenizer_info``: the tokenizer's class, vocabulary size, special tokens and chat template."""
+    state = server_state(request)
+    state.authenticate(request)
+    return json_response(_info(state.tokenizer))
+
+
+def add_tokenize_routes(app: FastAPI) -> None:
+    """Add the three tokenizer routes to ``app``."""
+    app.add_route("/tokenize", tokenize, methods=["POST"])
+    app.add_route("/detokenize", detokenize, methods=["POST"])
+    app.add_route("/tokenizer_info", tokenizer_info, methods=["GET"])
