@@ -4,8 +4,10 @@ Agent answers copy their context (ids, JSON keys, argument values from tool resu
 that followed the request's last few tokens elsewhere are a good guess at what comes next.  At each decode step
 :meth:`DraftSession.propose` matches the last 4, 3, 2 or 1 tokens of the request's context (prompt and tokens so far)
 in that context (prompt-lookup decoding, vLLM's ``ngram`` method), else in every full block cached in the request's
-namespace (what followed the same tokens in any cached sequence the request may read, never another namespace's), and
-proposes the up to ``k`` tokens that followed the latest occurrence.  One forward then scores the ``1 + k`` positions
+namespace (what followed the same tokens in any cached sequence the request may read, never another namespace's),
+before trying a shorter suffix, and proposes the up to ``k`` tokens that followed the latest occurrence.  (Trying
+every length in the context before the cache drafts less well: on tau-bench with the Qwen2.5 tokenizer 2.45 tokens
+per verify step with full drafts, against 2.87 this way.)  One forward then scores the ``1 + k`` positions
 and keeps the longest prefix of the draft that the model agrees with, plus its own next token.
 
 The cache side is kept in step with the radix tree by its KV events: ``cache.subscribe(drafter)`` sends every full
@@ -286,25 +288,22 @@ class Drafter:
 
     def lookup(self, index: ContextIndex, namespace: str | None, num_tokens: int) -> DraftProposal:
         """The draft after the context ``index`` holds: its last ``n`` tokens (``n`` in :attr:`ngram_sizes`, longest
-        first) matched in the context itself, else in ``namespace``'s blocks; the up to ``num_tokens`` tokens after
-        the latest match.  O(sizes + num_tokens) dict lookups and slices."""
+        first) matched in the context itself, else in ``namespace``'s blocks, before a shorter ``n`` is tried; the up
+        to ``num_tokens`` tokens after the latest match.  O(sizes + num_tokens) dict lookups and slices."""
         if num_tokens <= 0 or not len(index):
             return NO_DRAFT
+        tree = None
+        if self.use_tree:
+            if self._pending:
+                self.sync()
+            tree = self._trees.get(namespace)
+        hashes = index.tail
+        suffix = index.tokens[-self.ngram_sizes[0] :]
         for n in self.ngram_sizes:
             draft = index.lookup(n, num_tokens)
             if draft:
                 return DraftProposal(tuple(draft), "context", n)
-        if not self.use_tree:
-            return NO_DRAFT
-        if self._pending:
-            self.sync()
-        tree = self._trees.get(namespace)
-        if tree is None:
-            return NO_DRAFT
-        hashes = index.tail
-        suffix = index.tokens[-self.ngram_sizes[0] :]
-        for n in self.ngram_sizes:
-            if n <= len(hashes):
+            if tree is not None and n <= len(hashes):
                 draft = tree.lookup(n, hashes[n - 1], suffix[len(suffix) - n :], num_tokens)
                 if draft:
                     return DraftProposal(tuple(draft), "tree", n)

@@ -18,13 +18,9 @@ SIZES = (4, 3, 2, 1)
 
 
 def reference_draft(context: list[int], sequences: list[list[int]], block_size: int, k: int) -> DraftProposal:
-    """Brute force: the latest earlier occurrence of the context's last n tokens in the context (n = 4..1), else the
-    latest stored position of them among the sequences' full blocks (blocks in the order first stored, positions in
-    order), continued through the latest stored block after each block."""
-    for n in SIZES:
-        for p in range(len(context) - 1, n - 1, -1):
-            if len(context) >= n and context[p - n : p] == context[-n:]:
-                return DraftProposal(tuple(context[p : p + k]), "context", n)
+    """Brute force: for n = 4..1, the latest earlier occurrence of the context's last n tokens in the context, else
+    the latest stored position of them among the sequences' full blocks (blocks in the order first stored, positions
+    in order), continued through the latest stored block after each block."""
     blocks: dict[tuple[int, ...], int] = {}  # a block, named by the prefix it ends: the order it was stored in
     for sequence in sequences:
         for j in range(len(sequence) // block_size):
@@ -44,6 +40,9 @@ def reference_draft(context: list[int], sequences: list[list[int]], block_size: 
     for n in SIZES:
         if len(context) < n:
             continue
+        for p in range(len(context) - 1, n - 1, -1):
+            if context[p - n : p] == context[-n:]:
+                return DraftProposal(tuple(context[p : p + k]), "context", n)
         for prefix in reversed(stored):
             for offset in range(block_size - 1, -1, -1):
                 end = len(prefix) - block_size + offset
