@@ -190,7 +190,7 @@ class EngineCore:
             for request, row, row_logits in zip(members, rows, logits, strict=False):
                 try:
                     self._computed(request, row.token_ids.numel(), row_logits)
-                except BaseException as error:  # noqa: BLE001 - a pick's error fails its request, the others go on
+                except BaseException as error:  # noqa: BLE001 - a pick or tree write fails its request, the others go on
                     self._fail(request, error)
                     if not isinstance(error, Exception):
                         raise
