@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from prefixcache.bench.common import BenchResult, Table
-from prefixcache.bench.device_clock import TORCH_THREADS, clock, one_torch_thread, timed_runner_call
+from prefixcache.bench.device_clock import TORCH_THREADS, clock, timed_runner_call, torch_threads
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError, install_command
@@ -279,7 +279,7 @@ def measure(setup: AgentSetup) -> tuple[list[AgentStep], dict]:
     longest = sum(len(conv[-1]) + setup.max_new_tokens * len(conv) for conv in prompts)
     ways = _Ways(hf, tokenizer, setup, system_ids, cache_tokens=longest + 64 * setup.block_size)
     run_way = {"a": ways.scratch, "b": ways.reuse, "c": ways.prefixcache}
-    with one_torch_thread():
+    with torch_threads():
         ways.warm_up(prompts[0][0][-64:])
         steps = _interleaved(setup, prompts, run_way)
     description = {

@@ -1,11 +1,11 @@
-"""What the benchmarks share: result records, the standard workload, a timer and a plain-text table printer."""
+"""What the benchmarks share: result records, the standard workload and a plain-text table printer (their clock is
+:mod:`prefixcache.bench.device_clock`)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
 import statistics
-import time
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -105,17 +105,6 @@ def frozen_gc() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-def now_ns() -> int:
-    """The benchmarks' clock: CPU time of the calling thread, in ns.
-
-    The benchmarks time single-threaded CPU-bound loops, so on an idle machine this is wall time; on a busy one
-    (a shared CI runner, a laptop compiling) it leaves out the time other processes hold the core, which would
-    otherwise inflate the figures by whole scheduler time slices.  Read once per timed loop, never per call
-    (each read is a system call).
-    """
-    return time.thread_time_ns()
 
 
 def us_per(total_ns: int, count: int) -> float:

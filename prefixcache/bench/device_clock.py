@@ -1,8 +1,13 @@
-"""The clock of ``bench engine`` and its kin: the calling thread's CPU time with torch held to one intra-op thread, or
-GPU wall time after a synchronize on CUDA; and the device a run asks for, checked.
+"""The benchmarks' clock, in one place: the calling thread's CPU time while torch runs one intra-op thread, wall time
+while it runs more, or GPU wall time after a synchronize inside :func:`device_clock` for CUDA; the torch thread count a
+run holds; and the device a run asks for, checked.
 
 On the CPU of a small shared machine a second torch thread makes every op wait for a descheduled peer, and wall time
-counts other processes' time slices; on CUDA the CPU only launches kernels, so its CPU time would miss the work.
+counts other processes' time slices, so the rows of ``bench engine``, ``bench agent`` and ``bench runner`` hold torch
+to :data:`TORCH_THREADS`; a row that runs more threads (``bench engine``'s floor) is timed on wall time, since the
+calling thread's CPU time would miss its peers' work.  On CUDA the CPU only launches kernels, so its CPU time would
+miss the work.  The cache benchmarks (``bench tree``, ``evict``, ``peers``) time pure-Python loops on
+:func:`now_ns`.
 """
 
 from __future__ import annotations
@@ -17,18 +22,44 @@ from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError
 
-__all__ = ["DEVICES", "TORCH_THREADS", "check_device", "clock", "device_clock", "one_torch_thread", "timed_runner_call"]
+__all__ = [
+    "DEVICES",
+    "TORCH_THREADS",
+    "check_device",
+    "clock",
+    "device_clock",
+    "now_ns",
+    "timed_runner_call",
+    "torch_threads",
+]
 
 TORCH_THREADS = 1
+"""Intra-op threads while measuring: one keeps the figures reproducible on a small shared machine (two made the tiny
+model's 1 ms question prefill take 170-240 ms whenever anything else ran), and every compared path runs the same way."""
 DEVICES = ("cpu", "cuda")
 
-_now: Callable[[], float] = time.thread_time
+
+def _cpu_clock() -> float:
+    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
+
+
+_now: Callable[[], float] = _cpu_clock
 
 
 def clock() -> float:
-    """Seconds on the benchmarks' clock: CPU time of the calling thread, or GPU wall time inside :func:`device_clock`
-    for CUDA."""
+    """Seconds on the benchmarks' clock: CPU time of the calling thread while torch runs one intra-op thread, wall
+    time (``time.perf_counter``) while it runs more, or GPU wall time inside :func:`device_clock` for CUDA."""
     return _now()
+
+
+def now_ns() -> int:
+    """CPU time of the calling thread, in ns: the clock of the cache benchmarks' single-threaded pure-Python loops.
+
+    On an idle machine this is wall time; on a busy one (a shared CI runner, a laptop compiling) it leaves out the
+    time other processes hold the core, which would otherwise inflate the figures by whole scheduler time slices.
+    Read once per timed loop, never per call (each read is a system call).
+    """
+    return time.thread_time_ns()
 
 
 def check_device(device: str) -> torch.device:
@@ -52,10 +83,10 @@ def _cuda_wall_clock() -> float:
 @contextlib.contextmanager
 def device_clock(device: torch.device) -> Iterator[None]:
     """Make :func:`clock` the device's clock inside the block: wall time after a synchronize on CUDA (the CPU only
-    launches kernels there, so its CPU time would miss the work); the thread's CPU time otherwise."""
+    launches kernels there, so its CPU time would miss the work); the CPU clock otherwise."""
     global _now
     before = _now
-    _now = _cuda_wall_clock if device.type == "cuda" else time.thread_time
+    _now = _cuda_wall_clock if device.type == "cuda" else _cpu_clock
     try:
         yield
     finally:
@@ -63,10 +94,10 @@ def device_clock(device: torch.device) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """Hold torch to ``TORCH_THREADS`` intra-op threads inside the block (restored after)."""
+def torch_threads(threads: int = TORCH_THREADS) -> Iterator[None]:
+    """Hold torch to ``threads`` intra-op threads inside the block (restored after)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(TORCH_THREADS)
+    torch.set_num_threads(threads)
     try:
         yield
     finally:

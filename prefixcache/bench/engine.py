@@ -35,7 +35,7 @@ This module runs the rows and lays out the table; the rows are measured in :mod:
 from __future__ import annotations
 
 from prefixcache.bench.common import BenchResult, Table, ms_cells, spread_text
-from prefixcache.bench.device_clock import TORCH_THREADS, check_device, device_clock, one_torch_thread
+from prefixcache.bench.device_clock import TORCH_THREADS, check_device, device_clock, torch_threads
 from prefixcache.bench.engine_batching import measure_batching, measure_shared_prefill
 from prefixcache.bench.engine_paged import measure_paged
 from prefixcache.bench.engine_request import measure_cold, measure_decode, measure_warm
@@ -57,7 +57,7 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
     setup = QUICK if quick else FULL
     model = build_bench_model(quick, setup.layers, where)
     threads = TORCH_THREADS
-    with one_torch_thread(), device_clock(where):
+    with torch_threads(), device_clock(where):
         cold = [measure_cold(model, n, r) for n, r in zip(setup.ttft_lengths, setup.cold_repeats, strict=True)]
         warm = [measure_warm(model, n, setup.repeats) for n in setup.ttft_lengths]
         decode = [measure_decode(model, c, setup.decode_steps, setup.repeats) for c in setup.decode_contexts]

@@ -12,7 +12,8 @@ from array import array
 
 import numpy as np
 
-from prefixcache.bench.common import BenchResult, Table, frozen_gc, now_ns, progress, us_per
+from prefixcache.bench.common import BenchResult, Table, frozen_gc, progress, us_per
+from prefixcache.bench.device_clock import now_ns
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.cache.tokens import TOKEN_TYPECODE

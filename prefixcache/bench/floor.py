@@ -26,9 +26,10 @@ is held against the rates measured just before and just after it (:class:`RatePr
 stricter floor) and a row gives its best run's ratio: on a shared host the bandwidth left to us drifts by a quarter
 within minutes, and a floor read once at the start put the same code at 1.04 in one run and 1.51 in the next.
 Decode is timed as it runs by default and, in the same run, interleaved, with the opt-in oneDNN one-row products
-(:func:`~prefixcache.models.linear.one_row_onednn`).  Clock: wall time (``time.perf_counter``) at :data:`THREADS`
-torch threads, as a user runs it, so a busy machine shows in both the rows and the floor; with one thread
-(``threads=1``), the thread's CPU time, as ``bench engine``'s other rows (other processes' time slices left out).
+(:func:`~prefixcache.models.linear.one_row_onednn`).  Clock: :func:`~prefixcache.bench.device_clock.clock`, so wall
+time at :data:`THREADS` torch threads, as a user runs it, and a busy machine shows in both the rows and the floor; with
+one thread (``threads=1``), the thread's CPU time, as ``bench engine``'s other rows (other processes' time slices left
+out).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from prefixcache.bench.common import Table
+from prefixcache.bench.device_clock import clock, torch_threads
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError
@@ -178,11 +179,6 @@ class MachineFloor:
             gemm_flops_per_s=max(self.gemm_flops_per_s, other.gemm_flops_per_s),
             repeats=self.repeats + other.repeats,
         )
-
-
-def clock() -> float:
-    """Seconds: the calling thread's CPU time when torch runs one thread, else wall time (see the module)."""
-    return time.thread_time() if torch.get_num_threads() == 1 else time.perf_counter()
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:
@@ -414,9 +410,7 @@ def measure_floor(
     rate measured in a busy second put the floor above the rows' own times.
     """
     setup = QUICK_FLOOR if quick else FloorSetup()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         machine = measure_machine(quick)
         probe = RateProbe(machine.buffer_bytes, machine.gemm_size, PROBE_REPEATS)
         rows = []
@@ -435,8 +429,6 @@ def measure_floor(
         for row in rows:
             row["decode_floor_s"] = row["decode_bytes"] / machine.read_bytes_per_s
             row["prefill_floor_s"] = row["prefill_flops"] / machine.gemm_flops_per_s
-    finally:
-        torch.set_num_threads(before)
     return {"machine": machine.as_dict(), "rows": rows, "setup": dataclasses.asdict(setup)}
 
 

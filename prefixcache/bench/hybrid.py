@@ -4,20 +4,20 @@ cached prefix from its state snapshot, against the model's own transformers call
 The model has Qwen3-Next's layout (Gated DeltaNet layers beside softmax attention, three to one, MoE feed-forward),
 random weights, sized down to run on a CPU; ``quick`` uses the tiny test config.  Baselines, in one process, repeats
 interleaved, medians: the model's own forward of the whole prompt with no cache (what serving it without prefix reuse
-costs) and its own forward of only the suffix on a copy of a transformers cache that holds the prefix.  Clock: the
-calling thread's CPU time, or wall time after a synchronize on CUDA, as in :mod:`prefixcache.bench.engine`.
+costs) and its own forward of only the suffix on a copy of a transformers cache that holds the prefix.  Clock:
+:mod:`prefixcache.bench.device_clock`'s, as in :mod:`prefixcache.bench.engine`.
 """
 
 from __future__ import annotations
 
 import copy
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from prefixcache.bench.common import ms_cells
+from prefixcache.bench.device_clock import clock, device_clock
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 
@@ -46,20 +46,13 @@ SUFFIX_TOKENS = 64
 BLOCK_SIZE = 16
 
 
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return time.perf_counter()
-    return time.thread_time()
-
-
 @torch.inference_mode()
 def own_forward(model: Any, ids: list[int], cache: Any) -> tuple[float, int]:
     """Seconds of the HF adapter ``model``'s own forward of ``ids`` after ``cache``'s positions (a transformers cache,
-    appended to) with ``logits_to_keep=1``, and its greedy token; the bench clock (thread CPU time, or wall time
-    after a synchronize on CUDA)."""
+    appended to) with ``logits_to_keep=1``, and its greedy token; on :func:`~prefixcache.bench.device_clock.clock`
+    (the caller's :func:`~prefixcache.bench.device_clock.device_clock` for CUDA)."""
     start = cache.get_seq_length()
-    began = _clock(model.device)
+    began = clock()
     out = model.model(
         input_ids=torch.tensor([ids], device=model.device),
         position_ids=torch.arange(start, start + len(ids), device=model.device)[None],
@@ -68,7 +61,7 @@ def own_forward(model: Any, ids: list[int], cache: Any) -> tuple[float, int]:
         **{model.cache_kwarg: cache},
     )
     token = int(out.logits[0, -1].argmax())
-    return _clock(model.device) - began, token
+    return clock() - began, token
 
 
 def measure_hybrid(tokens: int, repeats: int, quick: bool, device: torch.device | str = "cpu") -> dict:
@@ -95,11 +88,12 @@ def measure_hybrid(tokens: int, repeats: int, quick: bool, device: torch.device 
     for _ in range(repeats):
         suffix = torch.randint(0, model.vocab_size, (SUFFIX_TOKENS,), generator=generator).tolist()
         cache = copy.deepcopy(prefilled)
-        began = _clock(device)
-        result = runner.generate(prefix + suffix, SamplingParams(max_new_tokens=1))
-        ours.append(_clock(device) - began)
-        seconds, token = own_forward(model, prefix + suffix, model.transfer.new_cache(tokens))
-        own_seconds, own_token = own_forward(model, suffix, cache)
+        with device_clock(device):
+            began = clock()
+            result = runner.generate(prefix + suffix, SamplingParams(max_new_tokens=1))
+            ours.append(clock() - began)
+            seconds, token = own_forward(model, prefix + suffix, model.transfer.new_cache(tokens))
+            own_seconds, own_token = own_forward(model, suffix, cache)
         if result.usage.cached_tokens != len(prefix):
             raise AssertionError(f"hybrid warm run resumed {result.usage.cached_tokens} tokens, not {len(prefix)}")
         if not token == own_token == result.token_ids[0]:

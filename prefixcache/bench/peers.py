@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from prefixcache.bench.common import BenchResult, Table, frozen_gc, now_ns, progress, standard_workload, us_per
+from prefixcache.bench.common import BenchResult, Table, frozen_gc, progress, standard_workload, us_per
+from prefixcache.bench.device_clock import now_ns
 from prefixcache.bench.peer_caches import OursDriver, SGLangDriver, VllmDriver
 from prefixcache.bench.peer_imports import INSTALL_HINT, PeerUnavailableError, load_sglang, load_vllm
 

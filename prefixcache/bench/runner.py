@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from prefixcache.bench.common import QUICK_NOT_JUDGED, BenchResult, Table, progress, verdict
+from prefixcache.bench.device_clock import TORCH_THREADS, torch_threads
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.chat.tokenizer import BYTE_SPECIAL_TOKENS, ByteTokenizer
@@ -48,10 +49,6 @@ QUESTION_BODY_TOKENS = (16, 48)
 BLOCK_SIZE = 16
 GOAL_FRACTION_OF_IDEAL = 0.90
 GOAL_OVERHEAD_SHARE = 0.05
-TORCH_THREADS = 1
-"""Intra-op threads while measuring.  On a small shared machine, two threads make each op wait for a descheduled
-thread whenever anything else runs (the tiny model's 1 ms question prefill took 170-240 ms so); one thread keeps
-the figures reproducible, and every path (cache, ideal, no cache) runs the same way."""
 QUICK = {"model": "tiny", "questions": 8, "uncached": {256: 2, 1024: 2, 4096: 2}}
 FULL = {"model": "small", "questions": NUM_QUESTIONS, "uncached": NUM_UNCACHED}
 PARTS = ("acquire", "reserve", "block_table", "commit")
@@ -223,12 +220,8 @@ def run(quick: bool = False) -> BenchResult:
     setup = QUICK if quick else FULL
     model = build_model(setup["model"])
     load_before = os.getloadavg()[0]
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(TORCH_THREADS)
-    try:
+    with torch_threads():
         results = [measure_prompt(model, n, setup["questions"], samples) for n, samples in setup["uncached"].items()]
-    finally:
-        torch.set_num_threads(default_threads)
     load_after = os.getloadavg()[0]
 
     rows = []

@@ -13,11 +13,11 @@ from prefixcache.bench.common import (
     Table,
     Workload,
     frozen_gc,
-    now_ns,
     progress,
     standard_workload,
     us_per,
 )
+from prefixcache.bench.device_clock import now_ns
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.cache.tokens import as_token_array
