@@ -45,7 +45,8 @@ from prefixcache.bench.common import BenchResult, Table, verdict
 from prefixcache.bench.policy import DATA_DIR
 from prefixcache.bench.serve_decode import GOAL_RATIO, decode_figures
 from prefixcache.engine.batching import BatchEngine
-from prefixcache.engine.chat import ChatCompletion, prepare_chat, submit_chat
+from prefixcache.engine.chat import prepare_chat, submit_chat
+from prefixcache.engine.chat_decoder import ChatCompletion
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.models.llama import PRESETS, build_model
 from prefixcache.replay.scenarios import default_tools_for, load_scenario

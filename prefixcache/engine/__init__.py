@@ -4,7 +4,8 @@ One request path, its modules in the order a request meets them: ``checks`` (val
 ``request`` (the engine's record and the caller's handle), ``scheduler`` (admission order) and ``preemption``,
 ``core`` (the engine core: batched prefill and decode, stopping, the result), ``logits`` (picking each token from
 ``sampling``'s parameters), ``results`` (usage and result records).  Front ends: ``runner`` (the cache, pool and
-serial calls), ``batching`` (the threaded continuous-batching service), ``chat`` (templates, stop strings, tool calls).
+serial calls), ``batching`` (the threaded continuous-batching service), ``chat`` (templates, stop strings, tool calls),
+with ``chat_decoder`` (tokens to answer text) and ``tool_choice`` (the forced start of a call).
 """
 
 from __future__ import annotations

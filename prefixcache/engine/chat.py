@@ -7,26 +7,26 @@ the content, the OpenAI ``tool_calls`` parsed from ``<tool_call>`` blocks, the f
 tokens included).  A string stop sequence ends the request the way a stop token does, so its prompt and answer are
 cached for the next turn.
 
-The work is split so that both ways of running a request share it: :func:`prepare_chat` renders the prompt and
-builds a :class:`ChatDecoder` (push-based: tokens in, text deltas and "stop here" out, then the completion);
-:func:`chat_stream` drives it pull-based through ``runner.stream``, :func:`submit_chat` from the batching engine's
-per-token callback, as the server does.  Both run on the one engine core (:mod:`prefixcache.engine.core`); this module
-knows them only by what it calls (:class:`StreamingRunner`, :class:`SubmittingEngine`).
+The work is split so that both ways of running a request share it: :func:`prepare_chat` renders the prompt (a
+``tool_choice`` forced as :mod:`prefixcache.engine.tool_choice` says) and builds a
+:class:`~prefixcache.engine.chat_decoder.ChatDecoder` (push-based: tokens in, text deltas and "stop here" out, then
+the completion); :func:`chat_stream` drives it pull-based through ``runner.stream``, :func:`submit_chat` from the
+batching engine's per-token callback, as the server does.  Both run on the one engine core
+(:mod:`prefixcache.engine.core`); this module knows them only by what it calls (:class:`StreamingRunner`,
+:class:`SubmittingEngine`).
 """
 
 from __future__ import annotations
 
-import json
-import uuid
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
 from prefixcache.cache.tokens import TokenIds
-from prefixcache.chat.stop import StopMatcher, TextStream, check_stop
-from prefixcache.chat.template import repeated_name, validate_tools
-from prefixcache.chat.tool_calls import TOOL_CALL_OPEN, parse_tool_calls
+from prefixcache.chat.stop import check_stop
+from prefixcache.chat.template import validate_tools
+from prefixcache.engine.chat_decoder import ChatCompletion, ChatDecoder
 from prefixcache.engine.grammar import (
     Grammar,
     check_response_format,
@@ -35,16 +35,14 @@ from prefixcache.engine.grammar import (
     structured_available,
 )
 from prefixcache.engine.request import RequestHandle
-from prefixcache.engine.results import GenerationResult, TokenLogprob, Usage
+from prefixcache.engine.results import GenerationResult, TokenLogprob
 from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.tool_choice import check_tool_choice, check_tool_names, encode_forced
 from prefixcache.errors import InvalidArgumentError
 
 __all__ = [
-    "ChatCompletion",
-    "ChatDecoder",
     "PreparedChat",
     "chat_stream",
-    "check_tool_choice",
     "complete_chat",
     "complete_text",
     "completion_stream",
@@ -55,221 +53,15 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class ChatCompletion:
-    """The outcome of one chat request.
-
-    ``content`` is the answer text (``None`` when the model only called tools), ``tool_calls`` the OpenAI calls
-    (``{"id", "type": "function", "function": {"name", "arguments": JSON string}}``), ``finish_reason`` one of
-    ``"stop"``, ``"length"``, ``"tool_calls"``; ``token_ids`` the generated ids (a named ``tool_choice`` includes the
-    ids it forced).  ``logprobs`` (None unless the sampling asked for them) has a
-    :class:`~prefixcache.engine.results.TokenLogprob` for every generated token that is not a stop token, in order:
-    the tokens whose text is the answer, the text a stop string cut and a tool call's included (OpenAI gives the
-    logprobs of the content tokens; one entry per token kept, not per character shown, is simpler and says what the
-    model produced); the ids a ``tool_choice`` forced are prompt, not generated, and have none.
-    """
-
-    content: str | None
-    tool_calls: tuple[dict[str, Any], ...]
-    finish_reason: str
-    usage: Usage
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] | None = None
-
-
-def check_tool_choice(tool_choice: Any, tools: Sequence[Mapping[str, Any]] | None) -> str:
-    """Validate OpenAI's ``tool_choice`` against ``tools``; returns the text that forces it (appended to the prompt).
-
-    ``None``, ``"auto"`` and ``"none"`` force nothing (``""``); ``"required"`` forces the start of a call,
-    ``<tool_call>\\n{"name": "``; ``{"type": "function", "function": {"name": N}}`` forces the call up to its
-    arguments, ``<tool_call>\\n{"name": "N", "arguments":``.  Both end where the template's own rendering of the
-    finished call has a token boundary (a BPE pre-tokenizer keeps a space with what follows it: Qwen2.5 encodes the
-    template's ``"arguments": {"`` as ``":`` and `` {"``; a forced lone space was a token the template never writes),
-    so the forced ids are a prefix of the next turn's prompt and that turn hits all of them.
-    Raises :class:`InvalidArgumentError` for anything else, ``"required"`` or a name without tools, or a name that is
-    not a tool's.  (:func:`prepare_chat` also refuses a forced call where no grammar can constrain the rest of it:
-    llguidance, extra ``structured``, missing, or a tokenizer it cannot read.)
-    """
-    if tool_choice is None or tool_choice in ("auto", "none"):
-        return ""
-    known = [_tool_name(tool) for tool in tools or ()]
-    if tool_choice == "required":
-        if not known:
-            raise InvalidArgumentError("tool_choice 'required' needs tools")
-        return f'{TOOL_CALL_OPEN}\n{{"name": "'
-    if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
-        function = tool_choice.get("function")
-        name = function.get("name") if isinstance(function, Mapping) else None
-        if not isinstance(name, str) or name not in known:
-            raise InvalidArgumentError(f"tool_choice names function {name!r}, which is not among the tools {known}")
-        # As JSON, so that a name with a quote or a backslash still leaves a call the parser reads back.
-        return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments":'
-    raise InvalidArgumentError(
-        "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}, "
-        f"got {tool_choice!r}"
-    )
-
-
-def _tool_name(tool: Mapping[str, Any]) -> Any:
-    function = tool.get("function")
-    return (function if isinstance(function, Mapping) else tool).get("name")
-
-
-def _check_tool_names(tools: Sequence[Mapping[str, Any]] | None) -> None:
-    # The server refuses such lists too (a 400): in-process callers (LangChain's bind_tools, smolagents) get the same
-    # checks.  After validate_tools: every tool is an object.  A function the model could never call (no name) is
-    # refused; a tool of another kind (a hosted or custom one, named elsewhere or not at all) is left to the template,
-    # as a replayed log may hold any.
-    names = [_tool_name(tool) for tool in tools or ()]
-    for index, (tool, name) in enumerate(zip(tools or (), names, strict=True)):
-        if ("function" in tool or "name" in tool) and (not isinstance(name, str) or not name):
-            where = f"tools[{index}].function.name" if "function" in tool else f"tools[{index}].name"
-            raise InvalidArgumentError(f"{where} must be a non-empty string, got {name!r}")
-    repeat = repeated_name([name if isinstance(name, str) else object() for name in names])  # only str names match
-    if repeat is not None:
-        index, first = repeat
-        raise InvalidArgumentError(
-            f"tools[{index}] is named {names[index]!r}, as tools[{first}] is; each tool needs its own name"
-        )
-
-
-class _ToolCallGate:
-    """Passes answer text through until ``<tool_call>`` appears, then holds everything for the parser; also holds
-    trailing whitespace and any tail that may grow into ``<tool_call>``, since the parsed content drops both."""
-
-    __slots__ = ("_held", "capturing")
-
-    def __init__(self) -> None:
-        self._held = ""
-        self.capturing = False
-
-    def feed(self, text: str) -> str:
-        held = self._held = self._held + text
-        if self.capturing:
-            return ""
-        at = held.find(TOOL_CALL_OPEN)
-        if at >= 0:
-            self.capturing = True
-            cut = len(held[:at].rstrip())
-        else:
-            cut = len(held)
-            for length in range(min(len(TOOL_CALL_OPEN) - 1, len(held)), 0, -1):
-                if held.endswith(TOOL_CALL_OPEN[:length]):
-                    cut -= length
-                    break
-            cut = len(held[:cut].rstrip())
-        out, self._held = held[:cut], held[cut:]
-        return out
-
-    def rest(self) -> str:
-        held, self._held = self._held, ""
-        return held
-
-
-@dataclass(frozen=True, slots=True)
 class PreparedChat:
     """A chat or completion request ready to run: the prompt ids (a forced tool call included), the sampling and the
-    :class:`ChatDecoder` that turns its tokens into text.  Built by :func:`prepare_chat` / :func:`prepare_completion`;
-    run it pull-based (:func:`chat_stream`) or on a :class:`~prefixcache.engine.batching.BatchEngine`
-    (:func:`submit_chat`)."""
+    :class:`~prefixcache.engine.chat_decoder.ChatDecoder` that turns its tokens into text.  Built by
+    :func:`prepare_chat` / :func:`prepare_completion`; run it pull-based (:func:`chat_stream`) or on a
+    :class:`~prefixcache.engine.batching.BatchEngine` (:func:`submit_chat`)."""
 
     prompt_ids: list[int]
     sampling: SamplingParams
     decoder: ChatDecoder
-
-
-class ChatDecoder:
-    """Push-based decoding of one request's tokens: :meth:`feed` each generated token, get the text that became final
-    (never text a stop string or a tool call later takes back) and whether a stop string ended the answer there;
-    :meth:`finish` with the :class:`GenerationResult` gives the held-back tail and the :class:`ChatCompletion`.
-
-    When :attr:`stopped` turns true the caller must end generation before computing that token's K/V (as
-    ``runner.stream``'s ``send("stop")`` or the engine's ``on_token`` returning True do), so the turn is cached
-    as with a stop token.  Not thread-safe: one request, one thread.  Cost per token: the :class:`TextStream`'s
-    decode of a window of at most 16 ids, plus O(held-back text)."""
-
-    __slots__ = (
-        "_gate",
-        "_hidden",
-        "_parse_calls",
-        "_pieces",
-        "_request_id",
-        "_stopper",
-        "_text_stream",
-        "arguments",
-        "forced_ids",
-    )
-
-    def __init__(
-        self,
-        tokenizer: Any,
-        stops: tuple[str, ...],
-        params: SamplingParams,
-        *,
-        parse_calls: bool = False,
-        forced_text: str = "",
-        forced_ids: Sequence[int] = (),
-        request_id: str | None = None,
-    ) -> None:
-        self._text_stream = TextStream(tokenizer, skip=params.stop_token_ids)
-        self._hidden = params.stop_token_ids  # no text, and no logprobs entry
-        self._stopper = StopMatcher(stops)
-        self._gate = _ToolCallGate() if parse_calls else None
-        if self._gate is not None and forced_text:
-            self._gate.feed(forced_text)
-        self._parse_calls = parse_calls
-        self._pieces: list[str] = [forced_text]
-        self._request_id = request_id
-        self.forced_ids = tuple(forced_ids)
-        self.arguments = {
-            "stops": stops,
-            "parse_calls": parse_calls,
-            "forced_text": forced_text,
-            "forced_ids": self.forced_ids,
-            "request_id": request_id,
-        }
-        """What makes this decoder again over another tokenizer copy (:meth:`from_arguments`; plain data, pickles)."""
-
-    @classmethod
-    def from_arguments(cls, tokenizer: Any, params: SamplingParams, arguments: dict[str, Any]) -> ChatDecoder:
-        """A fresh decoder equal to the one whose :attr:`arguments` these are (an engine process's copy)."""
-        return cls(tokenizer, params=params, **arguments)
-
-    @property
-    def stopped(self) -> bool:
-        """A stop string was seen: generation must end before the last fed token's K/V are computed."""
-        return self._stopper.stopped
-
-    def feed(self, token_id: int) -> str:
-        """The text delta that ``token_id`` makes final (may be ``""``)."""
-        text = self._stopper.feed(self._text_stream.push(token_id))
-        self._pieces.append(text)
-        return self._gate.feed(text) if self._gate is not None else text
-
-    def shows_logprob(self, record: TokenLogprob) -> bool:
-        """Whether ``record`` is an entry of :attr:`ChatCompletion.logprobs`: its token is not a stop token."""
-        return record.token_id not in self._hidden
-
-    def finish(self, result: GenerationResult) -> tuple[str, ChatCompletion]:
-        """``(the last text delta, the ChatCompletion)`` once generation ended with ``result``; the tail is ``""``
-        when tool calls were parsed (their text is in ``tool_calls``, not in the stream)."""
-        stopper = self._stopper
-        tail = stopper.feed(self._text_stream.flush())
-        tail += stopper.flush()
-        self._pieces.append(tail)
-        text = "".join(self._pieces)
-        # "prefill" (max_new_tokens=0: nothing generated) is the runner's own reason; the budget ended it: "length".
-        finish = "stop" if stopper.stopped else "length" if result.finish_reason == "prefill" else result.finish_reason
-        salt = self._request_id or uuid.uuid4().hex
-        parsed = parse_tool_calls(text, id_salt=salt) if self._parse_calls else None
-        if parsed is not None and parsed.tool_calls:
-            content, calls, finish, rest = parsed.content, parsed.tool_calls, "tool_calls", ""
-        else:
-            gate = self._gate
-            content, calls = text, ()
-            rest = (gate.feed(tail) + gate.rest()) if gate is not None else tail
-        logprobs = None if result.logprobs is None else tuple(filter(self.shows_logprob, result.logprobs))
-        ids = self.forced_ids + result.token_ids
-        return rest, ChatCompletion(content, calls, finish, result.usage, ids, logprobs)
 
 
 def prepare_chat(
@@ -291,7 +83,7 @@ def prepare_chat(
         raise InvalidArgumentError("messages must be a non-empty list of chat messages")
     stops = check_stop(stop)
     validate_tools(tools)  # first: the checks below read each tool as an object
-    _check_tool_names(tools)
+    check_tool_names(tools)
     forced_text = check_tool_choice(tool_choice, tools)
     parse_calls = bool(tools) and tool_choice != "none"
     if forced_text:
@@ -309,7 +101,7 @@ def prepare_chat(
     # Given only when there are some: a tokenizer written before the keyword still renders plain chats.
     variables = {"template_kwargs": template_kwargs} if template_kwargs else {}
     prompt = tokenizer.render_chat(messages, tools, add_generation_prompt=True, **variables)
-    forced_ids = _encode_forced(tokenizer, forced_text)
+    forced_ids = encode_forced(tokenizer, forced_text)
     decoder = ChatDecoder(
         tokenizer,
         stops,
@@ -424,17 +216,6 @@ def chat_stream(
     )
     steps = runner.stream(prepared.prompt_ids, prepared.sampling, namespace=namespace, request_id=request_id)
     return _drive(steps, prepared.decoder)
-
-
-def _encode_forced(tokenizer: Any, text: str) -> list[int]:
-    # Qwen's tokenizer has <tool_call> as one added token, the one its model generates; the byte tokenizer spells it.
-    if not text:
-        return []
-    try:
-        opener = [tokenizer.special_token_id(TOOL_CALL_OPEN)]
-    except InvalidArgumentError:
-        return tokenizer.encode(text)
-    return opener + tokenizer.encode(text[len(TOOL_CALL_OPEN) :])
 
 
 def _drive(steps: Generator[int, Any, GenerationResult], decoder: ChatDecoder) -> Generator[str, None, ChatCompletion]:

@@ -141,8 +141,8 @@ def structured_available(tokenizer: Any) -> bool:
 
 
 def tool_call_grammar(tools: Sequence[Mapping[str, Any]], name: str | None, close_id: int | None = None) -> str:
-    """The llguidance grammar of what follows the prefix :func:`~prefixcache.engine.chat.check_tool_choice` forces:
-    for a named function, `` {arguments}}\\n</tool_call>``; else (``"required"``) one of the tools' names, then
+    """The llguidance grammar of what follows the prefix :func:`~prefixcache.engine.tool_choice.check_tool_choice`
+    forces: for a named function, `` {arguments}}\\n</tool_call>``; else (``"required"``) one of the tools' names, then
     ``", "arguments": {arguments}}\\n</tool_call>``; the arguments valid against that function's ``parameters``
     (absent: any object; objects without other keys where the schema does not say: :func:`closed_objects`; keywords
     llguidance does not implement are ignored, as a forced call worked before they

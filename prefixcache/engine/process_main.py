@@ -17,7 +17,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from prefixcache.engine.batching import BatchEngine
-from prefixcache.engine.chat import ChatDecoder, PreparedChat, submit_chat
+from prefixcache.engine.chat import PreparedChat, submit_chat
+from prefixcache.engine.chat_decoder import ChatDecoder
 from prefixcache.engine.grammar import register_tokenizer
 from prefixcache.engine.process_wire import NOT_ADMITTED, Ready, portable, receive_message, send_message
 from prefixcache.engine.results import GenerationResult

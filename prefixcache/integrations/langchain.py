@@ -24,7 +24,8 @@ from langchain_core.utils.function_calling import convert_to_openai_tool
 from pydantic import ConfigDict, Field
 
 from prefixcache.chat.template import join_text_parts
-from prefixcache.engine.chat import ChatCompletion, chat_stream
+from prefixcache.engine.chat import chat_stream
+from prefixcache.engine.chat_decoder import ChatCompletion
 from prefixcache.engine.results import Usage
 from prefixcache.engine.runner import PrefixCachingRunner
 

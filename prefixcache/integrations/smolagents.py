@@ -24,7 +24,8 @@ from smolagents.models import (
 from smolagents.monitoring import TokenUsage
 
 from prefixcache.chat.template import join_text_parts
-from prefixcache.engine.chat import ChatCompletion, chat_stream
+from prefixcache.engine.chat import chat_stream
+from prefixcache.engine.chat_decoder import ChatCompletion
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.errors import InvalidArgumentError
 

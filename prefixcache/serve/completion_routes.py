@@ -19,7 +19,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from prefixcache.engine.batching import RequestHandle
-from prefixcache.engine.chat import ChatCompletion, prepare_chat, prepare_completion, submit_chat
+from prefixcache.engine.chat import prepare_chat, prepare_completion, submit_chat
+from prefixcache.engine.chat_decoder import ChatCompletion
 from prefixcache.serve.dispatch import finish_job, finish_samples, outcome, start_streams, stream_failure
 from prefixcache.serve.echo import echoed_logprobs, echoed_usage, merge_logprobs, prompt_logprobs_job, running_usage
 from prefixcache.serve.jobs import closing, deliveries, merged_choices, sample_request_id, sample_seed

@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from prefixcache.engine.batching import RequestHandle
-from prefixcache.engine.chat import ChatCompletion
+from prefixcache.engine.chat_decoder import ChatCompletion
 from prefixcache.serve.delivery import job_events
 from prefixcache.serve.jobs import ending, gone, unless_gone
 from prefixcache.serve.protocol import error_body

@@ -1,6 +1,6 @@
 """The ``logprobs`` objects of OpenAI's two response shapes, made from the engine's
 :class:`~prefixcache.engine.results.TokenLogprob` records (``ChatCompletion.logprobs``: one per generated token that is
-not a stop token; see :class:`~prefixcache.engine.chat.ChatCompletion`).
+not a stop token; see :class:`~prefixcache.engine.chat_decoder.ChatCompletion`).
 
 - Chat completions: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
   "refusal": None}``, ``top_logprobs`` the ``k`` most probable tokens, most probable first.

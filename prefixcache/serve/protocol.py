@@ -34,7 +34,7 @@ from pydantic import BaseModel
 
 from prefixcache.chat.stop import check_stop
 from prefixcache.chat.template import RESERVED_TEMPLATE_VARIABLES, check_json_depth, join_text_parts, repeated_name
-from prefixcache.engine.chat import ChatCompletion
+from prefixcache.engine.chat_decoder import ChatCompletion
 from prefixcache.engine.grammar import check_response_format
 from prefixcache.engine.results import Usage
 from prefixcache.engine.sampling import SamplingParams

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixcache.chat.template import join_text_parts
-from prefixcache.engine.chat import ChatCompletion, check_tool_choice
+from prefixcache.engine.chat_decoder import ChatCompletion
 from prefixcache.engine.grammar import check_response_format
 from prefixcache.engine.results import Usage
+from prefixcache.engine.tool_choice import check_tool_choice
 from prefixcache.errors import InvalidArgumentError, TemplateError
 from prefixcache.serve.protocol import DEFAULT_MAX_TOKENS, BadRequest, check_unique_tool_names
 from prefixcache.serve.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore, StoredResponse

@@ -16,7 +16,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from prefixcache.engine.chat import ChatCompletion, prepare_chat, submit_chat
+from prefixcache.engine.chat import prepare_chat, submit_chat
+from prefixcache.engine.chat_decoder import ChatCompletion
 from prefixcache.serve.dispatch import finish_job, outcome, run_job
 from prefixcache.serve.jobs import gone, unless_gone
 from prefixcache.serve.protocol import BadRequest, error_body

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from prefixcache.chat.tokenizer import ByteTokenizer
 from prefixcache.chat.tool_calls import parse_tool_calls
-from prefixcache.engine.chat import ChatDecoder
+from prefixcache.engine.chat_decoder import ChatDecoder
 from prefixcache.engine.runner import GenerationResult, Usage
 from prefixcache.engine.sampling import SamplingParams
 

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from prefixcache import PrefixCachingRunner
 from prefixcache.chat.hf_tokenizer import HFTokenizer
-from prefixcache.engine.chat import ChatDecoder, chat_stream, completion_stream
+from prefixcache.engine.chat import chat_stream, completion_stream
+from prefixcache.engine.chat_decoder import ChatDecoder
 from prefixcache.engine.results import GenerationResult, Usage
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.testing import ScriptedModel, assert_quiescent
