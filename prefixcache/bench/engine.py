@@ -40,7 +40,8 @@ from prefixcache.bench.engine_batching import measure_batching, measure_shared_p
 from prefixcache.bench.engine_paged import measure_paged
 from prefixcache.bench.engine_request import measure_cold, measure_decode, measure_warm
 from prefixcache.bench.engine_setup import BLOCK_SIZE, FULL, QUICK, QWEN_DIR, build_bench_model, setup_dict
-from prefixcache.bench.floor import floor_table, measure_floor
+from prefixcache.bench.floor import measure_floor
+from prefixcache.bench.floor_table import floor_table
 from prefixcache.bench.grammar import grammar_rows, measure_grammar
 from prefixcache.bench.hybrid import hybrid_note, hybrid_rows, measure_hybrid
 

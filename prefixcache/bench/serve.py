@@ -353,7 +353,7 @@ def qwen_layers_config():
     ``small`` preset's vocabulary (512 ids: the byte tokenizer's 259 and padding), or None where ``../shared`` lacks
     the Qwen config."""
     from prefixcache.bench.engine_setup import QWEN_DIR
-    from prefixcache.bench.floor import embedded_config
+    from prefixcache.bench.floor_shape import embedded_config
 
     if not (QWEN_DIR / "config.json").is_file():
         return None

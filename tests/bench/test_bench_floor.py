@@ -1,6 +1,6 @@
-"""The floor of ``bench engine`` (``prefixcache.bench.floor``): the bytes a decode step must read and the FLOPs a
-prefill must compute, checked against sums done by hand for the Qwen2.5-0.5B shape, and the shapes read off both
-model kinds.  No timings are asserted."""
+"""The floor of ``bench engine`` (``prefixcache.bench.floor`` and its ``floor_shape``, ``floor_machine`` and
+``floor_table``): the bytes a decode step must read and the FLOPs a prefill must compute, checked against sums done by
+hand for the Qwen2.5-0.5B shape, and the shapes read off both model kinds.  No timings are asserted."""
 
 from __future__ import annotations
 
@@ -8,15 +8,9 @@ import json
 
 import pytest
 
-from prefixcache.bench.floor import (
-    ModelShape,
-    decode_step_bytes,
-    embedded_config,
-    floor_table,
-    measure_gemm,
-    measure_read_bandwidth,
-    prefill_flops,
-)
+from prefixcache.bench.floor_machine import MachineFloor, RateProbe, measure_gemm, measure_read_bandwidth
+from prefixcache.bench.floor_shape import ModelShape, decode_step_bytes, embedded_config, prefill_flops
+from prefixcache.bench.floor_table import floor_table
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.llama import build_model
 
@@ -99,11 +93,11 @@ def test_rates_are_positive_figures() -> None:
 
 
 def test_the_floor_reads_at_the_faster_of_the_sum_and_the_product(monkeypatch) -> None:
-    import prefixcache.bench.floor as floor
+    import prefixcache.bench.floor_machine as floor_machine
 
-    monkeypatch.setattr(floor, "measure_read_bandwidth", lambda size, repeats: (1.5e10, 2.5e10))
-    monkeypatch.setattr(floor, "measure_gemm", lambda size, repeats: 1e11)
-    machine = floor.measure_machine(quick=True, repeats=1)
+    monkeypatch.setattr(floor_machine, "measure_read_bandwidth", lambda size, repeats: (1.5e10, 2.5e10))
+    monkeypatch.setattr(floor_machine, "measure_gemm", lambda size, repeats: 1e11)
+    machine = floor_machine.measure_machine(quick=True, repeats=1)
     assert (machine.read_bytes_per_s, machine.sum_read_bytes_per_s, machine.gemv_read_bytes_per_s) == (
         2.5e10,
         1.5e10,
@@ -147,8 +141,6 @@ def test_floor_table_prints_the_ratio_to_the_floor() -> None:
 
 
 def test_two_measurements_of_the_machine_keep_the_higher_rates() -> None:
-    from prefixcache.bench.floor import MachineFloor
-
     busy = MachineFloor(1e10, 0.8e10, 9e10, 2, 1 << 29, 2048, 5)
     quiet = MachineFloor(2e10, 3e10, 6e10, 2, 1 << 29, 2048, 5)
     best = busy.best(quiet)
@@ -207,8 +199,6 @@ def test_each_run_is_held_against_the_rates_measured_next_to_it(monkeypatch) -> 
 
 
 def test_a_rate_probe_measures_positive_rates_and_refuses_a_short_buffer() -> None:
-    from prefixcache.bench.floor import RateProbe
-
     probe = RateProbe(1 << 20, 32, repeats=1)
     assert probe.read_bytes_per_s() > 0 and min(probe.read_rates()) > 0
     assert probe.gemm_flops_per_s() > 0
@@ -217,8 +207,6 @@ def test_a_rate_probe_measures_positive_rates_and_refuses_a_short_buffer() -> No
 
 
 def test_a_probe_asked_for_a_rate_it_does_not_measure_says_so() -> None:
-    from prefixcache.bench.floor import RateProbe
-
     with pytest.raises(InvalidArgumentError, match="no GEMM"):
         RateProbe(1 << 20, None, repeats=1).gemm_flops_per_s()
     with pytest.raises(InvalidArgumentError, match="no read"):
