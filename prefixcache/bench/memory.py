@@ -1,8 +1,9 @@
 """The ``memory`` benchmark: bytes of bookkeeping per cached token, and bytes of KV per token in a real pool.
 
 The pool's KV bytes per token are measured as the growth of the process's resident memory (``/proc/self/statm``)
-while a pool of at least 64 MiB is created (its tensor is zero-filled, so every page is touched), and set beside
-the size torch reports for the tensor's storage and the formula ``2 * layers * kv_heads * head_dim * element_size``.
+while a pool of at least 64 MiB is created and every block written (a CPU pool's pages are committed as blocks are
+written, not at creation: what creating it alone adds is reported too), and set beside the size torch reports for the
+tensor's storage and the formula ``2 * layers * kv_heads * head_dim * element_size``.
 
 Tree metadata is what ``tracemalloc`` sees allocated while the standard workload is inserted (token arrays,
 block-id arrays, nodes, child dicts, eviction keys), divided by the tokens the tree then caches.  The pool's
@@ -79,8 +80,8 @@ def resident_bytes() -> int | None:
 
 
 def pool_bytes(name: str, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> dict:
-    """KV bytes per token of a CPU pool of a real model's shape: resident memory growth while the pool is created
-    (``None`` off Linux), torch's storage size, and the formula."""
+    """KV bytes per token of a CPU pool of a real model's shape: resident memory growth while the pool is created and
+    every block written (``None`` off Linux), the growth at creation alone, torch's storage size, and the formula."""
     formula = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
     num_blocks = -(-POOL_MEASURE_BYTES // (formula * POOL_BLOCK_SIZE))
     before = resident_bytes()
@@ -93,14 +94,18 @@ def pool_bytes(name: str, num_layers: int, num_kv_heads: int, head_dim: int, dty
         dtype=dtype,
         device="cpu",
     )
+    created = resident_bytes()
+    pool.kv.fill_(1.0)  # every block written, as a full cache holds them
     after = resident_bytes()
     rss = None if before is None or after is None else (after - before) / pool.capacity_tokens
+    at_creation = None if before is None or created is None else (created - before) / pool.capacity_tokens
     return {
         "model": name,
         "shape": list(pool.kv.shape),
         "dtype": str(dtype).removeprefix("torch."),
         "pool_bytes": pool.kv.untyped_storage().nbytes(),
         "rss_bytes_per_token": rss,
+        "rss_at_creation_bytes_per_token": at_creation,
         "storage_bytes_per_token": pool.kv.untyped_storage().nbytes() / pool.capacity_tokens,
         "formula_bytes_per_token": formula,
         "property_bytes_per_token": pool.bytes_per_token,
@@ -177,8 +182,8 @@ def run(quick: bool = False) -> BenchResult:
             for p in pools
         ),
         notes=(
-            "RSS growth: the process's resident memory before and after creating the pool (/proc/self/statm), per "
-            "token of capacity; storage: the size torch reports for the tensor's storage.",
+            "RSS growth: the process's resident memory before creating the pool and after writing every block "
+            "(/proc/self/statm), per token of capacity; storage: the size torch reports for the tensor's storage.",
         ),
     )
     data = {"num_seqs": num_seqs, "goal_bytes_per_token": GOAL_BYTES_PER_TOKEN, "trees": trees, "pools": pools}

@@ -7,11 +7,14 @@ import io
 import os
 import re
 import runpy
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from prefixcache import PrefixCachingRunner
+from prefixcache.engine import runner as runner_module
 from prefixcache.serve import start_background
 from prefixcache.testing import require_smollm2
 
@@ -38,6 +41,25 @@ def run_snippet(code: str, folder: Path) -> str:
     with contextlib.redirect_stdout(out):
         runpy.run_path(str(path), run_name="__main__")
     return out.getvalue()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_load_of_each_model() -> Iterator[None]:
+    """The snippets each call ``PrefixCachingRunner.from_model("smollm2", ...)``: the module loads the model once (about
+    10 s on a 2-core CPU) and every runner the snippets build gets that same model, exactly as a second load would
+    give it.  Only the loading is shared; each snippet's runner, cache and calls are its own."""
+    loaded: dict[tuple[Any, ...], Any] = {}
+    original = runner_module.load_pretrained
+
+    def load_once(source: Any, **options: Any) -> Any:
+        key = (str(source.location), *sorted((name, str(value)) for name, value in options.items()))
+        if key not in loaded:
+            loaded[key] = original(source, **options)
+        return loaded[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runner_module, "load_pretrained", load_once)
+        yield
 
 
 def test_the_section_has_the_three_ways() -> None:
