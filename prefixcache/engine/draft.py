@@ -18,6 +18,13 @@ block, about 2 us a block with NumPy, and one dict entry per distinct n-gram pos
 eviction removes a block's n-grams, and a partial last block (never announced) is not drafted from until a longer
 sequence fills it.
 
+The context side indexes each request's tokens once per n-gram size (:class:`ContextIndex`): a decode appends a
+token a step, a conversation's next turn extends the index its previous turn left, and a prompt that starts like an
+earlier long one (a system prompt and its tools) reads that shared part from the earlier one's static
+:class:`SharedPrefix` instead of indexing it again (:meth:`Drafter.context`).  A replay, teacher forced on a recorded
+answer, asks for every answer position at once (:meth:`ContextIndex.extend_matched`, NumPy) and, knowing every
+context it will draft for, has the cache side index only the n-grams it will look up (:meth:`Drafter.restrict_tree`).
+
 :class:`DraftLength` adapts ``k`` per request to the cost of a verify: it estimates from the request's drafts how
 likely a draft's first token and each following one are accepted, and drafts the length that yields the most tokens
 per unit of cost, growing after acceptances, shrinking after rejections, and proposing nothing where drafts keep
@@ -38,6 +45,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
+
 from prefixcache.cache.events import (
     AllCleared,
     BlockRemoved,
@@ -48,16 +57,23 @@ from prefixcache.cache.events import (
 )
 from prefixcache.cache.pool import check_block_size
 from prefixcache.cache.tokens import as_token_array
-from prefixcache.engine.draft_index import BlockTree, ContextIndex
+from prefixcache.engine.draft_index import BlockTree, ContextIndex, SharedPrefix
 from prefixcache.errors import InvalidArgumentError
 
-__all__ = ["ContextIndex", "DraftLength", "DraftProposal", "DraftSession", "Drafter"]
+__all__ = ["ContextIndex", "DraftLength", "DraftProposal", "DraftSession", "Drafter", "SharedPrefix"]
 
 DraftSource = Literal["context", "tree"]
 
 DEFAULT_NGRAM_SIZES = (4, 3, 2, 1)
 DEFAULT_MAX_DRAFT_TOKENS = 8
 _NAMESPACES_UNSET = object()
+
+SHARED_PREFIX_MIN_TOKENS = 1024
+"""A context of this many tokens or more that shares less than half of them with the drafter's shared prefixes
+becomes one itself (:meth:`Drafter.context`)."""
+
+MAX_SHARED_PREFIXES = 4
+"""Shared prefixes a drafter keeps, the oldest dropped first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +179,46 @@ class DraftLength:
             if followed:
                 self.p_next = decay * self.p_next + (1 - decay) * (num_accepted - 1) / followed
 
+    def forced_steps(self, num_draft_tokens: Sequence[int], num_matching: Sequence[int]) -> list[int]:
+        """Play the controller over a decode teacher forced on known tokens: at position ``i`` a full draft of
+        ``num_draft_tokens[i]`` tokens, the first ``num_matching[i]`` of them right.  Each step drafts ``k``, the
+        smaller of the full draft and :meth:`next_budget`, accepts ``min(num_matching[i], k)``, moves past the
+        accepted tokens and the model's own one, and calls :meth:`update`.  Returns each step's ``k``; the estimates
+        are left as the steps' updates leave them.  The same as those calls (the arithmetic inlined): O(steps x
+        max_tokens)."""
+        costs, max_tokens, decay, relax = self.costs, self.max_tokens, self.decay, self.relax
+        prior_first = self.prior_first
+        p_first, p_next = self.p_first, self.p_next
+        end = len(num_draft_tokens)
+        out = []
+        i = 0
+        while i < end:
+            drafted = num_draft_tokens[i]
+            k = 0
+            if drafted:  # without a draft the budget does not matter
+                best, best_rate, run, q_k = 0, 1.0, 0.0, 1.0
+                for j in range(1, max_tokens + 1):
+                    run += q_k
+                    q_k *= p_next
+                    rate = (1 + p_first * run) / costs[j]
+                    if rate > best_rate:
+                        best, best_rate = j, rate
+                k = drafted if drafted < best else best
+            out.append(k)
+            if k:
+                accepted = num_matching[i] if num_matching[i] < k else k
+                p_first = decay * p_first + (1 - decay) * (accepted > 0)
+                if accepted:
+                    followed = accepted - 1 + (accepted < k)
+                    if followed:
+                        p_next = decay * p_next + (1 - decay) * (accepted - 1) / followed
+            else:
+                accepted = 0
+                p_first += (prior_first - p_first) * relax
+            i += accepted + 1
+        self.p_first, self.p_next, self._budget = p_first, p_next, None
+        return out
+
 
 class Drafter:
     """Proposes drafts from a request's context and from the full blocks cached per namespace.
@@ -195,6 +251,8 @@ class Drafter:
         self.use_tree = use_tree
         self._trees: dict[str | None, BlockTree] = {}
         self._pending: collections.deque[KVEvent] = collections.deque()
+        self._shared: list[SharedPrefix] = []
+        self._tree_keys: dict[int, np.ndarray] | None = None
 
     # ---- the cache side -------------------------------------------------------------------------------------
 
@@ -229,8 +287,24 @@ class Drafter:
             raise InvalidArgumentError(f"a KV event of block size {block_size}; the drafter's is {self.block_size}")
         tree = self._trees.get(namespace)
         if tree is None:
-            tree = self._trees[namespace] = BlockTree(block_size, self.ngram_sizes)
+            tree = self._trees[namespace] = BlockTree(block_size, self.ngram_sizes, self._tree_keys)
         return tree
+
+    def restrict_tree(self, keys: dict[int, np.ndarray]) -> None:
+        """Index only these n-grams of the cached blocks from now on: ``keys[n]``, the sorted distinct hashes
+        (:func:`~prefixcache.engine.draft_index.suffix_hashes`) of the ``n``-token suffixes a tree lookup will be
+        asked for, known ahead by a caller that knows every context it will draft for (a replay); a lookup of
+        another n-gram misses.  Call it before the first event.
+
+        Raises:
+            InvalidArgumentError: blocks are indexed already, or ``keys`` lacks a size.
+        """
+        self.sync()
+        if self._trees:
+            raise InvalidArgumentError("restrict_tree must come before any block is indexed")
+        if set(keys) != set(self.ngram_sizes):
+            raise InvalidArgumentError(f"restrict_tree needs keys for the sizes {self.ngram_sizes}, got {sorted(keys)}")
+        self._tree_keys = {n: np.asarray(keys[n], dtype=np.uint64) for n in self.ngram_sizes}
 
     def add_sequence(self, token_ids: Iterable[int], namespace: str | None = None) -> int:
         """Index the full blocks of a sequence as if a cache had stored it in ``namespace`` (blocks already held are
@@ -270,12 +344,33 @@ class Drafter:
 
     # ---- lookups --------------------------------------------------------------------------------------------
 
+    def context(self, token_ids: Iterable[int]) -> ContextIndex:
+        """A request's context indexed, reading the prefix it shares with an earlier long context (a system prompt
+        and its tools) from that context's :class:`SharedPrefix` rather than indexing it again.  A context of
+        :data:`SHARED_PREFIX_MIN_TOKENS` or more sharing less than half of it with every kept prefix becomes a shared
+        prefix itself (O(len x log len) with NumPy, once); the :data:`MAX_SHARED_PREFIXES` latest are kept.
+        Otherwise O(tokens past the shared prefix): about 0.5 us a token with NumPy.
+
+        Raises:
+            InvalidTokensError: what :func:`~prefixcache.cache.tokens.as_token_array` refuses.
+        """
+        ids = as_token_array(token_ids, allow_empty=True)
+        tokens = np.frombuffer(ids, dtype=np.uint32) if len(ids) else np.zeros(0, dtype=np.uint32)
+        best, best_len = None, 0
+        for shared in self._shared:
+            common = shared.common_prefix(tokens)
+            if common > best_len:
+                best, best_len = shared, common
+        if 2 * best_len < len(ids) and len(ids) >= SHARED_PREFIX_MIN_TOKENS:
+            best = SharedPrefix(self.ngram_sizes, tokens)
+            self._shared = [*self._shared[1 - MAX_SHARED_PREFIXES :], best]
+        return ContextIndex(self.ngram_sizes, tokens, shared=best)
+
     def session(self, token_ids: Iterable[int], namespace: str | None = None, *,
                 length: DraftLength | None = None) -> DraftSession:  # fmt: skip
-        """A request's drafting state: its context indexed (O(len) with NumPy: about 0.5 us a token) and its draft
-        length controller (a fresh :class:`DraftLength` of ``max_draft_tokens`` unless given)."""
-        index = ContextIndex(self.ngram_sizes, as_token_array(token_ids, allow_empty=True))
-        return DraftSession(self, namespace, index, length or DraftLength(self.max_draft_tokens))
+        """A request's drafting state: its context indexed (:meth:`context`) and its draft length controller (a fresh
+        :class:`DraftLength` of ``max_draft_tokens`` unless given)."""
+        return DraftSession(self, namespace, self.context(token_ids), length or DraftLength(self.max_draft_tokens))
 
     def propose(
         self, context_token_ids: Iterable[int], namespace: str | None = None, *, max_tokens: int | None = None
@@ -285,6 +380,15 @@ class Drafter:
         :meth:`session` instead, which indexes each token once."""
         index = ContextIndex(self.ngram_sizes, as_token_array(context_token_ids, allow_empty=True))
         return self.lookup(index, namespace, self.max_draft_tokens if max_tokens is None else max_tokens)
+
+    def tree(self, namespace: str | None = None) -> BlockTree | None:
+        """``namespace``'s block tree after applying the queued events, or None (nothing cached there, or
+        ``use_tree=False``)."""
+        if not self.use_tree:
+            return None
+        if self._pending:
+            self.sync()
+        return self._trees.get(namespace)
 
     def lookup(self, index: ContextIndex, namespace: str | None, num_tokens: int) -> DraftProposal:
         """The draft after the context ``index`` holds: its last ``n`` tokens (``n`` in :attr:`ngram_sizes`, longest

@@ -14,11 +14,14 @@ as the tree's branches go.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["BlockTree", "ContextIndex", "suffix_hashes"]
+from prefixcache.errors import InvalidArgumentError
+
+__all__ = ["BlockTree", "ContextIndex", "ForcedMatches", "SharedPrefix", "suffix_hashes"]
 
 _MULT = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -55,56 +58,177 @@ def suffix_hashes(tokens: Sequence[int], max_n: int) -> list[int]:
     return _ngram_hashes(tokens, len(tokens), max_n)
 
 
-class ContextIndex:
-    """One request's tokens and, per n-gram size, where each n-gram last stood with a token after it.
+def _int_array(token_ids: Iterable[int]) -> np.ndarray:
+    """``token_ids`` as a 1-D int64 array (an ``array('I')`` or ndarray converted at C speed)."""
+    if isinstance(token_ids, (np.ndarray, array)):
+        return np.asarray(token_ids).astype(np.int64, copy=False)
+    return np.asarray(list(token_ids), dtype=np.int64).reshape(-1)
 
-    ``tokens`` is a list of ints; position ``p`` (``n <= p < len(tokens)``) is indexed under the n-gram
-    ``tokens[p - n : p]``, later positions replacing earlier ones.  ``tail`` holds the hashes of the last
-    ``1 .. max_n`` tokens (what a lookup asks for).  Memory: one dict entry per distinct n-gram and size (about 100
-    bytes each).
+
+class SharedPrefix:
+    """A static n-gram index of a token sequence many contexts start with (a system prompt and its tools), read by
+    each :class:`ContextIndex` that shares a prefix of it instead of indexing those tokens again.
+
+    Per n-gram size, the positions ``p`` (``n <= p < len``) sorted by (hash of ``tokens[p - n : p]``, ``p``), so that
+    a context sharing only the first ``T`` tokens gets the latest position before ``T`` of each n-gram in one O(len)
+    NumPy pass (:meth:`table`).  Built in O(len x log(len) x sizes) with NumPy; memory 16 bytes a position and size.
     """
 
-    __slots__ = ("_by_n", "_maps", "max_n", "sizes", "tail", "tokens")
+    __slots__ = ("_keys", "_positions", "max_n", "sizes", "tokens")
 
-    def __init__(self, ngram_sizes: Sequence[int], token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, ngram_sizes: Sequence[int], token_ids: Iterable[int]) -> None:
         self.sizes = tuple(ngram_sizes)
         self.max_n = max(self.sizes)
-        self.tokens: list[int] = []
-        self.tail: list[int] = []
-        self._maps: dict[int, dict[int, int]] = {n: {} for n in self.sizes}
-        self._by_n = [self._maps.get(n) for n in range(1, self.max_n + 1)]
-        self.extend(token_ids)
+        self.tokens = _int_array(token_ids)
+        runs = _hash_runs(self.tokens.astype(np.uint64), self.max_n)
+        self._keys: dict[int, np.ndarray] = {}
+        self._positions: dict[int, np.ndarray] = {}
+        for n in self.sizes:
+            keys = runs[n - 1][: max(0, len(self.tokens) - n)]  # keys[j]: the n-gram before position j + n
+            order = np.argsort(keys, kind="stable")
+            self._keys[n] = keys[order]
+            self._positions[n] = order + n
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def common_prefix(self, tokens: np.ndarray) -> int:
+        """How many first tokens ``tokens`` (int64) shares with this prefix.  O(that many) with NumPy."""
+        m = min(len(tokens), len(self.tokens))
+        differ = np.flatnonzero(tokens[:m] != self.tokens[:m])
+        return int(differ[0]) if len(differ) else m
+
+    def table(self, length: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Per size ``n``: the sorted distinct hashes of the n-grams before positions ``n .. length - 1`` and the
+        latest such position of each.  O(len) with NumPy."""
+        out = {}
+        for n in self.sizes:
+            positions = self._positions[n]
+            keep = positions < length
+            keys, positions = self._keys[n][keep], positions[keep]
+            last = np.ones(len(keys), dtype=bool)
+            last[:-1] = keys[1:] != keys[:-1]  # positions rise within a hash: its last entry is its latest
+            out[n] = (keys[last], positions[last])
+        return out
+
+
+class ForcedMatches:
+    """The lookups of a decode teacher forced on tokens appended by :meth:`ContextIndex.extend_matched` at positions
+    ``start ..``: :meth:`find` gives, for the new tokens asked for, the positions :meth:`ContextIndex.lookup` would
+    have drafted from just before each was appended.  ``keys[n][i]``: the hash of the ``n`` tokens before position
+    ``start + i`` (0 where there are fewer).  Valid until the index is next used: it indexes the new tokens then."""
+
+    __slots__ = ("_index", "keys", "start")
+
+    def __init__(self, index: ContextIndex, start: int, keys: dict[int, np.ndarray]) -> None:
+        self._index = index
+        self.start = start
+        self.keys = keys
+
+    def find(self, n: int, offsets: np.ndarray) -> np.ndarray:
+        """:meth:`ContextIndex.find_forced` for these matches."""
+        return self._index.find_forced(self, n, offsets)
+
+
+def _spread(kept: np.ndarray, found: np.ndarray, size: int) -> np.ndarray:
+    out = np.full(size, -1, dtype=np.int64)
+    out[kept] = found
+    return out
+
+
+class ContextIndex:
+    """One request's tokens and, per n-gram size, where each n-gram last stood with a token after it.
+
+    ``tokens`` is a list of ints (and ``array`` the same tokens in an int64 NumPy array); position ``p``
+    (``n <= p < len(tokens)``) is indexed under the n-gram ``tokens[p - n : p]``, later positions replacing earlier
+    ones.  With a ``shared`` prefix, the positions before ``shared_tokens`` (the tokens the context has in common with
+    it) are read from the prefix's table instead of being indexed again.  ``tail`` holds the hashes of the last
+    ``1 .. max_n`` tokens (what a lookup asks for).  Memory: one dict entry per distinct n-gram and size past the
+    shared prefix (about 100 bytes each), 16 bytes a shared position and size.
+    """
+
+    __slots__ = ("_buf", "_by_n", "_maps", "_pending", "_shared", "max_n", "shared_tokens", "sizes", "tail", "tokens")
+
+    def __init__(
+        self, ngram_sizes: Sequence[int], token_ids: Iterable[int] = (), *, shared: SharedPrefix | None = None
+    ) -> None:
+        self.sizes = tuple(ngram_sizes)
+        self.max_n = max(self.sizes)
+        self.tokens: list[int] = []
+        self.tail: list[int] = []
+        self._buf = np.zeros(64, dtype=np.int64)
+        self._maps: dict[int, dict[int, int]] = {n: {} for n in self.sizes}
+        self._by_n = [self._maps.get(n) for n in range(1, self.max_n + 1)]
+        self._shared: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+        self._pending: int | None = None  # tokens from here on are appended, not indexed yet (extend_matched)
+        self.shared_tokens = 0
+        new = _int_array(token_ids)
+        if shared is not None:
+            if shared.sizes != self.sizes:
+                raise InvalidArgumentError(f"the shared prefix has n-gram sizes {shared.sizes}, not {self.sizes}")
+            self.shared_tokens = shared.common_prefix(new)
+            if self.shared_tokens:
+                self._shared = shared.table(self.shared_tokens)
+        self._append(new)
+        self._index_vector(self.shared_tokens, len(self.tokens))
+        self.tail = suffix_hashes(self.tokens, self.max_n)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def array(self) -> np.ndarray:
+        """The tokens as an int64 array (a view: read only, valid until the next append)."""
+        return self._buf[: len(self.tokens)]
+
+    def _append(self, new: np.ndarray) -> None:
+        start, end = len(self.tokens), len(self.tokens) + len(new)
+        if end > len(self._buf):
+            grown = np.zeros(max(end, 2 * len(self._buf)), dtype=np.int64)
+            grown[:start] = self._buf[:start]
+            self._buf = grown
+        self._buf[start:end] = new
+        self.tokens.extend(new.tolist())
+
     def extend(self, token_ids: Iterable[int]) -> None:
         """Append tokens and index the positions they complete.  O(new tokens x sizes): about 0.3 us a key in Python,
         40 ns with NumPy from :data:`VECTOR_MIN_TOKENS` new tokens on (measured unloaded)."""
-        new = token_ids.tolist() if isinstance(token_ids, np.ndarray) else list(token_ids)
+        if self._pending is not None:
+            self._flush()
+        new = _int_array(token_ids)
         if len(new) >= VECTOR_MIN_TOKENS:
             start = len(self.tokens)
-            self.tokens.extend(new)
-            self._extend_vector(start, len(self.tokens))
+            self._append(new)
+            self._index_vector(start, len(self.tokens))
             self.tail = suffix_hashes(self.tokens, self.max_n)
             return
-        for token in new:
+        for token in new.tolist():
             self.push(token)
 
     def push(self, token: int) -> None:
         """Append one token.  O(sizes)."""
+        if self._pending is not None:
+            self._flush()
         tokens, tail = self.tokens, self.tail
         p = len(tokens)
         for index, h in zip(self._by_n, tail, strict=False):
             if index is not None:
                 index[h] = p
+        if p == len(self._buf):
+            self._buf = np.concatenate([self._buf, np.zeros(p, dtype=np.int64)])
+        self._buf[p] = token
         tokens.append(token)
         # The hash of the last n tokens is the hash of the n - 1 before the new one, times M, plus it.
         self.tail = [token] + [(h * _MULT + token) & _MASK for h in tail[: self.max_n - 1]]
 
-    def _extend_vector(self, start: int, end: int) -> None:
+    def _runs(self, start: int, end: int) -> tuple[int, list[np.ndarray]]:
         low = max(0, start - self.max_n)
-        runs = _hash_runs(np.array(self.tokens[low:end], dtype=np.uint64), self.max_n)
+        return low, _hash_runs(self._buf[low:end].astype(np.uint64), self.max_n)
+
+    def _index_vector(self, start: int, end: int) -> None:
+        if start >= end:
+            return
+        low, runs = self._runs(start, end)
         for n in self.sizes:
             first = max(start, n)
             if first >= end:
@@ -113,18 +237,103 @@ class ContextIndex:
             keys = runs[n - 1][first - n - low : end - n - low]
             self._maps[n].update(zip(keys.tolist(), range(first, end), strict=True))
 
+    def _shared_latest(self, n: int, keys: np.ndarray) -> np.ndarray:
+        """The latest shared position of each n-gram hash in ``keys`` (-1: none).  O(len(keys) x log) with NumPy."""
+        table_keys, table_positions = self._shared[n]  # type: ignore[index]
+        if not len(table_keys):
+            return np.full(len(keys), -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(table_keys, keys), len(table_keys) - 1)
+        return np.where(table_keys[at] == keys, table_positions[at], -1)
+
     def lookup(self, n: int, num_tokens: int) -> list[int] | None:
         """The up to ``num_tokens`` tokens that followed the latest earlier occurrence of the context's last ``n``
-        tokens, or None.  O(n + num_tokens)."""
+        tokens, or None.  O(n + num_tokens), and a binary search of the shared prefix's table when the n-gram is
+        not seen past it."""
         if n > len(self.tail):
             return None
-        p = self._maps[n].get(self.tail[n - 1])
+        if self._pending is not None:
+            self._flush()
+        h = self.tail[n - 1]
+        p = self._maps[n].get(h)
         if p is None:
-            return None
+            if self._shared is None:
+                return None
+            p = int(self._shared_latest(n, np.array([h], dtype=np.uint64))[0])
+            if p < 0:
+                return None
         tokens = self.tokens
         if tokens[p - n : p] != tokens[len(tokens) - n :]:
             return None
         return tokens[p : p + num_tokens]
+
+    def extend_matched(self, token_ids: Iterable[int]) -> ForcedMatches:
+        """Append tokens, and return what :meth:`lookup` would have matched before each of them were they pushed
+        one by one (the drafts of a decode teacher forced on them), to be asked size by size
+        (:meth:`ForcedMatches.find`) before the index is next used: the new tokens are indexed then.  O(new tokens x
+        sizes) with NumPy."""
+        if self._pending is not None:
+            self._flush()
+        new = _int_array(token_ids)
+        start = len(self.tokens)
+        self._append(new)
+        end = len(self.tokens)
+        low, runs = self._runs(start, end)
+        keys = {}
+        for n in self.sizes:
+            first = min(max(start, n), end)
+            pad = np.zeros(first - start, dtype=np.uint64)
+            keys[n] = np.concatenate([pad, runs[n - 1][first - n - low : end - n - low]]) if first < end else pad
+        self.tail = suffix_hashes(self.tokens, self.max_n)
+        self._pending = start
+        return ForcedMatches(self, start, keys)
+
+    def find_forced(self, matches: ForcedMatches, n: int, offsets: np.ndarray) -> np.ndarray:
+        """For each token ``offsets[j]`` (int64, ascending) of those :meth:`extend_matched` appended (``matches``):
+        the position the context's latest earlier occurrence of the ``n`` tokens before it was followed from, -1 for
+        none (as :meth:`lookup`: fewer than ``n`` tokens before it, or a hash collision, is none).  O(new tokens x
+        log) with NumPy, plus a dict lookup per offset whose n-gram the new tokens before it do not hold.
+
+        Raises:
+            InvalidArgumentError: the index was used since :meth:`extend_matched`.
+        """
+        if self._pending != matches.start:
+            raise InvalidArgumentError("the context index changed since extend_matched: its matches are stale")
+        start, buf, size = matches.start, self._buf, len(matches.keys[n])
+        first = max(start, n)
+        end = len(self.tokens)
+        offsets = offsets[offsets >= first - start]
+        found = np.full(len(offsets), -1, dtype=np.int64)
+        if not len(offsets) or first >= end:
+            return _spread(offsets, found, size)
+        keys = matches.keys[n][first - start :]
+        # The latest earlier position among the new ones with the same n-gram: the one before in a stable sort.
+        order = np.argsort(keys, kind="stable")
+        same = np.flatnonzero(keys[order[1:]] == keys[order[:-1]])
+        previous = np.full(len(keys), -1, dtype=np.int64)
+        previous[order[same + 1]] = order[same] + first
+        found = previous[offsets - (first - start)]
+        missing = np.flatnonzero(found < 0)
+        if len(missing):
+            get = self._maps[n].get
+            asked = keys[offsets[missing] - (first - start)]
+            earlier = np.array([get(h, -1) for h in asked.tolist()], dtype=np.int64)
+            if self._shared is not None:
+                unseen = earlier < 0
+                if unseen.any():
+                    earlier[unseen] = self._shared_latest(n, asked[unseen])
+            found[missing] = earlier
+        # Check each match against the tokens themselves: a hash collision is a miss, as in lookup.
+        hit = np.flatnonzero(found >= 0)
+        p, q = found[hit], offsets[hit] + start
+        ok = np.ones(len(hit), dtype=bool)
+        for j in range(1, n + 1):
+            ok &= buf[p - j] == buf[q - j]
+        found[hit[~ok]] = -1
+        return _spread(offsets, found, size)
+
+    def _flush(self) -> None:
+        start, self._pending = self._pending, None
+        self._index_vector(start, len(self.tokens))  # type: ignore[arg-type]
 
 
 class BlockTree:
@@ -133,15 +342,17 @@ class BlockTree:
     Block ``s`` (a slot) holds ``block_size`` tokens at ``log[s * block_size :]``, the ``max_n`` tokens before it
     (its ``lead``, empty at a sequence's start), its parent's slot and its children's slots in the order they were
     stored.  Each of its positions is indexed under the n-grams ending there; a removed block takes its index entries
-    with it (an n-gram seen only there is then a miss until stored again).  Memory: ``block_size`` tokens and up to
-    ``block_size x sizes`` dict entries a block.
+    with it (an n-gram seen only there is then a miss until stored again).  With ``keys`` (per size, the sorted
+    distinct n-gram hashes that will be looked up), only those n-grams are indexed.  Memory: ``block_size`` tokens
+    and up to ``block_size x sizes`` dict entries a block.
     """
 
-    __slots__ = ("_children", "_free", "_hash", "_lead", "_log", "_maps", "_media", "_parent", "_slot", "block_size",
-                 "max_n", "sizes")  # fmt: skip
+    __slots__ = ("_children", "_free", "_hash", "_keys", "_lead", "_log", "_maps", "_media", "_parent", "_slot",
+                 "block_size", "max_n", "sizes")  # fmt: skip
 
-    def __init__(self, block_size: int, ngram_sizes: Sequence[int]) -> None:
+    def __init__(self, block_size: int, ngram_sizes: Sequence[int], keys: dict[int, np.ndarray] | None = None) -> None:
         self.block_size = block_size
+        self._keys = keys
         self.sizes = tuple(ngram_sizes)
         self.max_n = max(self.sizes)
         self._log: list[int] = []
@@ -221,8 +432,13 @@ class BlockTree:
         where = (starts[:, None] + offsets).ravel()
         values = (np.array([s for _, s in new], dtype=np.int64)[:, None] * bs + offsets).ravel()
         for n in self.sizes:
-            keep = where >= n
+            keep = np.flatnonzero(where >= n)
             keys = runs[n - 1][where[keep] - n]
+            if self._keys is not None:
+                wanted = self._keys[n]
+                at = np.minimum(np.searchsorted(wanted, keys), max(len(wanted) - 1, 0))
+                chosen = np.flatnonzero(wanted[at] == keys) if len(wanted) else at[:0]
+                keep, keys = keep[chosen], keys[chosen]
             self._maps[n].update(zip(keys.tolist(), values[keep].tolist(), strict=True))
 
     def remove(self, block_hashes: Iterable[int], medium: str | None = None) -> int:

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from array import array
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+import numpy as np
 
 from prefixcache.engine.draft import ContextIndex, Drafter, DraftLength
 from prefixcache.errors import InvalidArgumentError
@@ -148,6 +148,24 @@ class SpeculationTally:
         return out
 
 
+class _Plan(NamedTuple):
+    """One request's answer, its context drafts worked out before the replay (they do not depend on the cache).
+
+    Per answer position ``i``: ``ctx_row[i]``, the row in the drafter's sizes of the longest context suffix that has
+    a draft there (``len(sizes)``: none); that draft's length and how many of its tokens equal the answer's next ones.
+    ``queries[row]``: the positions a tree lookup of that size may be asked at (no context draft of that size or
+    longer, ``n`` tokens before them) and their n-gram hashes.  ``tail``: the ``max_n`` prompt tokens before the
+    answer and the answer, as ints.
+    """
+
+    ctx_row: list[int]
+    num_draft: list[int]
+    num_matching: list[int]
+    queries: list[tuple[list[int], list[int]]]
+    tail: list[int]
+    lead: int
+
+
 class Speculator:
     """Simulates drafting and verification for the requests of one replayed file, in replay order.
 
@@ -156,8 +174,14 @@ class Speculator:
     it.  A draft depends only on the context, and teacher forcing makes the context at answer position ``i`` the
     prompt and the first ``i`` answer tokens whatever was drafted before, so the drafter is asked once per answer
     position for its full draft, and both ways of verifying (full drafts, adaptive length) are played over those.
-    A conversation's context index is kept from one turn to the next while its prompt extends the previous prompt and
-    answer (and dropped after its last turn), so each conversation's tokens are indexed once.
+
+    The context side does not depend on the cache, so it is worked out for every request when the speculator is
+    made, a conversation at a time: its context index is kept from one turn to the next while its prompt extends the
+    previous prompt and answer, each conversation's tokens indexed once past the prefix it shares with an earlier
+    one (:meth:`~prefixcache.engine.draft.Drafter.context`), and each answer matched with NumPy
+    (:meth:`~prefixcache.engine.draft.ContextIndex.extend_matched`).  That tells which n-grams a tree lookup can be
+    asked for (those at answer positions without a context draft as long), and the drafter indexes only those of
+    the cached blocks (:meth:`~prefixcache.engine.draft.Drafter.restrict_tree`).
     """
 
     def __init__(
@@ -173,77 +197,123 @@ class Speculator:
         self.verify_cost = DraftLength(max_draft_tokens, verify_cost).costs
         self.drafter = Drafter(max_draft_tokens, use_tree=mode == "tree")
         self.tally = SpeculationTally()
-        self._turns_left = Counter(r.conversation_id for r in requests)
-        self._contexts: dict[str, tuple[ContextIndex, array]] = {}
+        self._plans: dict[int, _Plan] = {}
+        tree_keys = self._plan(requests)
+        if mode == "tree":
+            self.drafter.restrict_tree(tree_keys)
+
+    def _plan(self, requests: Sequence[Any]) -> dict[int, np.ndarray]:
+        """Work out every request's context drafts; return the n-grams (by size) a tree lookup may be asked for."""
+        conversations: dict[str, list[Any]] = {}
+        for request in requests:
+            conversations.setdefault(request.conversation_id, []).append(request)
+        sizes = self.drafter.ngram_sizes
+        wanted: dict[int, list[np.ndarray]] = {n: [] for n in sizes}
+        for turns in conversations.values():
+            index, before = None, None
+            for request in turns:
+                answer, prompt = request.answer, request.prompt
+                if not len(answer):
+                    index = None  # as a decode would: a request without an answer ends the kept context
+                    continue
+                if index is not None and len(before) <= len(prompt) and prompt[: len(before)] == before:
+                    index.extend(prompt[len(before) :])
+                else:
+                    index = self.drafter.context(prompt)
+                self._plans[id(request)] = self._plan_answer(index, answer, wanted)
+                before = prompt + answer
+        return {n: np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.uint64) for n, keys in wanted.items()}
+
+    def _plan_answer(self, index: ContextIndex, answer: Sequence[int], wanted: dict[int, list[np.ndarray]]) -> _Plan:
+        sizes, k = self.drafter.ngram_sizes, self.drafter.max_draft_tokens
+        matches = index.extend_matched(answer)
+        start, m = matches.start, len(answer)
+        buf, end = index.array, len(index)
+        ctx_row = np.full(m, len(sizes), dtype=np.int64)
+        num_draft = np.zeros(m, dtype=np.int64)
+        num_matching = np.zeros(m, dtype=np.int64)
+        ahead = np.arange(k)
+        queries = []
+        for row, n in enumerate(sizes):
+            open_at = np.flatnonzero(ctx_row == len(sizes))
+            found = matches.find(n, open_at) if len(open_at) else np.full(m, -1, dtype=np.int64)
+            hit = np.flatnonzero(found >= 0)
+            if len(hit):
+                p, q = found[hit], hit + start
+                length = np.minimum(k, q - p)  # a draft ends where the context does
+                usable = np.minimum(length, end - q)[:, None] > ahead
+                same = buf[np.minimum(p[:, None] + ahead, end - 1)] == buf[np.minimum(q[:, None] + ahead, end - 1)]
+                num_matching[hit] = np.cumprod(same & usable, axis=1).sum(axis=1)
+                num_draft[hit] = length
+                ctx_row[hit] = row
+            asked = np.flatnonzero(ctx_row[max(0, n - start) :] > row) + max(0, n - start)  # n tokens before
+            keys = matches.keys[n][asked]
+            wanted[n].append(keys)
+            queries.append((asked.tolist(), keys.tolist()))
+        lead = min(start, index.max_n)
+        tail = buf[start - lead : end].tolist()
+        return _Plan(ctx_row.tolist(), num_draft.tolist(), num_matching.tolist(), queries, tail, lead)
 
     def run(self, request: Any, namespace: str | None = None) -> None:
         """Simulate the decoding of ``request.answer`` after ``request.prompt`` and add it to :attr:`tally` (a request
-        without an answer adds nothing).  O(answer tokens + new prompt tokens)."""
-        conversation = request.conversation_id
-        self._turns_left[conversation] -= 1
-        kept = self._contexts.pop(conversation, None)
-        answer = request.answer
-        if not len(answer):
+        without an answer adds nothing): its context drafts as planned, a tree lookup in the cache as it is now
+        where a context draft is missing.  O(answer tokens), plus a tree lookup per position without a context
+        draft."""
+        plan = self._plans.pop(id(request), None)
+        if plan is None:
             return
-        prompt = request.prompt
-        if kept is not None and len(kept[1]) <= len(prompt) and prompt[: len(kept[1])] == kept[1]:
-            index = kept[0]
-            index.extend(prompt[len(kept[1]) :])
-        else:
-            index = ContextIndex(self.drafter.ngram_sizes, prompt)
-        drafts = self._drafts(index, namespace, answer.tolist())
-        self._verify(drafts, len(answer))
-        if self._turns_left[conversation] > 0:
-            self._contexts[conversation] = (index, prompt + answer)
+        num_draft, num_matching = plan.num_draft, plan.num_matching
+        ctx_row = plan.ctx_row
+        from_context = [row < len(self.drafter.ngram_sizes) for row in ctx_row]
+        tree = self.drafter.tree(namespace) if self.mode == "tree" else None
+        if tree is not None:
+            k, tail, lead = self.drafter.max_draft_tokens, plan.tail, plan.lead
+            done: set[int] = set()
+            for n, (asked, keys) in zip(self.drafter.ngram_sizes, plan.queries, strict=True):
+                for i, h in zip(asked, keys, strict=True):
+                    if i in done:
+                        continue
+                    q = lead + i
+                    draft = tree.lookup(n, h, tail[q - n : q], k)
+                    if draft:
+                        run = 0
+                        for expected, drafted in zip(tail[q : q + len(draft)], draft, strict=False):
+                            if expected != drafted:
+                                break
+                            run += 1
+                        num_draft[i], num_matching[i], from_context[i] = len(draft), run, False
+                        done.add(i)
+        self._verify(num_draft, num_matching, from_context)
 
-    def _drafts(self, index: ContextIndex, namespace: str | None, answer: list[int]) -> list[tuple[int, int, bool]]:
-        """Per answer position: the full draft's length, how many of its tokens equal the answer's next ones, and
-        whether it came from the context; ``index`` is left holding the whole answer."""
-        lookup, max_tokens = self.drafter.lookup, self.drafter.max_draft_tokens
-        out = []
-        for i, token in enumerate(answer):
-            proposal = lookup(index, namespace, max_tokens)
-            draft = proposal.tokens
-            run = 0
-            for expected, drafted in zip(answer[i:], draft, strict=False):
-                if expected != drafted:
-                    break
-                run += 1
-            out.append((len(draft), run, proposal.source == "context"))
-            index.push(token)
-        return out
-
-    def _verify(self, drafts: list[tuple[int, int, bool]], end: int) -> None:
+    def _verify(self, num_draft: list[int], num_matching: list[int], from_context: list[bool]) -> None:
         tally, costs = self.tally, self.verify_cost
+        end = len(num_draft)
         tally.requests += 1
         tally.answer_tokens += end
         i = 0
         while i < end:
-            drafted, run, from_context = drafts[i]
-            produced = min(run + 1, end - i)
+            drafted = num_draft[i]
             tally.steps += 1
             tally.cost += costs[drafted]
             if drafted:
+                run = num_matching[i]
+                produced = min(run + 1, end - i)
                 tally.proposed_tokens += drafted
                 tally.accepted_tokens += run
-                if from_context:
+                if from_context[i]:
                     tally.context_steps += 1
                     tally.context_tokens += produced
                 else:
                     tally.tree_steps += 1
                     tally.tree_tokens += produced
-            i += produced
-        length = DraftLength(self.drafter.max_draft_tokens, costs)
-        i = 0
-        while i < end:
-            drafted, run, _ = drafts[i]
-            k = min(drafted, length.next_budget())
-            accepted = min(run, k)
-            tally.adaptive_steps += 1
+                i += produced
+            else:
+                i += 1
+        verified = DraftLength(self.drafter.max_draft_tokens, costs).forced_steps(num_draft, num_matching)
+        tally.adaptive_steps += len(verified)
+        tally.adaptive_proposed_tokens += sum(verified)
+        for k in verified:
             tally.adaptive_cost += costs[k]
-            tally.adaptive_proposed_tokens += k
-            length.update(k, accepted)
-            i += min(accepted + 1, end - i)
 
 
 def main(argv: list[str] | None = None) -> int:

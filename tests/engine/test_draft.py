@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from array import array
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
-from prefixcache.engine.draft import Drafter, DraftLength, DraftProposal
+from prefixcache.engine import draft
+from prefixcache.engine.draft import ContextIndex, Drafter, DraftLength, DraftProposal, SharedPrefix
+from prefixcache.engine.draft_index import suffix_hashes
 from prefixcache.errors import InvalidArgumentError
 
 SIZES = (4, 3, 2, 1)
@@ -173,3 +176,118 @@ def test_a_session_index_grows_as_one_built_at_once() -> None:
         grown.extend([token])
     whole = drafter.session(tokens)
     assert grown.tokens == whole.tokens and grown.propose() == whole.propose()
+
+
+def _proposals(drafter: Drafter, index: ContextIndex) -> list[DraftProposal]:
+    return [drafter.lookup(index, None, k) for k in (1, 3, 8)]
+
+
+shared_runs = st.lists(st.integers(0, 3), min_size=0, max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shared_runs, st.lists(shared_runs, min_size=1, max_size=4), st.lists(st.integers(0, 3), max_size=40),
+       st.integers(1, 12))  # fmt: skip
+def test_an_index_grown_on_a_shared_prefix_drafts_as_one_built_from_scratch(
+    common: list[int], tails: list[list[int]], answer: list[int], chunk: int
+) -> None:
+    drafter = Drafter(8)
+    shared = SharedPrefix(SIZES, common + tails[0])
+    for tail in tails:
+        context = common + tail
+        grown = ContextIndex(SIZES, context[: len(context) // 2], shared=shared)
+        rest = context[len(context) // 2 :] + answer
+        for at in range(0, len(rest), chunk):
+            grown.extend(rest[at : at + chunk])
+            whole = ContextIndex(SIZES, context[: len(context) // 2] + rest[: at + chunk])
+            assert grown.tokens == whole.tokens
+            assert _proposals(drafter, grown) == _proposals(drafter, whole)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shared_runs, shared_runs, st.lists(st.integers(0, 3), max_size=60))
+def test_extend_matched_finds_what_a_lookup_before_each_token_finds(
+    common: list[int], prompt: list[int], answer: list[int]
+) -> None:
+    shared = SharedPrefix(SIZES, common + [9, 9])
+    fast = ContextIndex(SIZES, common + prompt, shared=shared)
+    slow = ContextIndex(SIZES, common + prompt)
+    expected = {n: [] for n in SIZES}
+    for token in answer:
+        for n in SIZES:
+            draft = slow.lookup(n, 64)
+            expected[n].append(len(slow) - len(draft) if draft else -1)  # a draft runs to the context's end
+        slow.push(token)
+    matches = fast.extend_matched(answer)
+    for n in SIZES:
+        assert matches.find(n, np.arange(len(answer))).tolist() == expected[n]
+    assert fast.tokens == slow.tokens and fast.tail == slow.tail
+    assert _proposals(Drafter(8), fast) == _proposals(Drafter(8), slow)
+
+
+def test_matches_go_stale_once_the_index_is_used() -> None:
+    index = ContextIndex(SIZES, [1, 2, 3, 1, 2])
+    matches = index.extend_matched([3, 1])
+    assert matches.find(2, np.arange(2)).tolist() == [2, 3]
+    index.push(2)
+    with pytest.raises(InvalidArgumentError):
+        matches.find(2, np.arange(2))
+
+
+def test_a_long_context_becomes_a_shared_prefix_for_the_next(monkeypatch) -> None:
+    monkeypatch.setattr(draft, "SHARED_PREFIX_MIN_TOKENS", 8)
+    drafter = Drafter(8)
+    first = drafter.context(list(range(20)))
+    second = drafter.context([*range(16), 7])
+    assert (first.shared_tokens, second.shared_tokens) == (20, 16)
+    assert second.lookup(1, 3) == [8, 9, 10] and second.tokens == [*range(16), 7]  # 7 then 8 .. in the shared part
+    assert drafter.context([5, 5, 5, 5, 5, 5, 5, 5, 5]).shared_tokens == 9  # shares nothing: a prefix of its own
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0, 1), min_size=1, max_size=60), st.lists(st.integers(0, 8), min_size=1, max_size=60),
+       st.lists(st.integers(0, 8), min_size=1, max_size=60))  # fmt: skip
+def test_forced_steps_are_next_budget_and_update_step_by_step(
+    costs: list[float], drafts: list[int], matching: list[int]
+) -> None:
+    costs = [1.0] + [1.0 + c for c in costs[:8]]
+    size = min(len(drafts), len(matching))
+    drafts, matching = drafts[:size], [min(m, d) for m, d in zip(matching, drafts, strict=False)]
+    fast, slow = DraftLength(8, costs), DraftLength(8, costs)
+    expected, i = [], 0
+    while i < size:
+        k = min(drafts[i], slow.next_budget())
+        accepted = min(matching[i], k)
+        slow.update(k, accepted)
+        expected.append(k)
+        i += accepted + 1
+    assert fast.forced_steps(drafts, matching) == expected
+    assert (fast.p_first, fast.p_next, fast.next_budget()) == (slow.p_first, slow.p_next, slow.next_budget())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(tokens, max_size=6), st.lists(tokens, min_size=1, max_size=4))
+def test_a_tree_restricted_to_the_asked_ngrams_drafts_as_a_whole_one(
+    sequences: list[list[int]], contexts: list[list[int]]
+) -> None:
+    keys = {n: set() for n in SIZES}
+    for context in contexts:
+        for n, h in zip(range(1, 5), suffix_hashes(context, 4), strict=False):
+            keys[n].add(h)
+    restricted, whole = Drafter(8, block_size=2), Drafter(8, block_size=2)
+    restricted.restrict_tree({n: np.array(sorted(keys[n]), dtype=np.uint64) for n in SIZES})
+    for sequence in sequences:
+        restricted.add_sequence(sequence)
+        whole.add_sequence(sequence)
+    restricted.check_invariants()
+    for context in contexts:
+        assert restricted.propose(context) == whole.propose(context)
+
+
+def test_a_tree_is_restricted_before_its_first_block_only() -> None:
+    drafter = Drafter(8, block_size=2)
+    with pytest.raises(InvalidArgumentError, match="sizes"):
+        drafter.restrict_tree({4: np.zeros(0, dtype=np.uint64)})
+    drafter.add_sequence([1, 2, 3, 4])
+    with pytest.raises(InvalidArgumentError, match="before any block"):
+        drafter.restrict_tree({n: np.zeros(0, dtype=np.uint64) for n in SIZES})

@@ -8,12 +8,17 @@ from array import array
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixcache.cli import main
 from prefixcache.cli.replay import SPECULATE_CHOICES
+from prefixcache.engine import draft
+from prefixcache.engine.draft import ContextIndex, Drafter, DraftLength
 from prefixcache.errors import InvalidArgumentError
+from prefixcache.replay import replayer
 from prefixcache.replay.replayer import Replayer, ReplayRequest
-from prefixcache.replay.speculate import SPECULATE_MODES, parse_verify_cost
+from prefixcache.replay.speculate import DEFAULT_VERIFY_COST, SPECULATE_MODES, SpeculationTally, parse_verify_cost
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = ROOT / "scenarios" / "multi_turn_chat.jsonl"
@@ -81,3 +86,80 @@ def test_the_sweep_prints_no_prediction(capsys) -> None:
     assert main(["replay", str(CHAT), "--sweep", "--no-progress", "--no-token-cache", "--no-belady"]) == 0
     printed = capsys.readouterr().out
     assert "verify step" not in printed and "tok/step" not in printed
+
+
+class _StepByStep:
+    """The reference: each request's context indexed afresh, then per answer token a lookup and a push, the
+    verification played with next_budget and update."""
+
+    def __init__(self, requests, mode="tree", verify_cost=DEFAULT_VERIFY_COST, max_draft_tokens=8) -> None:
+        self.verify_cost = DraftLength(max_draft_tokens, verify_cost).costs
+        self.drafter = Drafter(max_draft_tokens, use_tree=mode == "tree")
+        self.tally = SpeculationTally()
+
+    def run(self, request, namespace=None) -> None:
+        answer, tally, costs = request.answer.tolist(), self.tally, self.verify_cost
+        if not answer:
+            return
+        index = ContextIndex(self.drafter.ngram_sizes, request.prompt)
+        drafts = []
+        for i, token in enumerate(answer):
+            proposal = self.drafter.lookup(index, namespace, self.drafter.max_draft_tokens)
+            run = 0
+            for expected, drafted in zip(answer[i:], proposal.tokens, strict=False):
+                if expected != drafted:
+                    break
+                run += 1
+            drafts.append((len(proposal), run, proposal.source == "context"))
+            index.push(token)
+        end, i = len(answer), 0
+        tally.requests += 1
+        tally.answer_tokens += end
+        while i < end:
+            drafted, run, from_context = drafts[i]
+            produced = min(run + 1, end - i) if drafted else 1
+            tally.steps += 1
+            tally.cost += costs[drafted]
+            if drafted:
+                tally.proposed_tokens += drafted
+                tally.accepted_tokens += run
+                tally.context_steps += from_context
+                tally.context_tokens += produced if from_context else 0
+                tally.tree_steps += not from_context
+                tally.tree_tokens += 0 if from_context else produced
+            i += produced
+        length, i = DraftLength(self.drafter.max_draft_tokens, costs), 0
+        while i < end:
+            drafted, run, _ = drafts[i]
+            k = min(drafted, length.next_budget())
+            accepted = min(run, k)
+            tally.adaptive_steps += 1
+            tally.adaptive_cost += costs[k]
+            tally.adaptive_proposed_tokens += k
+            length.update(k, accepted)
+            i += min(accepted + 1, end - i)
+
+
+small = st.lists(st.integers(0, 5), max_size=12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(small, st.lists(st.lists(st.tuples(small, small), min_size=1, max_size=4), min_size=1, max_size=4),
+       st.sampled_from([None, 128, 256]), st.sampled_from(["tree", "context"]))  # fmt: skip
+def test_the_speculator_tallies_as_a_lookup_per_answer_token(
+    system: list[int], conversations: list, cache_tokens: int | None, mode: str
+) -> None:
+    requests = []
+    for c, turns in enumerate(conversations):
+        context = [*system, 100 + c]
+        for turn, (user, answer) in enumerate(turns):
+            request = ReplayRequest("s", f"c{c}", turn, array("I", context + user), array("I", answer))
+            requests.append(request)
+            context = context + user + answer
+    requests.sort(key=lambda r: r.turn)  # round robin, as the replay orders them
+    options = {"block_size": 4, "cache_tokens": cache_tokens, "speculate": mode, "verify_cost": DEFAULT_VERIFY_COST}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(draft, "SHARED_PREFIX_MIN_TOKENS", 4)  # the conversations share the system prefix
+        fast = Replayer(None, **options).replay("s", requests).speculation
+        patch.setattr(replayer, "Speculator", _StepByStep)
+        assert fast == Replayer(None, **options).replay("s", requests).speculation
