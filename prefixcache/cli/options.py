@@ -9,7 +9,16 @@ import argparse
 import importlib.metadata
 import re
 
-__all__ = ["parse_count", "parse_size", "verbose_parent", "version"]
+__all__ = ["QUANTIZE_CHOICES", "QUANTIZE_HELP", "parse_count", "parse_size", "verbose_parent", "version"]
+
+QUANTIZE_CHOICES = ("none", "int8", "int4")
+"""``--quantize``'s values: :data:`prefixcache.models.quantize.QUANTIZE_MODES` (a test keeps the two equal), written
+here because that module imports torch."""
+
+QUANTIZE_HELP = (
+    "weight-only quantization of the linear layers on the CPU: int8 (per output channel) or int4 (groups of 32 along "
+    "the input, LM head int8); activations stay in --dtype, rounded to bfloat16 at each quantized layer (default none)"
+)
 
 _UNITS = {
     "": 1,

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from prefixcache.cli.options import parse_count, parse_size
+from prefixcache.cli.options import QUANTIZE_CHOICES, QUANTIZE_HELP, parse_count, parse_size
 from prefixcache.cli.tokenizer_choice import (
     DTYPE_HELP,
     MODEL_HELP,
@@ -59,6 +59,7 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     )
     replay.add_argument("--model", default="tiny", help=MODEL_HELP)
     replay.add_argument("--dtype", default="auto", metavar="DTYPE", help=DTYPE_HELP)
+    replay.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none", help=QUANTIZE_HELP)
     replay.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
     replay.add_argument("--layers", type=int, help="with --model-config: keep only the first N layers")
     replay.add_argument(
@@ -290,12 +291,15 @@ def _load_model(args: argparse.Namespace, progress: _Progress):
 
         progress.step(f"building a random-weight model from {args.model_config}")
         dtype = parse_dtype(args.dtype)
-        return random_model_from_config(args.model_config, layers=args.layers, **({"dtype": dtype} if dtype else {}))
+        model = random_model_from_config(args.model_config, layers=args.layers, **({"dtype": dtype} if dtype else {}))
+        if args.quantize != "none":
+            model.quantize(args.quantize)
+        return model
     from prefixcache.models.loading import load_source
 
     source = model_source(args)
     progress.step(f"loading model {source.describe()}" if source.kind != "preset" else f"building model {args.model}")
-    return load_source(source, args.dtype)
+    return load_source(source, args.dtype, quantize=args.quantize)
 
 
 def _check_inputs_exist(paths: list[str]) -> None:

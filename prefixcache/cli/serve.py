@@ -9,7 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from prefixcache.cli.options import parse_count, parse_size
+from prefixcache.cli.options import QUANTIZE_CHOICES, QUANTIZE_HELP, parse_count, parse_size
 from prefixcache.cli.tokenizer_choice import (
     DTYPE_HELP,
     MODEL_HELP,
@@ -31,6 +31,7 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     serve = commands.add_parser("serve", parents=parents, help="an OpenAI-compatible HTTP server over the prefix cache")
     serve.add_argument("--model", default="tiny", help=MODEL_HELP)
     serve.add_argument("--dtype", default="auto", metavar="DTYPE", help=DTYPE_HELP)
+    serve.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="none", help=QUANTIZE_HELP)
     serve.add_argument("--model-config", metavar="PATH", help="random-weight HF model built from a config.json")
     serve.add_argument("--layers", type=int, help="with --model-config: keep only the first N layers")
     serve.add_argument(
@@ -237,9 +238,12 @@ def served_runner(args: argparse.Namespace) -> tuple[Any, str]:
 
 def _describe_model(source: Any, model: Any, pool: Any) -> str:
     """The start line's model part: where it came from and the dtypes of its weights and of the K/V pool, e.g.
-    ``GGUF PATH, weights bfloat16, K/V bfloat16``."""
+    ``GGUF PATH, weights bfloat16, K/V bfloat16``, or ``weights int8 (per channel) over float32, K/V float32`` for a
+    quantized model (``--quantize``)."""
     origin = "random weights of --model-config" if source is None else source.describe()
-    return f"{origin}, weights {_name(model.dtype)}, K/V {_name(pool.dtype)}"
+    quantized = getattr(model, "quantization", None)
+    weights = _name(model.dtype) if quantized is None else f"{quantized.describe()} over {_name(model.dtype)}"
+    return f"{origin}, weights {weights}, K/V {_name(pool.dtype)}"
 
 
 def _name(dtype: Any) -> str:
@@ -252,7 +256,7 @@ def _load(args: argparse.Namespace, source: Any) -> tuple[Any, Any, Any]:
     if not args.model_config:
         from prefixcache.engine.runner import load_pretrained
 
-        model, tokenizer = load_pretrained(source, dtype=args.dtype, tokenizer=choice.path)
+        model, tokenizer = load_pretrained(source, dtype=args.dtype, tokenizer=choice.path, quantize=args.quantize)
         return tokenizer, choice, model
     import torch
 
@@ -262,6 +266,8 @@ def _load(args: argparse.Namespace, source: Any) -> tuple[Any, Any, Any]:
     model = random_model_from_config(
         args.model_config, layers=args.layers, dtype=parse_dtype(args.dtype) or torch.float32
     )
+    if args.quantize != "none":
+        model.quantize(args.quantize)
     if choice.path is None:
         return None, choice, model
     from prefixcache.chat.hf_tokenizer import HFTokenizer

@@ -71,19 +71,25 @@ def state_budget(model: CausalLM, pool: KVBlockPool, state_cache_memory: int | N
 
 
 def load_pretrained(
-    source: ModelSource, *, dtype: Any = "auto", device: Any = None, tokenizer: str | os.PathLike[str] | None = None
+    source: ModelSource,
+    *,
+    dtype: Any = "auto",
+    device: Any = None,
+    tokenizer: str | os.PathLike[str] | None = None,
+    quantize: str | None = "none",
 ) -> tuple[CausalLM, Tokenizer | None]:
     """The model of a resolved ``source`` and its tokenizer: ``tokenizer`` (a folder or ``.gguf``) when given, else the
     model's own (:attr:`ModelSource.tokenizer <prefixcache.models.sources.ModelSource.tokenizer>`), else None (the byte
-    tokenizer).  Both are read in one :func:`~prefixcache.models.loading.loading` context (a GGUF's header parsed
-    once), the model first, so that a bad file is named as a model.  The one loading path of
+    tokenizer); ``quantize`` as :func:`~prefixcache.models.loading.load_model`'s.  Both are read in one
+    :func:`~prefixcache.models.loading.loading` context (a GGUF's header parsed once), the model first, so that a bad
+    file is named as a model.  The one loading path of
     :meth:`PrefixCachingRunner.from_model` and ``prefixcache serve``.  Raises as
     :func:`~prefixcache.models.loading.load_source` and :class:`~prefixcache.chat.hf_tokenizer.HFTokenizer`."""
     from prefixcache.models.loading import load_source, loading
 
     chosen = tokenizer if tokenizer is not None else source.tokenizer
     with loading(source):
-        model = load_source(source, dtype, device)
+        model = load_source(source, dtype, device, quantize)
         if chosen is None:
             return model, None
         from prefixcache.chat.hf_tokenizer import HFTokenizer
@@ -188,21 +194,23 @@ class PrefixCachingRunner:
         dtype: Any = "auto",
         device: Any = None,
         tokenizer: str | os.PathLike[str] | None = None,
+        quantize: str | None = "none",
         **options: Any,
     ) -> PrefixCachingRunner:
         """A runner over the model ``model`` names, with its own tokenizer and chat template: ``"smollm2"``, a
         ``.gguf`` file, a Hugging Face folder (``"hf:PATH"`` or ``PATH``) or an embedded preset
-        (:func:`~prefixcache.models.loading.load_model`, whose ``dtype`` and ``device`` these are); ``tokenizer`` (a
+        (:func:`~prefixcache.models.loading.load_model`, whose ``dtype``, ``device`` and ``quantize`` these are:
+        ``quantize="int8"`` or ``"int4"`` for weight-only quantized linear layers on the CPU); ``tokenizer`` (a
         folder or ``.gguf``) replaces the model's own, and a model without one gets the byte tokenizer.  ``options``
         are the constructor's (``cache_tokens``, ``block_size``, ...).  As vLLM's ``LLM(model=...)``.
 
-        Raises InvalidArgumentError (unknown model or dtype, missing path, ``smollm2`` not installed, a missing
-        extra) and UnsupportedModelError, as ``load_model``; the constructor's errors.
+        Raises InvalidArgumentError (unknown model, dtype or quantization, missing path, ``smollm2`` not installed, a
+        missing extra) and UnsupportedModelError, as ``load_model``; the constructor's errors.
         """
         from prefixcache.models.sources import resolve_model
 
         loaded, loaded_tokenizer = load_pretrained(
-            resolve_model(model), dtype=dtype, device=device, tokenizer=tokenizer
+            resolve_model(model), dtype=dtype, device=device, tokenizer=tokenizer, quantize=quantize
         )
         return cls(loaded, loaded_tokenizer, **options)
 

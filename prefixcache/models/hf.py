@@ -71,6 +71,7 @@ from prefixcache.models.hf_support import (
     probe_kv_layout,
     read_config,
 )
+from prefixcache.models.quantize import QuantizeSummary, quantize_modules, quantized_buffers
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,8 @@ class HFCausalLM:
         # A model without attention (pure Mamba-2) has no position limit of its own: 2**20 tokens then.
         self.max_position = int(getattr(config, "max_position_embeddings", None) or UNBOUNDED_POSITIONS)
         self._fingerprint: str | None = None
+        self.quantization: QuantizeSummary | None = None
+        """What :meth:`quantize` did; None for a dense model."""
         self._droppers: list[torch.nn.Module] = []  # the modules _check_eval watches (see there)
         self._droppers_version: int | None = None
         self.weights_version()  # makes the list
@@ -221,9 +224,30 @@ class HFCausalLM:
         :meth:`weights_version` does not see; :meth:`PrefixCachingRunner.invalidate` calls it."""
         self.head.drop_weight_copies()
 
+    def quantize(self, mode: str, *, group_size: int | None = None) -> QuantizeSummary:
+        """Quantize every ``nn.Linear`` of the model once, in place, to ``mode`` (``"int8"`` or ``"int4"``; the LM head
+        in int8: :func:`~prefixcache.models.quantize.quantize_modules`); an embedding tied to the head reads the
+        head's quantized rows.  A layer the kernel cannot take stays dense (named in the summary).  The fingerprint
+        changes.  Returns the summary, also kept as :attr:`quantization`.
+
+        Raises InvalidArgumentError: another mode or group size, a model already quantized, or not on the CPU.
+        """
+        if self.quantization is not None:
+            raise InvalidArgumentError(f"the model is already quantized ({self.quantization.describe()})")
+        if self.device.type != "cpu":
+            raise InvalidArgumentError(f"quantized weights run on the CPU only; the model is on {self.device}")
+        summary = quantize_modules(self.model, mode, group_size, head=output_embeddings(self.model))
+        self.quantization = summary
+        self.head.drop_weight_copies()
+        self.head.resolve()  # the head and the large layers it noted were replaced
+        self._fingerprint = None
+        self.fingerprint()
+        return summary
+
     def fingerprint(self) -> str:
         """xxh3-128 hex of the config JSON (less its load path), the model class, the dtype and every byte of every
-        parameter with its name (:func:`~prefixcache.models.base.hash_weights`).
+        parameter with its name (:func:`~prefixcache.models.base.hash_weights`), and of a quantized model's codes and
+        scales (:meth:`quantize`).
 
         Two checkpoints that differ in any weight (a retrained embedding row, an adapter, PEFT's trainable tokens)
         differ here, so a cache or snapshot of one is never served by the other.  Taken at wrap time and again only
@@ -238,6 +262,9 @@ class HFCausalLM:
             digest.update(json.dumps(config, sort_keys=True).encode())
             digest.update(f"|{type(self.model).__name__}|{self.dtype}|".encode())
             hash_weights(digest, sorted(self.model.named_parameters(), key=lambda item: item[0]))
+            if self.quantization is not None:
+                digest.update(f"|quantized {self.quantization.describe()}|".encode())
+                hash_weights(digest, quantized_buffers(self.model))
             self._fingerprint = digest.hexdigest()
             self._fingerprint_version = version
         return self._fingerprint
@@ -374,7 +401,8 @@ class HFCausalLM:
         return inputs
 
     def __repr__(self) -> str:
-        return f"HFCausalLM({self.name}, dtype={self.dtype}, device={self.device})"
+        quantized = f", quantized={self.quantization.describe()}" if self.quantization is not None else ""
+        return f"HFCausalLM({self.name}, dtype={self.dtype}, device={self.device}{quantized})"
 
 
 def load_hf_model(

@@ -34,12 +34,13 @@ class HeadRunner:
         self.keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         """Whether the model's forward takes ``logits_to_keep``."""
         self._decode_layout = decode_layout
-        self._resolve_head()
+        self.resolve()
         self.head_packs = WeightPacks() if pack_head else None
         """The LM head's oneDNN copy for batched CPU decode; None with ``pack_head=False``."""
 
-    def _resolve_head(self) -> None:
-        """Find the head and base run here (:func:`.hf_support.plain_head`), noted by head module."""
+    def resolve(self) -> None:
+        """Find the head and base run here (:func:`.hf_support.plain_head`), noted by head module, and the large
+        layers of the base; again after the model's layers were replaced (quantized)."""
         self._head_module = output_embeddings(self.model)
         self._head = plain_head(self.model)
         self._linears = large_cpu_linears(self._head[0]) if self._head is not None else []
@@ -65,7 +66,7 @@ class HeadRunner:
         on the base's hidden state (few tokens: tall-skinny products; the last layer's MLP on the last position alone
         unless ``return_logits``, :mod:`.hf_last_position`); else the model's own forward with ``logits_to_keep``."""
         if output_embeddings(self.model) is not self._head_module:
-            self._resolve_head()  # replaced since we looked (resize_token_embeddings, a new lm_head)
+            self.resolve()  # replaced since we looked (resize_token_embeddings, a new lm_head)
         # One decode query on the CPU attends its KV heads grouped (.hf_decode_attention), and where the layers allow,
         # through our own layer loop (.hf_decode_step); an attention mask (a padded batch) goes through the model.
         decode = inputs["input_ids"].shape[-1] == 1 and self.model.device.type == "cpu"

@@ -41,6 +41,7 @@ import torch
 
 from prefixcache.errors import InvalidArgumentError, UnsupportedModelError
 from prefixcache.models.architectures import ARCHITECTURES
+from prefixcache.models.quantize import QuantizedLinear
 
 if TYPE_CHECKING:
     from prefixcache.models.hf_state import StateLayout
@@ -275,9 +276,9 @@ def output_embeddings(model: Any) -> Any:
 
 
 def plain_head(model: Any) -> tuple[Any, str, Any] | None:
-    """``(base model, its cache argument, LM head)`` when ``model``'s logits are exactly its ``nn.Linear`` LM head
-    applied to the base model's last hidden state (the tested model types, no logit scaling or soft-capping); else
-    None, and the model's own forward computes the logits."""
+    """``(base model, its cache argument, LM head)`` when ``model``'s logits are exactly its ``nn.Linear`` LM head (or
+    :class:`~prefixcache.models.quantize.QuantizedLinear`) applied to the base model's last hidden state (the tested
+    model types, no logit scaling or soft-capping); else None, and the model's own forward computes the logits."""
     from torch import nn
 
     config = model.config
@@ -287,7 +288,7 @@ def plain_head(model: Any) -> tuple[Any, str, Any] | None:
         return None
     head = output_embeddings(model)
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
-    if not isinstance(head, nn.Linear) or not isinstance(base, nn.Module) or base is model:
+    if not isinstance(head, (nn.Linear, QuantizedLinear)) or not isinstance(base, nn.Module) or base is model:
         return None
     params = inspect.signature(base.forward).parameters
     cache_kwarg = next((name for name in ("cache", "past_key_values") if name in params), None)

@@ -31,6 +31,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from prefixcache.models.quantize import QuantizedWeight
+
 __all__ = [
     "TALL_SKINNY_ROWS",
     "LARGE_WEIGHT",
@@ -230,11 +232,17 @@ def _one_row_product(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 def linear(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packs: WeightPacks | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    packs: WeightPacks | None = None,
 ) -> torch.Tensor:
     """``F.linear(hidden[..., H], weight[V, H], bias)`` -> ``[..., V]``, through ``packs``' oneDNN copy of ``weight``
     for 2 .. :data:`TALL_SKINNY_ROWS` rows on the CPU where it has one, and for one row through oneDNN where
-    :func:`one_row_onednn` is on (float rounding aside)."""
+    :func:`one_row_onednn` is on (float rounding aside).  A :class:`~prefixcache.models.quantize.QuantizedWeight`
+    computes its own product (:meth:`~prefixcache.models.quantize.QuantizedWeight.linear`)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.linear(hidden, bias)
     out = _one_row_product(hidden, weight, bias)
     if out is not None:
         return out
@@ -243,14 +251,20 @@ def linear(
 
 
 def project(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packs: WeightPacks | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None,
+    packs: WeightPacks | None = None,
 ) -> torch.Tensor:
     """``hidden[..., H] @ weight[V, H].T + bias`` -> ``[..., V]``, as ``F.linear`` computes it (float rounding aside).
 
     On the CPU with 2 .. :data:`TALL_SKINNY_ROWS` rows: through ``packs``' copy of ``weight`` where ``packs`` is given
     and has one (oneDNN), else as ``weight @ hidden.T`` (so also one row, unless :func:`one_row_onednn` is on); more
-    rows, another device: ``F.linear``.
+    rows, another device: ``F.linear``.  A :class:`~prefixcache.models.quantize.QuantizedWeight` computes its own
+    product.
     """
+    if isinstance(weight, QuantizedWeight):
+        return weight.linear(hidden, bias)
     rows = hidden.reshape(-1, hidden.shape[-1])
     if rows.shape[0] > TALL_SKINNY_ROWS or hidden.device.type != "cpu":
         return torch.nn.functional.linear(hidden, weight, bias)

@@ -35,6 +35,7 @@ from prefixcache.models.base import (
 )
 from prefixcache.models.linear import WeightPacks, linear, one_row_layout
 from prefixcache.models.paged_attention import PagedAttention, paged_attention_default, paged_attention_supported
+from prefixcache.models.quantize import QuantizedWeight, QuantizeSummary, quantize_tensors, weight_tensors
 from prefixcache.models.shared_prefix import plan_shared_prefix_groups, shared_prefix_decode_attention
 
 # Names the forward and init code below; bump it whenever either changes the numbers, so that no
@@ -80,14 +81,20 @@ _KVSource = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torc
 _Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
+_Weight = torch.Tensor | QuantizedWeight
+
+
 @dataclass(slots=True)
 class _LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]; Q, K, V rows fused
-    o: torch.Tensor  # [hidden, num_heads * head_dim]
+    qkv: _Weight  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]; Q, K, V rows fused
+    o: _Weight  # [hidden, num_heads * head_dim]
     mlp_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]; gate rows then up rows
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: _Weight  # [2 * intermediate, hidden]; gate rows then up rows
+    down: _Weight  # [hidden, intermediate]
+
+
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class LlamaModel:
@@ -118,6 +125,8 @@ class LlamaModel:
         self._fingerprint: str | None = None
         self._packs = WeightPacks()  # oneDNN copies of the weights for batched decode on the CPU (forward_batch)
         self._fingerprint_version: int | None = None
+        self.quantization: QuantizeSummary | None = None
+        """What :meth:`quantize` did; None for a dense model."""
         self._init_weights()
         half = config.head_dim // 2
         # float64 for the exponent so the frequencies do not depend on fp32 pow rounding.
@@ -164,7 +173,33 @@ class LlamaModel:
             )
         self.final_norm = ones(c.hidden_size)
         # Widening weights column-major: a decode step's one-row products read them faster (see one_row_layout).
-        self.lm_head = one_row_layout(normal(c.vocab_size, c.hidden_size, std=2.0 / math.sqrt(c.hidden_size)))
+        self.lm_head: _Weight = one_row_layout(normal(c.vocab_size, c.hidden_size, std=2.0 / math.sqrt(c.hidden_size)))
+
+    def quantize(self, mode: str, *, group_size: int | None = None) -> QuantizeSummary:
+        """Quantize the weights of the projections (fused Q/K/V, O, fused gate/up, down) and the LM head once, in
+        place, to ``mode`` (``"int8"`` or ``"int4"``, the head in int8: :mod:`~prefixcache.models.quantize`); a weight
+        the kernel cannot take stays dense (named in the summary).  The embedding and the norms stay dense.  The
+        fingerprint changes.  Returns the summary, also kept as :attr:`quantization`.
+
+        Raises InvalidArgumentError: another mode or group size, a model already quantized, or not on the CPU.
+        """
+        if self.quantization is not None:
+            raise InvalidArgumentError(f"the model is already quantized ({self.quantization.describe()})")
+        if self.device.type != "cpu":
+            raise InvalidArgumentError(f"quantized weights run on the CPU only; the model is on {self.device}")
+        named = {"lm_head": self.lm_head}
+        for i, layer in enumerate(self.layers):
+            named.update({f"layers.{i}.{part}": getattr(layer, part) for part in _PROJECTIONS})
+        quantized, summary = quantize_tensors(named, mode, group_size, head="lm_head")
+        self.lm_head = quantized["lm_head"]
+        for i, layer in enumerate(self.layers):
+            for part in _PROJECTIONS:
+                setattr(layer, part, quantized[f"layers.{i}.{part}"])
+        self.quantization = summary
+        self._config_fingerprint = f"{self._config_fingerprint}|quantized {summary.describe()}"
+        self._fingerprint = None
+        self._packs.clear()
+        return summary
 
     def fingerprint(self) -> str:
         """xxh64 hex of architecture version, config (seed included), dtype and every weight's bytes; equal across
@@ -189,14 +224,17 @@ class LlamaModel:
         self._packs.clear()
 
     def _weights(self) -> list[torch.Tensor]:
-        tensors = [self.embed, self.final_norm, self.lm_head]
+        weights = [self.embed, self.final_norm, self.lm_head]
         for layer in self.layers:
-            tensors += [layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up, layer.down]
-        return tensors
+            weights += [layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up, layer.down]
+        return [tensor for weight in weights for tensor in weight_tensors(weight)]
 
     def parameter_count(self) -> int:
-        """Number of weight elements (embedding, layers, final norm, LM head)."""
-        return sum(t.numel() for t in self._weights())
+        """Number of weights (embedding, layers, final norm, LM head; a quantized weight counts its ``N * K``)."""
+        weights = [self.embed, self.final_norm, self.lm_head]
+        for layer in self.layers:
+            weights += [layer.attn_norm, layer.qkv, layer.o, layer.mlp_norm, layer.gate_up, layer.down]
+        return sum(weight.numel() for weight in weights)
 
     @torch.inference_mode()
     def forward_cached(
@@ -497,9 +535,10 @@ class LlamaModel:
         return (xf * weight.float()).to(self.dtype)
 
     def __repr__(self) -> str:
+        quantized = f", quantized={self.quantization.describe()}" if self.quantization is not None else ""
         return (
             f"LlamaModel({self.config.name!r}, params={self.parameter_count():,}, dtype={self.dtype}, "
-            f"device={self.device})"
+            f"device={self.device}{quantized})"
         )
 
 

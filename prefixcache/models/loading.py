@@ -1,5 +1,6 @@
 """One entry point for every kind of model: ``load_model("smollm2")``, ``load_model("path/to/model.gguf")``,
-``load_model("hf:folder", dtype="bfloat16")``, ``load_model("tiny")`` (:mod:`.sources` says what each value means)."""
+``load_model("hf:folder", dtype="bfloat16")``, ``load_model("tiny")`` (:mod:`.sources` says what each value means),
+``load_model("smollm2", quantize="int8")`` (:mod:`.quantize`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from prefixcache.models.quantize import parse_quantize
 from prefixcache.models.sources import ModelSource, parse_dtype, resolve_model
 
 __all__ = ["load_model", "load_source", "loading", "require_hf"]
@@ -18,20 +20,34 @@ def load_model(
     model: str | os.PathLike[str],
     dtype: str | torch.dtype | None = "auto",
     device: torch.device | str | None = None,
+    quantize: str | None = "none",
 ) -> Any:
     """The model ``model`` names, in ``dtype`` (``"auto"``: the checkpoint's own; float32 for an embedded preset and
-    for a GGUF file, whose weights are dequantized) on ``device`` (None: CUDA when available, else the CPU).
+    for a GGUF file, whose weights are dequantized) on ``device`` (None: CUDA when available, else the CPU), its
+    linear layers' weights quantized once to ``quantize`` (``"int8"``, ``"int4"``; ``"none"`` or None: not), the
+    activations staying in ``dtype`` (:mod:`~prefixcache.models.quantize`).
 
     Raises:
-        InvalidArgumentError: an unknown name or dtype, a missing path, ``smollm2`` not installed, a missing extra.
+        InvalidArgumentError: an unknown name, dtype or quantization, a missing path, ``smollm2`` not installed, a
+            missing extra, quantization on a device other than the CPU.
         UnsupportedModelError: an architecture or GGUF tensor type that cannot be served exactly.
     """
-    return load_source(resolve_model(model), dtype, device)
+    return load_source(resolve_model(model), dtype, device, quantize)
 
 
-def load_source(source: ModelSource, dtype: str | torch.dtype | None = "auto", device: Any = None) -> Any:
+def load_source(
+    source: ModelSource, dtype: str | torch.dtype | None = "auto", device: Any = None, quantize: str | None = "none"
+) -> Any:
     """The model of an already resolved ``source`` (:func:`load_model`, for callers that resolved it first to
     choose a tokenizer or a name).  Raises as :func:`load_model`."""
+    mode = parse_quantize(quantize)
+    model = _load_dense(source, dtype, device)
+    if mode != "none":
+        model.quantize(mode)
+    return model
+
+
+def _load_dense(source: ModelSource, dtype: str | torch.dtype | None, device: Any) -> Any:
     chosen = parse_dtype(dtype)
     if source.kind != "preset":
         require_hf(source)

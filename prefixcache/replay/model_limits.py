@@ -29,9 +29,12 @@ cached logits bit for bit (``tests/models/test_smollm2.py``)."""
 
 def default_atol(model: Any) -> float:
     """``--verify``'s tolerance for ``model``: :data:`RECURRENT_ATOL` with recurrent layers, :data:`HALF_ATOL` in
-    bfloat16 / float16, else :data:`DEFAULT_ATOL`."""
+    bfloat16 / float16 or with quantized weights (``--quantize``: bfloat16 activations at each quantized layer), else
+    :data:`DEFAULT_ATOL`."""
     if getattr(model, "recurrent", False):
         return RECURRENT_ATOL
+    if getattr(model, "quantization", None) is not None:
+        return HALF_ATOL
     return HALF_ATOL if str(getattr(model, "dtype", "")) in ("torch.bfloat16", "torch.float16") else DEFAULT_ATOL
 
 
