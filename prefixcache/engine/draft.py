@@ -21,9 +21,10 @@ sequence fills it.
 The context side indexes each request's tokens once per n-gram size (:class:`ContextIndex`): a decode appends a
 token a step, a conversation's next turn extends the index its previous turn left, and a prompt that starts like an
 earlier long one (a system prompt and its tools) reads that shared part from the earlier one's static
-:class:`SharedPrefix` instead of indexing it again (:meth:`Drafter.context`).  A replay, teacher forced on a recorded
-answer, asks for every answer position at once (:meth:`ContextIndex.extend_matched`, NumPy) and, knowing every
-context it will draft for, has the cache side index only the n-grams it will look up (:meth:`Drafter.restrict_tree`).
+:class:`SharedPrefix` instead of indexing it again (:meth:`Drafter.context`).  A replay, teacher forced on recorded
+answers, matches every answer position of a conversation at once
+(:func:`~prefixcache.engine.draft_index.latest_matches`, NumPy) and, knowing every context it will draft for, has
+the cache side index only the n-grams it will look up (:meth:`Drafter.restrict_tree`).
 
 :class:`DraftLength` adapts ``k`` per request to the cost of a verify: it estimates from the request's drafts how
 likely a draft's first token and each following one are accepted, and drafts the length that yields the most tokens
@@ -344,12 +345,11 @@ class Drafter:
 
     # ---- lookups --------------------------------------------------------------------------------------------
 
-    def context(self, token_ids: Iterable[int]) -> ContextIndex:
-        """A request's context indexed, reading the prefix it shares with an earlier long context (a system prompt
-        and its tools) from that context's :class:`SharedPrefix` rather than indexing it again.  A context of
-        :data:`SHARED_PREFIX_MIN_TOKENS` or more sharing less than half of it with every kept prefix becomes a shared
-        prefix itself (O(len x log len) with NumPy, once); the :data:`MAX_SHARED_PREFIXES` latest are kept.
-        Otherwise O(tokens past the shared prefix): about 0.5 us a token with NumPy.
+    def shared_prefix(self, token_ids: Iterable[int]) -> SharedPrefix | None:
+        """The kept :class:`SharedPrefix` sharing the most first tokens with ``token_ids`` (a context's start: a
+        system prompt and its tools), or None.  A context of :data:`SHARED_PREFIX_MIN_TOKENS` or more sharing less
+        than half of it with every kept prefix becomes a shared prefix itself (O(len x log len) with NumPy, once);
+        the :data:`MAX_SHARED_PREFIXES` latest are kept.  O(shared tokens) otherwise.
 
         Raises:
             InvalidTokensError: what :func:`~prefixcache.cache.tokens.as_token_array` refuses.
@@ -364,6 +364,19 @@ class Drafter:
         if 2 * best_len < len(ids) and len(ids) >= SHARED_PREFIX_MIN_TOKENS:
             best = SharedPrefix(self.ngram_sizes, tokens)
             self._shared = [*self._shared[1 - MAX_SHARED_PREFIXES :], best]
+        return best
+
+    def context(self, token_ids: Iterable[int]) -> ContextIndex:
+        """A request's context indexed, reading the prefix it shares with an earlier long context from that
+        context's :class:`SharedPrefix` (:meth:`shared_prefix`) rather than indexing it again: O(tokens past the
+        shared prefix), about 0.5 us a token with NumPy.
+
+        Raises:
+            InvalidTokensError: what :func:`~prefixcache.cache.tokens.as_token_array` refuses.
+        """
+        ids = as_token_array(token_ids, allow_empty=True)
+        tokens = np.frombuffer(ids, dtype=np.uint32) if len(ids) else np.zeros(0, dtype=np.uint32)
+        best = self.shared_prefix(ids)
         return ContextIndex(self.ngram_sizes, tokens, shared=best)
 
     def session(self, token_ids: Iterable[int], namespace: str | None = None, *,

@@ -21,7 +21,14 @@ import numpy as np
 
 from prefixcache.errors import InvalidArgumentError
 
-__all__ = ["BlockTree", "ContextIndex", "ForcedMatches", "SharedPrefix", "suffix_hashes"]
+__all__ = [
+    "BlockTree",
+    "ContextIndex",
+    "SharedPrefix",
+    "latest_matches",
+    "ngram_hashes_before",
+    "suffix_hashes",
+]
 
 _MULT = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -56,6 +63,15 @@ def _ngram_hashes(tokens: Sequence[int], end: int, max_n: int) -> list[int]:
 def suffix_hashes(tokens: Sequence[int], max_n: int) -> list[int]:
     """``out[n - 1]``: the hash of the last ``n`` tokens, for ``n`` in ``1 .. min(max_n, len(tokens))``.  O(max_n)."""
     return _ngram_hashes(tokens, len(tokens), max_n)
+
+
+def ngram_hashes_before(tokens: np.ndarray, positions: np.ndarray, n: int) -> np.ndarray:
+    """The hashes (as :func:`suffix_hashes`) of the ``n`` tokens before each of ``positions`` (all ``>= n``) in
+    ``tokens`` (int64).  O(len(positions) x n) with NumPy."""
+    keys = np.zeros(len(positions), dtype=np.uint64)
+    for j in range(n, 0, -1):
+        keys = keys * _MULT_U64 + tokens[positions - j].astype(np.uint64)
+    return keys
 
 
 def _int_array(token_ids: Iterable[int]) -> np.ndarray:
@@ -98,42 +114,54 @@ class SharedPrefix:
         differ = np.flatnonzero(tokens[:m] != self.tokens[:m])
         return int(differ[0]) if len(differ) else m
 
-    def table(self, length: int) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Per size ``n``: the sorted distinct hashes of the n-grams before positions ``n .. length - 1`` and the
-        latest such position of each.  O(len) with NumPy."""
-        out = {}
-        for n in self.sizes:
-            positions = self._positions[n]
-            keep = positions < length
-            keys, positions = self._keys[n][keep], positions[keep]
-            last = np.ones(len(keys), dtype=bool)
-            last[:-1] = keys[1:] != keys[:-1]  # positions rise within a hash: its last entry is its latest
-            out[n] = (keys[last], positions[last])
-        return out
+    def table(self, n: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sorted distinct hashes of the ``n``-grams before positions ``n .. length - 1`` and the latest such
+        position of each.  O(len) with NumPy."""
+        positions = self._positions[n]
+        keep = positions < length
+        keys, positions = self._keys[n][keep], positions[keep]
+        last = np.ones(len(keys), dtype=bool)
+        last[:-1] = keys[1:] != keys[:-1]  # positions rise within a hash: its last entry is its latest
+        return keys[last], positions[last]
 
 
-class ForcedMatches:
-    """The lookups of a decode teacher forced on tokens appended by :meth:`ContextIndex.extend_matched` at positions
-    ``start ..``: :meth:`find` gives, for the new tokens asked for, the positions :meth:`ContextIndex.lookup` would
-    have drafted from just before each was appended.  ``keys[n][i]``: the hash of the ``n`` tokens before position
-    ``start + i`` (0 where there are fewer).  Valid until the index is next used: it indexes the new tokens then."""
-
-    __slots__ = ("_index", "keys", "start")
-
-    def __init__(self, index: ContextIndex, start: int, keys: dict[int, np.ndarray]) -> None:
-        self._index = index
-        self.start = start
-        self.keys = keys
-
-    def find(self, n: int, offsets: np.ndarray) -> np.ndarray:
-        """:meth:`ContextIndex.find_forced` for these matches."""
-        return self._index.find_forced(self, n, offsets)
-
-
-def _spread(kept: np.ndarray, found: np.ndarray, size: int) -> np.ndarray:
-    out = np.full(size, -1, dtype=np.int64)
-    out[kept] = found
-    return out
+def latest_matches(
+    tokens: np.ndarray, n: int, queries: np.ndarray, shared: SharedPrefix | None = None, shared_tokens: int = 0
+) -> np.ndarray:
+    """For each position ``q`` in ``queries`` (int64), the position a :class:`ContextIndex` holding ``tokens[:q]``
+    would draft from with its last ``n`` tokens (:meth:`ContextIndex.lookup`): the latest ``p < q`` (``p >= n``)
+    whose ``n`` tokens before equal those before ``q``, -1 for none.  ``tokens`` (int64) starts with the first
+    ``shared_tokens`` of ``shared``, read from its table; every query must be at ``shared_tokens`` or later.  Every
+    query of a whole conversation at once: O(len(tokens) x log) with NumPy.
+    """
+    found = np.full(len(queries), -1, dtype=np.int64)
+    first = max(shared_tokens, n)
+    end = len(tokens)
+    if first >= end or not len(queries):
+        return found
+    keys = _hash_runs(tokens[first - n : end].astype(np.uint64), n)[n - 1][: end - first]  # before first .. end - 1
+    # The latest earlier position past the shared prefix with the same n-gram: the one before in a stable sort.
+    order = np.argsort(keys, kind="stable")
+    same = np.flatnonzero(keys[order[1:]] == keys[order[:-1]])
+    previous = np.full(len(keys), -1, dtype=np.int64)
+    previous[order[same + 1]] = order[same] + first
+    asked = np.flatnonzero(queries >= first)
+    found[asked] = previous[queries[asked] - first]
+    if shared is not None and shared_tokens:
+        missing = asked[found[asked] < 0]
+        table_keys, table_positions = shared.table(n, shared_tokens)
+        if len(missing) and len(table_keys):
+            wanted = keys[queries[missing] - first]
+            at = np.minimum(np.searchsorted(table_keys, wanted), len(table_keys) - 1)
+            found[missing] = np.where(table_keys[at] == wanted, table_positions[at], -1)
+    # Check each match against the tokens themselves: a hash collision is a miss, as in lookup.
+    hit = np.flatnonzero(found >= 0)
+    p, q = found[hit], queries[hit]
+    ok = np.ones(len(hit), dtype=bool)
+    for j in range(1, n + 1):
+        ok &= tokens[p - j] == tokens[q - j]
+    found[hit[~ok]] = -1
+    return found
 
 
 class ContextIndex:
@@ -147,7 +175,7 @@ class ContextIndex:
     shared prefix (about 100 bytes each), 16 bytes a shared position and size.
     """
 
-    __slots__ = ("_buf", "_by_n", "_maps", "_pending", "_shared", "max_n", "shared_tokens", "sizes", "tail", "tokens")
+    __slots__ = ("_buf", "_by_n", "_maps", "_shared", "max_n", "shared_tokens", "sizes", "tail", "tokens")
 
     def __init__(
         self, ngram_sizes: Sequence[int], token_ids: Iterable[int] = (), *, shared: SharedPrefix | None = None
@@ -160,7 +188,6 @@ class ContextIndex:
         self._maps: dict[int, dict[int, int]] = {n: {} for n in self.sizes}
         self._by_n = [self._maps.get(n) for n in range(1, self.max_n + 1)]
         self._shared: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
-        self._pending: int | None = None  # tokens from here on are appended, not indexed yet (extend_matched)
         self.shared_tokens = 0
         new = _int_array(token_ids)
         if shared is not None:
@@ -168,7 +195,7 @@ class ContextIndex:
                 raise InvalidArgumentError(f"the shared prefix has n-gram sizes {shared.sizes}, not {self.sizes}")
             self.shared_tokens = shared.common_prefix(new)
             if self.shared_tokens:
-                self._shared = shared.table(self.shared_tokens)
+                self._shared = {n: shared.table(n, self.shared_tokens) for n in self.sizes}
         self._append(new)
         self._index_vector(self.shared_tokens, len(self.tokens))
         self.tail = suffix_hashes(self.tokens, self.max_n)
@@ -193,8 +220,6 @@ class ContextIndex:
     def extend(self, token_ids: Iterable[int]) -> None:
         """Append tokens and index the positions they complete.  O(new tokens x sizes): about 0.3 us a key in Python,
         40 ns with NumPy from :data:`VECTOR_MIN_TOKENS` new tokens on (measured unloaded)."""
-        if self._pending is not None:
-            self._flush()
         new = _int_array(token_ids)
         if len(new) >= VECTOR_MIN_TOKENS:
             start = len(self.tokens)
@@ -207,8 +232,6 @@ class ContextIndex:
 
     def push(self, token: int) -> None:
         """Append one token.  O(sizes)."""
-        if self._pending is not None:
-            self._flush()
         tokens, tail = self.tokens, self.tail
         p = len(tokens)
         for index, h in zip(self._by_n, tail, strict=False):
@@ -251,8 +274,6 @@ class ContextIndex:
         not seen past it."""
         if n > len(self.tail):
             return None
-        if self._pending is not None:
-            self._flush()
         h = self.tail[n - 1]
         p = self._maps[n].get(h)
         if p is None:
@@ -265,75 +286,6 @@ class ContextIndex:
         if tokens[p - n : p] != tokens[len(tokens) - n :]:
             return None
         return tokens[p : p + num_tokens]
-
-    def extend_matched(self, token_ids: Iterable[int]) -> ForcedMatches:
-        """Append tokens, and return what :meth:`lookup` would have matched before each of them were they pushed
-        one by one (the drafts of a decode teacher forced on them), to be asked size by size
-        (:meth:`ForcedMatches.find`) before the index is next used: the new tokens are indexed then.  O(new tokens x
-        sizes) with NumPy."""
-        if self._pending is not None:
-            self._flush()
-        new = _int_array(token_ids)
-        start = len(self.tokens)
-        self._append(new)
-        end = len(self.tokens)
-        low, runs = self._runs(start, end)
-        keys = {}
-        for n in self.sizes:
-            first = min(max(start, n), end)
-            pad = np.zeros(first - start, dtype=np.uint64)
-            keys[n] = np.concatenate([pad, runs[n - 1][first - n - low : end - n - low]]) if first < end else pad
-        self.tail = suffix_hashes(self.tokens, self.max_n)
-        self._pending = start
-        return ForcedMatches(self, start, keys)
-
-    def find_forced(self, matches: ForcedMatches, n: int, offsets: np.ndarray) -> np.ndarray:
-        """For each token ``offsets[j]`` (int64, ascending) of those :meth:`extend_matched` appended (``matches``):
-        the position the context's latest earlier occurrence of the ``n`` tokens before it was followed from, -1 for
-        none (as :meth:`lookup`: fewer than ``n`` tokens before it, or a hash collision, is none).  O(new tokens x
-        log) with NumPy, plus a dict lookup per offset whose n-gram the new tokens before it do not hold.
-
-        Raises:
-            InvalidArgumentError: the index was used since :meth:`extend_matched`.
-        """
-        if self._pending != matches.start:
-            raise InvalidArgumentError("the context index changed since extend_matched: its matches are stale")
-        start, buf, size = matches.start, self._buf, len(matches.keys[n])
-        first = max(start, n)
-        end = len(self.tokens)
-        offsets = offsets[offsets >= first - start]
-        found = np.full(len(offsets), -1, dtype=np.int64)
-        if not len(offsets) or first >= end:
-            return _spread(offsets, found, size)
-        keys = matches.keys[n][first - start :]
-        # The latest earlier position among the new ones with the same n-gram: the one before in a stable sort.
-        order = np.argsort(keys, kind="stable")
-        same = np.flatnonzero(keys[order[1:]] == keys[order[:-1]])
-        previous = np.full(len(keys), -1, dtype=np.int64)
-        previous[order[same + 1]] = order[same] + first
-        found = previous[offsets - (first - start)]
-        missing = np.flatnonzero(found < 0)
-        if len(missing):
-            get = self._maps[n].get
-            asked = keys[offsets[missing] - (first - start)]
-            earlier = np.array([get(h, -1) for h in asked.tolist()], dtype=np.int64)
-            if self._shared is not None:
-                unseen = earlier < 0
-                if unseen.any():
-                    earlier[unseen] = self._shared_latest(n, asked[unseen])
-            found[missing] = earlier
-        # Check each match against the tokens themselves: a hash collision is a miss, as in lookup.
-        hit = np.flatnonzero(found >= 0)
-        p, q = found[hit], offsets[hit] + start
-        ok = np.ones(len(hit), dtype=bool)
-        for j in range(1, n + 1):
-            ok &= buf[p - j] == buf[q - j]
-        found[hit[~ok]] = -1
-        return _spread(offsets, found, size)
-
-    def _flush(self) -> None:
-        start, self._pending = self._pending, None
-        self._index_vector(start, len(self.tokens))  # type: ignore[arg-type]
 
 
 class BlockTree:

@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from prefixcache.engine.draft import ContextIndex, Drafter, DraftLength
+from prefixcache.engine.draft import Drafter, DraftLength
+from prefixcache.engine.draft_index import latest_matches, ngram_hashes_before
 from prefixcache.errors import InvalidArgumentError
 
 __all__ = [
@@ -148,6 +149,13 @@ class SpeculationTally:
         return out
 
 
+def _extends(prompt: Any, previous: Any) -> bool:
+    """Whether ``prompt`` starts with ``previous``'s prompt and answer."""
+    before = len(previous.prompt)
+    end = before + len(previous.answer)
+    return len(prompt) >= end and prompt[:before] == previous.prompt and prompt[before:end] == previous.answer
+
+
 class _Plan(NamedTuple):
     """One request's answer, its context drafts worked out before the replay (they do not depend on the cache).
 
@@ -176,10 +184,10 @@ class Speculator:
     position for its full draft, and both ways of verifying (full drafts, adaptive length) are played over those.
 
     The context side does not depend on the cache, so it is worked out for every request when the speculator is
-    made, a conversation at a time: its context index is kept from one turn to the next while its prompt extends the
-    previous prompt and answer, each conversation's tokens indexed once past the prefix it shares with an earlier
-    one (:meth:`~prefixcache.engine.draft.Drafter.context`), and each answer matched with NumPy
-    (:meth:`~prefixcache.engine.draft.ContextIndex.extend_matched`).  That tells which n-grams a tree lookup can be
+    made, a conversation at a time: while each prompt extends the turn before's prompt and answer, every answer
+    position of the conversation is matched in one NumPy pass over its tokens
+    (:func:`~prefixcache.engine.draft_index.latest_matches`), the prefix it shares with an earlier conversation read
+    from that one's :class:`~prefixcache.engine.draft.SharedPrefix`.  That tells which n-grams a tree lookup can be
     asked for (those at answer positions without a context draft as long), and the drafter indexes only those of
     the cached blocks (:meth:`~prefixcache.engine.draft.Drafter.restrict_tree`).
     """
@@ -207,52 +215,76 @@ class Speculator:
         conversations: dict[str, list[Any]] = {}
         for request in requests:
             conversations.setdefault(request.conversation_id, []).append(request)
-        sizes = self.drafter.ngram_sizes
-        wanted: dict[int, list[np.ndarray]] = {n: [] for n in sizes}
+        wanted: dict[int, list[np.ndarray]] = {n: [] for n in self.drafter.ngram_sizes}
         for turns in conversations.values():
-            index, before = None, None
+            chain: list[Any] = []  # turns whose prompts extend the turn before's prompt and answer
             for request in turns:
                 answer, prompt = request.answer, request.prompt
-                if not len(answer):
-                    index = None  # as a decode would: a request without an answer ends the kept context
-                    continue
-                if index is not None and len(before) <= len(prompt) and prompt[: len(before)] == before:
-                    index.extend(prompt[len(before) :])
-                else:
-                    index = self.drafter.context(prompt)
-                self._plans[id(request)] = self._plan_answer(index, answer, wanted)
-                before = prompt + answer
+                if chain and not (len(answer) and _extends(prompt, chain[-1])):
+                    self._plan_chain(chain, wanted)
+                    chain = []
+                if len(answer):  # as a decode would: a request without an answer ends the kept context
+                    chain.append(request)
+            if chain:
+                self._plan_chain(chain, wanted)
         return {n: np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.uint64) for n, keys in wanted.items()}
 
-    def _plan_answer(self, index: ContextIndex, answer: Sequence[int], wanted: dict[int, list[np.ndarray]]) -> _Plan:
+    def _plan_chain(self, chain: list[Any], wanted: dict[int, list[np.ndarray]]) -> None:
+        """Plan the turns of one context, each prompt extending the turn before's prompt and answer: every answer
+        position of the whole context matched at once (:func:`~prefixcache.engine.draft_index.latest_matches`)."""
         sizes, k = self.drafter.ngram_sizes, self.drafter.max_draft_tokens
-        matches = index.extend_matched(answer)
-        start, m = matches.start, len(answer)
-        buf, end = index.array, len(index)
-        ctx_row = np.full(m, len(sizes), dtype=np.int64)
-        num_draft = np.zeros(m, dtype=np.int64)
-        num_matching = np.zeros(m, dtype=np.int64)
+        last = chain[-1]
+        tokens = np.frombuffer(last.prompt + last.answer, dtype=np.uint32).astype(np.int64)
+        shared = self.drafter.shared_prefix(chain[0].prompt)
+        shared_tokens = shared.common_prefix(tokens[: len(chain[0].prompt)]) if shared is not None else 0
+        starts = [len(r.prompt) for r in chain]
+        lengths = [len(r.answer) for r in chain]
+        queries = np.concatenate([np.arange(s, s + m, dtype=np.int64) for s, m in zip(starts, lengths, strict=True)])
+        ends = np.repeat(np.array(starts, dtype=np.int64) + lengths, lengths)  # each answer's end: its context's
+        total = len(queries)
+        ctx_row = np.full(total, len(sizes), dtype=np.int64)
+        num_draft = np.zeros(total, dtype=np.int64)
+        num_matching = np.zeros(total, dtype=np.int64)
         ahead = np.arange(k)
-        queries = []
+        last_token = len(tokens) - 1
+        asked_by_size = []
         for row, n in enumerate(sizes):
             open_at = np.flatnonzero(ctx_row == len(sizes))
-            found = matches.find(n, open_at) if len(open_at) else np.full(m, -1, dtype=np.int64)
+            found = np.full(total, -1, dtype=np.int64)
+            found[open_at] = latest_matches(tokens, n, queries[open_at], shared, shared_tokens)
             hit = np.flatnonzero(found >= 0)
             if len(hit):
-                p, q = found[hit], hit + start
+                p, q = found[hit], queries[hit]
                 length = np.minimum(k, q - p)  # a draft ends where the context does
-                usable = np.minimum(length, end - q)[:, None] > ahead
-                same = buf[np.minimum(p[:, None] + ahead, end - 1)] == buf[np.minimum(q[:, None] + ahead, end - 1)]
+                usable = np.minimum(length, ends[hit] - q)[:, None] > ahead
+                same = (
+                    tokens[np.minimum(p[:, None] + ahead, last_token)]
+                    == tokens[np.minimum(q[:, None] + ahead, last_token)]
+                )
                 num_matching[hit] = np.cumprod(same & usable, axis=1).sum(axis=1)
                 num_draft[hit] = length
                 ctx_row[hit] = row
-            asked = np.flatnonzero(ctx_row[max(0, n - start) :] > row) + max(0, n - start)  # n tokens before
-            keys = matches.keys[n][asked]
+            asked = np.flatnonzero((ctx_row > row) & (queries >= n))  # a tree lookup needs n tokens before
+            keys = ngram_hashes_before(tokens, queries[asked], n)
             wanted[n].append(keys)
-            queries.append((asked.tolist(), keys.tolist()))
-        lead = min(start, index.max_n)
-        tail = buf[start - lead : end].tolist()
-        return _Plan(ctx_row.tolist(), num_draft.tolist(), num_matching.tolist(), queries, tail, lead)
+            asked_by_size.append((asked, keys))
+        max_n = max(sizes)
+        at = 0
+        for request, start, m in zip(chain, starts, lengths, strict=True):
+            lead = min(start, max_n)
+            plan_queries = []
+            for asked, keys in asked_by_size:
+                lo, hi = np.searchsorted(asked, [at, at + m])
+                plan_queries.append(((asked[lo:hi] - at).tolist(), keys[lo:hi].tolist()))
+            self._plans[id(request)] = _Plan(
+                ctx_row[at : at + m].tolist(),
+                num_draft[at : at + m].tolist(),
+                num_matching[at : at + m].tolist(),
+                plan_queries,
+                tokens[start - lead : start + m].tolist(),
+                lead,
+            )
+            at += m
 
     def run(self, request: Any, namespace: str | None = None) -> None:
         """Simulate the decoding of ``request.answer`` after ``request.prompt`` and add it to :attr:`tally` (a request

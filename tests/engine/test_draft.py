@@ -14,7 +14,7 @@ from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import RadixCache
 from prefixcache.engine import draft
 from prefixcache.engine.draft import ContextIndex, Drafter, DraftLength, DraftProposal, SharedPrefix
-from prefixcache.engine.draft_index import suffix_hashes
+from prefixcache.engine.draft_index import latest_matches, ngram_hashes_before, suffix_hashes
 from prefixcache.errors import InvalidArgumentError
 
 SIZES = (4, 3, 2, 1)
@@ -206,11 +206,10 @@ def test_an_index_grown_on_a_shared_prefix_drafts_as_one_built_from_scratch(
 
 @settings(max_examples=150, deadline=None)
 @given(shared_runs, shared_runs, st.lists(st.integers(0, 3), max_size=60))
-def test_extend_matched_finds_what_a_lookup_before_each_token_finds(
+def test_latest_matches_finds_what_a_lookup_before_each_token_finds(
     common: list[int], prompt: list[int], answer: list[int]
 ) -> None:
     shared = SharedPrefix(SIZES, common + [9, 9])
-    fast = ContextIndex(SIZES, common + prompt, shared=shared)
     slow = ContextIndex(SIZES, common + prompt)
     expected = {n: [] for n in SIZES}
     for token in answer:
@@ -218,20 +217,14 @@ def test_extend_matched_finds_what_a_lookup_before_each_token_finds(
             draft = slow.lookup(n, 64)
             expected[n].append(len(slow) - len(draft) if draft else -1)  # a draft runs to the context's end
         slow.push(token)
-    matches = fast.extend_matched(answer)
+    tokens = np.array(common + prompt + answer, dtype=np.int64)
+    queries = np.arange(len(common + prompt), len(tokens), dtype=np.int64)
     for n in SIZES:
-        assert matches.find(n, np.arange(len(answer))).tolist() == expected[n]
-    assert fast.tokens == slow.tokens and fast.tail == slow.tail
-    assert _proposals(Drafter(8), fast) == _proposals(Drafter(8), slow)
-
-
-def test_matches_go_stale_once_the_index_is_used() -> None:
-    index = ContextIndex(SIZES, [1, 2, 3, 1, 2])
-    matches = index.extend_matched([3, 1])
-    assert matches.find(2, np.arange(2)).tolist() == [2, 3]
-    index.push(2)
-    with pytest.raises(InvalidArgumentError):
-        matches.find(2, np.arange(2))
+        assert latest_matches(tokens, n, queries, shared, len(common)).tolist() == expected[n]
+        assert latest_matches(tokens, n, queries).tolist() == expected[n]
+        asked = queries[queries >= n]
+        hashes = [suffix_hashes(tokens[:q].tolist(), n)[n - 1] for q in asked.tolist()]
+        assert ngram_hashes_before(tokens, asked, n).tolist() == hashes
 
 
 def test_a_long_context_becomes_a_shared_prefix_for_the_next(monkeypatch) -> None:
