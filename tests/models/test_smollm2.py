@@ -46,7 +46,7 @@ from prefixcache.engine.batching import BatchEngine  # noqa: E402
 from prefixcache.engine.results import GenerationResult  # noqa: E402
 from prefixcache.models.hf import HFCausalLM  # noqa: E402
 from prefixcache.models.loading import load_source, loading  # noqa: E402
-from prefixcache.models.sources import ModelSource, resolve_model  # noqa: E402
+from prefixcache.models.sources import ModelSource  # noqa: E402
 from prefixcache.replay.reference import same_greedy  # noqa: E402
 from prefixcache.testing import assert_quiescent  # noqa: E402
 
@@ -73,8 +73,8 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def source() -> ModelSource:
-    return resolve_model("smollm2")
+def source(smollm2_source: ModelSource) -> ModelSource:
+    return smollm2_source
 
 
 @pytest.fixture(scope="module")
@@ -85,13 +85,13 @@ def one_header_parse(source: ModelSource) -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(source: ModelSource, one_header_parse: None) -> HFTokenizer:
-    return HFTokenizer(source.tokenizer)
+def tokenizer(smollm2_float32_and_tokenizer: tuple[HFCausalLM, HFTokenizer]) -> HFTokenizer:
+    return smollm2_float32_and_tokenizer[1]
 
 
 @pytest.fixture(scope="module")
-def float32_model(source: ModelSource, one_header_parse: None) -> HFCausalLM:
-    return load_source(source, "float32", "cpu")
+def float32_model(smollm2_float32_and_tokenizer: tuple[HFCausalLM, HFTokenizer]) -> HFCausalLM:
+    return smollm2_float32_and_tokenizer[0]
 
 
 @pytest.fixture(scope="module")
