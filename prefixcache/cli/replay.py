@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
-import json
 import logging
-import os
-import stat
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from prefixcache.cli.options import QUANTIZE_CHOICES, QUANTIZE_HELP, parse_count, parse_size
+from prefixcache.cli.replay_inputs import check_inputs_exist, piped, piped_inputs_as_files
+from prefixcache.cli.replay_outputs import check_outputs, write_replay
 from prefixcache.cli.tokenizer_choice import (
     DTYPE_HELP,
     MODEL_HELP,
@@ -208,41 +204,6 @@ class _Progress:
         return tqdm(items, total=total, desc=description, unit=unit, leave=False, file=sys.stderr, mininterval=0.2)
 
 
-def _real_path(path: str | Path) -> Path:
-    # os.path.realpath never raises; Path.resolve raises on a symlink loop, which is the inputs' check to report.
-    return Path(os.path.realpath(path))
-
-
-def _check_outputs(args: argparse.Namespace) -> None:
-    """Refuse, before any work, an output that cannot be written: a missing folder, a folder given as the file,
-    a plot format matplotlib does not know, two outputs (or an output and an input) on one path."""
-    outputs = {"--json": args.json, "--requests-jsonl": args.requests_jsonl, "--plot": args.plot}
-    real = _real_path
-    seen: dict[Path, str] = {real(p): "an input" for p in args.paths}
-    for folder in (Path(p) for p in args.paths if Path(p).is_dir()):
-        seen.update((real(p), "an input") for p in folder.glob("*.jsonl"))  # replayed as inputs too
-    for option, value in outputs.items():
-        if value is None:
-            continue
-        if not value.strip():
-            raise InvalidArgumentError(f"{option}: empty file name")
-        path = Path(value)
-        folder = path.parent
-        if path.is_dir():
-            raise InvalidArgumentError(f"{option} {value}: is a folder; give a file name")
-        if not folder.is_dir():
-            raise InvalidArgumentError(f"{option} {value}: folder {str(folder)!r} does not exist")
-        if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise InvalidArgumentError(f"{option} {value}: not writable")
-        if real(path) in seen:
-            raise InvalidArgumentError(f"{option} {value}: the same file as {seen[real(path)]}")
-        seen[real(path)] = option
-    if args.plot:
-        from prefixcache.replay.plot import check_plot_path
-
-        check_plot_path(args.plot)
-
-
 def _load_tokenizer(args: argparse.Namespace, progress: _Progress):
     """The Hugging Face tokenizer to replay with (:func:`~prefixcache.cli.tokenizer_choice.choose_tokenizer`:
     ``--tokenizer``, else the ``--model hf:PATH`` folder's own), or None for the byte tokenizer.
@@ -302,20 +263,6 @@ def _load_model(args: argparse.Namespace, progress: _Progress):
     return load_source(source, args.dtype, quantize=args.quantize)
 
 
-def _check_inputs_exist(paths: list[str]) -> None:
-    """Before a model is built: a path that does not exist is the error it would be after.
-
-    Raises:
-        ScenarioError: ``PATH: not found: no such file or folder``.
-    """
-    from prefixcache.errors import ScenarioError
-    from prefixcache.replay.lines import NOT_FOUND
-
-    for path in paths:
-        if not Path(path).exists():
-            raise ScenarioError(NOT_FOUND, str(path))
-
-
 def run(args: argparse.Namespace) -> int:
     """The ``replay`` command: a sweep of every cache size with ``--sweep``
     (:mod:`prefixcache.replay.sweep_cli`), an audit of a server's cache with ``--endpoint``
@@ -324,79 +271,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.sweep_at and not args.sweep:
         raise InvalidArgumentError("--sweep-at needs --sweep")
-    piped = _piped(args.paths)
-    if piped and (args.endpoint or args.sweep):
+    piped_at = piped(args.paths)
+    if piped_at and (args.endpoint or args.sweep):
         option = "--endpoint" if args.endpoint else "--sweep"
-        raise InvalidArgumentError(f"{option} reads files only; save {args.paths[piped[0]]} to a file first")
+        raise InvalidArgumentError(f"{option} reads files only; save {args.paths[piped_at[0]]} to a file first")
     if args.endpoint:
         return _replay(args)
     return or_sweep(_replay, _load_tokenizer, _Progress)(args)
-
-
-@contextlib.contextmanager
-def _piped_inputs_as_files(args: argparse.Namespace) -> Iterator[None]:
-    """Within this block, each input that is ``-`` (standard input) or a pipe (``<(zcat log.jsonl.gz)``, a FIFO) is
-    read to the end into a temporary file named for it (``stdin.jsonl``, ``pipe-63.jsonl``), which ``args.paths``
-    names instead: the readers look at a file's first line before reading it, and a pipe can be read once.  A replay
-    reports it under that name (``stdin``, ``pipe-63``), an error in it names the input as given (``-`` as standard
-    input); the token store keys entries by content, so a sweep of the same bytes piped again reads its stored
-    tokens.
-
-    Raises:
-        InvalidArgumentError: ``-`` named more than once (standard input can be read once).
-    """
-    piped = _piped(args.paths)
-    if not piped:
-        yield
-        return
-    if args.paths.count("-") > 1:
-        raise InvalidArgumentError("- (standard input) is named more than once; it can be read once")
-    import shutil
-
-    from prefixcache.errors import ScenarioError
-
-    original, given = list(args.paths), {}
-    args.piped_names = {}
-    with tempfile.TemporaryDirectory(prefix="prefixcache-replay-") as folder:
-        for i in piped:
-            stdin = args.paths[i] == "-"
-            if stdin and sys.stdin is None:
-                raise InvalidArgumentError("- names standard input, which is closed")
-            name = stem = "stdin" if stdin else f"pipe-{Path(args.paths[i]).name}"
-            taken = set(args.piped_names.values()) | {Path(path).stem for path in original}
-            for n in itertools.count(2):
-                if name not in taken:
-                    break
-                name = f"{stem}-{n}"
-            copy = Path(folder) / f"{name}.jsonl"
-            with contextlib.nullcontext(sys.stdin.buffer) if stdin else open(args.paths[i], "rb") as source:
-                with copy.open("wb") as target:
-                    shutil.copyfileobj(source, target, 1 << 20)
-            args.paths[i] = str(copy)
-            args.piped_names[str(copy)] = name
-            given[str(copy)] = "standard input" if stdin else original[i]
-        try:
-            yield
-        except ScenarioError as error:
-            if error.path not in given:
-                raise
-            where = f"{error.path}:{error.line_no}: " if error.line_no is not None else f"{error.path}: "
-            raise ScenarioError(str(error).removeprefix(where), given[error.path], error.line_no) from None
-        finally:
-            args.paths = original
-
-
-def _piped(paths: list[str]) -> list[int]:
-    """The indices of ``paths`` that are ``-`` or a FIFO (a character device, /dev/null or a terminal, stays "not a
-    regular file or folder")."""
-    piped = []
-    for index, path in enumerate(paths):
-        try:
-            if path == "-" or stat.S_ISFIFO(Path(path).stat().st_mode):
-                piped.append(index)
-        except OSError:
-            pass
-    return piped
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -426,12 +307,12 @@ def _replay(args: argparse.Namespace) -> int:
         max_state_bytes=args.max_state_bytes,
         host_tier=args.host_cache_tokens is not None or args.host_cache_memory is not None,
     )
-    _check_outputs(args)
+    check_outputs(args)
     if args.speculate is None:
         args.speculate = "tree" if args.no_model else "off"
     if args.verify_cost is not None and args.speculate == "off":
         raise InvalidArgumentError("--verify-cost needs --speculate context or tree")
-    with _piped_inputs_as_files(args):  # after the checks above: a long stdin is copied only for a run that goes on
+    with piped_inputs_as_files(args):  # after the checks above: a long stdin is copied only for a run that goes on
         return _checked_replay(args, progress)
 
 
@@ -441,7 +322,7 @@ def _checked_replay(args: argparse.Namespace, progress: _Progress) -> int:
     from prefixcache.replay.requests import read_options
     from prefixcache.replay.speculate import parse_verify_cost
 
-    _check_inputs_exist(args.paths)
+    check_inputs_exist(args.paths)
     if args.no_model or args.endpoint:  # no model runs here: nothing imports torch
         context: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     else:
@@ -496,77 +377,8 @@ def _checked_replay(args: argparse.Namespace, progress: _Progress) -> int:
         record["scenario"] = names.get(record.get("scenario"), record.get("scenario"))
     if hasattr(model, "name"):
         report.model = model.name
-    _write_replay(args, report, replayer.tokenizer.name)
+    write_replay(args, report, replayer.tokenizer.name)
     if report.partial:
         print("interrupted: the report above covers the requests completed before Ctrl-C", file=sys.stderr)
         return 130
     return 0
-
-
-def _write_replay(args: argparse.Namespace, report, tokenizer_name: str) -> None:
-    from prefixcache.replay.report import (
-        drift_json,
-        format_drift,
-        format_drift_requests,
-        format_replay,
-        format_speculation,
-    )
-
-    # The files first: a stdout closed early (`| head`) must not cost them.
-    if args.json:
-        out_json = report.to_json()
-        for scenario in report.scenarios:
-            out_json["scenarios"][scenario.scenario]["drift"] = drift_json(scenario)
-        with _replacing(args.json) as out:
-            json.dump(out_json, out, indent=2)
-    if args.requests_jsonl:
-        with _replacing(args.requests_jsonl) as out:
-            for record in report.requests_log:
-                out.write(json.dumps(record) + "\n")
-    print(f"tokenizer: {tokenizer_name}")
-    print(format_replay(report, wide=args.wide))
-    speculation = format_speculation(report)
-    if speculation:
-        print(speculation)
-    for scenario in report.scenarios:
-        line = format_drift(scenario)
-        if line:
-            print(line)
-    if args.explain:
-        from prefixcache.replay.explain import format_divergences
-
-        for scenario in report.scenarios:
-            print()
-            print(format_divergences(scenario.scenario, scenario.explain_kinds or {}, scenario.divergences))
-            if scenario.drifts:
-                print(format_drift_requests(scenario))
-    if args.plot and report.scenarios:  # last: a plot that cannot be drawn (no requests) costs no other report
-        from prefixcache.replay.plot import plot_replay
-
-        with _replacing(args.plot, binary=True) as out:
-            plot_replay(report, out, image_format=Path(args.plot).suffix.lstrip(".").lower())
-        print(f"plot written to {args.plot}")
-
-
-@contextlib.contextmanager
-def _replacing(name: str, *, binary: bool = False) -> Iterator[IO[Any]]:
-    """A text file opened for writing that appears at ``name`` whole or not at all: written beside it under a
-    temporary name and renamed over it on success, removed on any error or Ctrl-C, so an old report survives.
-    A name that is not a regular file (``/dev/stdout``, a pipe) is written directly."""
-    path = Path(name)
-    if path.exists() and not path.is_file():
-        with open(path, "wb") if binary else open(path, "w", encoding="utf-8") as out:
-            yield out
-        return
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(handle, "wb") if binary else os.fdopen(handle, "w", encoding="utf-8") as out:
-            yield out
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
