@@ -56,8 +56,8 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     serve_size.add_argument(
         "--memory-fraction",
         type=float,
-        help="default pool: this share of the memory available after loading the model (default 0.25; vLLM's "
-        "--gpu-memory-utilization)",
+        help="default pool: this share of the memory available after loading the model, for K/V only (default "
+        "0.25; unlike vLLM's --gpu-memory-utilization, a share of the total for weights and K/V)",
     )
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     serve.add_argument(
