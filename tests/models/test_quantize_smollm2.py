@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,9 +33,7 @@ from prefixcache.chat.hf_tokenizer import HFTokenizer  # noqa: E402
 from prefixcache.engine.batching import BatchEngine  # noqa: E402
 from prefixcache.engine.results import GenerationResult  # noqa: E402
 from prefixcache.models.hf import HFCausalLM  # noqa: E402
-from prefixcache.models.loading import loading  # noqa: E402
 from prefixcache.models.quantize import QuantizedEmbedding, QuantizedLinear  # noqa: E402
-from prefixcache.models.sources import ModelSource  # noqa: E402
 from prefixcache.testing import assert_quiescent  # noqa: E402
 
 NEW_TOKENS = 8
@@ -49,27 +47,6 @@ OASST_PATH = "oasst-af08e4ac-950c-4e30-b643-3e6281db983c-c89d5a59-2136-4ac2-b84e
 # beyond the measured figures (int8 0.965 / 2.4, int4 0.948 / 2.7).
 MIN_TOP1 = {"int8": 0.94, "int4": 0.93}
 MAX_LOGIT_ERROR = {"int8": 4.0, "int4": 4.0}
-
-
-@pytest.fixture(scope="module")
-def source(smollm2_source: ModelSource) -> ModelSource:
-    return smollm2_source
-
-
-@pytest.fixture(scope="module")
-def one_header_parse(source: ModelSource) -> Iterator[None]:
-    with loading(source):
-        yield
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_float32_and_tokenizer: tuple[HFCausalLM, HFTokenizer]) -> HFTokenizer:
-    return smollm2_float32_and_tokenizer[1]
-
-
-@pytest.fixture(scope="module")
-def float32_model(smollm2_float32_and_tokenizer: tuple[HFCausalLM, HFTokenizer]) -> HFCausalLM:
-    return smollm2_float32_and_tokenizer[0]
 
 
 @pytest.fixture(scope="module", params=["int8", "int4"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -45,7 +45,7 @@ from prefixcache.cli import main  # noqa: E402
 from prefixcache.engine.batching import BatchEngine  # noqa: E402
 from prefixcache.engine.results import GenerationResult  # noqa: E402
 from prefixcache.models.hf import HFCausalLM  # noqa: E402
-from prefixcache.models.loading import load_source, loading  # noqa: E402
+from prefixcache.models.loading import load_source  # noqa: E402
 from prefixcache.models.sources import ModelSource  # noqa: E402
 from prefixcache.replay.reference import same_greedy  # noqa: E402
 from prefixcache.testing import assert_quiescent  # noqa: E402
@@ -70,28 +70,6 @@ PERSON = {
     "required": ["name", "age"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def source(smollm2_source: ModelSource) -> ModelSource:
-    return smollm2_source
-
-
-@pytest.fixture(scope="module")
-def one_header_parse(source: ModelSource) -> Iterator[None]:
-    """The module runs inside one ``loading`` context: every reader of the file shares one parse of its header."""
-    with loading(source):
-        yield
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_float32_and_tokenizer: tuple[HFCausalLM, HFTokenizer]) -> HFTokenizer:
-    return smollm2_float32_and_tokenizer[1]
-
-
-@pytest.fixture(scope="module")
-def float32_model(smollm2_float32_and_tokenizer: tuple[HFCausalLM, HFTokenizer]) -> HFCausalLM:
-    return smollm2_float32_and_tokenizer[0]
 
 
 @pytest.fixture(scope="module")
