@@ -7,6 +7,8 @@ between requests by reference counting instead of copying.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -342,12 +344,19 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     start.  numpy's ``zeros`` takes memory from ``calloc``, whose large allocations are fresh zero pages mapped on
     first touch: resident memory then follows the blocks written, as a CPU user expects of a preallocated pool.
     Other devices use ``torch.zeros``.
+
+    Raises:
+        MemoryError: more bytes than the machine's physical memory (a lazily committed pool would be killed only when
+            its blocks filled).
     """
     import torch
 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    if physical is not None and num_bytes > physical:  # committed lazily, it would be killed only when it fills
+        raise MemoryError(f"cannot allocate {num_bytes:,} bytes of K/V: more than the machine's {physical:,}")
     return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 

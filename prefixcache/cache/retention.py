@@ -30,10 +30,15 @@ if TYPE_CHECKING:
     from prefixcache.cache.node import Node
 
 
+MAX_PRIORITY = 2**63 - 1
+"""The largest retention priority: a snapshot stores it as a 64-bit count, so a larger one could not be restored."""
+
+
 def check_retain(priority: object, retain_s: object) -> None:
-    """Raises InvalidArgumentError unless ``priority`` is a positive int and ``retain_s`` a positive number or None."""
-    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 1:
-        raise InvalidArgumentError(f"priority must be a positive int, got {priority!r}")
+    """Raises InvalidArgumentError unless ``priority`` is an int in 1..:data:`MAX_PRIORITY` and ``retain_s`` a
+    positive number or None."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 1 <= priority <= MAX_PRIORITY:
+        raise InvalidArgumentError(f"priority must be an int from 1 to 2**63 - 1, got {priority!r}")
     if retain_s is not None and (
         isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not retain_s > 0
     ):

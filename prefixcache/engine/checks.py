@@ -19,6 +19,7 @@ import xxhash
 
 from prefixcache.cache.pool import KVBlockPool
 from prefixcache.cache.radix_cache import check_namespace
+from prefixcache.cache.retention import check_retain
 from prefixcache.cache.stats import check_request_id
 from prefixcache.cache.tokens import TokenIds, as_token_array
 from prefixcache.engine.request import EngineRequest, RequestHandle
@@ -184,16 +185,11 @@ class RequestChecks:
 
 def check_retention(priority: int | None, retain_s: float | None) -> tuple[int, float | None] | None:
     """``(priority, retain_s)`` checked, or None without a priority.  Raises InvalidArgumentError: ``retain_s``
-    without a priority, a priority that is not a positive int, a ``retain_s`` that is not a positive number of
+    without a priority, a priority that is not an int in 1..2**63 - 1, a ``retain_s`` that is not a positive number of
     seconds (NaN included)."""
     if priority is None:
         if retain_s is not None:
             raise InvalidArgumentError("retain_s needs a priority")
         return None
-    if isinstance(priority, bool) or not isinstance(priority, int) or priority < 1:
-        raise InvalidArgumentError(f"priority must be a positive int, got {priority!r}")
-    if retain_s is not None and (
-        isinstance(retain_s, bool) or not isinstance(retain_s, (int, float)) or not retain_s > 0  # NaN too
-    ):
-        raise InvalidArgumentError(f"retain_s must be a positive number of seconds, got {retain_s!r}")
+    check_retain(priority, retain_s)
     return priority, retain_s

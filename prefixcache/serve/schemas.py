@@ -145,7 +145,7 @@ class PrefillBody(_Strict):
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     prompt: str | list[int] | list[str] | list[list[int]] | None = None
-    priority: Annotated[int, Field(ge=1)] | None = None
+    priority: Annotated[int, Field(ge=1, le=2**63 - 1)] | None = None
     retain_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
 
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from prefixcache.errors import TemplateError
 from prefixcache.serve.protocol import BadRequest, parse_chat_request
 from prefixcache.serve.replies import json_response
 from prefixcache.serve.schemas import (
@@ -54,7 +55,10 @@ def _tokenized(tokenizer: Any, body: Any, checked: TokenizePromptBody | Tokenize
         chat = parse_chat_request({"model": checked.model or "-", **fields})
         kwargs = {"template_kwargs": chat.template_kwargs} if chat.template_kwargs else {}
         generation = checked.add_generation_prompt is not False
-        ids = tokenizer.render_chat(chat.messages, chat.tools, add_generation_prompt=generation, **kwargs)
+        try:
+            ids = tokenizer.render_chat(chat.messages, chat.tools, add_generation_prompt=generation, **kwargs)
+        except TemplateError as error:  # a message the template refuses, as /v1/chat/completions answers it
+            raise BadRequest(str(error), "messages") from None
     else:
         ids = tokenizer.encode(checked.prompt)
     # add_special_tokens is checked only: encode adds none, as /v1/completions runs the text.

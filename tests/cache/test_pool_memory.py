@@ -40,3 +40,14 @@ def test_a_large_pool_is_not_resident_until_its_blocks_are_written() -> None:
     assert 24 < written < 96, f"{written:.0f} MiB resident after writing 32 MiB of blocks"
     assert float(pool.kv[0, 0, int(blocks[0])].sum()) == 16 * 8 * 64
     assert torch.count_nonzero(pool.kv[:, :, 300:]) == 0
+
+
+def test_a_pool_larger_than_the_machines_memory_is_refused_at_creation() -> None:
+    import os
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    num_blocks = physical // (2 * 16 * 8 * 64 * 4) + 1  # one layer's K and V, float32: just over the machine
+    with pytest.raises(MemoryError, match="more than the machine's"):
+        KVBlockPool(num_blocks, 16, num_layers=1, num_kv_heads=8, head_dim=64, device="cpu")
+    with pytest.raises(MemoryError):  # a size whose byte count overflows 64 bits is refused the same way
+        zeroed((2**40, 2**30, 16), torch.float32, torch.device("cpu"))

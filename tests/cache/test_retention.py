@@ -106,3 +106,12 @@ def test_bad_retention_arguments_are_refused(priority, retain_s) -> None:
 def test_the_fraction_must_be_within_0_and_1() -> None:
     with pytest.raises(InvalidArgumentError):
         RadixCache(KVBlockPool(4, BS), max_retained_fraction=1.5)
+
+
+def test_a_priority_a_snapshot_could_not_store_is_refused() -> None:
+    from prefixcache.cache.retention import MAX_PRIORITY, check_retain
+    from prefixcache.errors import InvalidArgumentError
+
+    check_retain(MAX_PRIORITY, None)  # the largest a snapshot keeps as a 64-bit count
+    with pytest.raises(InvalidArgumentError, match="2\\*\\*63 - 1"):
+        check_retain(MAX_PRIORITY + 1, None)
