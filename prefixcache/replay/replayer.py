@@ -57,7 +57,7 @@ from prefixcache.replay.results import ReplayReport as ReplayReport
 from prefixcache.replay.results import ReplaySeries as ReplaySeries
 from prefixcache.replay.results import ScenarioReport as ScenarioReport
 from prefixcache.replay.scenarios import expand_paths
-from prefixcache.replay.speculate import DEFAULT_VERIFY_COST, SPECULATE_MODES, Speculator
+from prefixcache.replay.speculate import DEFAULT_VERIFY_COST, SPECULATE_MODES, Speculator, costs_by_length
 
 if TYPE_CHECKING:  # a replay without a model (--no-model) imports no torch
     from prefixcache.engine.runner import PrefixCachingRunner
@@ -503,7 +503,8 @@ def replay_paths(
     report.state_bytes = replayer.state_bytes
     report.state_every = replayer.state_every
     report.speculate = replayer.speculate
-    report.verify_cost = replayer.verify_cost if replayer.speculate != "off" else None
+    # The table the simulation charges: one cost for each draft length up to the maximum, the last value repeated.
+    report.verify_cost = costs_by_length(replayer.verify_cost) if replayer.speculate != "off" else None
     report.host_tier = replayer.host_cache_tokens is not None or replayer.host_cache_memory is not None
     if replayer.model is not None:
         report.model = getattr(getattr(replayer.model, "config", None), "name", type(replayer.model).__name__)

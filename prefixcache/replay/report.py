@@ -227,7 +227,7 @@ def format_speculation(report: ReplayReport) -> str | None:
         f"{tally.tree_steps:,})\n"
         f"adaptive draft length: {tally.adaptive_tokens_per_step:.2f} tokens per step, projected decode speed-up "
         f"{tally.adaptive_speedup:.2f}x (full drafts {tally.speedup:.2f}x), a verify of 1..{len(costs) - 1} draft "
-        f"tokens costing {costs[1]:.2f}..{max(costs):.2f} decode steps ({cost_model})"
+        f"tokens costing {costs[1]:.2f}..{max(costs[1:]):.2f} decode steps ({cost_model})"
     )
 
 

@@ -69,9 +69,17 @@ def parse_verify_cost(text: str) -> tuple[float, ...]:
         costs = [float(part) for part in text.split(",")]
     except ValueError:
         raise InvalidArgumentError(f"--verify-cost {text!r}: give numbers separated by commas, e.g. 1.1,1.2") from None
-    if not costs or any(not c > 0 or c == float("inf") for c in costs):
-        raise InvalidArgumentError(f"--verify-cost {text!r}: costs must be positive numbers")
+    if not costs or any(not 1 <= c < float("inf") for c in costs):
+        raise InvalidArgumentError(
+            f"--verify-cost {text!r}: costs are decode steps, at least 1 (a verify runs at least one forward)"
+        )
     return (1.0, *costs)
+
+
+def costs_by_length(verify_cost: Sequence[float], max_draft_tokens: int = 8) -> tuple[float, ...]:
+    """``verify_cost`` as the simulation charges it: indexed by draft length ``0 .. max_draft_tokens``, cut there or
+    its last value repeated (:class:`~prefixcache.engine.draft.DraftLength`'s table)."""
+    return DraftLength(max_draft_tokens, verify_cost).costs
 
 
 @dataclass(slots=True)

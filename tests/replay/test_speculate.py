@@ -163,3 +163,21 @@ def test_the_speculator_tallies_as_a_lookup_per_answer_token(
         fast = Replayer(None, **options).replay("s", requests).speculation
         patch.setattr(replayer, "Speculator", _StepByStep)
         assert fast == Replayer(None, **options).replay("s", requests).speculation
+
+
+@pytest.mark.parametrize("text", ["0.5", "1e-300", "0", "-1", "inf", "abc", ""])
+def test_a_verify_cost_below_one_decode_step_or_not_a_number_is_refused(text: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="--verify-cost"):
+        parse_verify_cost(text)
+
+
+@pytest.mark.parametrize(("text", "charged"), [("1", (1.0,) * 9), ("1,2", (1.0, 1.0, *[2.0] * 7))])
+def test_the_report_names_the_costs_the_simulation_charges(text: str, charged: tuple, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "report.json"
+    scenario = str(Path(__file__).resolve().parents[2] / "scenarios" / "few_shot.jsonl")
+    args = ["replay", "--no-model", "--no-progress", scenario, "--verify-cost", text]
+    assert main([*args, "--json", str(out)]) == 0
+    assert tuple(json.loads(out.read_text())["verify_cost"]) == charged
+    printed = capsys.readouterr().out
+    assert "drafts of up to 8 tokens" in printed
+    assert f"a verify of 1..8 draft tokens costing {charged[1]:.2f}..{max(charged[1:]):.2f} decode steps" in printed
