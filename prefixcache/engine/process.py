@@ -145,8 +145,7 @@ class EngineProcess:
         self.cache = _RemoteCache(self)
         self._outbox = Outbox(child.conn, "prefixcache-engine-sender")
         self._cancels = Outbox(child.cancels_conn, "prefixcache-engine-canceller")
-        self._receiver = threading.Thread(target=self._receive, name="prefixcache-engine-receiver", daemon=True)
-        self._receiver.start()
+        # The watchdog exists before the receiver starts: the receiver tells it of every message it reads.
         self._watchdog = Watchdog(
             child.conn,
             timeout_s=self.answer_timeout_s,
@@ -154,6 +153,8 @@ class EngineProcess:
             is_silent=lambda: self._silent is not None,
             on_silent=self._went_silent,
         )
+        self._receiver = threading.Thread(target=self._receive, name="prefixcache-engine-receiver", daemon=True)
+        self._receiver.start()
         self._watchdog.start()
 
     # -- requests ---------------------------------------------------------------------------------------------------

@@ -681,3 +681,24 @@ def test_a_request_cancelled_before_it_was_sent_ends_at_once_and_is_never_sent()
         assert_freed(process)
     finally:
         process.close()
+
+
+def test_the_child_heard_while_the_parent_still_starts_up_is_no_error(monkeypatch) -> None:
+    """The receiver thread tells the watchdog of every message it reads: the watchdog exists before the receiver
+    starts (a child heard while the parent was still making its watchdog killed the receiver, and every request then
+    waited for an answer that never came)."""
+    from prefixcache.engine import process as process_module
+
+    class SlowToMake(process_module.Watchdog):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            time.sleep(0.5)  # heartbeats arrive every answer_timeout_s / 4 = 0.25 s meanwhile
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(process_module, "Watchdog", SlowToMake)
+    process = EngineProcess(FACTORY, answer_timeout_s=1.0, **ENGINE)
+    try:
+        time.sleep(0.5)
+        result = process.submit([4, 5, 6], SamplingParams(max_new_tokens=2)).result(30)  # not a timing assertion
+        assert result.usage.generated_tokens == 2
+    finally:
+        process.close()
