@@ -649,6 +649,10 @@ def test_requests_failed_while_the_child_was_stopped_never_run_when_it_continues
             for handle in handles:
                 with pytest.raises(EngineDeadError, match="did not answer within 1.0 s"):
                     handle.result(WAIT_S)
+            # The failures are settled as soon as the cancels are queued; their sender thread writes them a moment
+            # later.  A child continued within that moment could read a request before its cancel (under load, seen
+            # once in a full run): wait for the write, as a child stopped for a second or more always sees it.
+            assert wait_until(lambda: process._cancels.unsent_bytes == 0), "the cancels were never written"
         finally:
             os.kill(process.pid, signal.SIGCONT)
         assert wait_until(lambda: process.alive), "the continued child was never heard again"
