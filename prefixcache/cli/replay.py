@@ -271,6 +271,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.sweep_at and not args.sweep:
         raise InvalidArgumentError("--sweep-at needs --sweep")
+    if args.sweep and (args.speculate is not None or args.verify_cost is not None):
+        option = "--speculate" if args.speculate is not None else "--verify-cost"
+        raise InvalidArgumentError(f"{option} predicts a replay's decoding; --sweep sizes the cache only: drop one")
+    if args.no_model and not args.endpoint and (args.dtype != "auto" or args.quantize != "none"):
+        option = f"--dtype {args.dtype}" if args.dtype != "auto" else f"--quantize {args.quantize}"
+        raise InvalidArgumentError(f"{option} sets a model's precision: drop it with --no-model")
     piped_at = piped(args.paths)
     if piped_at and (args.endpoint or args.sweep):
         option = "--endpoint" if args.endpoint else "--sweep"

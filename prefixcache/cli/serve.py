@@ -26,6 +26,10 @@ DEFAULT_MAX_REQUEST_BYTES = 32 << 20
 equal), written here because importing the server imports torch, and ``--help`` should not."""
 
 
+MIN_SNAPSHOT_EVERY_MIN = 0.1
+"""The shortest ``--snapshot-every`` taken, in minutes (6 s)."""
+
+
 def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     """Add the ``serve`` subcommand to ``commands`` (the subparsers of the ``prefixcache`` parser)."""
     serve = commands.add_parser("serve", parents=parents, help="an OpenAI-compatible HTTP server over the prefix cache")
@@ -142,8 +146,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.max_request_bytes < 1:
         raise InvalidArgumentError(f"--max-request-bytes must be at least 1 byte, got {args.max_request_bytes}")
-    if args.snapshot_every is not None and (args.snapshot is None or not args.snapshot_every > 0):
-        raise InvalidArgumentError("--snapshot-every needs --snapshot and a positive number of minutes")
+    if args.snapshot_every is not None and (
+        args.snapshot is None or not MIN_SNAPSHOT_EVERY_MIN <= args.snapshot_every < float("inf")
+    ):
+        raise InvalidArgumentError(
+            f"--snapshot-every needs --snapshot and a finite number of minutes, at least {MIN_SNAPSHOT_EVERY_MIN} "
+            f"(a save writes every cached block: more often, saving would be all the engine does), got "
+            f"{args.snapshot_every}"
+        )
     if args.snapshot is not None and importlib.util.find_spec("safetensors") is None:
         raise InvalidArgumentError(f"--snapshot needs safetensors: {install_command('snapshot')}")
     if args.snapshot is not None and Path(args.snapshot).exists() and not Path(args.snapshot).is_dir():

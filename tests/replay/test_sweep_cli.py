@@ -166,6 +166,26 @@ def test_sweep_at_without_sweep_is_refused(chats: Path, capsys: pytest.CaptureFi
 
 
 @pytest.mark.parametrize(
+    ("extra", "option"), [(["--speculate", "tree"], "--speculate"), (["--verify-cost", "1,1.2"], "--verify-cost")]
+)
+def test_sweep_refuses_the_speculation_options_it_would_ignore(
+    chats: Path, extra: list[str], option: str, capsys: pytest.CaptureFixture[str]
+):
+    assert main(["replay", str(chats), "--no-model", "--sweep", *extra]) == 2
+    assert f"{option} predicts a replay's decoding; --sweep sizes the cache only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "shown"), [(["--dtype", "int8"], "--dtype int8"), (["--quantize", "int4"], "--quantize int4")]
+)
+def test_a_precision_without_a_model_is_refused(
+    chats: Path, extra: list[str], shown: str, capsys: pytest.CaptureFixture[str]
+):
+    assert main(["replay", str(chats), "--no-model", *extra]) == 2
+    assert f"{shown} sets a model's precision: drop it with --no-model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("extra", "message"),
     [
         (["--cache-tokens", "64"], "drop --cache-tokens"),

@@ -121,6 +121,15 @@ def test_snapshot_every_needs_a_snapshot_folder(capsys: pytest.CaptureFixture[st
     assert "--snapshot-every needs --snapshot" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("minutes", ["0.01", "inf", "nan", "0"])
+def test_snapshot_every_below_six_seconds_or_not_finite_is_refused(
+    minutes: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "--snapshot", str(tmp_path / "snap"), "--snapshot-every", minutes]) == 2
+    assert "a finite number of minutes, at least 0.1 (a save writes every cached block" in capsys.readouterr().err
+    assert not (tmp_path / "snap").exists()
+
+
 def test_a_snapshot_folder_that_is_a_file_is_refused_before_the_model_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
