@@ -295,6 +295,23 @@ class Admission(Handover):
             lease.block_table = np.concatenate((lease.block_table, self.blocks.allocate(need, "reserve")))
         return lease.block_table
 
+    def shrink(self, lease: Lease, num_tokens: int) -> int:
+        """Give back the lease's own blocks past those addressing ``num_tokens`` tokens: blocks reserved for tokens
+        the request will not keep (the rejected part of a speculative draft).  The matched prefix's blocks and the
+        blocks handed to the tree stay.  Returns the blocks freed.  O(blocks given back).
+
+        Raises:
+            InvalidArgumentError: ``num_tokens`` is not a non-negative int.  LockError: the lease is closed.
+        """
+        self.check_lease(lease, "shrink")
+        num_tokens = check_count(num_tokens, "num_tokens")
+        keep = max(-(-num_tokens // self.block_size), lease.first_owned_block)
+        if not lease.owns_blocks or keep >= len(lease.block_table):
+            return 0
+        freed = self.blocks.free(lease.block_table[keep:])
+        lease.block_table = lease.block_table[:keep].copy()  # a new array: holders of the old one see the change
+        return freed
+
     def commit(self, lease: Lease, q: array, state: object = None, nbytes: int = 0) -> InsertResult:
         """Insert the request's tokens ``q`` (prompt and anything generated after it, all with KV written) and close
         the lease: the new suffix is cached, duplicate blocks released, the lock dropped.  ``state`` (``nbytes``

@@ -348,6 +348,16 @@ class RadixCache(CacheSnapshots):
         with self._change:
             return self._admission.reserve(lease, num_tokens)
 
+    def shrink(self, lease: Lease, num_tokens: int) -> int:
+        """Free the lease's own blocks past those addressing ``num_tokens`` tokens (reserved for tokens it will not
+        keep: a rejected speculative draft); never the blocks of its matched prefix.  Returns the blocks freed.
+
+        Raises:
+            InvalidArgumentError: ``num_tokens`` is not a non-negative int.  LockError: the lease is closed.
+        """
+        with self._change:
+            return self._admission.shrink(lease, num_tokens)
+
     def commit(self, lease: Lease, token_ids: TokenIds, state: object = None) -> InsertResult:
         """Insert the request's tokens (prompt and anything generated after it, all with KV written) and close the
         lease: the new suffix is cached, duplicate blocks released, the lock dropped; ``state`` as for :meth:`insert`.

@@ -1,7 +1,9 @@
 """The plan of one engine step: which running requests compute which of their tokens in the step's batched forward.
 
-Decode rows come first, one token each; then chunks of prompts and of forced answers, in admission order, under the
-step's token budget (chunked prefill, as in Sarathi and vLLM's ``max_num_batched_tokens``).  A recurrent model's
+Decode rows come first, one token each, and with speculation a draft after it (:mod:`prefixcache.engine.speculation`)
+from what the budget leaves once every decode row has its token; then chunks of prompts and of forced answers, in
+admission order, under the step's token budget (chunked prefill, as in Sarathi and vLLM's ``max_num_batched_tokens``;
+vLLM's scheduler too counts a running request's draft tokens before new prompts' chunks).  A recurrent model's
 prompt chunks end at its state points (:meth:`BatchPlanner.next_state_point`), where the engine keeps its state.
 """
 
@@ -16,12 +18,16 @@ from prefixcache.cache.pool import KVBlockPool
 from prefixcache.engine.request import EngineRequest
 from prefixcache.models.base import BatchRow, CausalLM
 
-__all__ = ["BatchPlanner", "Grow"]
+__all__ = ["BatchPlanner", "Draft", "Grow"]
 
 Grow = Callable[[EngineRequest, int, list[EngineRequest]], bool]
 """``grow(request, end, members)``: make ``request``'s lease hold ``end`` tokens (preempting running requests not in
 ``members``, this step's batch so far, while the pool is short); False when ``request`` cannot run this step (it was
 preempted itself, or failed)."""
+
+Draft = Callable[[EngineRequest, int], tuple[int, ...]]
+"""``draft(request, max_tokens)``: the draft tokens a decoding ``request`` verifies after its next token this step (at
+most ``max_tokens``, blocks for them reserved; empty: none)."""
 
 
 class BatchPlanner:
@@ -37,19 +43,20 @@ class BatchPlanner:
         self.state_interval = state_interval
 
     def plan(
-        self, running: list[EngineRequest], max_batch_tokens: int | None, grow: Grow
+        self, running: list[EngineRequest], max_batch_tokens: int | None, grow: Grow, draft: Draft | None = None
     ) -> tuple[list[BatchRow], list[EngineRequest]]:
         """The rows of this step and their requests, in the same order.  ``running`` is in admission order (``grow``
         may remove preempted requests from it); ``max_batch_tokens`` bounds the tokens of all rows (None: no bound).
-        A request awaiting its caller's verdict on its last token computes nothing.  O(running requests) plus the
-        rows' token copies."""
+        A request awaiting its caller's verdict on its last token computes nothing.  With ``draft``, a decoding
+        request's row is its next token and the draft, and asks for the logits of every position.  O(running
+        requests) plus the rows' token copies."""
         budget = max_batch_tokens if max_batch_tokens is not None else float("inf")
         rows, members = [], []
         # A forced answer is computed as a prompt is, in chunks: it takes what the decode rows leave of the budget,
         # else one long answer admitted first would hold back every decode row for many steps.
         decoding = [r for r in running if r.forced is None and r.position >= len(r.prompt)]
         chunked = [r for r in running if r.forced is not None or r.position < len(r.prompt)]
-        for request in decoding + chunked:
+        for index, request in enumerate(decoding + chunked):
             if budget <= 0:
                 break
             if request.awaiting_verdict or request not in running:
@@ -62,12 +69,21 @@ class BatchPlanner:
                 end = min(end, self.next_state_point(request))
             if end > request.lease.capacity_tokens and not grow(request, end, members):
                 continue
-            table = self.block_table(request)
-            token_ids = self.token_ids(request, request.position, end)
-            wants_logits = request.wants_prompt_rows and request.position < len(request.prompt)
-            rows.append(BatchRow(token_ids, request.position, table, request.live, wants_logits))
+            drafted: tuple[int, ...] = ()
+            if draft is not None and index < len(decoding) and end == known == request.position + 1:
+                spare = budget - 1 - (len(decoding) - index - 1)  # one token for each decode row after this one
+                if spare > 0:
+                    drafted = draft(request, int(min(spare, 1 << 20)))  # no bound: inf
+            table = self.block_table(request)  # after the draft's blocks were reserved
+            if drafted:
+                ids = torch.tensor([request.answer[-1], *drafted], dtype=torch.long, device=self.model.device)
+                rows.append(BatchRow(ids, request.position, table, request.live, True))
+            else:
+                token_ids = self.token_ids(request, request.position, end)
+                wants_logits = request.wants_prompt_rows and request.position < len(request.prompt)
+                rows.append(BatchRow(token_ids, request.position, table, request.live, wants_logits))
             members.append(request)
-            budget -= end - request.position
+            budget -= end - request.position + len(drafted)
         return rows, members
 
     def next_state_point(self, request: EngineRequest) -> int:

@@ -35,6 +35,7 @@ from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.engine.scheduler import POLICIES, admission_order
 from prefixcache.engine.snapshot_saver import SnapshotSaver
+from prefixcache.engine.speculation import DraftSource
 from prefixcache.errors import InvalidArgumentError
 
 __all__ = ["POLICIES", "BatchEngine", "EngineFigures", "RequestHandle"]
@@ -59,7 +60,9 @@ class BatchEngine:
     and of forced answers in admission order); ``max_running`` the requests holding leases at once.  ``policy`` is
     ``"lpm"`` (prefix-aware scheduling, see :mod:`prefixcache.engine.scheduler`) or ``"fcfs"``; ``max_wait_steps`` is
     the fairness bound of ``"lpm"``: steps a request may wait before no later arrival is admitted ahead of it.
-    Raises InvalidArgumentError for a bound below 1 or an unknown policy.
+    ``speculate="tree"`` has greedy requests verify drafts (from ``drafts``; by default the runner's
+    :meth:`~PrefixCachingRunner.tree_drafts`) in their decode rows: see :mod:`prefixcache.engine.speculation`.
+    Raises InvalidArgumentError for a bound below 1, an unknown policy or speculate mode.
     """
 
     def __init__(
@@ -70,12 +73,19 @@ class BatchEngine:
         max_running: int = 32,
         policy: str = "lpm",
         max_wait_steps: int = 32,
+        speculate: str = "off",
+        drafts: DraftSource | None = None,
     ) -> None:
         if max_batch_tokens is None:
             raise InvalidArgumentError("max_batch_tokens must be a positive int, got None")
         self.runner = runner
         self.core = runner.new_core(
-            max_batch_tokens=max_batch_tokens, max_running=max_running, policy=policy, max_wait_steps=max_wait_steps
+            max_batch_tokens=max_batch_tokens,
+            max_running=max_running,
+            policy=policy,
+            max_wait_steps=max_wait_steps,
+            speculate=speculate,
+            drafts=drafts,
         )
         """The engine core this front end steps."""
         self._lock = self.core.lock

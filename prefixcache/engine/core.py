@@ -26,6 +26,13 @@ K/V not computed) or, with ``external_verdict``, the caller, through :meth:`Engi
 (the serial generator of :meth:`~prefixcache.engine.runner.PrefixCachingRunner.stream`, which yields the token
 first).
 
+Speculative decoding (``speculate="tree"``, :mod:`prefixcache.engine.speculation`): a greedy decoding request's row
+computes its last token and a draft of up to ``k`` tokens from a :class:`~prefixcache.engine.speculation.DraftSource`
+(the drafts take what the step's budget leaves after one token per decoding row, and blocks only where the pool has
+them free); the picks from its ``1 + k`` logits rows are taken one by one as decode steps would take them, up to the
+first that differs from the draft, and the K/V and blocks of the rejected positions are given back.  Sampled
+requests, forced answers, the serial calls and models with recurrent layers decode one token a step.
+
 With ``policy="lpm"`` a request's prompt is inserted into the cache as soon as its prefill ends
 (:meth:`RadixCache.insert_prefix`), not when it finishes: requests admitted while it decodes hit its prompt.
 
@@ -66,9 +73,10 @@ from prefixcache.engine.outcome import generation_result
 from prefixcache.engine.preemption import can_preempt_for, choose_victim
 from prefixcache.engine.request import EngineRequest
 from prefixcache.engine.scheduler import POLICIES, admission_order, held_back
+from prefixcache.engine.speculation import DraftSource, check_speculate, draft_room, speculates
 from prefixcache.engine.tree_writes import TreeWrites
 from prefixcache.errors import InvalidArgumentError
-from prefixcache.models.base import BatchRow, CausalLM, forward_batch
+from prefixcache.models.base import BatchRow, CausalLM, forward_batch, truncate_live
 
 __all__ = ["EngineCore"]
 
@@ -82,7 +90,10 @@ class EngineCore:
     and of forced answers in admission order; None: no bound, a prompt prefills in one forward); ``max_running``
     the requests holding leases at once.  ``policy`` is ``"lpm"`` (prefix-aware, see
     :mod:`prefixcache.engine.scheduler`) or ``"fcfs"``; ``max_wait_steps`` is the fairness bound of ``"lpm"``.
-    Raises InvalidArgumentError for a bound below 1 or an unknown policy.
+    ``speculate`` is ``"off"`` or ``"tree"`` (greedy rows verify drafts from ``drafts``, which it then needs; a model
+    with recurrent layers never speculates: see :mod:`prefixcache.engine.speculation`).
+    Raises InvalidArgumentError for a bound below 1, an unknown policy or speculate mode, or ``"tree"`` without
+    ``drafts``.
     """
 
     def __init__(
@@ -96,6 +107,8 @@ class EngineCore:
         policy: str = "lpm",
         max_wait_steps: int = 32,
         state_interval: int = 0,
+        speculate: str = "off",
+        drafts: DraftSource | None = None,
     ) -> None:
         if isinstance(state_interval, bool) or not isinstance(state_interval, int) or state_interval < 0:
             raise InvalidArgumentError(f"state_interval must be a non-negative int (tokens), got {state_interval!r}")
@@ -111,6 +124,8 @@ class EngineCore:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
         if policy not in POLICIES:
             raise InvalidArgumentError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if check_speculate(speculate) != "off" and drafts is None:
+            raise InvalidArgumentError(f"speculate={speculate!r} needs a draft source (drafts=)")
         self.model, self.cache, self.pool, self.checks = model, cache, cache.pool, checks
         self.recurrent = bool(getattr(model, "recurrent", False))
         """The model has recurrent layers: its state is snapshot at the end of every prompt and every answer, before
@@ -124,6 +139,14 @@ class EngineCore:
                 f"{getattr(model, 'name', type(model).__name__)} has recurrent layers: serve it with a "
                 "RadixCache(resume_states=True), which keeps their state snapshots"
             )
+        self.speculate = "off" if self.recurrent else speculate
+        """``"tree"``: greedy decoding rows verify drafts; ``"off"``, always for a model with recurrent layers (its
+        state after a rejected draft token could not be rolled back)."""
+        self.drafts = drafts if self.speculate != "off" else None
+        self.drafted_tokens = 0
+        """Draft tokens verified, over every request."""
+        self.accepted_tokens = 0
+        """Draft tokens accepted (each a generated token that took no forward of its own)."""
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.policy = policy
@@ -189,7 +212,10 @@ class EngineCore:
                 logits = []
             for request, row, row_logits in zip(members, rows, logits, strict=False):
                 try:
-                    self._computed(request, row.token_ids.numel(), row_logits)
+                    if request.draft:
+                        self._verify(request, row_logits)
+                    else:
+                        self._computed(request, row.token_ids.numel(), row_logits)
                 except BaseException as error:  # noqa: BLE001 - a pick or tree write fails its request, the others go on
                     self._fail(request, error)
                     if not isinstance(error, Exception):
@@ -295,7 +321,45 @@ class EngineCore:
     # ---- the batch -----------------------------------------------------------------------------------------
 
     def _plan(self) -> tuple[list[BatchRow], list[EngineRequest]]:
-        return self.planner.plan(self.running, self.max_batch_tokens, self._reserve)
+        draft = self._draft if self.drafts is not None else None
+        return self.planner.plan(self.running, self.max_batch_tokens, self._reserve, draft)
+
+    def _draft(self, request: EngineRequest, max_tokens: int) -> tuple[int, ...]:
+        """The draft ``request`` verifies this step (also kept in ``request.draft``), of at most ``max_tokens``: none
+        unless it :func:`~prefixcache.engine.speculation.speculates`; cut at the first id outside the vocabulary or
+        forbidden by its grammar, and to the blocks its lease holds or the pool has free (a draft evicts nothing and
+        preempts no one).  A draft source's exception costs the step its draft, not the request."""
+        if not speculates(request):
+            return ()
+        max_tokens = min(max_tokens, draft_room(request))
+        try:
+            draft = tuple(self.drafts.propose(request, max_tokens))[:max_tokens]
+        except Exception:  # noqa: BLE001 - drafts are an optimisation: decode one token instead
+            logger.exception("the draft source failed; decoding one token")
+            return ()
+        vocab = self.model.vocab_size
+        for i, token in enumerate(draft):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+                draft = draft[:i]
+                break
+        draft = draft[: request.picker.draft_prefix(draft)]
+        if draft:
+            draft = draft[: self._draft_room(request, len(draft))]
+        request.draft = draft
+        return draft
+
+    def _draft_room(self, request: EngineRequest, num_tokens: int) -> int:
+        """Draft tokens (of ``num_tokens``) the lease can address after ``request``'s next token, reserving free
+        blocks for them where it holds too few."""
+        lease = request.lease
+        end = request.position + 1 + num_tokens
+        if end > lease.capacity_tokens:
+            end = min(end, lease.capacity_tokens + self.pool.num_free_blocks * self.pool.block_size)
+            try:
+                self.cache.reserve(lease, end)
+            except Exception:  # noqa: BLE001 - another thread took the free blocks meanwhile
+                end = lease.capacity_tokens
+        return max(0, min(num_tokens, end - request.position - 1))
 
     def _reserve(self, request: EngineRequest, end: int, members: list[EngineRequest]) -> bool:
         """Grow ``request``'s lease to ``end`` tokens, preempting running requests not in ``members`` (latest
@@ -374,6 +438,31 @@ class EngineCore:
         if not request.external_verdict:
             self.conclude(request)
 
+    def _verify(self, request: EngineRequest, logits: torch.Tensor) -> None:
+        """``request``'s row computed its last token and its draft (``logits``: ``[1 + k, vocab]``, row ``i`` after
+        draft token ``i - 1``): take its picks in order while each equals the draft token it verifies and the request
+        goes on, then cut its live K/V and blocks back to the tokens kept (see :mod:`prefixcache.engine.speculation`).
+        Raises what a tree write raised."""
+        draft, request.draft = request.draft, ()
+        start = request.position
+        accepted = 0
+        for i in range(len(draft) + 1):
+            request.position = start + i + 1  # the K/V of the tokens before this pick: its own is not computed
+            token = request.picker.pick(logits[i])
+            self._take(request, token, logits[i])
+            agrees = i < len(draft) and token == draft[i]
+            accepted += agrees
+            if not agrees or request.handle.future.done():
+                break
+        request.drafted_tokens += len(draft)
+        request.accepted_tokens += accepted
+        self.drafted_tokens += len(draft)
+        self.accepted_tokens += accepted
+        self.drafts.verified(request, len(draft), accepted)
+        if not request.handle.future.done() and request.lease is not None:
+            truncate_live(self.model, request.live, request.position)
+            self.cache.shrink(request.lease, request.sequence_length())
+
     def _advance(self, request: EngineRequest, logits: torch.Tensor) -> None:
         """All known tokens of ``request`` are computed: pick the next one, or finish."""
         sampling = request.sampling
@@ -387,7 +476,12 @@ class EngineCore:
         inserts = self.policy == "lpm" or self.recurrent
         if inserts and not request.prompt_inserted and sampling.max_new_tokens > 1:
             self.writes.insert_prompt(request)
-        token = request.picker.pick(logits)
+        self._take(request, request.picker.pick(logits), logits)
+
+    def _take(self, request: EngineRequest, token: int, logits: torch.Tensor) -> None:
+        """Append ``token``, picked from ``logits[vocab]``, to ``request``: its logprob record, the pipeline's history,
+        the handle, the callbacks, then (without an external verdict) whether it ends the request."""
+        sampling = request.sampling
         if request.first_token_at is None:
             request.first_token_at = time.perf_counter()
         record = None
@@ -430,6 +524,7 @@ class EngineCore:
         request.handle.settle(generation_result(request, reason, insert, time.perf_counter()))
 
     def _fail(self, request: EngineRequest, error: BaseException) -> None:
+        request.draft = ()
         if request.lease is not None and not request.lease.closed:
             self.cache.release(request.lease)
         if request in self.running:

@@ -466,6 +466,11 @@ class GrammarState:
         if not self._matcher.consume_token(token_id):
             raise InvalidTokensError(f"token {token_id} does not follow the grammar: {self._matcher.get_error()}")
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids`` (a speculative draft) the grammar accepts in a row from here, without advancing.
+        O(len(token_ids)) matcher steps (llguidance's ``validate_tokens``)."""
+        return int(self._matcher.validate_tokens(list(token_ids))) if token_ids else 0
+
     def _check(self) -> None:
         if self._matcher.is_error():
             raise InvalidArgumentError(f"grammar: {self._matcher.get_error()}")

@@ -115,6 +115,14 @@ class LogitsPipeline:
         if self._seen is not None:
             self._seen[token_id] = True
 
+    def draft_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of a speculative draft the request's grammar allows (all of them without a
+        grammar), so that a draft is cut before its verify at the first token the grammar forbids.  Does not advance
+        the grammar.  O(len(token_ids)) grammar steps."""
+        if self._grammar is None:
+            return len(token_ids)
+        return self._grammar.valid_prefix(token_ids)
+
     def adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         """Stages 1-5 of the module docstring on ``logits[vocab_size]`` (any float dtype): ``[min(vocab_size,
         vocab_limit)]``, float32 where a stage 2-5 applied, else the (sliced) row itself.  Never writes into

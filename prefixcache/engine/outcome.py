@@ -26,6 +26,8 @@ def generation_result(request: EngineRequest, reason: str, insert: InsertResult,
         decode_s=now - first,
         host_cached_tokens=request.host_cached,
         unresumed_tokens=request.unresumed,
+        drafted_tokens=request.drafted_tokens,
+        accepted_tokens=request.accepted_tokens,
     )
     logits = None
     if request.return_logits and request.prompt_logits:

@@ -111,6 +111,10 @@ class EngineRequest:
     awaiting_verdict: bool = False  # a token was sampled; its caller decides whether the request stops there
     external_verdict: bool = False  # the caller, not on_token, decides after each sampled token (serial streams)
     first_token_at: float | None = None
+    draft: tuple[int, ...] = ()  # this step's speculative draft, verified in its row after the last generated token
+    draft_state: Any = None  # the draft source's own record of this request (its drafting context), kept throughout
+    drafted_tokens: int = 0  # draft tokens verified, over the request's steps
+    accepted_tokens: int = 0  # of them, accepted (each then stands among ``generated``)
 
     @property
     def wants_prompt_rows(self) -> bool:

@@ -23,6 +23,9 @@ class Usage:
     ``host_cached_tokens`` of the cached tokens were promoted from the host-memory tier (0 without one); the rest
     were on the device.  ``unresumed_tokens`` prompt tokens past ``cached_tokens`` matched the cache but could not
     be resumed: a model with recurrent layers resumes only where a state snapshot was kept (0 for other models).
+    ``drafted_tokens`` speculative draft tokens were verified (engine option ``speculate="tree"``; greedy requests
+    only), ``accepted_tokens`` of them accepted: each accepted token is a generated token that cost no forward of its
+    own.
     """
 
     prompt_tokens: int
@@ -34,10 +37,13 @@ class Usage:
     decode_s: float
     host_cached_tokens: int = 0
     unresumed_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     def to_openai(self) -> dict[str, Any]:
         """OpenAI-style usage: ``prompt_tokens``, ``completion_tokens``, ``total_tokens`` and
-        ``prompt_tokens_details.cached_tokens``, plus our extra counts."""
+        ``prompt_tokens_details.cached_tokens``, plus our extra counts (speculation's ``drafted_tokens`` and
+        ``accepted_tokens`` among them)."""
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.generated_tokens,
@@ -47,6 +53,8 @@ class Usage:
             "copied_tokens": self.copied_tokens,
             "host_cached_tokens": self.host_cached_tokens,
             "unresumed_tokens": self.unresumed_tokens,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
             "ttft_s": self.ttft_s,
             "decode_s": self.decode_s,
         }

@@ -15,6 +15,7 @@ in parallel and only wait for each other during bookkeeping.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Generator, Mapping, Sequence
 from concurrent.futures import CancelledError
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ from prefixcache.engine.core import EngineCore
 from prefixcache.engine.request import EngineRequest
 from prefixcache.engine.results import ChatResult, GenerationResult, Usage
 from prefixcache.engine.sampling import SamplingParams
+from prefixcache.engine.speculation import TreeDrafts
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.base import CausalLM
 
@@ -51,6 +53,8 @@ __all__ = [
 ]
 
 DEFAULT_CACHE_TOKENS = 1 << 16
+
+_DRAFTS_LOCK = threading.Lock()
 
 MIN_STATES = 256
 """Recurrent-state snapshots the default state budget holds at least (:func:`state_budget`): a model whose pool holds
@@ -183,6 +187,7 @@ class PrefixCachingRunner:
         """Tokens between the state snapshots a recurrent model's prefill keeps inside a prompt (0: none)."""
         self.checks = RequestChecks(model, self.tokenizer.name, self.pool)
         """Every request's checks and the fingerprint of its namespaces (see :class:`RequestChecks`)."""
+        self._tree_drafts: TreeDrafts | None = None
 
     # ---- public API ----------------------------------------------------------------------------------------
 
@@ -376,10 +381,22 @@ class PrefixCachingRunner:
 
     def new_core(self, **options: Any) -> EngineCore:
         """An :class:`~prefixcache.engine.core.EngineCore` on this runner's model, cache and checks (``options``:
-        ``max_batch_tokens``, ``max_running``, ``policy``, ``max_wait_steps``).  Raises InvalidArgumentError for bad
-        options."""
+        ``max_batch_tokens``, ``max_running``, ``policy``, ``max_wait_steps``, ``speculate``, ``drafts``); with
+        ``speculate="tree"`` and no ``drafts``, the runner's :meth:`tree_drafts`.  Raises InvalidArgumentError for
+        bad options."""
         options.setdefault("state_interval", self.state_interval)
+        if options.get("speculate", "off") != "off" and options.get("drafts") is None:
+            options["drafts"] = self.tree_drafts()
         return EngineCore(self.model, self.cache, self.checks, **options)
+
+    def tree_drafts(self) -> TreeDrafts:
+        """The runner's :class:`~prefixcache.engine.speculation.TreeDrafts` (speculative drafts from the request's
+        context and this cache's blocks), made and subscribed to the cache's events on first use (O(cached tokens)
+        once), then shared by every speculating core."""
+        with _DRAFTS_LOCK:
+            if self._tree_drafts is None:
+                self._tree_drafts = TreeDrafts(self.cache)
+            return self._tree_drafts
 
     def generate_many(
         self,
@@ -388,12 +405,14 @@ class PrefixCachingRunner:
         *,
         namespace: str | None = None,
         max_batch_tokens: int = 512,
+        speculate: str = "off",
     ) -> list[GenerationResult]:
         """Serve ``prompts`` together with continuous batching (see :class:`~prefixcache.engine.batching.BatchEngine`):
         one batched forward per step, prefill chunked under ``max_batch_tokens``.  Results are in prompt order; each
         equals what :meth:`generate` returns for that prompt alone (greedy tokens; logits within float rounding).
-        Raises as :meth:`generate`, for the first prompt that fails."""
-        core = self.new_core(max_batch_tokens=max_batch_tokens)
+        ``speculate="tree"``: greedy requests verify drafts from their context and the cache
+        (:mod:`prefixcache.engine.speculation`).  Raises as :meth:`generate`, for the first prompt that fails."""
+        core = self.new_core(max_batch_tokens=max_batch_tokens, speculate=speculate)
         requests = [self.checks.request(prompt, sampling, namespace=namespace) for prompt in prompts]
         for request in requests:
             core.add(request)

@@ -186,17 +186,38 @@ class BatchRow:
     return_logits: bool = False
 
 
+def truncate_live(model: CausalLM, live: LiveKV, num_tokens: int) -> None:
+    """Make ``live`` hold only the first ``num_tokens`` of the positions it holds (a speculative verify wrote rows
+    for draft tokens that were rejected): the model's own ``truncate_live(live, num_tokens)`` where it has one (O(1)),
+    else ``live.reset()`` (the next call refills it from the pool: correct, one gather slower).  The pool's rows past
+    ``num_tokens`` are left as they are; the next call at ``start_pos == num_tokens`` overwrites them."""
+    if live.data is None or live.num_tokens <= num_tokens:
+        return
+    own = getattr(model, "truncate_live", None)
+    if own is not None:
+        own(live, num_tokens)
+    else:
+        live.reset()
+
+
 def forward_batch(model: CausalLM, rows: list[BatchRow], kv: torch.Tensor) -> list[torch.Tensor]:
     """Run every row's tokens in one step; returns per row the float32 logits ``[1, vocab_size]`` of its last position
     (``[n, vocab_size]`` for a row with ``return_logits``).
 
     Uses the model's own ``forward_batch`` for two rows or more when it has one (one packed forward: the embedded
     model); a lone row, a model without one, and rows that ask for every position's logits run through
-    ``forward_cached`` (same results; a lone row is exactly a serial call).  Rows must write disjoint pool slots.
+    ``forward_cached`` (same results; a lone row is exactly a serial call), except in a model whose ``forward_batch``
+    returns them (``batch_row_logits``: the embedded model, so a speculative verify packs with the decode rows).
+    Rows must write disjoint pool slots.
     Raises as ``forward_cached``; a row that failed leaves its ``live`` to be refilled.
     """
     own = getattr(model, "forward_batch", None)
-    packed = [i for i, row in enumerate(rows) if not row.return_logits] if own is not None and len(rows) > 1 else []
+    row_logits = bool(getattr(model, "batch_row_logits", False))
+    packed = (
+        [i for i, row in enumerate(rows) if row_logits or not row.return_logits]
+        if own is not None and len(rows) > 1
+        else []
+    )
     out: list[torch.Tensor | None] = [None] * len(rows)
     if len(packed) > 1:
         for i, logits in zip(packed, own([rows[i] for i in packed], kv), strict=True):

@@ -321,7 +321,8 @@ class LlamaModel:
         never repeated, a decode row's attention reads its context once, and padding the rows into one batch would
         copy every context once more per step).  Each row's
         new K/V are written into its pool slots and appended to its ``live``.  Returns per row the float32 logits
-        ``[1, vocab_size]`` of its last position.  Rows must belong to different requests.  Raises as
+        ``[1, vocab_size]`` of its last position, ``[n, vocab_size]`` for a row with ``return_logits`` (a speculative
+        verify: its positions reach the LM head with the others).  Rows must belong to different requests.  Raises as
         :meth:`forward_cached` (checked for every row before anything is written).
 
         On the CPU in float32, forwards of 2-64 rows multiply by oneDNN-packed copies of the weights
@@ -347,6 +348,12 @@ class LlamaModel:
             offset += ids.numel()
         ids, positions, new_slots = torch.cat(all_ids), torch.cat(all_pos), torch.cat(slots)
         lasts = torch.tensor([hi - 1 for _, hi, _, _ in spans], device=self.device)
+        # The positions that reach the LM head: each row's last, every one of a row that asks for its logits.
+        to_head = [
+            range(lo, hi) if row.return_logits else range(hi - 1, hi)
+            for row, (lo, hi, _, _) in zip(rows, spans, strict=True)
+        ]
+        head_rows = torch.tensor([i for span in to_head for i in span], device=self.device)
         groups = plan_shared_prefix_groups(
             [table.tolist() for _, table in checked],
             [end for _, _, _, end in spans],
@@ -370,8 +377,8 @@ class LlamaModel:
             outs: list[torch.Tensor] = []
             for r, ((lo, hi, start, end), buffer) in enumerate(zip(spans, buffers, strict=True)):
                 buffer[i, :, start:end] = new[:, lo:hi]
-                # Last layer: only each row's last query reaches the LM head.
-                q_lo = hi - 1 if final else lo
+                # Last layer: only the queries that reach the LM head.
+                q_lo = to_head[r].start if final else lo
                 if r not in grouped:
                     outs.append(self._attention(q[q_lo:hi], buffer[i, 0, :end], buffer[i, 1, :end], end - hi + q_lo))
                 else:
@@ -386,14 +393,23 @@ class LlamaModel:
                 for j, r in enumerate(group.rows):
                     outs[r] = o[j : j + 1]
             if final:
-                x = x[lasts]
+                x = x[head_rows]
             x = x + linear(torch.cat(outs), layer.o, packs=packs)
             h = self._rms_norm(x, layer.mlp_norm)
             x = x + linear(_swiglu(linear(h, layer.gate_up, packs=packs)), layer.down, packs=packs)
         logits = linear(self._rms_norm(x, self.final_norm), self.lm_head, packs=packs).float()
         for row, (_, _, _, end) in zip(rows, spans, strict=True):
             row.live.num_tokens = end
-        return list(logits.split(1))
+        return list(logits.split([len(span) for span in to_head]))
+
+    batch_row_logits = True
+    """:meth:`forward_batch` returns every position's logits of a row that asks (``BatchRow.return_logits``)."""
+
+    def truncate_live(self, live: LiveKV, num_tokens: int) -> None:
+        """Keep only ``live``'s first ``num_tokens`` positions (of those it holds): its buffer's later rows are
+        overwritten by the next call's appends.  O(1)."""
+        if live.data is not None and num_tokens < live.num_tokens:
+            live.num_tokens = num_tokens
 
     def _live_buffer(
         self, live: LiveKV, reuse: bool, kv: torch.Tensor, table: torch.Tensor, start_pos: int, end_pos: int

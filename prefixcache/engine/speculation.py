@@ -1,0 +1,150 @@
+"""Speculative decoding in the engine core: which rows speculate, where their drafts come from, and how a verified
+draft is accepted.
+
+With ``speculate="tree"`` a decoding request may compute, in its row of the step's batched forward, its last generated
+token followed by a draft of up to ``k`` tokens (a chunk of ``1 + k`` positions against its own K/V, beside the other
+rows, under the step's token budget).  The logits of the ``1 + k`` positions are then read one at a time, exactly as
+``1 + k`` decode steps would read them: the request's own pick from position ``i`` (its logits pipeline, in the state
+the tokens accepted before it left: penalties, ``min_tokens``, grammar) is taken, goes through every per-token check
+(logprobs, ``on_token``, stop tokens and strings, ``max_tokens``), and the next position is read only if that pick
+equals draft token ``i`` and the request goes on.  So the longest prefix of the draft that agrees with the model is
+accepted, plus the model's own token after it (the "bonus" token), and a token that ends the request drops what
+follows it.  The K/V written for the rejected positions are discarded: the request's live K/V are cut back to the
+tokens kept and the blocks reserved only for them go back to the pool (:meth:`RadixCache.shrink`); nothing of a
+rejected token reaches the tree, the KV events or a callback.  (Leviathan et al. 2023 and Chen et al. 2023 for the
+rule; with greedy picks it reduces to this prefix match, as in vLLM's and SGLang's n-gram speculation.)
+
+Which rows speculate (:func:`speculates`): greedy requests only (``temperature == 0``), so their output is the same
+tokens as without speculation (up to the float rounding of computing positions in one chunk rather than one by one,
+as with chunked prefill); sampled requests decode one token a step as before (the speculative rejection rule that
+keeps a sampled token's distribution is not implemented).  Not forced answers, not requests whose caller gives a
+verdict after each token (the runner's serial ``stream``/``generate``, which yield one token at a time), and not the
+prompt's first token.  A request with a grammar has its draft cut before the verify at the first token the grammar
+forbids (:meth:`~prefixcache.engine.logits.LogitsPipeline.draft_prefix`).  Models with recurrent layers never
+speculate: their state after a rejected token cannot be rolled back without a snapshot at every position.
+
+Drafts come from a :class:`DraftSource`; the engine's is :class:`TreeDrafts`, the runner's
+:class:`~prefixcache.engine.draft.Drafter` over the request's own context and the cache's blocks of its namespace.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+from prefixcache.cache.radix_cache import RadixCache
+from prefixcache.engine.draft import DEFAULT_MAX_DRAFT_TOKENS, Drafter, DraftLength, DraftSession
+from prefixcache.engine.request import EngineRequest
+from prefixcache.errors import InvalidArgumentError
+
+__all__ = ["SPECULATE_MODES", "DraftSource", "TreeDrafts", "check_speculate", "draft_room", "speculates"]
+
+SPECULATE_MODES = ("off", "tree")
+"""``"off"``: one token a decode step.  ``"tree"``: greedy rows verify drafts from their context and the cache."""
+
+
+def check_speculate(mode: object) -> str:
+    """``mode`` if it is one of :data:`SPECULATE_MODES`.  Raises InvalidArgumentError otherwise."""
+    if mode not in SPECULATE_MODES:
+        raise InvalidArgumentError(f"speculate must be one of {SPECULATE_MODES}, got {mode!r}")
+    return mode  # type: ignore[return-value]
+
+
+class DraftSource(Protocol):
+    """Where an engine core's drafts come from.  Called on the thread that steps, between forwards."""
+
+    def propose(self, request: EngineRequest, max_tokens: int) -> Sequence[int]:
+        """Up to ``max_tokens`` (>= 1) token ids to follow ``request``'s known tokens (its prompt and
+        ``generated``); empty: none this step.  May keep its own record in ``request.draft_state``."""
+        ...
+
+    def verified(self, request: EngineRequest, num_proposed: int, num_accepted: int) -> None:
+        """A draft of ``num_proposed`` tokens (what the engine kept of a proposal: it may cut one short) was verified
+        and its first ``num_accepted`` accepted."""
+        ...
+
+
+def speculates(request: EngineRequest) -> bool:
+    """Whether ``request`` may verify a draft this step: greedy, not forced, no per-token verdict from its caller,
+    decoding (one known token left to compute, the last generated one) and at least two tokens left to generate (a
+    draft token and the bonus one).  O(1)."""
+    sampling = request.sampling
+    return (
+        sampling.temperature == 0
+        and request.forced is None
+        and not request.external_verdict
+        and bool(request.generated)
+        and request.position == request.sequence_length() - 1
+        and draft_room(request) > 0
+    )
+
+
+def draft_room(request: EngineRequest) -> int:
+    """The most draft tokens worth verifying for ``request``: its tokens left to generate, less the bonus one."""
+    return request.sampling.max_new_tokens - len(request.generated) - 1
+
+
+class TreeDrafts:
+    """Drafts from the tokens already seen: a :class:`~prefixcache.engine.draft.Drafter` subscribed to ``cache``'s
+    KV events (so it indexes the full blocks the tree holds, per namespace; a request drafts only from its own
+    namespace), and per request a :class:`~prefixcache.engine.draft.DraftSession` (its context indexed once, then a
+    token at a time; its adaptive :class:`~prefixcache.engine.draft.DraftLength` of at most ``max_draft_tokens``,
+    ``verify_cost`` as there) kept in ``request.draft_state`` across preemptions.
+
+    One per runner (:meth:`~prefixcache.engine.runner.PrefixCachingRunner.tree_drafts`): cores stepping on several
+    threads share it under its lock.  :meth:`close` unsubscribes it.  Cost: a lookup is O(n-gram sizes + k) dict
+    reads (tens of microseconds, see :mod:`prefixcache.engine.draft`); a request's first proposal indexes its prompt,
+    O(prompt) (about 0.5 us a token), unless it shares a long prefix with an earlier one.
+    """
+
+    def __init__(
+        self,
+        cache: RadixCache,
+        max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+        verify_cost: Sequence[float] | None = None,
+    ) -> None:
+        self.drafter = Drafter(max_draft_tokens, block_size=cache.block_size)
+        self.max_draft_tokens = max_draft_tokens
+        self.verify_cost = None if verify_cost is None else tuple(verify_cost)
+        DraftLength(max_draft_tokens, self.verify_cost)  # checks the cost table now rather than at the first draft
+        self.cache = cache
+        self._lock = threading.Lock()
+        self.proposed_by_source = {"context": 0, "tree": 0}
+        """Draft tokens proposed, by where they came from (the request's own context, or the cache's blocks)."""
+        cache.subscribe(self.drafter)
+
+    def propose(self, request: EngineRequest, max_tokens: int) -> Sequence[int]:
+        """The draft after ``request``'s known tokens, of at most ``max_tokens`` and its controller's budget."""
+        with self._lock:
+            session = request.draft_state
+            if not isinstance(session, DraftSession):
+                length = DraftLength(self.max_draft_tokens, self.verify_cost)
+                session = self.drafter.session(request.known_tokens(), request.namespace, length=length)
+                request.draft_state = session
+            else:
+                seen = len(session.tokens) - len(request.prompt)
+                if seen < len(request.generated):
+                    session.extend(request.generated[seen:])
+                session.namespace = request.namespace  # moved by a weight change while it waited to resume
+            budget = min(session.length.next_budget(), max_tokens)
+            proposal = self.drafter.lookup(session.index, session.namespace, budget) if budget > 0 else None
+            if not proposal:
+                session.length.update(0, 0)
+                return ()
+            self.proposed_by_source[proposal.source] += len(proposal)  # type: ignore[index]
+            return proposal.tokens
+
+    def verified(self, request: EngineRequest, num_proposed: int, num_accepted: int) -> None:
+        """Tell the request's draft length controller how its draft fared."""
+        session = request.draft_state
+        if isinstance(session, DraftSession):
+            with self._lock:
+                session.length.update(num_proposed, num_accepted)
+
+    def close(self) -> None:
+        """Stop following the cache's events (the drafter then drafts from the request contexts only)."""
+        try:
+            self.cache.unsubscribe(self.drafter)
+        except InvalidArgumentError:
+            pass  # closed already
