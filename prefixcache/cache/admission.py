@@ -32,7 +32,9 @@ copy or the sibling sharing it; then that request is running, and the guarantee 
 
 Resume points.  A cache of a recurrent (hybrid or state-space) model resumes a prefix only where a state is kept
 (:mod:`prefixcache.cache.resume`): with ``states`` set, :meth:`Admission.acquire` ends the match at the deepest kept
-state at or before the longest token match.  Without, it pays one test.
+state at or before the longest token match, marks the position where the prompt leaves a cached sequence when no state
+stands there (:mod:`prefixcache.cache.marks`), and hands the request the marked positions it will prefill through
+(``Lease.state_points``), where it should keep states.  Without, it pays one test.
 
 What a request hands the tree while its lease is open (:meth:`~prefixcache.cache.handover.Handover.insert_prefix`,
 recurrent states, blocks extended in place) is :mod:`prefixcache.cache.handover`'s job, a part of :class:`Admission`;
@@ -119,9 +121,15 @@ class Admission(Handover):
         num_matched = match.num_tokens
         states = self.states
         resume_state = None
+        state_points: tuple[int, ...] = ()
         if states is not None:
             resume_at, resume_state = states.deepest(match.node, num_matched)
+            if resume_at and counted:
+                states.resumed(match.node, resume_at)
             if resume_at < num_matched:
+                if num_matched < len(q) - 1:
+                    states.marks.mark(match.node, num_matched)  # q leaves the cached path here: a branch point
+                state_points = states.marks.between(match.node, resume_at, num_matched)
                 match = tree.match(q, namespace, resume_at, self.owner, touch=False)
         self._heal_path(match.node)
         # Ours to change: the match concatenated its nodes' blocks into a new array (or gave the empty one, which
@@ -201,6 +209,7 @@ class Admission(Handover):
             if states is not None:
                 lease.resume_state = resume_state
                 lease.resume_shortfall_tokens = shortfall
+                lease.state_points = state_points
                 if counted:
                     states.shortfall_tokens += shortfall
             if promotion is not None:

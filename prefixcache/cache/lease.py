@@ -31,7 +31,10 @@ class Lease:
     position ``num_cached_tokens`` (None at 0: the initial state), and ``resume_shortfall_tokens`` of the matched
     tokens could not be resumed (no state kept at or after them).  Then ``num_cached_tokens == num_matched_tokens -
     resume_shortfall_tokens``, except where copy-on-write found no block: the request then resumes at the deepest
-    state at a block boundary.  Without resume states ``resume_state`` is None and the shortfall 0.
+    state at a block boundary.  ``state_points`` are the branch marks (:mod:`prefixcache.cache.marks`) between the
+    resume point and the match's end, ascending: the request should keep a state at each as its prefill passes it
+    (:meth:`~prefixcache.RadixCache.put_state`).  Without resume states ``resume_state`` is None, the shortfall 0 and
+    ``state_points`` empty.
     """
 
     token_ids: array
@@ -50,6 +53,7 @@ class Lease:
     num_matched_tokens: int = 0
     resume_state: object | None = None
     resume_shortfall_tokens: int = 0
+    state_points: tuple[int, ...] = ()
 
     @property
     def capacity_tokens(self) -> int:

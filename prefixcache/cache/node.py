@@ -29,7 +29,7 @@ class Node:
     field wherever either changes because lock and unlock add it up on every node they pass.  ``priority`` and
     ``retain_until`` are its retention (:mod:`prefixcache.cache.retention`): 0 and None when not retained.
     ``states`` maps positions ``start < p <= end`` to the recurrent states kept there (:mod:`prefixcache.cache.resume`),
-    None when it keeps none.
+    None when it keeps none; ``marks`` the branch positions marked there (:mod:`prefixcache.cache.marks`).
     """
 
     __slots__ = (
@@ -54,6 +54,7 @@ class Node:
         "priority",
         "retain_until",
         "states",
+        "marks",
     )
 
     def __init__(self, node_id: int, parent: Node | None, tokens: array, start: int, blocks: np.ndarray) -> None:
@@ -81,6 +82,8 @@ class Node:
         self.retain_until: float | None = None
         # Recurrent states kept at positions start < p <= end (prefixcache.cache.resume); None when there are none.
         self.states: dict[int, object] | None = None
+        # Branch marks at positions start < p <= end, position -> serial (prefixcache.cache.marks); None when none.
+        self.marks: dict[int, int] | None = None
 
 
 def new_root(namespace: str | None) -> Node:

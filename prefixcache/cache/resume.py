@@ -5,8 +5,8 @@ that carry a fixed-size state (linear attention, SSM) instead of per-token K/V. 
 useless on its own: a request can skip the first ``p`` tokens only if the state of every recurrent layer after those
 ``p`` tokens was kept.  So the cache keeps opaque *states* at absolute positions of the tree, and a match ends at the
 deepest position with a kept state (or at 0, where the initial state needs nothing).  The design follows SGLang's
-MambaRadixCache (mamba states on radix nodes, with an LRU list of their own) and vLLM's hybrid KV-cache manager
-(Mamba state cached at block boundaries).
+MambaRadixCache (mamba states on radix nodes, with an LRU list of their own; this store orders them by value) and
+vLLM's hybrid KV-cache manager (Mamba state cached at block boundaries).
 
 A state is any object with an ``nbytes: int`` attribute, immutable once handed over: a resuming request copies it,
 so states take no locks.  :class:`StateMarker` stands in for callers without tensors (replay, tests).
@@ -18,12 +18,20 @@ states beyond its new end, removing a node drops its states (:meth:`StateStore.s
 :meth:`StateStore.remove`, called by the tree).  Freeing states never frees KV: after a state is evicted the KV up to
 it stays until the KV eviction takes it (as in SGLang), and a later insert may put the state back.
 
-Budget.  States live outside the KV pool (the model keeps them on its device), within ``max_bytes`` over all
-namespaces.  Putting a state that would exceed it evicts the least recently used states first: by the owning node's
-last access (the tree's logical clock), then position (shallower first), then node id.  The order is kept in a
-``SortedList`` whose entries are filed under the access time their node had when they were filed; a node touched
-since is noticed when its entry comes first and re-filed then, so each operation costs O(log n) amortized in the
-number ``n`` of states, and a match costs no work here.
+Budget and value.  States live outside the KV pool (the model keeps them on its device), within ``max_bytes`` over
+all namespaces.  Putting a state that would exceed it evicts the states of least value first, by GreedyDual-Size-
+Frequency (Cao and Irani, "Cost-Aware WWW Proxy Caching Algorithms", 1997; Cherkasova's frequency term, 1998): a
+state's priority is ``L + uses * position / nbytes`` — the prefill tokens each resume there saves, per byte kept, times
+how often it was resumed — where ``L``, the store's inflation, rises to the priority of each state evicted.  A state
+put or resumed now starts from today's ``L``, so recency counts too: a deep state (a long conversation's last answer)
+outlives a shallow one put at the same time, a state resumed by many requests (a shared system prompt's) outlives
+both, and one that nobody resumes falls behind as ``L`` rises (an order by the owning node's last access alone kept a
+state nobody resumed as long as requests passed through its node).  Ties go shallower first, then by node id.  Each
+put, resume and eviction costs O(log n) in the number ``n`` of states.
+
+Branch marks (:mod:`prefixcache.cache.marks`) ride on the same hooks: where a request's match is cut back to a kept
+state, the cache marks the position it was cut from, and requests prefilling through a marked position keep a state
+there.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 import numpy as np
 from sortedcontainers import SortedList
 
+from prefixcache.cache.marks import DEFAULT_MAX_MARKS, BranchMarks
 from prefixcache.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
@@ -121,40 +130,49 @@ def check_resume_options(resume_states: object, max_state_bytes: object, host_ti
 
 
 class StateStore:
-    """The states kept on the tree's nodes, their byte total within ``max_bytes`` and their LRU order.
+    """The states kept on the tree's nodes, their byte total within ``max_bytes`` and their order of value, and the
+    branch marks (``marks``, :class:`~prefixcache.cache.marks.BranchMarks`, at most ``max_marks``).
 
     Counters: ``num_bytes`` (bytes of the states kept), ``evicted`` (states evicted by the budget), ``dropped`` (states
     not kept: larger than the whole budget, or at a position the tree does not hold), ``kv_freed`` (states freed with
-    their node's KV), ``shortfall_tokens`` (tokens that matched but could not be resumed, counted by admission).
+    their node's KV), ``shortfall_tokens`` (tokens that matched but could not be resumed, counted by admission),
+    ``inflation`` (the priority of the last state evicted, ``L`` in the module docstring).
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, max_marks: int = DEFAULT_MAX_MARKS) -> None:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self.evicted = 0
         self.dropped = 0
         self.kv_freed = 0
         self.shortfall_tokens = 0
-        # (tick, position, node id) for each state; tick <= its node's last_access (see the module docstring).
+        self.inflation = 0.0
+        self.marks = BranchMarks(max_marks)
+        # (priority, position, node id) for each state, lowest value first.
         self._order: SortedList = SortedList()
-        # (node id, position) -> (tick it is filed under, nbytes measured when it was put)
-        self._filed: dict[tuple[int, int], tuple[int, int]] = {}
+        # (node id, position) -> (priority it is filed under, nbytes measured when it was put, resumes + 1)
+        self._filed: dict[tuple[int, int], tuple[float, int, int]] = {}
         self._nodes: dict[int, Node] = {}  # the nodes holding states, by id
 
     def __len__(self) -> int:
         return len(self._filed)
 
+    def _priority(self, pos: int, nbytes: int, uses: int) -> float:
+        return self.inflation + uses * pos / max(nbytes, 1)
+
     # ---- put and find -------------------------------------------------------------------------------------
 
     def put(self, node: Node, pos: int, state: Any, nbytes: int) -> bool:
         """Keep ``state`` (``nbytes`` bytes) at position ``pos`` of ``node`` (``node.start < pos <= node.end``),
-        replacing a state kept there, after evicting least recently used states until it fits.  A state larger than
-        the whole budget is not kept (counted in ``dropped``).  Returns whether it was kept.  O(log n) amortized per
-        state stored or evicted."""
+        replacing a state kept there (its resumes carried over), after evicting the states of least value until it
+        fits.  A state larger than the whole budget is not kept (counted in ``dropped``).  Returns whether it was
+        kept.  O(log n) per state stored or evicted."""
         if nbytes > self.max_bytes:
             self.dropped += 1
             return False
+        uses = 1
         if node.states is not None and pos in node.states:
+            uses = self._filed[(node.node_id, pos)][2]
             self._discard(node, pos)
         while self.num_bytes + nbytes > self.max_bytes:
             self._evict_one()
@@ -162,17 +180,33 @@ class StateStore:
             node.states = {}
             self._nodes[node.node_id] = node
         node.states[pos] = state
-        tick = node.last_access
-        self._filed[(node.node_id, pos)] = (tick, nbytes)
-        self._order.add((tick, pos, node.node_id))
+        priority = self._priority(pos, nbytes, uses)
+        self._filed[(node.node_id, pos)] = (priority, nbytes, uses)
+        self._order.add((priority, pos, node.node_id))
         self.num_bytes += nbytes
         return True
 
+    def resumed(self, node: Node, pos: int) -> None:
+        """A request resumes at the state kept at ``pos`` on the path to ``node``: one more use, its priority renewed
+        from today's inflation.  O(depth + log n)."""
+        holder = _holder(node, pos)
+        key = (holder.node_id, pos)
+        filed = self._filed.get(key)
+        if filed is None:
+            return
+        priority, nbytes, uses = filed
+        self._order.remove((priority, pos, holder.node_id))
+        fresh = self._priority(pos, nbytes, uses + 1)
+        self._filed[key] = (fresh, nbytes, uses + 1)
+        self._order.add((fresh, pos, holder.node_id))
+
     def resumable(self, tree: Any, q: array, namespace: str | None, match: Any, owner: object) -> Any:
         """``match`` (a :class:`~prefixcache.cache.results.MatchResult` of ``tree``) cut back to the deepest kept
-        state on its path (a new, untouching match), counting the tokens cut off in ``shortfall_tokens``.  O(depth)
-        plus a second match when it is cut."""
+        state on its path (a new, untouching match), counting the tokens cut off in ``shortfall_tokens`` and the
+        resume in the state's value.  O(depth) plus a second match when it is cut."""
         resume_at = self.deepest(match.node, match.num_tokens)[0]
+        if resume_at:
+            self.resumed(match.node, resume_at)
         if resume_at == match.num_tokens:
             return match
         self.shortfall_tokens += match.num_tokens - resume_at
@@ -188,6 +222,7 @@ class StateStore:
             "evicted_states": self.evicted,
             "dropped_states": self.dropped,
             "kv_evicted_states": self.kv_freed,
+            "num_branch_marks": len(self.marks),
         }
 
     def drop(self) -> None:
@@ -218,64 +253,63 @@ class StateStore:
             node = node.parent
         return sorted(out)
 
-    # ---- the tree's hooks ---------------------------------------------------------------------------------
+    # ---- the tree's hooks (states and marks) --------------------------------------------------------------
 
     def split(self, lower: Node, upper: Node) -> None:
-        """``upper`` was cut off the top of ``lower``: move the states it now covers (``p <= upper.end``) to it,
-        filed under the same access time.  O(k log n) for the k states moved."""
-        moving = [p for p in lower.states if p <= upper.end]
-        if not moving:
+        """``upper`` was cut off the top of ``lower``: move the states and marks it now covers (``p <= upper.end``)
+        to it, states filed under the same priority.  O(k log n) for the k states moved."""
+        if lower.marks is not None:
+            self.marks.split(lower, upper)
+        if lower.states is None:
             return
-        for pos in moving:
+        for pos in [p for p in lower.states if p <= upper.end]:
             state = lower.states[pos]
-            tick, nbytes = self._unfile(lower, pos)
+            filed = self._unfile(lower, pos)
             if upper.states is None:
                 upper.states = {}
                 self._nodes[upper.node_id] = upper
             upper.states[pos] = state
-            self._filed[(upper.node_id, pos)] = (tick, nbytes)
-            self._order.add((tick, pos, upper.node_id))
+            self._filed[(upper.node_id, pos)] = filed
+            self._order.add((filed[0], pos, upper.node_id))
 
     def trim(self, node: Node) -> None:
-        """``node``'s edge was shortened: free the states beyond its new end (``kv_freed``)."""
+        """``node``'s edge was shortened: free the states beyond its new end (``kv_freed``), drop the marks there."""
+        if node.marks is not None:
+            self.marks.trim(node)
+        if node.states is None:
+            return
         for pos in [p for p in node.states if p > node.end]:
             self._discard(node, pos)
             self.kv_freed += 1
 
     def remove(self, node: Node) -> None:
-        """``node`` left the tree: free all its states (``kv_freed``)."""
+        """``node`` left the tree: free all its states (``kv_freed``) and marks."""
+        if node.marks is not None:
+            self.marks.remove(node)
+        if node.states is None:
+            return
         for pos in list(node.states):
             self._discard(node, pos)
             self.kv_freed += 1
 
     # ---- internals ----------------------------------------------------------------------------------------
 
-    def _unfile(self, node: Node, pos: int) -> tuple[int, int]:
-        tick, nbytes = self._filed.pop((node.node_id, pos))
-        self._order.remove((tick, pos, node.node_id))
+    def _unfile(self, node: Node, pos: int) -> tuple[float, int, int]:
+        filed = self._filed.pop((node.node_id, pos))
+        self._order.remove((filed[0], pos, node.node_id))
         del node.states[pos]
         if not node.states:
             node.states = None
             del self._nodes[node.node_id]
-        return tick, nbytes
+        return filed
 
     def _discard(self, node: Node, pos: int) -> None:
         self.num_bytes -= self._unfile(node, pos)[1]
 
     def _evict_one(self) -> None:
-        # The first entry is the true least recently used one once its tick is its node's access time: every other
-        # entry's tick is at least as large, and no tick exceeds its node's access time.
-        order = self._order
-        while True:
-            tick, pos, node_id = order[0]
-            node = self._nodes[node_id]
-            if tick == node.last_access:
-                break
-            order.pop(0)
-            fresh = node.last_access
-            self._filed[(node_id, pos)] = (fresh, self._filed[(node_id, pos)][1])
-            order.add((fresh, pos, node_id))
-        self._discard(node, pos)
+        priority, pos, node_id = self._order[0]
+        self.inflation = max(self.inflation, priority)
+        self._discard(self._nodes[node_id], pos)
         self.evicted += 1
 
     # ---- checks -------------------------------------------------------------------------------------------
@@ -302,8 +336,8 @@ class StateStore:
                 filed = self._filed.get((node.node_id, pos))
                 if filed is None:
                     raise AssertionError(f"the state at {pos} on node {node.node_id} is not filed")
-                tick, nbytes = filed
-                if tick > node.last_access or (tick, pos, node.node_id) not in self._order:
+                priority, nbytes, uses = filed
+                if uses < 1 or (priority, pos, node.node_id) not in self._order:
                     raise AssertionError(f"the state at {pos} on node {node.node_id} is filed under a wrong key")
                 seen.add((node.node_id, pos))
                 total += nbytes
@@ -315,3 +349,11 @@ class StateStore:
             raise AssertionError(f"state bytes {self.num_bytes} != {total}, the sum of the states kept")
         if total > self.max_bytes:
             raise AssertionError(f"{total} state bytes exceed the budget of {self.max_bytes}")
+        self.marks.check(nodes)
+
+
+def _holder(node: Node, pos: int) -> Node:
+    """The node on the path to ``node`` whose edge covers position ``pos`` (``start < pos <= end``)."""
+    while node.parent is not None and node.start >= pos:
+        node = node.parent
+    return node

@@ -38,8 +38,9 @@ class CacheStats:
     could not be resumed, no state being kept at or after them.  ``num_states`` / ``state_bytes`` are the states kept
     and their bytes, within ``max_state_bytes``; ``evicted_states`` counts states evicted to stay within it (their
     KV stays), ``dropped_states`` states not kept (larger than the whole budget, or handed over at a position the
-    tree does not hold), ``kv_evicted_states`` states freed because KV eviction took their position.  All 0 when
-    the cache does not resume states.
+    tree does not hold), ``kv_evicted_states`` states freed because KV eviction took their position;
+    ``num_branch_marks`` the branch positions marked for a state (:mod:`prefixcache.cache.marks`).  All 0 when the
+    cache does not resume states.
     """
 
     num_blocks: int
@@ -76,6 +77,7 @@ class CacheStats:
     evicted_states: int = 0
     dropped_states: int = 0
     kv_evicted_states: int = 0
+    num_branch_marks: int = 0
 
     @property
     def hit_rate(self) -> float:

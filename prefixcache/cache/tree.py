@@ -368,7 +368,7 @@ class RadixTree(SeamHealing):
         node.tokens = node.tokens[at:]
         node.start = new_start
         node.blocks = lower_blocks
-        if node.states is not None:
+        if node.states is not None or node.marks is not None:
             self.states.split(node, upper)
         self.num_nodes += 1
         return upper
@@ -426,7 +426,7 @@ class RadixTree(SeamHealing):
                         leaf.num_own_blocks = own - want
                         del leaf.tokens[new_end - leaf.start :]
                         leaf.end = new_end
-                        if leaf.states is not None:
+                        if leaf.states is not None or leaf.marks is not None:
                             self.states.trim(leaf)
                         if leaf.priority:
                             self.retention.removed(leaf, cut, want)
@@ -460,7 +460,7 @@ class RadixTree(SeamHealing):
                     own_blocks += own
                     nodes += 1
                     leaf.evicted = True
-                    if leaf.states is not None:
+                    if leaf.states is not None or leaf.marks is not None:
                         self.states.remove(leaf)
                     if parent.parent is not None:
                         if not parent.children and parent.lock_count == 0:

@@ -88,10 +88,11 @@ class BatchPlanner:
 
     def next_state_point(self, request: EngineRequest) -> int:
         """The first position after ``request.position`` where a recurrent model's prefill stops to keep its state:
-        the next multiple of ``state_interval`` inside the prompt, else the position before the prompt's last token,
+        the next multiple of ``state_interval`` inside the prompt or branch mark the cache named
+        (:attr:`Lease.state_points <prefixcache.cache.lease.Lease>`), else the position before the prompt's last token,
         else the prompt's end."""
         prompt_length = len(request.prompt)
-        stops = [prompt_length]
+        stops = [prompt_length, *request.lease.state_points]
         if request.position < prompt_length - 1:
             stops.append(prompt_length - 1)
         if self.state_interval:

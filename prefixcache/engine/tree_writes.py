@@ -4,8 +4,9 @@ snapshots, and its computed tokens when it finishes or is preempted.
 With ``policy="lpm"`` a request's prompt goes into the tree as soon as its prefill ends
 (:meth:`RadixCache.insert_prefix`), not when it finishes: requests admitted while it decodes hit it.  A recurrent
 model's state is kept (a copy, :meth:`CausalLM.take_state`) at the end of every prompt and every answer, before a
-prompt's last token (a repeated prompt recomputes that one) and every ``state_interval`` tokens of a prompt; requests
-resume only there (:mod:`prefixcache.cache.resume`).
+prompt's last token (a repeated prompt recomputes that one), every ``state_interval`` tokens of a prompt and at the
+branch marks the cache hands the request (:mod:`prefixcache.cache.marks`); requests resume only there
+(:mod:`prefixcache.cache.resume`).
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ class TreeWrites:
             request.pending_state = self.state_at(request)
             return
         if not self.state_interval or position % self.state_interval:
+            if position in request.lease.state_points:
+                # A branch point the tree holds already (another request's tokens): only the state is new there.
+                self.cache.put_state(request.lease, position, self.state_at(request))
             return
         self.cache.insert_prefix(request.lease, request.prompt_array[:position], state=self.state_at(request))
         request.table = None  # the insert rewrote the lease's table in place

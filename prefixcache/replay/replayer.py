@@ -16,8 +16,10 @@ Recurrent models (``state_bytes``, cache-only): the cache then models a hybrid o
 Nemotron-H, Mamba-2) whose recurrent state snapshot costs ``state_bytes`` bytes (:mod:`prefixcache.cache.resume`):
 a request resumes only at a kept state, and the replay keeps them where the engine core does: at the end of every
 prompt (when its prefill ends) and of every answer (a chat's next turn resumes there), before every prompt's last
-token (a repeated prompt resumes there), and at every ``state_every``-th block boundary the prefill passes inside the
-prompt (default 16, the runner's ``state_interval_blocks``; 0: none; vLLM caches Mamba state at block boundaries).
+token (a repeated prompt resumes there), at every ``state_every``-th block boundary the prefill passes inside the
+prompt (default 16, the runner's ``state_interval_blocks``; 0: none; vLLM caches Mamba state at block boundaries), and
+at the branch marks it passes (:mod:`prefixcache.cache.marks`: where an earlier request's match was cut back to a kept
+state, so the second conversation behind a shared system prompt keeps a state at its end and the third resumes there).
 The hit rate then counts resumed tokens only; the shortfall is reported beside it.
 """
 
@@ -284,8 +286,9 @@ class Replayer:
                 # As the engine core does: the prompt is inserted once prefilled, with the state after it.
                 state = StateMarker(self.state_bytes)
                 cache.insert_prefix(lease, request.prompt, state=state)
-                inner = [*self._inner_state_positions(lease.num_cached_tokens, len(request.prompt) - 1)]
-                for length in [*inner, len(request.prompt) - 1]:  # and before the last token, for a repeated prompt
+                inner = {*self._inner_state_positions(lease.num_cached_tokens, len(request.prompt) - 1)}
+                inner.update(p for p in lease.state_points if p < len(request.prompt) - 1)  # the branch marks passed
+                for length in [*sorted(inner), len(request.prompt) - 1]:  # and before the last token, for a repeat
                     if length > lease.num_cached_tokens:
                         cache.put_state(lease, length, state)
             cache.reserve(lease, len(request.prompt) + len(request.answer))
@@ -305,9 +308,10 @@ class Replayer:
         return range((resumed // step + 1) * step, prompt_tokens, step)
 
     def _states_per_request(self, request: ReplayRequest) -> int:
-        """States a request may put at most: the end of its prompt and answer, before the prompt's last token, and the
-        inner block boundaries."""
-        return 3 + len(self._inner_state_positions(0, len(request.prompt)))
+        """Distinct states a request may add at most: the end of its prompt and answer, before the prompt's last token,
+        the inner block boundaries, and one at a branch mark (each request marks at most one position, and a state
+        put again at a marked position replaces the one there)."""
+        return 4 + len(self._inner_state_positions(0, len(request.prompt)))
 
     def _drift(self, request: ReplayRequest, before_end: int, name_message: bool) -> DriftRecord:
         span = None

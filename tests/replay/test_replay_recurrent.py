@@ -47,16 +47,27 @@ def test_full_attention_hits_the_shared_system_prompt_and_the_previous_turn() ->
     assert report.resume_shortfall_tokens == 0 and report.num_states == 0
 
 
-def test_states_at_prompt_and_answer_ends_resume_the_next_turn_but_not_the_shared_system_prompt() -> None:
+def test_states_at_prompt_and_answer_ends_resume_the_next_turn_but_not_the_shared_system_prompt_at_first() -> None:
     report = replay(state_bytes=STATE, state_every=0)
     # b1 matches S (40 tokens) but no state sits inside it; a2 resumes at the end of a1's answer (60).
     assert report.cached_tokens == 0 + 0 + 60
     assert report.resume_shortfall_tokens == 40
     assert report.hit_rate == pytest.approx(60 / PROMPT_TOKENS)
     # Kept: before each prompt's last token, the end of each prompt and answer (a1 49, 50, 60; b1 49, 50, 60;
-    # a2 69, 70, 80).  The default (a state every 16 blocks) puts none inside prompts this short.
-    assert (report.num_states, report.state_bytes, report.evicted_states) == (9, 9 * STATE, 0)
+    # a2 69, 70, 80), and at 40, where b1 left a1's prompt (a branch mark).  The default (a state every 16 blocks)
+    # puts none inside prompts this short.
+    assert (report.num_states, report.state_bytes, report.evicted_states) == (10, 10 * STATE, 0)
     assert replay(state_bytes=STATE).cached_tokens == report.cached_tokens
+
+
+def test_the_third_user_behind_a_shared_system_prompt_resumes_at_its_end() -> None:
+    third = ReplayRequest("chat", "c", 1, SYSTEM + tokens(700, 10), tokens(800, 10))
+    report = Replayer(None, block_size=BS, state_bytes=STATE, state_every=0).replay("chat", [*REQUESTS, third])
+    # b1 marked 40 and kept a state there as its prefill passed it: c1 resumes all of S, as full attention would.
+    assert report.cached_tokens == 0 + 0 + 60 + 40
+    assert report.resume_shortfall_tokens == 40
+    full = Replayer(None, block_size=BS).replay("chat", [*REQUESTS, third])
+    assert full.cached_tokens == 0 + 40 + 60 + 40
 
 
 def test_states_every_block_inside_prompts_resume_at_the_last_boundary_inside_the_shared_part() -> None:
@@ -72,10 +83,11 @@ def test_states_every_four_blocks_add_nothing_to_prompts_shorter_than_that() -> 
 
 def test_a_budget_of_one_state_keeps_only_the_latest_and_the_next_turn_resumes_from_zero() -> None:
     report = replay(state_bytes=STATE, state_every=0, max_state_bytes=STATE)
-    # Each new state evicts the one before: b1's states take the place of a1's answer state.
+    # Each new state evicts the one before: b1's states take the place of a1's answer state.  a2, cut back to 0,
+    # marks 60 and passes b1's mark at 40: it puts 5 states (40, 60, 69, 70, 80), a1 3, b1 4 (40, 49, 50, 60).
     assert report.cached_tokens == 0
     assert report.resume_shortfall_tokens == 40 + 60
-    assert (report.num_states, report.evicted_states) == (1, 8)
+    assert (report.num_states, report.evicted_states) == (1, 11)
 
 
 def test_the_table_and_json_give_the_shortfall_and_the_states() -> None:
@@ -83,7 +95,7 @@ def test_the_table_and_json_give_the_shortfall_and_the_states() -> None:
     table = format_replay(report)
     assert "shortfall" in table and "states kept" in table and "recurrent model" in table
     out = report.to_json()
-    assert (out["resume_shortfall_tokens"], out["num_states"], out["recurrent_state_bytes"]) == (40, 9, STATE)
+    assert (out["resume_shortfall_tokens"], out["num_states"], out["recurrent_state_bytes"]) == (40, 10, STATE)
 
 
 @pytest.mark.parametrize(
