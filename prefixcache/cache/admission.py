@@ -306,15 +306,16 @@ class Admission(Handover):
 
     def shrink(self, lease: Lease, num_tokens: int) -> int:
         """Give back the lease's own blocks past those addressing ``num_tokens`` tokens: blocks reserved for tokens
-        the request will not keep (the rejected part of a speculative draft).  The matched prefix's blocks and the
-        blocks handed to the tree stay.  Returns the blocks freed.  O(blocks given back).
+        the request will not keep (the rejected part of a speculative draft).  The blocks of the lease's prompt (its
+        matched prefix among them) and the blocks handed to the tree stay.  Returns the blocks freed.
+        O(blocks given back).
 
         Raises:
             InvalidArgumentError: ``num_tokens`` is not a non-negative int.  LockError: the lease is closed.
         """
         self.check_lease(lease, "shrink")
         num_tokens = check_count(num_tokens, "num_tokens")
-        keep = max(-(-num_tokens // self.block_size), lease.first_owned_block)
+        keep = max(-(-max(num_tokens, len(lease.token_ids)) // self.block_size), lease.first_owned_block)
         if not lease.owns_blocks or keep >= len(lease.block_table):
             return 0
         freed = self.blocks.free(lease.block_table[keep:])

@@ -350,7 +350,7 @@ class RadixCache(CacheSnapshots):
 
     def shrink(self, lease: Lease, num_tokens: int) -> int:
         """Free the lease's own blocks past those addressing ``num_tokens`` tokens (reserved for tokens it will not
-        keep: a rejected speculative draft); never the blocks of its matched prefix.  Returns the blocks freed.
+        keep: a rejected speculative draft); never the blocks of its prompt.  Returns the blocks freed.
 
         Raises:
             InvalidArgumentError: ``num_tokens`` is not a non-negative int.  LockError: the lease is closed.

@@ -446,18 +446,18 @@ class EngineCore:
         draft, request.draft = request.draft, ()
         start = request.position
         accepted = 0
+        request.drafted_tokens += len(draft)  # counted before a token ends the request: its usage holds them
+        self.drafted_tokens += len(draft)
         for i in range(len(draft) + 1):
             request.position = start + i + 1  # the K/V of the tokens before this pick: its own is not computed
             token = request.picker.pick(logits[i])
-            self._take(request, token, logits[i])
             agrees = i < len(draft) and token == draft[i]
             accepted += agrees
+            request.accepted_tokens += agrees
+            self.accepted_tokens += agrees
+            self._take(request, token, logits[i])
             if not agrees or request.handle.future.done():
                 break
-        request.drafted_tokens += len(draft)
-        request.accepted_tokens += accepted
-        self.drafted_tokens += len(draft)
-        self.accepted_tokens += accepted
         self.drafts.verified(request, len(draft), accepted)
         if not request.handle.future.done() and request.lease is not None:
             truncate_live(self.model, request.live, request.position)
