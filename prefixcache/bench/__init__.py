@@ -4,7 +4,8 @@
 block pool beside ours in the same process (``pip install --no-deps sglang``; see :mod:`prefixcache.bench.peers`),
 ``evict`` checks that one eviction stays O(log n) as the tree grows, ``memory`` counts bytes per cached token.
 ``engine`` and ``agent`` (extra ``hf``) time the runner on a real model shape against transformers' own calls, ``route``
-compares routers in front of N simulated replicas, ``snapshot`` how long a snapshot save makes a stream wait.
+compares routers in front of N simulated replicas, ``snapshot`` how long a snapshot save makes a stream wait,
+``llamacpp`` our server beside llama.cpp's on the same GGUF file (skipped without a ``llama-server``).
 ``serve`` (extra ``server``: :mod:`prefixcache.bench.serve`, imported only by the command line, so that this package
 imports without FastAPI) times the HTTP server against in-process calls.
 """
@@ -18,7 +19,20 @@ from collections.abc import Callable
 
 import numpy as np
 
-from prefixcache.bench import agent, engine, evict, memory, peers, policy, route, runner, snapshot, trace, tree
+from prefixcache.bench import (
+    agent,
+    engine,
+    evict,
+    llamacpp,
+    memory,
+    peers,
+    policy,
+    route,
+    runner,
+    snapshot,
+    trace,
+    tree,
+)
 from prefixcache.bench.common import BenchResult, format_table
 from prefixcache.errors import InvalidArgumentError
 
@@ -34,6 +48,7 @@ BENCHMARKS: dict[str, Callable[..., BenchResult]] = {
     "agent": agent.run,
     "route": route.run,
     "snapshot": snapshot.run,
+    "llamacpp": llamacpp.run,
 }
 """Name -> ``fn(quick: bool) -> BenchResult``; the command line runs them in this order."""
 

@@ -44,16 +44,19 @@ from prefixcache.bench.floor import measure_floor
 from prefixcache.bench.floor_table import floor_table
 from prefixcache.bench.grammar import grammar_rows, measure_grammar
 from prefixcache.bench.hybrid import hybrid_note, hybrid_rows, measure_hybrid
+from prefixcache.bench.precision import parse_precision
 
 __all__ = ["run"]
 
 
-def run(quick: bool = False, device: str = "cpu") -> BenchResult:
-    """Measure and tabulate on ``device`` (``"cpu"`` or ``"cuda"``).
+def run(quick: bool = False, device: str = "cpu", precisions: tuple[str, ...] = ("float32",)) -> BenchResult:
+    """Measure and tabulate on ``device`` (``"cpu"`` or ``"cuda"``); the floor rows at each of ``precisions``
+    (:data:`~prefixcache.bench.precision.PRECISION_NAMES`; the other rows run float32).
 
-    Raises InvalidArgumentError without transformers, (full run) without the shared config, or for a device this
-    machine lacks (see :func:`check_device`).
+    Raises InvalidArgumentError without transformers, (full run) without the shared config, for a device this
+    machine lacks (see :func:`check_device`) or an unknown precision.
     """
+    floor_precisions = tuple(parse_precision(name) for name in precisions)
     where = check_device(device)
     setup = QUICK if quick else FULL
     model = build_bench_model(quick, setup.layers, where)
@@ -68,7 +71,10 @@ def run(quick: bool = False, device: str = "cpu") -> BenchResult:
         hybrid = measure_hybrid(setup.hybrid_tokens, setup.repeats, setup.quick, where)
         grammar = measure_grammar(setup.quick, setup.repeats, where)
     # The floor rows (bench.floor) run at their own thread count, on the CPU only (the floor is the CPU's).
-    floor = measure_floor(quick, lambda n: build_bench_model(quick, n), QWEN_DIR) if where.type == "cpu" else None
+    floor = None
+    if where.type == "cpu":
+        build_hf = lambda n, dtype: build_bench_model(quick, n, dtype=dtype)  # noqa: E731
+        floor = measure_floor(quick, build_hf, QWEN_DIR, precisions=floor_precisions)
     rows = []
     for c in cold:
         rows.append(

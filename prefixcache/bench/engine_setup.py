@@ -69,9 +69,9 @@ def setup_dict(setup: EngineSetup) -> dict:
     return {name: getattr(setup, name) for name in EngineSetup.__slots__}
 
 
-def build_bench_model(quick: bool, layers: int, device: torch.device | str = "cpu"):
-    """The HF model under test on ``device``: the shared Qwen2.5-0.5B config cut to ``layers`` layers, or (``quick``)
-    a tiny Qwen2.
+def build_bench_model(quick: bool, layers: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """The HF model under test on ``device`` in ``dtype``: the shared Qwen2.5-0.5B config cut to ``layers`` layers,
+    or (``quick``) a tiny Qwen2.
 
     Raises InvalidArgumentError when transformers (extra ``hf``) is missing or the shared config is absent.
     """
@@ -85,8 +85,10 @@ def build_bench_model(quick: bool, layers: int, device: torch.device | str = "cp
     if not quick:
         if not (QWEN_DIR / "config.json").is_file():
             raise InvalidArgumentError(f"the Qwen config is missing at {QWEN_DIR}; run with --quick or fetch ../shared")
-        return random_model_from_config(QWEN_DIR, layers=layers, seed=0, device=device)
-    return tiny_random_model("qwen2", vocab_size=2048, layers=layers, max_positions=4096, device=device)
+        return random_model_from_config(QWEN_DIR, layers=layers, seed=0, dtype=dtype, device=device)
+    model = tiny_random_model("qwen2", vocab_size=2048, layers=layers, max_positions=4096, device=device)
+    model.model.to(dtype)
+    return model
 
 
 def random_ids(vocab: int, n: int, seed: int) -> list[int]:

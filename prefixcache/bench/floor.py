@@ -8,6 +8,12 @@ shape cut to 4 and 24 layers), the decode floor is :func:`~prefixcache.bench.flo
 bandwidth and the prefill floor :func:`~prefixcache.bench.floor_shape.prefill_flops` over the GEMM throughput.  The
 rows are printed by :func:`~prefixcache.bench.floor_table.floor_table`.
 
+Each model runs at every precision asked for (``bench engine --precision``, :mod:`prefixcache.bench.precision`:
+float32 by default; bfloat16, weight-only int8 and int4), so the decode floor follows the bytes a step reads at that
+precision (:func:`~prefixcache.bench.floor_shape.weight_bytes`: int8 1 byte a weight and a scale a row, int4 half a
+byte and a scale and offset a group, the LM head int8); the prefill floor stays the FLOPs over the float32 GEMM rate
+(a quantized prefill multiplies by float32 weights dequantized a slice at a time, past the kernels' rows).
+
 ``decode / floor`` and ``prefill / floor`` are the goals (within 1.25x and 1.3x).  Each timed run is held against
 the rates measured just before and just after it (:class:`~prefixcache.bench.floor_machine.RateProbe`; the higher of
 the two, the stricter floor) and a row gives its best run's ratio: on a shared host the bandwidth left to us drifts
@@ -32,6 +38,7 @@ import torch
 from prefixcache.bench.device_clock import clock, torch_threads
 from prefixcache.bench.floor_machine import RateProbe, measure_machine
 from prefixcache.bench.floor_shape import ModelShape, decode_step_bytes, embedded_config, prefill_flops
+from prefixcache.bench.precision import Precision
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.models.linear import one_row_onednn
@@ -102,6 +109,7 @@ def measure_model(
         raise AssertionError(f"{shape.name}: oneDNN one-row products changed the greedy tokens")
     return {
         "model": shape.name,
+        "precision": _precision_name(shape),
         "layers": shape.layers,
         "context": context,
         "steps": steps,
@@ -115,6 +123,12 @@ def measure_model(
         "prefill_ratio": min(prefill_ratios),
         "prefill_flops": flops,
     }
+
+
+def _precision_name(shape: ModelShape) -> str:
+    """The shape's precision as ``--precision`` names it (``"float32"``, ``"bfloat16+int8"``, ...)."""
+    dtype = {4: "float32", 2: "bfloat16"}.get(shape.element_size, f"{shape.element_size}-byte")
+    return Precision(dtype, shape.quantize).name
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,34 +152,41 @@ PROBE_REPEATS = 2
 QUICK_FLOOR = FloorSetup(layers=(2,), context=256, steps=4, prefill_tokens=128, repeats=2, prefill_repeats=(1,))
 
 
-def build_embedded(quick: bool, layers: int, config_path: str | Path):
-    """The embedded model of the floor rows on the CPU: the shape in ``config_path`` cut to ``layers`` layers, or
-    (``quick``) the ``tiny`` preset."""
+def build_embedded(quick: bool, layers: int, config_path: str | Path, dtype: torch.dtype = torch.float32):
+    """The embedded model of the floor rows on the CPU in ``dtype``: the shape in ``config_path`` cut to ``layers``
+    layers, or (``quick``) the ``tiny`` preset."""
     from prefixcache.models.llama import LlamaModel, build_model
 
     if quick:
-        return build_model("tiny", device="cpu")
-    return LlamaModel(embedded_config(config_path, layers), device="cpu")
+        return build_model("tiny", dtype=dtype, device="cpu")
+    return LlamaModel(embedded_config(config_path, layers), dtype=dtype, device="cpu")
 
 
 def measure_floor(
-    quick: bool, build_hf: Callable[[int], object], config_path: str | Path, threads: int = THREADS
+    quick: bool,
+    build_hf: Callable[[int, torch.dtype], object],
+    config_path: str | Path,
+    threads: int = THREADS,
+    precisions: tuple[Precision, ...] = (Precision("float32"),),
 ) -> dict:
-    """The machine's rates and every model's rows, at ``threads`` torch threads (restored after).
+    """The machine's rates and every model's rows at every one of ``precisions``, at ``threads`` torch threads
+    (restored after).
 
-    ``build_hf(layers)`` makes the HF model, :func:`build_embedded` the embedded one of the same shape from
-    ``config_path``; one at a time, each freed after its rows (the 24-layer fp32 models are 2-2.5 GB each).  The rates
-    are measured before and after the rows and the higher kept (:meth:`MachineFloor.best`): on a shared machine a
-    rate measured in a busy second put the floor above the rows' own times.
+    ``build_hf(layers, dtype)`` makes the HF model, :func:`build_embedded` the embedded one of the same shape from
+    ``config_path``; each is quantized by :meth:`Precision.apply`; one at a time, each freed after its rows (the
+    24-layer fp32 models are 2-2.5 GB each).  The rates are measured before and after the rows and the higher kept
+    (:meth:`MachineFloor.best`): on a shared machine a rate measured in a busy second put the floor above the rows'
+    own times.
     """
     setup = QUICK_FLOOR if quick else FloorSetup()
     with torch_threads(threads):
         machine = measure_machine(quick)
         probe = RateProbe(machine.buffer_bytes, machine.gemm_size, PROBE_REPEATS)
         rows = []
+        builders = (build_hf, lambda n, dtype: build_embedded(quick, n, config_path, dtype))
         for layers, prefill_repeats in zip(setup.layers, setup.prefill_repeats, strict=True):
-            for build in (build_hf, lambda n: build_embedded(quick, n, config_path)):
-                model = build(layers)
+            for precision, build in ((p, b) for p in precisions for b in builders):
+                model = precision.apply(build(layers, precision.torch_dtype))
                 rows.append(
                     measure_model(
                         model, setup.context, setup.prefill_tokens, setup.steps, setup.repeats, prefill_repeats, probe

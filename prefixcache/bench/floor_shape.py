@@ -3,7 +3,11 @@
 
 - decode: :func:`decode_step_bytes`, every weight a step multiplies by, read once (layers, final norm, the LM head;
   one embedding row), and the live K/V of its context (llama.cpp's and the roofline's argument: one query's products
-  do 2 FLOPs per weight element, far below the machine's FLOPs per byte);
+  do 2 FLOPs per weight element, far below the machine's FLOPs per byte), at the model's precision: its dtype's
+  bytes, or for a model quantized by :mod:`prefixcache.models.quantize` its codes and scales
+  (:func:`matrix_bytes`: int8 1 byte a weight + a bfloat16 scale a row, int4 half a byte + a bfloat16 scale and
+  offset a group, the LM head int8 as :data:`~prefixcache.models.quantize.HEAD_MODES` says, a matrix the kernel
+  cannot take at its dtype's bytes);
 - prefill: :func:`prefill_flops`, ``2 * tokens`` FLOPs per weight element of the layers, causal attention, the LM
   head on the last position only.
 
@@ -21,8 +25,9 @@ import torch
 
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.base import ModelConfig
+from prefixcache.models.quantize import HEAD_MODES, int4_group_size, unquantizable
 
-__all__ = ["ModelShape", "decode_step_bytes", "embedded_config", "prefill_flops"]
+__all__ = ["ModelShape", "decode_step_bytes", "embedded_config", "matrix_bytes", "prefill_flops", "weight_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +35,10 @@ class ModelShape:
     """The sizes that set a decoder's bytes per step and FLOPs per token; counts, ``element_size`` in bytes.
 
     ``qkv_bias``: the Q/K/V projections carry a bias (Qwen2).  The LM head is read in full every step whether or not
-    it is tied to the embedding; the embedding itself gives one row per token.
+    it is tied to the embedding (``tied``); the embedding itself gives one row per token.  ``fused``: the layer's
+    products are the embedded model's fused Q/K/V and gate/up matrices (else Q, K, V, gate and up apart, as Hugging
+    Face's).  ``quantize``: ``"none"``, or the mode the model's linear layers were quantized to, ``group_size`` the
+    int4 group size asked for (None: the default); ``element_size`` stays the dtype's (norms, biases, K/V).
     """
 
     name: str
@@ -43,6 +51,10 @@ class ModelShape:
     vocab: int
     element_size: int
     qkv_bias: bool = False
+    fused: bool = False
+    tied: bool = False
+    quantize: str = "none"
+    group_size: int | None = None
 
     @staticmethod
     def of(model) -> ModelShape:
@@ -51,6 +63,8 @@ class ModelShape:
         without these sizes."""
         config = model.config
         element = torch.empty((), dtype=model.dtype).element_size()
+        summary = getattr(model, "quantization", None)
+        quantized = {} if summary is None else {"quantize": summary.mode, "group_size": summary.group_size}
         if isinstance(config, ModelConfig):
             return ModelShape(
                 config.name,
@@ -62,6 +76,8 @@ class ModelShape:
                 config.intermediate_size,
                 config.vocab_size,
                 element,
+                fused=True,
+                **quantized,
             )
         try:
             heads = config.num_attention_heads
@@ -76,15 +92,25 @@ class ModelShape:
                 config.vocab_size,
                 element,
                 qkv_bias=config.model_type == "qwen2",
+                tied=bool(getattr(config, "tie_word_embeddings", False)),
+                **quantized,
             )
         except AttributeError as error:
             raise InvalidArgumentError(f"{model.name}: no Llama-like sizes in its config ({error})") from None
 
     @property
+    def layer_matrices(self) -> tuple[tuple[int, int], ...]:
+        """``(N, K)`` (output, input features) of each matrix one layer multiplies by: Q/K/V, output, gate/up and
+        down, fused or apart as ``fused`` says."""
+        q, kv, hidden, inner = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
+        if self.fused:
+            return ((q + 2 * kv, hidden), (hidden, q), (2 * inner, hidden), (hidden, inner))
+        return ((q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (inner, hidden), (inner, hidden), (hidden, inner))
+
+    @property
     def layer_matmul_elements(self) -> int:
         """Weight elements one layer multiplies by: Q/K/V, output, gate/up and down projections."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate
+        return sum(n * k for n, k in self.layer_matrices)
 
     @property
     def layer_elements(self) -> int:
@@ -93,15 +119,51 @@ class ModelShape:
         return self.layer_matmul_elements + bias + 2 * self.hidden
 
 
+def matrix_bytes(n: int, k: int, mode: str, element_size: int, group_size: int | None = None) -> int:
+    """Bytes a weight ``[N, K]`` holds quantized to ``mode`` (:mod:`prefixcache.models.quantize`'s layout): ``"int8"``
+    ``N * K`` codes and ``N`` bfloat16 scales; ``"int4"`` ``N * K / 2`` codes and a bfloat16 scale and offset for each
+    group of K (:func:`~prefixcache.models.quantize.int4_group_size`) of each row; ``"none"``, or a shape the kernel
+    cannot take (:func:`~prefixcache.models.quantize.unquantizable`, so the layer stays dense), ``N * K *
+    element_size``.  O(1)."""
+    # A stride-0 view stands for the weight: the kernel's rules look at its shape, dtype and device only.
+    if mode == "none" or unquantizable(torch.zeros(1).expand(n, k), mode, group_size) is not None:
+        return n * k * element_size
+    if mode == "int8":
+        return n * k + 2 * n
+    group = int4_group_size(k, group_size)
+    return n * k // 2 + k // group * n * 2 * 2
+
+
+def weight_bytes(shape: ModelShape) -> int:
+    """Bytes of the weights one decode step reads in full, at the shape's precision: every layer's products
+    (:func:`matrix_bytes`), Q/K/V bias and norms, the final norm and the whole LM head (in
+    :data:`~prefixcache.models.quantize.HEAD_MODES`' mode when quantized); the embedding is left out (a step reads
+    one row of it).  Equals the bytes of the tensors a model of that shape keeps for them (a test sums them)."""
+    dense = shape.layer_elements - shape.layer_matmul_elements
+    size, group = shape.element_size, shape.group_size
+    layer = sum(matrix_bytes(n, k, shape.quantize, size, group) for n, k in shape.layer_matrices) + dense * size
+    head_mode = HEAD_MODES.get(shape.quantize, "none")
+    return shape.layers * layer + shape.hidden * size + matrix_bytes(shape.vocab, shape.hidden, head_mode, size)
+
+
+def _embedding_row_bytes(shape: ModelShape) -> int:
+    """Bytes of one embedding row: the quantized head's codes and scale where the embedding is tied to a quantized
+    head (:class:`~prefixcache.models.quantize.QuantizedEmbedding`), else ``hidden`` elements of the dtype."""
+    head_mode = HEAD_MODES.get(shape.quantize, "none")
+    head_row = matrix_bytes(1, shape.hidden, head_mode, shape.element_size)
+    quantized_head = head_row != shape.hidden * shape.element_size
+    return head_row if shape.tied and quantized_head else shape.hidden * shape.element_size
+
+
 def decode_step_bytes(shape: ModelShape, context: int) -> int:
     """Bytes one decode step of one row must read, attending ``context`` keys (its own included): every layer's
-    weights, the final norm, the whole LM head, one embedding row, and K and V of ``context`` positions in every
-    layer.  Raises InvalidArgumentError for ``context < 1``."""
+    weights, the final norm, the whole LM head (:func:`weight_bytes`, at the shape's precision), one embedding row,
+    and K and V of ``context`` positions in every layer (in the dtype: the pool's).  Raises InvalidArgumentError for
+    ``context < 1``."""
     if context < 1:
         raise InvalidArgumentError(f"context must be >= 1, got {context}")
-    weights = shape.layers * shape.layer_elements + shape.vocab * shape.hidden + 2 * shape.hidden
-    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * context
-    return (weights + kv) * shape.element_size
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * context * shape.element_size
+    return weight_bytes(shape) + _embedding_row_bytes(shape) + kv
 
 
 def prefill_flops(shape: ModelShape, tokens: int) -> int:

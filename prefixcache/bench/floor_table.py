@@ -19,9 +19,10 @@ def floor_table(floor: dict) -> Table:
     clock_name = "thread CPU time" if m["threads"] == 1 else "wall time"
     rows = []
     for r in floor["rows"]:
+        model = f"{r['model']}, {r.get('precision', 'float32')}"
         rows.append(
             (
-                r["model"],
+                model,
                 f"decode at {r['context']:,} (ms/token)",
                 _figure(r["decode_s"] * 1e3),
                 f"{_figure(r['decode_floor_s'] * 1e3)} ({_figure(r['decode_bytes'] / 1e6)} MB)",
@@ -31,7 +32,7 @@ def floor_table(floor: dict) -> Table:
         )
         rows.append(
             (
-                r["model"],
+                model,
                 f"cold prefill {r['prefill_tokens']:,} (ms)",
                 _figure(r["prefill_s"] * 1e3),
                 f"{_figure(r['prefill_floor_s'] * 1e3)} ({_figure(r['prefill_flops'] / 1e9)} GFLOP)",
@@ -49,7 +50,8 @@ def floor_table(floor: dict) -> Table:
         rows=tuple(rows),
         notes=(
             f"{clock_name}, {m['threads']} torch threads, best of the repeats; decode floor = bytes a step reads "
-            f"(weights + live K/V) / bandwidth (the faster of torch.sum and torch.mv by ones over "
+            "at the row's precision (weights, int8 / int4 codes and scales where quantized, + live K/V) / "
+            f"bandwidth (the faster of torch.sum and torch.mv by ones over "
             f"{m['buffer_bytes'] >> 20} MiB); prefill floor = FLOPs / GEMM "
             f"({m['gemm_size']}-square fp32 torch.mm); 'ours / floor': each timed run against the rates measured "
             "just before and after it (the higher), best run; the ms columns: best run and the title's rates",

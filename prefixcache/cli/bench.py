@@ -21,9 +21,13 @@ BENCHMARK_NAMES = (
     "agent",
     "route",
     "snapshot",
+    "llamacpp",
 )
 """The names of :data:`prefixcache.bench.BENCHMARKS`, in its order, for ``--help`` (a test keeps the two equal):
 importing the benchmarks imports torch, and ``--help`` should not."""
+
+PRECISION_NAMES = ("float32", "bfloat16", "int8", "int4", "bfloat16+int8", "bfloat16+int4")
+""":data:`prefixcache.bench.precision.PRECISION_NAMES`, for ``--help`` without torch (a test keeps the two equal)."""
 
 
 def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -39,6 +43,21 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     bench.add_argument("--json", metavar="OUT", help="write results as JSON")
     bench.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="where the engine benchmark runs (default cpu)"
+    )
+    bench.add_argument(
+        "--precision",
+        action="append",
+        choices=PRECISION_NAMES,
+        help="precision of engine's floor rows (default float32) and of llamacpp's runs (default float32, bfloat16, "
+        "int8, int4); int8 / int4: weight-only, float32 activations; repeat the flag for several",
+    )
+    bench.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        help="llama.cpp's llama-server for the llamacpp benchmark (default $LLAMA_SERVER, else PATH; none: skipped)",
+    )
+    bench.add_argument(
+        "--model", default="smollm2", help="the llamacpp benchmark's GGUF: smollm2 (default) or a .gguf file"
     )
 
 
@@ -58,13 +77,15 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgumentError(
                 f"the serve benchmark needs the server extra: {install_command('server')} ({error})"
             ) from error
-    if args.device != "cpu":
-        from functools import partial
+    from functools import partial
 
-        from prefixcache.bench import engine
+    from prefixcache.bench import engine, llamacpp
 
+    precisions = tuple(args.precision) if args.precision else None
+    if args.device != "cpu" or precisions:
         engine.check_device(args.device)  # before any benchmark runs
-        extra["engine"] = partial(engine.run, device=args.device)
+        extra["engine"] = partial(engine.run, device=args.device, precisions=precisions or ("float32",))
+    extra["llamacpp"] = partial(llamacpp.run, llama_server=args.llama_server, model=args.model, precisions=precisions)
     if args.quick:
         print("quick run (--quick): small sizes for a smoke test; the figures are not judged against the goals\n")
     try:
