@@ -72,6 +72,13 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
         "--max-num-batched-tokens; default 512)",
     )
     serve.add_argument(
+        "--speculate",
+        choices=("off", "tree"),
+        default="off",
+        help="speculative decoding of greedy requests: 'tree' verifies drafts taken from the request's own context "
+        "and the cached sequences of its namespace, several tokens a forward, output unchanged (default off)",
+    )
+    serve.add_argument(
         "--max-running",
         type=parse_count,
         default=32,
@@ -171,7 +178,10 @@ def run(args: argparse.Namespace) -> int:
         from prefixcache.engine.process import EngineProcess
 
         served: Any = EngineProcess(
-            functools.partial(served_runner, args), max_batch_tokens=args.max_batch_tokens, max_running=args.max_running
+            functools.partial(served_runner, args),
+            max_batch_tokens=args.max_batch_tokens,
+            max_running=args.max_running,
+            speculate=args.speculate,
         )
         described = served.note
     else:
@@ -188,6 +198,7 @@ def run(args: argparse.Namespace) -> int:
         snapshot_every_s=every_s,
         max_batch_tokens=args.max_batch_tokens,
         max_running=args.max_running,
+        speculate=args.speculate,
         max_request_bytes=args.max_request_bytes,
     )
 

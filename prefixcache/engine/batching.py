@@ -45,12 +45,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class EngineFigures:
-    """What a server's metrics read of an engine at once (:meth:`BatchEngine.figures`): its cache's stats and its
-    counts of preemptions and cancellations."""
+    """What a server's metrics read of an engine at once (:meth:`BatchEngine.figures`): its cache's stats, its
+    counts of preemptions and cancellations, and speculation's draft tokens verified and accepted."""
 
     cache: CacheStats
     preempted_requests: int
     cancelled_requests: int
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class BatchEngine:
@@ -211,7 +213,14 @@ class BatchEngine:
     def figures(self) -> EngineFigures:
         """The cache's stats and the engine's counters, read now from any thread (an engine process's in one round
         trip).  O(1)."""
-        return EngineFigures(self.runner.cache.stats(), self.preempted_requests, self.cancelled_requests)
+        core = self.core
+        return EngineFigures(
+            self.runner.cache.stats(),
+            self.preempted_requests,
+            self.cancelled_requests,
+            core.drafted_tokens,
+            core.accepted_tokens,
+        )
 
     @property
     def num_pending(self) -> int:

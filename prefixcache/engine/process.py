@@ -92,10 +92,11 @@ class EngineProcess:
     process (a fresh interpreter, ``python -c``) so that it never waits for this process's GIL (see the module
     docstring).
 
-    ``max_batch_tokens``, ``max_running`` and ``policy`` are the engine's.  The constructor returns once the child has
-    built its runner and started its engine (seconds: it imports torch and builds the model), or raises what the
-    factory raised (its type kept where it pickles), EngineDeadError if the child died first, TimeoutError after
-    ``start_timeout_s``, InvalidArgumentError for an ``answer_timeout_s`` that is not a positive number of seconds.
+    ``max_batch_tokens``, ``max_running``, ``policy`` and ``speculate`` are the engine's.  The constructor returns once
+    the child has built its runner and started its engine (seconds: it imports torch and builds the model), or raises
+    what the factory raised (its type kept where it pickles), EngineDeadError if the child died first, TimeoutError
+    after ``start_timeout_s``, InvalidArgumentError for an ``answer_timeout_s`` that is not a positive number of
+    seconds, or for a bad ``speculate``.
 
     A child that sends nothing, not even its heartbeat, for ``answer_timeout_s`` seconds is taken as stopped: every
     request and call it held fails at once with EngineDeadError (a server answers 503 and ends its streams with an
@@ -113,6 +114,7 @@ class EngineProcess:
         max_batch_tokens: int = 512,
         max_running: int = 32,
         policy: str = "lpm",
+        speculate: str = "off",
         start_timeout_s: float | None = 600.0,
         answer_timeout_s: float = 60.0,
     ) -> None:
@@ -125,6 +127,7 @@ class EngineProcess:
         :data:`HEARTBEAT_MAX_S`) before it counts as stopped, and the longest :meth:`query` waits for its answer."""
         heartbeat_s = min(HEARTBEAT_MAX_S, self.answer_timeout_s / 4)
         options = {"max_batch_tokens": max_batch_tokens, "max_running": max_running, "policy": policy}
+        options["speculate"] = speculate
         self._child = child = ChildProcess(factory, options, heartbeat_s, start_timeout_s)
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()

@@ -88,16 +88,19 @@ def create_app(
     snapshot_every_s: float | None = None,
     max_batch_tokens: int = 512,
     max_running: int = 32,
+    speculate: str = "off",
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving ``runner`` as model ``model_name``; ``api_keys`` (default: open) map keys to
     namespaces.  ``app.state.engine`` is the :class:`~prefixcache.engine.batching.BatchEngine` stepping every request
-    on its own thread (``max_batch_tokens`` and ``max_running`` are its bounds; closed when the app shuts down: call
+    on its own thread (``max_batch_tokens`` and ``max_running`` are its bounds, ``speculate`` its speculative decoding,
+    ``"off"`` or ``"tree"``: see :mod:`prefixcache.engine.speculation`; closed when the app shuts down: call
     ``app.state.engine.close()`` yourself when the app is used without its lifespan, as with httpx's ASGI transport)
     and ``app.state.runner`` the runner.  Given an :class:`~prefixcache.engine.process.EngineProcess` instead of a
     runner, the app serves that engine in its own process (it is ``app.state.engine`` and ``app.state.runner``; its
-    own bounds apply, ``max_batch_tokens`` and ``max_running`` are not used; closed with the app): the event loop then
+    own options apply, ``max_batch_tokens``, ``max_running`` and ``speculate`` are not used; closed with the app): the
+    event loop then
     never holds the engine's GIL (``prefixcache serve``'s default).
 
     With ``snapshot_dir`` the app's lifespan restores the cache from that snapshot folder at start (cold, saying why,
@@ -115,6 +118,7 @@ def create_app(
         snapshot_every_s=snapshot_every_s,
         max_batch_tokens=max_batch_tokens,
         max_running=max_running,
+        speculate=speculate,
         max_stored_responses=max_stored_responses,
         max_request_bytes=max_request_bytes,
     )

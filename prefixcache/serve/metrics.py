@@ -73,6 +73,16 @@ def _engine_families(figures: EngineFigures | None) -> list[Any]:
         CounterMetricFamily(
             "prefixcache_cancelled_requests", "Requests cancelled before they finished", figures.cancelled_requests
         ),
+        CounterMetricFamily(
+            "prefixcache_spec_draft_tokens",
+            "Speculative draft tokens verified (serve --speculate tree; greedy requests)",
+            figures.drafted_tokens,
+        ),
+        CounterMetricFamily(
+            "prefixcache_spec_accepted_tokens",
+            "Speculative draft tokens accepted: generated tokens that took no forward of their own",
+            figures.accepted_tokens,
+        ),
     ]
     return families
 

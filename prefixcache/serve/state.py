@@ -84,6 +84,7 @@ def build_state(
     max_batch_tokens: int,
     max_running: int,
     max_stored_responses: int,
+    speculate: str = "off",
     max_request_bytes: int,
 ) -> ServerState:
     """The state of a server over ``runner`` (arguments as :func:`~prefixcache.serve.app.create_app` takes them); its
@@ -94,7 +95,7 @@ def build_state(
     engine: BatchEngine | EngineProcess = (
         runner
         if isinstance(runner, EngineProcess)
-        else BatchEngine(runner, max_batch_tokens=max_batch_tokens, max_running=max_running)
+        else BatchEngine(runner, max_batch_tokens=max_batch_tokens, max_running=max_running, speculate=speculate)
     )
     return ServerState(
         runner=runner,
