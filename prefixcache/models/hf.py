@@ -198,6 +198,27 @@ class HFCausalLM:
         a position where a :class:`~prefixcache.models.hf_state.RecurrentState` was kept (:meth:`take_state`)."""
         return self.layout.recurrent
 
+    def truncate_live(self, live: LiveKV, num_tokens: int) -> None:
+        """Keep only ``live``'s first ``num_tokens`` positions (a speculative verify's rejected rows dropped): each
+        layer's filled length is cut, its buffer's later rows overwritten by the next append.  O(layers).  Where a
+        layer is not the growing kind this model's live caches use, or the model has recurrent layers (whose state
+        cannot be cut back), ``live`` is reset instead (refilled from the pool at the next call)."""
+        layers = getattr(live.data, "layers", None)
+        if self.layout.recurrent or not layers or num_tokens >= live.num_tokens:
+            if num_tokens < live.num_tokens:
+                live.reset()
+            return
+        if not all(
+            getattr(layer, "key_buffer", None) is not None and layer.length == live.num_tokens for layer in layers
+        ):
+            live.reset()
+            return
+        for layer in layers:
+            layer.length = num_tokens
+            layer.keys = layer.key_buffer[..., :num_tokens, :]
+            layer.values = layer.value_buffer[..., :num_tokens, :]
+        live.num_tokens = num_tokens
+
     def take_state(self, live: LiveKV) -> RecurrentState:
         """A snapshot (copies) of the recurrent layers' state in ``live``, standing after ``live.num_tokens`` tokens;
         what the cache keeps on a tree node for later requests to resume from.  Its ``nbytes`` is

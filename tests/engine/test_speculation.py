@@ -313,3 +313,24 @@ def test_a_grammar_cuts_drafts_before_their_verify_and_the_output_is_unchanged(t
     assert done.usage.accepted_tokens > 0
     assert done.usage.drafted_tokens == drafts.proposed < drafts.offered  # the grammar cut the junk
     assert_quiescent(runner.cache)
+
+
+def test_a_hugging_face_model_speculates_batched_and_alone_with_its_live_caches_cut_back() -> None:
+    pytest.importorskip("transformers")
+    from prefixcache.models.hf_tiny import tiny_random_model
+
+    model = tiny_random_model("llama")
+    prompts = [_ids(n, seed=n) for n in (9, 14, 5)]
+    params = SamplingParams(max_new_tokens=12)
+    alone = [PrefixCachingRunner(model, cache_tokens=1024, block_size=BLOCK).generate(p, params) for p in prompts]
+    answers = {tuple(p): list(a.token_ids) for p, a in zip(prompts, alone, strict=True)}
+    runner = PrefixCachingRunner(model, cache_tokens=1024, block_size=BLOCK)
+    engine = BatchEngine(runner, speculate="tree", drafts=Adversary(answers, 5, ["right", "partial", "wrong"]))
+    handles = [engine.submit(p, params) for p in prompts]  # together: the padded batch forward
+    engine.run_until_idle()
+    handles.append(engine.submit(prompts[0], params))  # alone
+    engine.run_until_idle()
+    done = [h.result() for h in handles]
+    assert [d.token_ids for d in done] == [a.token_ids for a in (*alone, alone[0])]
+    assert all(d.usage.accepted_tokens > 0 for d in done)
+    assert_quiescent(runner.cache)
