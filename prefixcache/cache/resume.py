@@ -162,18 +162,19 @@ class StateStore:
 
     # ---- put and find -------------------------------------------------------------------------------------
 
-    def put(self, node: Node, pos: int, state: Any, nbytes: int) -> bool:
+    def put(self, node: Node, pos: int, state: Any, nbytes: int, uses: int | None = None) -> bool:
         """Keep ``state`` (``nbytes`` bytes) at position ``pos`` of ``node`` (``node.start < pos <= node.end``),
-        replacing a state kept there (its resumes carried over), after evicting the states of least value until it
-        fits.  A state larger than the whole budget is not kept (counted in ``dropped``).  Returns whether it was
-        kept.  O(log n) per state stored or evicted."""
+        replacing a state kept there (its resumes carried over, unless ``uses`` is given: a restored state's), after
+        evicting the states of least value until it fits.  A state larger than the whole budget is not kept (counted
+        in ``dropped``).  Returns whether it was kept.  O(log n) per state stored or evicted."""
         if nbytes > self.max_bytes:
             self.dropped += 1
             return False
-        uses = 1
+        carried = 1
         if node.states is not None and pos in node.states:
-            uses = self._filed[(node.node_id, pos)][2]
+            carried = self._filed[(node.node_id, pos)][2]
             self._discard(node, pos)
+        uses = carried if uses is None else max(int(uses), 1)
         while self.num_bytes + nbytes > self.max_bytes:
             self._evict_one()
         if node.states is None:
@@ -185,6 +186,12 @@ class StateStore:
         self._order.add((priority, pos, node.node_id))
         self.num_bytes += nbytes
         return True
+
+    def filed(self, node: Node, pos: int) -> tuple[int, int]:
+        """``(nbytes, uses)`` of the state kept at ``pos`` on ``node`` (``uses``: resumes + 1).  O(1).  KeyError when
+        none is kept there."""
+        _, nbytes, uses = self._filed[(node.node_id, pos)]
+        return nbytes, uses
 
     def resumed(self, node: Node, pos: int) -> None:
         """A request resumes at the state kept at ``pos`` on the path to ``node``: one more use, its priority renewed

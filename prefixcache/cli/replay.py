@@ -83,8 +83,8 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
         type=parse_size,
         metavar="BYTES",
         help="model a hybrid/recurrent model whose state snapshot costs BYTES: a prefix resumes only where a state "
-        "is kept (the end of every prompt and answer, before a prompt's last token, every --state-every blocks), "
-        "e.g. 37.7MiB",
+        "is kept (the end of every prompt and answer, before a prompt's last token, every --state-every blocks, and "
+        "where an earlier request parted from a cached prompt), e.g. 37.7MiB",
     )
     recurrent.add_argument(
         "--state-every",
@@ -92,13 +92,14 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
         default=DEFAULT_STATE_EVERY,
         metavar="N",
         help="with --state-bytes: also keep a state every N blocks inside prompts, as the engine does (default 16; "
-        "0: only at prompt and answer ends and before a prompt's last token)",
+        "0: only at prompt and answer ends, before a prompt's last token and at branch points)",
     )
     recurrent.add_argument(
         "--max-state-bytes",
         type=parse_size,
         metavar="BYTES",
-        help="with --state-bytes: budget of the kept states, least recently used evicted (default: unlimited)",
+        help="with --state-bytes: budget of the kept states, those of least value evicted: tokens resumed per byte, "
+        "uses and recency (default: unlimited)",
     )
     replay.add_argument("--policy", default="lru", choices=["lru", "lfu"], help="eviction policy (default lru)")
     replay.add_argument("--verify", action="store_true", help="check every request against the no-cache reference")

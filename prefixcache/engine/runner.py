@@ -274,7 +274,8 @@ class PrefixCachingRunner:
             SnapshotError: requests are running (they hold locks or blocks).
         """
         self.checks.refresh_weights()
-        return self.cache.restore(directory, identity=self._snapshot_identity(), replace=True)
+        loader = self.model.load_state if getattr(self.model, "recurrent", False) else None
+        return self.cache.restore(directory, identity=self._snapshot_identity(), replace=True, state_loader=loader)
 
     def _snapshot_identity(self) -> dict[str, str]:
         # The cache fingerprint adds invalidate()'s epoch: a snapshot saved after invalidate() names weights that no

@@ -50,7 +50,8 @@ LAYER_KINDS: dict[str, LayerKind] = {
         "linear attention or SSM, beside attention or alone",
         "K and V of the attention layers only (Mamba-2: a one-element placeholder)",
         "a snapshot of every recurrent layer's state at the end of every prompt and answer, before a prompt's last "
-        "token and every 16 blocks of a prompt, under its own byte budget (default a quarter of the pool)",
+        "token, every 16 blocks of a prompt and where requests part ways inside a cached prompt, under its own byte "
+        "budget (default a quarter of the pool; the states resumed most, deepest and latest kept)",
     ),
 }
 

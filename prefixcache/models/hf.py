@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import xxhash
 
-from prefixcache.errors import InvalidArgumentError, UnsupportedModelError
+from prefixcache.errors import InvalidArgumentError, SnapshotMismatchError, UnsupportedModelError
 from prefixcache.models.base import (
     BatchRow,
     LiveKV,
@@ -61,6 +61,9 @@ from prefixcache.models.hf_state import (
     new_live_cache,
     probe_state_bytes,
     take_state,
+)
+from prefixcache.models.hf_state import (
+    load_state as load_saved_state,
 )
 from prefixcache.models.hf_support import (
     TESTED_MODEL_TYPES,
@@ -229,6 +232,18 @@ class HFCausalLM:
         if not isinstance(live, LiveKV) or live.data is None:
             raise InvalidArgumentError("take_state needs the LiveKV of a request whose forward has run")
         return take_state(live.data, self.layout, live.num_tokens)
+
+    def load_state(self, position: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> RecurrentState:
+        """A state a cache snapshot saved (:meth:`RecurrentState.snapshot_parts`), rebuilt on this model's device: what
+        :meth:`RadixCache.restore`'s ``state_loader`` takes.  Raises SnapshotMismatchError for another model's state
+        (other state layers or size)."""
+        state = load_saved_state(self.layout, position, meta, tensors, self.device)
+        if state.nbytes != self.state_bytes:
+            raise SnapshotMismatchError(
+                f"a saved recurrent state of {state.nbytes} bytes does not fit {self.name}: its states are "
+                f"{self.state_bytes} bytes"
+            )
+        return state
 
     def weights_version(self) -> int:
         """Sum of the version counters and storage addresses of the parameters and buffers: moves on every in-place

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from prefixcache.errors import InvalidArgumentError, UnsupportedModelError
+from prefixcache.errors import InvalidArgumentError, SnapshotMismatchError, UnsupportedModelError
 from prefixcache.models.base import LiveKV, kv_pool_shape
 from prefixcache.models.hf_cache import growing_layer_class
 
@@ -26,6 +26,7 @@ __all__ = [
     "RecurrentState",
     "StateLayout",
     "check_resume",
+    "load_state",
     "new_live_cache",
     "probe_state_bytes",
     "restore_state",
@@ -113,6 +114,60 @@ class RecurrentState:
 
     def __repr__(self) -> str:
         return f"RecurrentState(position={self.position}, layers={len(self.layers)}, nbytes={self.nbytes})"
+
+    def snapshot_parts(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """What a cache snapshot saves of this state (:mod:`prefixcache.cache.snapshot.states`): ``meta``, each layer's
+        slot counts (``{"<layer>": [conv slots, recurrent slots]}``, MiniMax ``[1]``), and the tensors by name
+        (``<layer>.<c|r|m>.<slot>``; empty slots absent).  The tensors themselves, not copies.  O(layers)."""
+        meta: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        for index, groups in self.layers.items():
+            meta[str(index)] = [len(group) for group in groups] if len(groups) == 2 else [1]
+            kinds = ("c", "r") if len(groups) == 2 else ("m",)
+            named = groups if len(groups) == 2 else ((groups[0],),)
+            for kind, group in zip(kinds, named, strict=True):
+                for slot, tensor in enumerate(group):
+                    if tensor is not None:
+                        tensors[f"{index}.{kind}.{slot}"] = tensor
+        return meta, tensors
+
+
+def load_state(
+    layout: StateLayout, position: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor], device: Any
+) -> RecurrentState:
+    """A state of a model with ``layout`` rebuilt from :meth:`RecurrentState.snapshot_parts` (tensors moved to
+    ``device``).  Raises SnapshotMismatchError when the parts name other layers than the layout's state layers, or
+    slots that are not there (another model's state)."""
+    expected = {str(i) for i in (*layout.state_layers, *layout.minimax_layers)}
+    if set(meta) != expected:
+        raise SnapshotMismatchError(
+            f"a saved recurrent state holds layers {sorted(meta)}, the model's are {sorted(expected)}"
+        )
+    layers: dict[int, tuple[Any, ...]] = {}
+    used = set()
+    nbytes = 0
+    for key, counts in meta.items():
+        index = int(key)
+        minimax = index in layout.minimax_layers
+        well_formed = type(counts) is list and all(type(c) is int and 0 <= c <= 64 for c in counts)
+        if not well_formed or len(counts) != (1 if minimax else 2):
+            raise SnapshotMismatchError(f"a saved recurrent state has slots {counts!r} for layer {index}")
+        groups = []
+        for kind, count in zip(("m",) if minimax else ("c", "r"), counts, strict=True):
+            group = []
+            for slot in range(count):
+                tensor = tensors.get(f"{index}.{kind}.{slot}")
+                if tensor is not None:
+                    used.add(f"{index}.{kind}.{slot}")
+                    nbytes += tensor.numel() * tensor.element_size()
+                    tensor = tensor.to(device)
+                group.append(tensor)
+            groups.append(tuple(group))
+        layers[index] = (groups[0][0],) if minimax else (groups[0], groups[1])
+    if used != set(tensors):
+        extra = sorted(set(tensors) - used)[:4]
+        raise SnapshotMismatchError(f"a saved recurrent state holds tensors {extra} it names no slot for")
+    return RecurrentState(position, layers, nbytes)
 
 
 def _clone(tensors: dict[int, torch.Tensor | None], initialized: dict[int, bool]) -> tuple[torch.Tensor | None, ...]:

@@ -3,8 +3,6 @@ state is kept (prefixcache.cache.resume), keeps states within a byte budget, and
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -376,26 +374,6 @@ def test_without_a_block_for_the_copy_the_request_resumes_at_a_state_on_a_block_
     cache.commit(lease, SEQ[:10] + [5, 5], state=StateMarker(1))
     cache.release(other)
     cache.check_invariants()
-
-
-# ---- snapshots -----------------------------------------------------------------------------------------------------
-
-
-def test_a_snapshot_restores_the_kv_but_no_states(tmp_path: Path) -> None:
-    cache = make_cache()
-    run(cache, SEQ[:10], SEQ[10:14], StateMarker(1), StateMarker(1))
-    cache.save(tmp_path / "snap")
-    loaded = RadixCache.load(
-        tmp_path / "snap",
-        KVBlockPool(64, BS, num_layers=1, num_kv_heads=1, head_dim=2),
-        resume_states=True,
-        max_state_bytes=100,
-    )
-    assert loaded.stats().cached_tokens == 14 and loaded.stats().num_states == 0
-    lease = loaded.acquire(SEQ[:18])
-    assert (lease.num_matched_tokens, lease.num_cached_tokens) == (14, 0)
-    loaded.release(lease)
-    loaded.check_invariants()
 
 
 # ---- against a reference model -------------------------------------------------------------------------------------

@@ -114,3 +114,47 @@ def test_a_marked_position_inside_a_long_prompt_is_kept_by_whoever_prefills_thro
     assert result.usage.cached_tokens == 70
     assert list(result.token_ids) == _generate(qwen3_next, shared + _tokens(8, 5))
     assert_quiescent(runner.cache)
+
+
+# ---- snapshots -----------------------------------------------------------------------------------------------------
+
+
+def test_a_restored_hybrid_cache_resumes_its_first_repeated_prompt(qwen3_next, tmp_path):
+    pytest.importorskip("safetensors", reason="needs: pip install 'prefixcache[snapshot]'")
+    system = _tokens(9, 90)
+    first = PrefixCachingRunner(qwen3_next, cache_tokens=2048, block_size=BLOCK_SIZE)
+    _conversations(first, system, 2)  # states at the ends of both, and at 90, where the second parted
+    saved = first.save_snapshot(tmp_path / "snap")
+    assert saved.num_states == first.cache.stats().num_states and saved.state_bytes > 0
+    restarted = PrefixCachingRunner(qwen3_next, cache_tokens=2048, block_size=BLOCK_SIZE)
+    loaded = restarted.load_snapshot(tmp_path / "snap")
+    assert (loaded.num_states, loaded.state_bytes) == (saved.num_states, saved.state_bytes)
+    repeated = system + _tokens(100, 20)
+    result = restarted.generate(repeated, SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert result.usage.cached_tokens == len(repeated) - 1
+    assert list(result.token_ids) == _generate(qwen3_next, repeated)
+    third = restarted.generate(system + _tokens(102, 20), SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert third.usage.cached_tokens == len(system)
+    assert_quiescent(restarted.cache)
+
+
+def test_a_saved_state_of_another_shape_is_refused(qwen3_next):
+    from prefixcache.errors import SnapshotMismatchError
+    from prefixcache.models.base import LiveKV
+
+    state = qwen3_next.take_state(_one_token(qwen3_next, LiveKV()))
+    meta, tensors = state.snapshot_parts()
+    assert torch.equal(qwen3_next.load_state(1, meta, tensors).layers[0][1][0], state.layers[0][1][0])
+    with pytest.raises(SnapshotMismatchError, match="layers"):
+        qwen3_next.load_state(1, {"5": [1, 1]}, {})
+    first = next(iter(tensors))
+    with pytest.raises(SnapshotMismatchError):
+        qwen3_next.load_state(1, meta, {**tensors, first: tensors[first][..., :1]})
+
+
+def _one_token(model: HFCausalLM, live):
+    from prefixcache.models.hf_state import _scratch_pool
+
+    kv, table = _scratch_pool(model)
+    model.forward_cached(torch.ones(1, dtype=torch.long), 0, kv, table, live=live)
+    return live

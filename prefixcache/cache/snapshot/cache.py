@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from prefixcache.cache.host import events as host_events
 from prefixcache.cache.snapshot import host as host_snapshot
+from prefixcache.cache.snapshot import states as saved_states
 from prefixcache.cache.snapshot import tree as snapshot
 from prefixcache.cache.snapshot import writer as snapshot_write
 from prefixcache.cache.snapshot.staging import StagingBuffer
@@ -68,9 +69,10 @@ class CacheSnapshots:
         """A consistent copy of the cached tree and its K/V in host memory, for
         :func:`~prefixcache.cache.snapshot.writer.write` (on any thread: nothing the cache does later reaches it).
         ``identity`` (e.g. model and tokenizer fingerprints) is stored for :meth:`restore` to check;
-        ``keep_namespace`` picks the namespaces (all when None); a host tier's runs are copied too, recurrent states
-        are not.  ``staging`` (:func:`~prefixcache.cache.snapshot.staging.staging_for`) holds the copy.  Changes
-        nothing in the cache.  O(cached tokens) plus one memcpy of the saved blocks, under the mutex."""
+        ``keep_namespace`` picks the namespaces (all when None); a host tier's runs are copied too, and the
+        recurrent states kept on the nodes saved (held, not copied: they never change).  ``staging``
+        (:func:`~prefixcache.cache.snapshot.staging.staging_for`) holds the copy.  Changes nothing in the cache.
+        O(cached tokens) plus one memcpy of the saved blocks, under the mutex."""
         with self._mutex:
             captured = snapshot.capture(self._tree, identity, keep_namespace, staging)
             return host_snapshot.capture(captured, self._host, keep_namespace, staging)
@@ -81,23 +83,31 @@ class CacheSnapshots:
         *,
         identity: Mapping[str, str] | None = None,
         replace: bool = False,
+        state_loader: saved_states.StateLoader | None = None,
     ) -> snapshot.SnapshotSummary:
         """Load the snapshot in ``directory`` into this cache, which must be empty (``replace=True`` evicts
         everything first, once the snapshot has been read and checked).  When the snapshot holds more than the pool,
         the most recently used whole prefixes that fit are loaded; saved host runs go back into this cache's host tier
         (the most recently used that fit; dropped and counted when it has none).  Every checksum is verified before
-        the cache is touched; on any error the cache is left as it was.  Snapshots hold no recurrent states.
+        the cache is touched; on any error the cache is left as it was.  A cache that keeps recurrent states gets
+        back those of the nodes restored, rebuilt by ``state_loader`` (the model's: a state's tensors on its device;
+        without one only tensorless states come back), before anything changes
+        (:mod:`~prefixcache.cache.snapshot.states`).
 
         Raises:
             SnapshotNotFoundError: no snapshot there.  SnapshotCorruptError: truncated, edited or damaged files.
             SnapshotMismatchError: another block size, KV dtype or shape, format version, or ``identity`` value.
             SnapshotError: the cache (device or host tier) is not empty (or locked/owned blocks remain after
-                ``replace``, which also drops the host runs).
+                ``replace``, which also drops the host runs).  What ``state_loader`` raises for a state it refuses.
         """
         loaded = snapshot.read(directory)
         snapshot.check_compatible(loaded, self.pool, identity)
         snapshot.check_nodes(loaded, self.pool.block_size)
+        saved_states.check(loaded.manifest, set(loaded.states), loaded.path)
         host_snapshot.check(loaded, self.pool.block_size)
+        states = None
+        if self._tree.states is not None:
+            states = saved_states.load(loaded.manifest, loaded.states, state_loader)
         with self._change:
             if replace:
                 if self._tree.locked_tokens or self._blocks.num_owned:
@@ -110,7 +120,7 @@ class CacheSnapshots:
             # would demote; the host runs are taken out again without a trace.
             host_counts = host_snapshot.apply(loaded, self._host, host_plan)
             try:
-                summary = snapshot.restore(loaded, self._tree)
+                summary = snapshot.restore(loaded, self._tree, states)
             except BaseException:
                 host_snapshot.discard(self._host)
                 raise

@@ -36,8 +36,10 @@ model/tokenizer identity is refused too (:class:`~prefixcache.errors.SnapshotMis
 
 What is saved: every node of the tree (locked ones included: a lock only pins a prefix that running requests read;
 restored nodes are unlocked), with its tokens, blocks, access time and hits (the LRU/LFU order), retention priority
-and what is left of its retention time, and the request id that inserted it.  Blocks requests own privately are not
-in the tree and are never saved.  Saving reads the tree and copies the K/V it holds; it changes nothing.
+and what is left of its retention time, the request id that inserted it, and the recurrent states kept on it
+(:mod:`~prefixcache.cache.snapshot.states`; their tensors in ``kv.safetensors`` beside the K/V).  Blocks requests own
+privately are not in the tree and are never saved.  Saving reads the tree and copies the K/V it holds; it changes
+nothing.
 
 Restoring fills an empty cache.  When the snapshot holds more blocks than the pool has free, it loads the most
 recently used part that fits, whole prefixes only (a node is loaded only with its parent): nodes are taken in order
@@ -58,7 +60,7 @@ import os
 import re
 import time
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +68,7 @@ import numpy as np
 
 from prefixcache.cache.node import Node, new_root
 from prefixcache.cache.pool import BLOCK_ID_DTYPE, KVBlockPool
+from prefixcache.cache.snapshot import states as saved_states
 from prefixcache.cache.snapshot.folder import canonical, digest, folder_lock, read_bytes, safetensors_module
 from prefixcache.cache.snapshot.manifest import check_nodes as check_manifest_nodes
 from prefixcache.cache.snapshot.manifest import choose
@@ -107,7 +110,9 @@ class SnapshotSummary:
     ``num_blocks`` blocks (``kv_bytes`` bytes of K/V), in the version folder ``path``.  A restore into a pool too small
     for the whole snapshot counts what it left out in ``skipped_nodes`` and ``skipped_tokens``.  The host tier's part:
     ``host_runs`` runs of ``host_tokens`` tokens in ``host_blocks`` blocks saved or put back into the host tier, and
-    ``skipped_host_runs`` / ``skipped_host_tokens`` left out (the new host pool is smaller, or there is none)."""
+    ``skipped_host_runs`` / ``skipped_host_tokens`` left out (the new host pool is smaller, or there is none).
+    ``num_states`` recurrent states of ``state_bytes`` bytes saved, or put back (:mod:`~prefixcache.cache.snapshot.
+    states`)."""
 
     path: str
     num_nodes: int
@@ -121,6 +126,8 @@ class SnapshotSummary:
     host_blocks: int = 0
     skipped_host_runs: int = 0
     skipped_host_tokens: int = 0
+    num_states: int = 0
+    state_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,12 +135,14 @@ class Snapshot:
     """A snapshot in memory: the manifest (the JSON of ``snapshot.json`` less its checksum) and the saved K/V
     (``[num_layers, 2, num_saved_blocks, block_size, num_kv_heads, head_dim]`` on the CPU, None for a metadata-only
     pool).  ``path`` is the version folder it was read from ("" before it is written).  ``host_kv``: the host tier's
-    saved blocks, shaped as ``kv`` (None without host runs or for a metadata-only pool)."""
+    saved blocks, shaped as ``kv`` (None without host runs or for a metadata-only pool).  ``states``: the recurrent
+    states' tensors by name (:mod:`~prefixcache.cache.snapshot.states`; held, not copied, by a capture)."""
 
     manifest: dict[str, Any]
     kv: torch.Tensor | None
     path: str = ""
     host_kv: torch.Tensor | None = None
+    states: dict[str, Any] = field(default_factory=dict)
 
 
 def pool_shape(pool: KVBlockPool) -> dict[str, Any]:
@@ -168,6 +177,7 @@ def capture(
     namespaces: list[str | None] = []
     nodes: list[dict[str, Any]] = []
     node_blocks: list[np.ndarray] = []
+    state_tensors: dict[str, Any] = {}
     num_tokens = 0
     for namespace, root in tree.roots.items():
         if keep_namespace is not None and not keep_namespace(namespace):
@@ -200,6 +210,8 @@ def capture(
                     "origin": node.origin,
                 }
             )
+            if node.states is not None:
+                nodes[-1]["states"] = saved_states.capture_node(tree.states, node, index, state_tensors)
             num_tokens += len(node.tokens)
             stack.extend((child, index) for child in node.children.values())
     saved, numbered = number_blocks(node_blocks)
@@ -231,7 +243,7 @@ def capture(
         "num_tokens": num_tokens,
         "nodes": nodes,
     }
-    return Snapshot(manifest, kv)
+    return Snapshot(manifest, kv, states=state_tensors)
 
 
 def number_blocks(node_blocks: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -283,6 +295,7 @@ def _read_locked(folder: Path) -> Snapshot:
         raise SnapshotNotFoundError(f"no snapshot in {folder} (no {CURRENT} file)")
     manifest = _read_manifest(version / MANIFEST)
     kv = host_kv = None
+    states: dict[str, Any] = {}
     if KV_FILE in manifest["files"]:
         blob = read_bytes(version / KV_FILE)
         expected = manifest["files"][KV_FILE]
@@ -294,11 +307,12 @@ def _read_locked(folder: Path) -> Snapshot:
         try:
             tensors = safetensors_module().load(blob)
             kv, host_kv = tensors.get("kv"), tensors.get("host_kv")
+            states = {name: t for name, t in tensors.items() if name.startswith(saved_states.PREFIX)}
         except SnapshotError:
             raise
         except Exception as error:  # a checksummed file that safetensors still refuses: written wrong
             raise SnapshotCorruptError(f"{version / KV_FILE} does not parse: {error}") from None
-    return Snapshot(manifest, kv, str(version), host_kv)
+    return Snapshot(manifest, kv, str(version), host_kv, states)
 
 
 def check_compatible(snapshot: Snapshot, pool: KVBlockPool, identity: Mapping[str, str] | None = None) -> None:
@@ -343,12 +357,14 @@ def check_compatible(snapshot: Snapshot, pool: KVBlockPool, identity: Mapping[st
 # ---- restore ----------------------------------------------------------------------------------------------------
 
 
-def restore(snapshot: Snapshot, tree: RadixTree) -> SnapshotSummary:
+def restore(snapshot: Snapshot, tree: RadixTree, states: dict[int, list[tuple]] | None = None) -> SnapshotSummary:
     """Build the snapshot's nodes into ``tree``, which must be empty, with fresh pool blocks holding the saved K/V.
 
     Loads the most recently used part that fits the free blocks (see the module docstring).  Restored nodes keep
-    their access times, hits, origin and retention (within the cap).  The caller holds the cache's mutex and has
-    checked :func:`check_compatible` and :func:`check_nodes` (before dropping anything the cache held).
+    their access times, hits, origin and retention (within the cap), and the recurrent ``states`` rebuilt for them
+    (:func:`~prefixcache.cache.snapshot.states.load`; kept only by a cache that keeps states).  The caller holds the
+    cache's mutex and has checked :func:`check_compatible` and :func:`check_nodes` (before dropping anything the cache
+    held).
     O(restored tokens) plus one host-to-device copy.
 
     Raises:
@@ -387,8 +403,19 @@ def restore(snapshot: Snapshot, tree: RadixTree) -> SnapshotSummary:
         raise
     if tree.events.listeners:
         tree.events.emit(tree.events.hash_tree(tree.roots))
+    num_states, state_bytes = saved_states.put_back(tree.states, built, states or {})
     kv_bytes = 0 if pool.kv is None else len(new_id) * pool.block_size * pool.bytes_per_token
-    return SnapshotSummary(snapshot.path, len(chosen), num_tokens, len(new_id), kv_bytes, skipped_nodes, skipped_tokens)
+    return SnapshotSummary(
+        snapshot.path,
+        len(chosen),
+        num_tokens,
+        len(new_id),
+        kv_bytes,
+        skipped_nodes,
+        skipped_tokens,
+        num_states=num_states,
+        state_bytes=state_bytes,
+    )
 
 
 def check_nodes(snapshot: Snapshot, block_size: int) -> None:

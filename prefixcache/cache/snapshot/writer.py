@@ -121,6 +121,8 @@ def write(snapshot: Snapshot, directory: str | os.PathLike[str]) -> SnapshotSumm
     files: dict[str, dict[str, Any]] = {}
     blobs: dict[str, Sequence[Any]] = {}
     tensors = {name: t for name, t in (("kv", snapshot.kv), ("host_kv", snapshot.host_kv)) if t is not None}
+    # Recurrent states never change once cached: read here, off the cache's mutex, onto the CPU.
+    tensors.update((name, t.detach().cpu()) for name, t in snapshot.states.items())
     if tensors:
         safetensors_module()  # the reader needs it: refuse to write what could not be read back
         blobs[KV_FILE] = kv_file_parts(tensors, {"format": FORMAT})
@@ -180,7 +182,9 @@ def _write_locked(
         stale = entry.startswith(TEMP_PREFIX) or (entry.startswith(VERSION_PREFIX) and (folder / entry).is_dir())
         if entry != name and stale:
             remove(folder / entry)
-    kv_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    state_records = [entry for node in manifest["nodes"] for entry in node.get("states", ())]
+    state_bytes = sum(entry["nbytes"] for entry in state_records)
+    kv_bytes = sum(t.numel() * t.element_size() for name, t in tensors.items() if name in ("kv", "host_kv"))
     host_runs = manifest.get("host_runs", [])
     return SnapshotSummary(
         str(final),
@@ -191,6 +195,8 @@ def _write_locked(
         host_runs=len(host_runs),
         host_tokens=sum(len(run["tokens"]) for run in host_runs),
         host_blocks=manifest.get("host_num_blocks", 0),
+        num_states=len(state_records),
+        state_bytes=state_bytes,
     )
 
 
