@@ -73,7 +73,7 @@ def _title(report: ReplayReport) -> str:
         every = f", also every {report.state_every} blocks in prompts" if report.state_every else ""
         title += (
             f"; recurrent model: states of {report.state_bytes:,} bytes at the end of prompts and answers, before a "
-            f"prompt's last token{every} "
+            f"prompt's last token, where requests parted inside a prompt{every} "
             "(cached = resumed tokens; shortfall = matched but not resumable)"
         )
     title += "".join(f"\n{line}" for line in format_inputs(report))
