@@ -350,11 +350,13 @@ class EngineCore:
 
     def _draft_room(self, request: EngineRequest, num_tokens: int) -> int:
         """Draft tokens (of ``num_tokens``) the lease can address after ``request``'s next token, reserving free
-        blocks for them where it holds too few."""
+        blocks for them where it holds too few.  A block stays free for each running request (a decode row planned
+        after this one may need one): a draft never makes a request wait or be preempted."""
         lease = request.lease
         end = request.position + 1 + num_tokens
         if end > lease.capacity_tokens:
-            end = min(end, lease.capacity_tokens + self.pool.num_free_blocks * self.pool.block_size)
+            spare_blocks = max(0, self.pool.num_free_blocks - len(self.running))
+            end = min(end, lease.capacity_tokens + spare_blocks * self.pool.block_size)
             try:
                 self.cache.reserve(lease, end)
             except Exception:  # noqa: BLE001 - another thread took the free blocks meanwhile

@@ -143,7 +143,8 @@ class TreeDrafts:
                 session.length.update(num_proposed, num_accepted)
 
     def close(self) -> None:
-        """Stop following the cache's events (the drafter then drafts from the request contexts only)."""
+        """Stop following the cache's events: the drafter's block index then keeps what it had (stale as the cache
+        evicts); for a runner that stops speculating for good."""
         try:
             self.cache.unsubscribe(self.drafter)
         except InvalidArgumentError:

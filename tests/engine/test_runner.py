@@ -317,6 +317,8 @@ def test_usage_to_openai(two_requests: tuple[Usage, Usage]) -> None:
         "copied_tokens": 2,
         "host_cached_tokens": 0,
         "unresumed_tokens": 0,
+        "drafted_tokens": 0,
+        "accepted_tokens": 0,
         "ttft_s": usage.ttft_s,
         "decode_s": usage.decode_s,
     }
