@@ -62,3 +62,23 @@ def test_a_second_chat_turn_resumes_the_first_at_its_kept_state(make_app, asgi_c
     cached = second.usage.prompt_tokens_details.cached_tokens
     # The first turn's prompt (its state kept where it ended) is inside the second's: it resumes at least there.
     assert first.usage.prompt_tokens - 1 <= cached < second.usage.prompt_tokens
+
+
+def test_from_the_third_conversation_on_a_shared_system_prompt_is_cached_whole(make_app, asgi_client, tmp_path) -> None:
+    runner = PrefixCachingRunner(random_model_from_config(_config_file(tmp_path, "qwen3_next")), cache_tokens=4096)
+    client = asgi_client(make_app(runner, model_name="tiny-qwen3-next"))
+    system = {"role": "system", "content": "You are a terse airline agent. Follow the policy. " * 4}  # 200 bytes
+
+    async def conversations() -> list[int]:
+        cached = []
+        for question in ("Where is my bag?", "Can I change seats?", "Is lunch served?", "How late is it?"):
+            messages = [system, {"role": "user", "content": question}]
+            answer = await client.chat.completions.create(model="tiny-qwen3-next", messages=messages, max_tokens=2)
+            cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        return cached
+
+    cached = asyncio.run(conversations())
+    # The second finds no state inside the system prompt (it is shorter than 16 blocks) and marks where it parts from
+    # the first; the third and fourth resume there: the system prompt and the user turn's opening.
+    assert cached[:2] == [0, 0]
+    assert cached[2] == cached[3] >= len(system["content"])
