@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import threading
 import time
 from collections import deque
@@ -328,23 +329,24 @@ class EngineCore:
         """The draft ``request`` verifies this step (also kept in ``request.draft``), of at most ``max_tokens``: none
         unless it :func:`~prefixcache.engine.speculation.speculates`; cut at the first id outside the vocabulary or
         forbidden by its grammar, and to the blocks its lease holds or the pool has free (a draft evicts nothing and
-        preempts no one).  A draft source's exception costs the step its draft, not the request."""
+        preempts no one).  An exception (the draft source's, a grammar's) costs the step its draft, not the request.
+        A proposal cut to nothing is reported to the source as a draft of 0 tokens."""
+        request.draft = ()
         if not speculates(request):
             return ()
-        max_tokens = min(max_tokens, draft_room(request))
         try:
-            draft = tuple(self.drafts.propose(request, max_tokens))[:max_tokens]
+            proposal = tuple(map(operator.index, self.drafts.propose(request, min(max_tokens, draft_room(request)))))
+            draft = proposal[: min(max_tokens, draft_room(request))]
+            vocab = self.model.vocab_size
+            draft = draft[: next((i for i, token in enumerate(draft) if not 0 <= token < vocab), len(draft))]
+            draft = draft[: request.picker.draft_prefix(draft)]
+            if draft:
+                draft = draft[: self._draft_room(request, len(draft))]
+            if proposal and not draft:
+                self.drafts.verified(request, 0, 0)
         except Exception:  # noqa: BLE001 - drafts are an optimisation: decode one token instead
-            logger.exception("the draft source failed; decoding one token")
+            logger.exception("drafting failed; decoding one token")
             return ()
-        vocab = self.model.vocab_size
-        for i, token in enumerate(draft):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
-                draft = draft[:i]
-                break
-        draft = draft[: request.picker.draft_prefix(draft)]
-        if draft:
-            draft = draft[: self._draft_room(request, len(draft))]
         request.draft = draft
         return draft
 

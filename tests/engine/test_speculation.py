@@ -334,3 +334,29 @@ def test_a_hugging_face_model_speculates_batched_and_alone_with_its_live_caches_
     assert [d.token_ids for d in done] == [a.token_ids for a in (*alone, alone[0])]
     assert all(d.usage.accepted_tokens > 0 for d in done)
     assert_quiescent(runner.cache)
+
+
+class _Faulty(Adversary):
+    """Right drafts, except that every third proposal raises and the others end with an id outside the vocabulary."""
+
+    calls = 0
+
+    def propose(self, request: EngineRequest, max_tokens: int) -> list[int]:
+        self.calls += 1
+        if self.calls % 3 == 0:
+            raise RuntimeError("the draft source broke")
+        return [*super().propose(request, max_tokens), 10**6]
+
+
+def test_a_failing_or_out_of_vocabulary_draft_costs_the_step_its_draft_not_the_request(tiny: LlamaModel) -> None:
+    prompt = _ids(8, seed=9)
+    runner = PrefixCachingRunner(tiny, cache_tokens=1024, block_size=BLOCK)
+    drafts = _Faulty({tuple(prompt): full_answer(tiny, prompt)}, 1, ["right"])
+    engine = BatchEngine(runner, speculate="tree", drafts=drafts)
+    handle = engine.submit(prompt, SamplingParams(max_new_tokens=MAX_NEW))
+    engine.run_until_idle()
+    done = handle.result()
+    assert list(done.token_ids) == full_answer(tiny, prompt)
+    assert done.usage.accepted_tokens == done.usage.drafted_tokens > 0  # the foreign id was cut before the verify
+    assert drafts.calls >= 3
+    assert_quiescent(runner.cache)
