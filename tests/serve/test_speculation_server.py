@@ -1,5 +1,5 @@
 """A server with speculative decoding (``create_app(speculate="tree")``, ``serve --speculate tree``): a repeated greedy
-request answers as a server without speculation does, stop strings included, while its usage and ``/metrics`` count
+request answers as a server without speculation does, stop strings and ``n`` > 1 included, while its usage and ``/metrics`` count
 the draft tokens verified and accepted; an engine process speculates the same way."""
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def test_a_speculating_server_answers_as_one_without_and_counts_its_drafts() -> 
         accepted = float(re.search(r"^prefixcache_spec_accepted_tokens_total (\S+)$", metrics.text, re.M).group(1))
         drafted = float(re.search(r"^prefixcache_spec_draft_tokens_total (\S+)$", metrics.text, re.M).group(1))
         assert accepted == sum(a["usage"]["accepted_tokens"] for a in on) and drafted >= accepted > 0
+        (samples,) = post_all(apps[1], [("POST", "/v1/completions", {**BODY, "n": 2})])
+        assert [c["text"] for c in samples.json()["choices"]] == [text, text]
         assert apps[1].state.engine.wait_idle(30)
         assert_quiescent(apps[1].state.runner.cache)
     finally:
