@@ -155,7 +155,7 @@ def measure_precision(precision: Precision, gguf: Path, server_binary: Path, set
             return pair
 
         decodes = _interleaved({kind: decode(kind) for kind in ports}, setup.repeats)
-        resident = {PREFIXCACHE: ours.resident_bytes(), LLAMA_CPP: theirs.resident_bytes()}
+        resident = {PREFIXCACHE: ours.resident_parts(), LLAMA_CPP: theirs.resident_parts()}
     out: dict = {"precision": precision.name, "gguf_type": precision.gguf_type, "gguf": str(gguf), "sides": {}}
     for kind in ports:
         prefill_tps = [setup.prefill_tokens / c.seconds for c in prefills[kind]]
@@ -168,7 +168,8 @@ def measure_precision(precision: Precision, gguf: Path, server_binary: Path, set
             "decode_tokens_per_s": statistics.median(decode_tps),
             "decode_runs": decode_tps,
             "decode_cached_tokens": [one.cached_tokens for _many, one in decodes[kind]],
-            "resident_bytes": resident[kind],
+            "resident_bytes": sum(size for _pid, _name, size in resident[kind]) if resident[kind] else None,
+            "resident_parts": [{"pid": pid, "name": name, "bytes": size} for pid, name, size in resident[kind]],
             "server_timings": [c.server_timings for c in prefills[kind] if c.server_timings]
             + [many.server_timings for many, _one in decodes[kind] if many.server_timings],
         }
@@ -186,7 +187,9 @@ def _rows(result: dict, setup: LlamaCppSetup) -> list[tuple]:
         rows.append((label, measure, f"{ours[key]:.1f}", f"{theirs[key]:.1f}", f"{ours[key] / theirs[key]:.2f}"))
     a, b = ours["resident_bytes"], theirs["resident_bytes"]
     if a is not None and b is not None:
-        rows.append((label, "resident memory (MiB)", f"{a / 2**20:,.0f}", f"{b / 2**20:,.0f}", f"{a / b:.2f}"))
+        parts = " + ".join(f"{part['bytes'] / 2**20:,.0f}" for part in ours["resident_parts"])
+        ours_cell = f"{a / 2**20:,.0f} ({parts})" if len(ours["resident_parts"]) > 1 else f"{a / 2**20:,.0f}"
+        rows.append((label, "resident memory (MiB)", ours_cell, f"{b / 2**20:,.0f}", f"{a / b:.2f}"))
     return rows
 
 
@@ -237,7 +240,8 @@ def run(
             "random ids each repeat, one token, prompt tokens / request time; decode: requests of "
             f"{setup.decode_tokens} and of 1 greedy token behind the same cached context (end of sequence ignored), "
             f"{setup.decode_tokens - 1} / the difference of their times",
-            f"resident memory: each server's process group (ours: server and engine process) after the decode rows, "
+            "resident memory: each server's process group after the decode rows (ours: the sum, then the server's and "
+            "its engine process's), "
             f"context {setup.context:,} tokens on both (llama.cpp's K/V in f16, ours in the precision's dtype); "
             "ratios: tokens/s above 1 = ours faster, memory below 1 = ours smaller",
             f"1-minute load average {load_before:.2f} before, {load_after:.2f} after",

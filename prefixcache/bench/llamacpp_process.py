@@ -29,6 +29,7 @@ __all__ = [
     "ServerProcess",
     "free_port",
     "group_resident_bytes",
+    "group_resident_parts",
     "llama_server_command",
     "prefixcache_serve_command",
 ]
@@ -85,18 +86,25 @@ def _group_members(group: int) -> list[int]:
     return members
 
 
-def group_resident_bytes(group: int) -> int | None:
-    """Resident bytes of every process of process group ``group`` (``/proc/PID/statm``), None off Linux or when it
-    has none."""
-    total, seen = 0, False
-    for pid in _group_members(group):
+def group_resident_parts(group: int) -> list[tuple[int, str, int]]:
+    """``(pid, command name, resident bytes)`` of every live process of process group ``group``, by pid
+    (``/proc/PID/statm`` and ``comm``; empty off Linux)."""
+    parts = []
+    for pid in sorted(_group_members(group)):
         try:
             pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-        except (OSError, ValueError, IndexError):
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except (OSError, ValueError, IndexError):  # ended while we looked
             continue
-        total += pages * os.sysconf("SC_PAGE_SIZE")
-        seen = True
-    return total if seen else None
+        parts.append((pid, name, pages * os.sysconf("SC_PAGE_SIZE")))
+    return parts
+
+
+def group_resident_bytes(group: int) -> int | None:
+    """Resident bytes of every process of process group ``group`` (:func:`group_resident_parts`), None off Linux or
+    when it has none."""
+    parts = group_resident_parts(group)
+    return sum(size for _pid, _name, size in parts) if parts else None
 
 
 class ServerProcess:
@@ -150,6 +158,12 @@ class ServerProcess:
         if self.process is None or self.process.poll() is not None:
             return None
         return group_resident_bytes(self.process.pid)
+
+    def resident_parts(self) -> list[tuple[int, str, int]]:
+        """:func:`group_resident_parts` of the server's group, the server first (empty when not running)."""
+        if self.process is None or self.process.poll() is not None:
+            return []
+        return group_resident_parts(self.process.pid)
 
     def stop(self) -> None:
         """End the server's process group (idempotent)."""

@@ -193,3 +193,23 @@ def test_side_by_side_with_llama_server_on_smollm2(tmp_path) -> None:
     assert side["sides"][LLAMA_CPP]["prefill_prompt_tokens"] == [64]  # the ids as sent: no BOS added
     assert side["gguf_type"] == "Q8_0" and Path(side["gguf"]).parent == tmp_path
     assert os.path.exists(side["gguf"])
+
+
+def test_the_table_gives_ours_over_llama_cpp_and_our_memory_by_process() -> None:
+    from prefixcache.bench.llamacpp import QUICK, _rows
+
+    def side(prefill: float, decode: float, parts: list[int]) -> dict:
+        listed = [{"pid": i, "name": "p", "bytes": mib << 20} for i, mib in enumerate(parts)]
+        figures = {"prefill_tokens_per_s": prefill, "decode_tokens_per_s": decode, "resident_parts": listed}
+        return {**figures, "resident_bytes": sum(p["bytes"] for p in listed)}
+
+    result = {
+        "precision": "int8",
+        "gguf_type": "Q8_0",
+        "sides": {PREFIXCACHE: side(300.0, 40.0, [400, 1200]), LLAMA_CPP: side(200.0, 50.0, [800])},
+    }
+    assert _rows(result, QUICK) == [
+        ("int8 / Q8_0", "prefill 64 (tokens/s)", "300.0", "200.0", "1.50"),
+        ("int8 / Q8_0", "decode at 128 (tokens/s)", "40.0", "50.0", "0.80"),
+        ("int8 / Q8_0", "resident memory (MiB)", "1,600 (400 + 1,200)", "800", "2.00"),
+    ]
