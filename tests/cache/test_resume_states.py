@@ -294,6 +294,42 @@ def test_states_on_one_path_go_shallowest_first() -> None:
     assert cache.state_positions(SEQ) == [8]
 
 
+def test_a_deeper_state_outlives_a_shallower_one_put_at_the_same_time() -> None:
+    cache = make_cache(max_state_bytes=200)
+    put(cache, [1] + SEQ[:15], StateMarker(100))  # 16 tokens it lets a request skip
+    put(cache, [2] + SEQ[:3], StateMarker(100))  # 4
+    put(cache, [3] + SEQ[:7], StateMarker(100))  # 8: the budget evicts the state of least value, at 4
+    assert cache.state_positions([1] + SEQ[:15]) == [16] and cache.state_positions([2] + SEQ[:3]) == []
+
+
+def test_a_state_resumed_often_outlives_deeper_ones_nobody_resumes() -> None:
+    cache = make_cache(max_state_bytes=200)
+    put(cache, [1] + SEQ[:3], StateMarker(100))
+    for _ in range(8):  # eight requests resume at 4: worth 8 x 4 tokens
+        cache.release(cache.acquire([1] + SEQ[:3] + [5, 5]))
+    put(cache, [2] + SEQ[:15], StateMarker(100))
+    put(cache, [3] + SEQ[:15], StateMarker(100))
+    assert cache.state_positions([1] + SEQ[:3]) == [4] and cache.stats().evicted_states == 1
+
+
+def test_branch_marks_are_bounded_oldest_first_and_go_with_their_kv() -> None:
+    cache = make_cache()
+    put(cache, SEQ, StateMarker(1))
+    cache._states.marks.max_marks = 2
+    # Three requests part from SEQ at 5, 9 and 13, where no state is kept: each marks and passes the marks before.
+    for cut, points in ((5, (5,)), (9, (5, 9)), (13, (9, 13))):
+        lease = cache.acquire(SEQ[:cut] + [1, 1])
+        assert lease.state_points == points
+        cache.release(lease)
+    lease = cache.acquire(SEQ[:19] + [1])  # parts nowhere (all but its last token cached): passes the two marks left
+    assert lease.state_points == (9, 13) and cache.stats().num_branch_marks == 2
+    cache.release(lease)
+    cache.check_invariants()
+    cache.evict_all()
+    assert cache.stats().num_branch_marks == 0
+    cache.check_invariants()
+
+
 def test_a_state_larger_than_the_budget_is_not_kept_and_replacing_one_counts_once() -> None:
     cache = make_cache(max_state_bytes=100)
     put(cache, SEQ[:8], StateMarker(101))
@@ -402,6 +438,7 @@ class ResumeMachine(RuleBasedStateMachine):
         self.history: list[Seq] = [()]
         self.cached: dict[str, set[Seq]] = {ns: set() for ns in NAMESPACES}
         self.states: dict[str, dict[Seq, StateMarker]] = {ns: {} for ns in NAMESPACES}
+        self.marks: dict[str, set[Seq]] = {ns: set() for ns in NAMESPACES}  # prefixes where a cut match parted
 
     def sequence(self, spec) -> Seq:
         pick, cut, tail = spec
@@ -440,6 +477,10 @@ class ResumeMachine(RuleBasedStateMachine):
         lease = self.cache.acquire(list(prompt), ns, num_tokens=len(prompt))
         assert (lease.num_matched_tokens, lease.num_cached_tokens) == (matched, expected)
         assert lease.resume_state is state and lease.resume_shortfall_tokens == matched - expected
+        if expected < matched < len(prompt) - 1:
+            self.marks[ns].add(prompt[:matched])
+        points = {len(m) for m in self.marks[ns] if expected < len(m) <= matched and prompt[: len(m)] == m}
+        assert lease.state_points == (tuple(sorted(points)) if expected < matched else ())
         self.cache.insert_prefix(lease, list(prompt), state=self.keep(ns, prompt, sizes[0]) if sizes[0] else None)
         inner = len(prompt) // 2
         if sizes[1] and inner > expected:
@@ -467,8 +508,9 @@ class ResumeMachine(RuleBasedStateMachine):
         for ns in NAMESPACES:
             self.cached[ns] = {tuple(s) for s in self.cache.cached_sequences(ns)}
             cached = self.cached[ns]
-            # A state goes exactly when the KV of its last token does.
+            # A state (and a mark) goes exactly when the KV of its last token does.
             self.states[ns] = {p: m for p, m in self.states[ns].items() if any(s[: len(p)] == p for s in cached)}
+            self.marks[ns] = {p for p in self.marks[ns] if any(s[: len(p)] == p for s in cached)}
 
     @invariant()
     def consistent(self) -> None:
@@ -482,6 +524,7 @@ class ResumeMachine(RuleBasedStateMachine):
                     del self.states[ns][prefix]  # evicted by the budget
             kept += len(self.states[ns])
         assert stats.num_states == kept
+        assert stats.num_branch_marks == sum(len(marks) for marks in self.marks.values())
         assert stats.state_bytes == sum(m.nbytes for ns in NAMESPACES for m in self.states[ns].values())
         assert stats.state_bytes <= self.MAX_STATE_BYTES
 
