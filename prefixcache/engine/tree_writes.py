@@ -62,9 +62,10 @@ class TreeWrites:
             request.pending_state = self.state_at(request)
             return
         if not self.state_interval or position % self.state_interval:
-            if position in request.lease.state_points:
+            state = self.state_at(request) if position in request.lease.state_points else None
+            if state is not None:
                 # A branch point the tree holds already (another request's tokens): only the state is new there.
-                self.cache.put_state(request.lease, position, self.state_at(request))
+                self.cache.put_state(request.lease, position, state)
             return
         self.cache.insert_prefix(request.lease, request.prompt_array[:position], state=self.state_at(request))
         request.table = None  # the insert rewrote the lease's table in place
