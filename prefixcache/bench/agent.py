@@ -1,4 +1,4 @@
-"""The ``agent`` benchmark, the headline: a tool-calling agent loop on a real model shape, three ways in one process.
+"""The ``agent`` benchmark, the headline: a tool-calling agent loop on a real model shape, four ways in one process.
 
 Workload: real tau-bench airline conversations (``../shared/data``): a system prompt of the airline policy (cut at a
 paragraph boundary) with the tool schemas the conversations call, about 1,500 tokens, then the customer's turns,
@@ -8,14 +8,20 @@ greedily (``max_new_tokens``).  The history then carries the recorded tool call 
 forcing: a random-weight model's own output is not a tool call, and each way must see identical prompts), so every
 step of the loop is a prompt that extends the last one by a tool call and a tool result, as in an agent framework.
 
-The model is a random-weight Qwen2 from the shared ``config.json`` cut to a few layers.  The three ways, interleaved
+The model is a random-weight Qwen2 from the shared ``config.json`` cut to a few layers.  The four ways, interleaved
 step by step (the order rotates), all greedy and all checked to produce the same tokens:
 
 (a) ``model.generate`` on the whole prompt every step, what smolagents' ``TransformersModel`` and LangChain's
     ``HuggingFacePipeline`` do;
 (b) transformers' documented prefix reuse: prefill the system prompt once into a ``DynamicCache`` and give
     ``model.generate`` a ``copy.deepcopy`` of it every step (its one-time prefill is counted in step 1);
-(c) :class:`~prefixcache.engine.runner.PrefixCachingRunner`, which reuses everything any earlier step computed.
+(c) :class:`~prefixcache.engine.runner.PrefixCachingRunner`, which reuses everything any earlier step computed;
+(d) (c) with tree speculation (:mod:`prefixcache.engine.speculation`): a
+    :class:`~prefixcache.engine.batching.BatchEngine` with ``speculate="tree"`` on a runner of its own (so that it
+    never drafts from (c)'s answer to the same prompt), prefilling in one forward as (c) does; its greedy rows verify
+    drafts from their context and its cache.  Its figures include the decode time per answer token against (c)'s and
+    the draft tokens verified and accepted.  On a random-weight model the answers are the model's own (not tool
+    calls), so acceptance is what that model's repetitions give, not an agent's.
 
 Time covers the whole call, prefill time runs to the first token (a streamer notes it for ``generate``).  Both are
 the calling thread's CPU time with torch held to one thread (see ``bench engine``), so that other
@@ -38,17 +44,19 @@ import torch
 
 from prefixcache.bench.common import BenchResult, Table
 from prefixcache.bench.device_clock import TORCH_THREADS, clock, timed_runner_call, torch_threads
+from prefixcache.engine.batching import BatchEngine
 from prefixcache.engine.runner import PrefixCachingRunner
 from prefixcache.engine.sampling import SamplingParams
 from prefixcache.errors import InvalidArgumentError, install_command
 
 DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 QWEN_DIR = DATA_DIR / "tokenizers" / "qwen2.5-0.5b-instruct"
-WAYS = ("a", "b", "c")
+WAYS = ("a", "b", "c", "d")
 WAY_NAMES = {
     "a": "(a) model.generate from scratch",
     "b": "(b) generate + deepcopy(system cache)",
     "c": "(c) prefixcache runner",
+    "d": "(d) (c) + tree speculation",
 }
 
 
@@ -208,6 +216,9 @@ class _Ways:
             do_sample=False, max_new_tokens=setup.max_new_tokens, eos_token_id=eos, pad_token_id=eos[0]
         )
         self.runner = PrefixCachingRunner(hf, tokenizer, cache_tokens=cache_tokens, block_size=setup.block_size)
+        spec_runner = PrefixCachingRunner(hf, tokenizer, cache_tokens=cache_tokens, block_size=setup.block_size)
+        self.spec_engine = BatchEngine(spec_runner, max_batch_tokens=cache_tokens, speculate="tree")
+        self.drafted_tokens = self.accepted_tokens = 0  # (d)'s draft tokens verified and accepted, over the steps
         self.system_cache = None
 
     def warm_up(self, ids: list[int]) -> None:
@@ -219,6 +230,8 @@ class _Ways:
         self._generate(ids, lambda: DynamicCache(config=self.hf.config))
         spare = PrefixCachingRunner(self.hf, self.runner.tokenizer, cache_tokens=4 * len(ids), block_size=16)
         timed_runner_call(spare, ids, SamplingParams(max_new_tokens=self.setup.max_new_tokens))
+        spare = PrefixCachingRunner(self.hf, self.runner.tokenizer, cache_tokens=4 * len(ids), block_size=16)
+        _timed_engine_call(BatchEngine(spare, speculate="tree"), ids, SamplingParams(max_new_tokens=2))
 
     @torch.inference_mode()
     def _generate(self, ids: list[int], cache) -> tuple[float, float, list[int]]:
@@ -262,6 +275,24 @@ class _Ways:
         usage = result.usage
         return seconds, ttft, usage.prefilled_tokens, usage.cached_tokens, list(result.token_ids)
 
+    def speculating(self, ids: list[int]) -> tuple[float, float, int, int, list[int]]:
+        params = SamplingParams(max_new_tokens=self.setup.max_new_tokens, stop_token_ids=self.stop)
+        ttft, seconds, result = _timed_engine_call(self.spec_engine, ids, params)
+        usage = result.usage
+        self.drafted_tokens += usage.drafted_tokens
+        self.accepted_tokens += usage.accepted_tokens
+        return seconds, ttft, usage.prefilled_tokens, usage.cached_tokens, list(result.token_ids)
+
+
+def _timed_engine_call(engine: BatchEngine, prompt: list[int], params: SamplingParams):
+    """``(ttft_s, total_s, result)`` of one request stepped in this thread by ``engine``, on :func:`clock`."""
+    first: list[float] = []
+    start = clock()
+    handle = engine.submit(prompt, params, on_token=lambda _token: first.append(clock()) if not first else None)
+    engine.run_until_idle()
+    total = clock() - start
+    return (first[0] - start if first else total), total, handle.result()
+
 
 def measure(setup: AgentSetup) -> tuple[list[AgentStep], dict]:
     """Run every step of every conversation three ways, interleaved; returns the steps and a description.
@@ -278,7 +309,7 @@ def measure(setup: AgentSetup) -> tuple[list[AgentStep], dict]:
     hf = build_agent_model(setup, tokenizer.vocab_size)
     longest = sum(len(conv[-1]) + setup.max_new_tokens * len(conv) for conv in prompts)
     ways = _Ways(hf, tokenizer, setup, system_ids, cache_tokens=longest + 64 * setup.block_size)
-    run_way = {"a": ways.scratch, "b": ways.reuse, "c": ways.prefixcache}
+    run_way = {"a": ways.scratch, "b": ways.reuse, "c": ways.prefixcache, "d": ways.speculating}
     with torch_threads():
         ways.warm_up(prompts[0][0][-64:])
         steps = _interleaved(setup, prompts, run_way)
@@ -290,6 +321,8 @@ def measure(setup: AgentSetup) -> tuple[list[AgentStep], dict]:
         "steps": setup.steps,
         "max_new_tokens": setup.max_new_tokens,
         "torch_threads": TORCH_THREADS,
+        "d_drafted_tokens": ways.drafted_tokens,
+        "d_accepted_tokens": ways.accepted_tokens,
     }
     return steps, description
 
@@ -301,7 +334,7 @@ def _interleaved(setup: AgentSetup, prompts: list[list[list[int]]], run_way: dic
         for conv, conv_prompts in enumerate(prompts):
             ids = conv_prompts[step]
             figures = {}
-            for way in WAYS[turn % 3 :] + WAYS[: turn % 3]:
+            for way in WAYS[turn % len(WAYS) :] + WAYS[: turn % len(WAYS)]:
                 start = time.perf_counter()
                 figures[way] = (*run_way[way](ids), time.perf_counter() - start)
             turn += 1
@@ -336,6 +369,7 @@ def summarize(steps: Sequence[AgentStep], first_step: int = 1) -> dict:
             "prefill_s": sum(s.prefill_s[way] for s in chosen),
             "prefilled_tokens": sum(s.prefilled_tokens[way] for s in chosen),
             "cached_tokens": sum(s.cached_tokens[way] for s in chosen),
+            "decode_s": sum(s.cpu_s[way] - s.prefill_s[way] for s in chosen),
         }
     c_cpu = totals["c"]["cpu_s"]
     return {
@@ -346,6 +380,8 @@ def summarize(steps: Sequence[AgentStep], first_step: int = 1) -> dict:
         "wall_a_over_c": totals["a"]["wall_s"] / totals["c"]["wall_s"],
         "wall_b_over_c": totals["b"]["wall_s"] / totals["c"]["wall_s"],
         "median_step_a_over_c": statistics.median(s.cpu_s["a"] / s.cpu_s["c"] for s in chosen),
+        # Decode time per answer token, (c) over (d): what speculation saves (the same tokens, asserted).
+        "decode_c_over_d": totals["c"]["decode_s"] / max(totals["d"]["decode_s"], 1e-9),
     }
 
 
@@ -383,10 +419,13 @@ def run(quick: bool = False, setup: AgentSetup | None = None) -> BenchResult:
         headers=("steps", "way", "cpu (s)", "prefill (s)", "prefilled", "cached", "/ (c)", "wall (s)", "wall / (c)"),
         rows=tuple(rows),
         notes=(
-            f"greedy, max_new_tokens {setup.max_new_tokens}; the three ways' tokens are asserted equal at every step;"
+            f"greedy, max_new_tokens {setup.max_new_tokens}; the four ways' tokens are asserted equal at every step;"
             " history carries the recorded tool calls and results (teacher forcing)",
             f"ways interleaved per step, order rotating; one process, {description['torch_threads']} torch thread(s);"
             " (b)'s one-time system-prompt prefill is counted in its first step",
+            f"(d): decode time (cpu - prefill) per answer token (c)/(d) {summaries['all']['decode_c_over_d']:.2f} "
+            f"(steps {later_from}+: {summaries['later']['decode_c_over_d']:.2f}); draft tokens accepted "
+            f"{description['d_accepted_tokens']:,} of {description['d_drafted_tokens']:,} verified",
         ),
     )
     per_step = Table(

@@ -1,5 +1,5 @@
 """Specification of the agent benchmark on a tiny Qwen2 with the real Qwen tokenizer and tau-bench conversations:
-the three ways produce the uncached greedy tokens, the accounting adds up, and prefixcache prefills the least."""
+the four ways produce the uncached greedy tokens, the accounting adds up, and prefixcache prefills the least."""
 
 from __future__ import annotations
 
@@ -27,14 +27,14 @@ def result():
 
 
 @needs_data
-def test_every_step_of_every_conversation_is_measured_three_ways(result) -> None:
+def test_every_step_of_every_conversation_is_measured_four_ways(result) -> None:
     steps = result.data["steps"]
     assert len(steps) == SETUP.conversations * SETUP.steps
     assert {(s["conversation"], s["step"]) for s in steps} == {(c, n) for c in range(2) for n in range(1, 7)}
     for s in steps:
         for clock in ("cpu_s", "wall_s", "prefill_s"):
-            assert set(s[clock]) == {"a", "b", "c"} and all(v > 0 for v in s[clock].values())
-        assert all(s["prefill_s"][way] <= s["cpu_s"][way] for way in "abc")
+            assert set(s[clock]) == {"a", "b", "c", "d"} and all(v > 0 for v in s[clock].values())
+        assert all(s["prefill_s"][way] <= s["cpu_s"][way] for way in "abcd")
         assert len(s["output"]) == SETUP.max_new_tokens or s["output"][-1] in _eos()
 
 
@@ -43,11 +43,14 @@ def test_prompt_tokens_are_either_cached_or_prefilled(result) -> None:
     system_tokens = result.data["description"]["system_tokens"]
     assert 600 <= system_tokens <= SETUP.system_tokens + 64  # policy cut to the budget, plus the first user header
     for s in result.data["steps"]:
-        for way in "abc":
+        for way in "abcd":
             assert s["cached_tokens"][way] + s["prefilled_tokens"][way] == s["prompt_tokens"]
         assert s["cached_tokens"]["a"] == 0
         assert s["cached_tokens"]["b"] == system_tokens
-        assert s["cached_tokens"]["c"] >= system_tokens or (s["step"] == 1 and s["conversation"] == 0)
+        for way in "cd":
+            assert s["cached_tokens"][way] >= system_tokens or (s["step"] == 1 and s["conversation"] == 0)
+    description = result.data["description"]
+    assert 0 <= description["d_accepted_tokens"] <= description["d_drafted_tokens"]
 
 
 @needs_data
