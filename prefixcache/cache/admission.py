@@ -32,9 +32,9 @@ copy or the sibling sharing it; then that request is running, and the guarantee 
 
 Resume points.  A cache of a recurrent (hybrid or state-space) model resumes a prefix only where a state is kept
 (:mod:`prefixcache.cache.resume`): with ``states`` set, :meth:`Admission.acquire` ends the match at the deepest kept
-state at or before the longest token match, marks the position where the prompt leaves a cached sequence when no state
-stands there (:mod:`prefixcache.cache.marks`), and hands the request the marked positions it will prefill through
-(``Lease.state_points``), where it should keep states.  Without, it pays one test.
+state at or before the longest token match, marks the position where the prompt leaves a cached sequence that goes
+on when no state stands there (:mod:`prefixcache.cache.marks`), and hands the request the marked positions it will
+prefill through (``Lease.state_points``), where it should keep states.  Without, it pays one test.
 
 What a request hands the tree while its lease is open (:meth:`~prefixcache.cache.handover.Handover.insert_prefix`,
 recurrent states, blocks extended in place) is :mod:`prefixcache.cache.handover`'s job, a part of :class:`Admission`;
@@ -127,8 +127,10 @@ class Admission(Handover):
             if resume_at and counted:
                 states.resumed(match.node, resume_at)
             if resume_at < num_matched:
-                if num_matched < len(q) - 1:
-                    states.marks.mark(match.node, num_matched)  # q leaves the cached path here: a branch point
+                node = match.node
+                if num_matched < len(q) - 1 and (num_matched < node.end or node.children):
+                    # q leaves a cached sequence that goes on: a branch point (not the end of a sequence it extends).
+                    states.marks.mark(node, num_matched)
                 state_points = states.marks.between(match.node, resume_at, num_matched)
                 match = tree.match(q, namespace, resume_at, self.owner, touch=False)
         self._heal_path(match.node)

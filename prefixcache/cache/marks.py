@@ -3,7 +3,9 @@
 A cache of a recurrent (hybrid or state-space) model resumes a prefix only where a state is kept
 (:mod:`prefixcache.cache.resume`).  Where two requests part ways inside a cached sequence — many conversations behind
 one system prompt, an edited message, a regenerated answer — the first one to part there has no state to resume at
-the branch: its match is cut back to the deepest kept state.  The cache then *marks* the branch position on the tree,
+the branch: its match is cut back to the deepest kept state.  The cache then *marks* the branch position on the tree
+(only where the cached sequence goes on past it: a request extending the end of a sequence whose state was evicted
+is no branch, and the state it keeps at its own end serves the next turn),
 and any request whose prefill passes through a marked position keeps a state there (:attr:`Lease.state_points
 <prefixcache.cache.lease.Lease>`): the request that marks keeps it itself, so from the next one on the whole shared
 prefix resumes.  SGLang's MambaRadixCache and vLLM's hybrid manager keep Mamba states at fixed block boundaries only;

@@ -102,7 +102,8 @@ class RadixCache(CacheSnapshots):
     Recurrent models (``resume_states=True``, :mod:`prefixcache.cache.resume`): inserts take an opaque state (with
     ``nbytes``) to keep at a position, lookups end at the deepest kept state, within ``max_state_bytes`` (required).
     Snapshots save the states kept on the nodes they save (:mod:`prefixcache.cache.snapshot.states`; ``restore``
-    rebuilds them with the model's ``state_loader``); a host tier is refused.  Off (the default), passing a state is an error and each lookup or insert pays one test.
+    rebuilds them with the model's ``state_loader``); a host tier is refused.  Off (the default), passing a state is
+    an error and each lookup or insert pays one test.
 
     Raises:
         InvalidArgumentError: ``host_pool`` is not a CPU pool with the device pool's block size, KV shape and dtype;

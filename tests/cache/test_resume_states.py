@@ -477,7 +477,8 @@ class ResumeMachine(RuleBasedStateMachine):
         lease = self.cache.acquire(list(prompt), ns, num_tokens=len(prompt))
         assert (lease.num_matched_tokens, lease.num_cached_tokens) == (matched, expected)
         assert lease.resume_state is state and lease.resume_shortfall_tokens == matched - expected
-        if expected < matched < len(prompt) - 1:
+        goes_on = any(len(c) > matched and c[:matched] == prompt[:matched] for c in self.cached[ns])
+        if expected < matched < len(prompt) - 1 and goes_on:  # parts from a sequence, not extending its end
             self.marks[ns].add(prompt[:matched])
         points = {len(m) for m in self.marks[ns] if expected < len(m) <= matched and prompt[: len(m)] == m}
         assert lease.state_points == (tuple(sorted(points)) if expected < matched else ())

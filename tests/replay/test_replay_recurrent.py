@@ -84,10 +84,11 @@ def test_states_every_four_blocks_add_nothing_to_prompts_shorter_than_that() -> 
 def test_a_budget_of_one_state_keeps_only_the_latest_and_the_next_turn_resumes_from_zero() -> None:
     report = replay(state_bytes=STATE, state_every=0, max_state_bytes=STATE)
     # Each new state evicts the one before: b1's states take the place of a1's answer state.  a2, cut back to 0,
-    # marks 60 and passes b1's mark at 40: it puts 5 states (40, 60, 69, 70, 80), a1 3, b1 4 (40, 49, 50, 60).
+    # passes b1's mark at 40 (and marks nothing at 60, the end of a1's sequence that it extends): it puts 4 states
+    # (40, 69, 70, 80), a1 3, b1 4 (40, 49, 50, 60).
     assert report.cached_tokens == 0
     assert report.resume_shortfall_tokens == 40 + 60
-    assert (report.num_states, report.evicted_states) == (1, 11)
+    assert (report.num_states, report.evicted_states) == (1, 10)
 
 
 def test_the_table_and_json_give_the_shortfall_and_the_states() -> None:
