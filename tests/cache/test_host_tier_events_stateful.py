@@ -85,4 +85,4 @@ class HostEventsMachine(RuleBasedStateMachine):
 
 
 TestHostEventsMachine = HostEventsMachine.TestCase
-TestHostEventsMachine.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+TestHostEventsMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

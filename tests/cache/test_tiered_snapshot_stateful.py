@@ -145,4 +145,4 @@ class TieredSnapshotMachine(HostTierMachine):
 
 
 TestTieredSnapshotMachine = TieredSnapshotMachine.TestCase
-TestTieredSnapshotMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+TestTieredSnapshotMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
