@@ -1,5 +1,6 @@
 """RadixCache.shrink: a lease gives back the blocks it reserved past the tokens it keeps (a rejected speculative
-draft's), never the blocks of its prompt (the matched prefix, a partial block extended in place), and the cache's invariants hold throughout."""
+draft's), never the blocks of its prompt (the matched prefix, a partial block extended in place), and the cache's
+invariants hold throughout."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A server with speculative decoding (``create_app(speculate="tree")``, ``serve --speculate tree``): a repeated greedy
-request answers as a server without speculation does, stop strings and ``n`` > 1 included, while its usage and ``/metrics`` count
-the draft tokens verified and accepted; an engine process speculates the same way."""
+request answers as a server without speculation does, stop strings and ``n`` > 1 included, while its usage and
+``/metrics`` count the draft tokens verified and accepted; an engine process speculates the same way."""
 
 from __future__ import annotations
 
