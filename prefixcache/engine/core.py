@@ -203,6 +203,9 @@ class EngineCore:
         rows, members = self._plan()
         if rows:
             self.steps += 1
+            # A lone decoding row on the CPU: its forward's time tells the draft source what a verify costs.
+            timed = self._verify_timer(rows, members)
+            started = time.perf_counter()
             try:
                 logits = forward_batch(self.model, rows, self.pool.kv)
             except BaseException as error:  # noqa: BLE001 - the error belongs to the requests, not the engine
@@ -211,6 +214,8 @@ class EngineCore:
                 if not isinstance(error, Exception):
                     raise
                 logits = []
+            if timed is not None and logits:
+                timed(len(members[0].draft), time.perf_counter() - started)
             for request, row, row_logits in zip(members, rows, logits, strict=False):
                 try:
                     if request.draft:
@@ -324,6 +329,19 @@ class EngineCore:
     def _plan(self) -> tuple[list[BatchRow], list[EngineRequest]]:
         draft = self._draft if self.drafts is not None else None
         return self.planner.plan(self.running, self.max_batch_tokens, self._reserve, draft)
+
+    def _verify_timer(self, rows: list[BatchRow], members: list[EngineRequest]) -> Callable[[int, float], None] | None:
+        """The draft source's ``observe`` when this step is one decoding row (its token and draft) on the CPU, where a
+        forward's time is its cost (on an accelerator it would be the time of its launch); else None."""
+        observe = getattr(self.drafts, "observe", None)
+        if observe is None or len(rows) != 1 or self.model.device.type != "cpu":
+            return None
+        request = members[0]
+        if request.forced is not None or rows[0].token_ids.numel() != 1 + len(request.draft):
+            return None
+        if request.position != request.sequence_length() - 1:
+            return None
+        return observe
 
     def _draft(self, request: EngineRequest, max_tokens: int) -> tuple[int, ...]:
         """The draft ``request`` verifies this step (also kept in ``request.draft``), of at most ``max_tokens``: none

@@ -127,18 +127,30 @@ class DraftLength:
                             ("relax", relax)):  # fmt: skip
             if not 0 <= value <= 1:
                 raise InvalidArgumentError(f"{name} must be in [0, 1], got {value!r}")
-        costs = list(verify_cost) if verify_cost is not None else [1.0]
-        if not costs or any(not c > 0 for c in costs):
-            raise InvalidArgumentError(f"verify_cost must hold positive numbers, got {verify_cost!r}")
-        costs += [costs[-1]] * (max_tokens + 1 - len(costs))
         self.max_tokens = max_tokens
-        self.costs = tuple(costs[: max_tokens + 1])
+        self.costs = self._cost_table(verify_cost)
         self.prior_first = prior_first
         self.p_first = prior_first
         self.p_next = prior_next
         self.decay = decay
         self.relax = relax
         self._budget: int | None = None
+
+    def _cost_table(self, verify_cost: Sequence[float] | None) -> tuple[float, ...]:
+        costs = list(verify_cost) if verify_cost is not None else [1.0]
+        if not costs or any(not c > 0 for c in costs):
+            raise InvalidArgumentError(f"verify_cost must hold positive numbers, got {verify_cost!r}")
+        costs += [costs[-1]] * (self.max_tokens + 1 - len(costs))
+        return tuple(costs[: self.max_tokens + 1])
+
+    def set_costs(self, verify_cost: Sequence[float]) -> None:
+        """Replace the cost table (as the constructor's ``verify_cost``; a measured one, say).  O(max_tokens).
+
+        Raises:
+            InvalidArgumentError: a cost that is not a positive number (the table is left as it was).
+        """
+        self.costs = self._cost_table(verify_cost)
+        self._budget = None
 
     def expected_tokens(self, num_draft_tokens: int) -> float:
         """Tokens a verify of a draft of ``num_draft_tokens`` yields on average, by the current estimates."""

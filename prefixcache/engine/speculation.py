@@ -47,7 +47,15 @@ from prefixcache.engine.draft import DEFAULT_MAX_DRAFT_TOKENS, Drafter, DraftLen
 from prefixcache.engine.request import EngineRequest
 from prefixcache.errors import InvalidArgumentError
 
-__all__ = ["SPECULATE_MODES", "DraftSource", "TreeDrafts", "check_speculate", "draft_room", "speculates"]
+__all__ = [
+    "SPECULATE_MODES",
+    "DraftSource",
+    "TreeDrafts",
+    "VerifyClock",
+    "check_speculate",
+    "draft_room",
+    "speculates",
+]
 
 SPECULATE_MODES = ("off", "tree")
 """``"off"``: one token a decode step.  ``"tree"``: greedy rows verify drafts from their context and the cache."""
@@ -73,6 +81,9 @@ class DraftSource(Protocol):
         and its first ``num_accepted`` accepted."""
         ...
 
+    # Optional: ``observe(num_draft_tokens, seconds)``, the time of a CPU forward of one decoding row with that many
+    # draft tokens (the engine calls it where the source has it).
+
 
 def speculates(request: EngineRequest) -> bool:
     """Whether ``request`` may verify a draft this step: greedy, not forced, no per-token verdict from its caller,
@@ -94,12 +105,53 @@ def draft_room(request: EngineRequest) -> int:
     return request.sampling.max_new_tokens - len(request.generated) - 1
 
 
+class VerifyClock:
+    """What a verify of ``k`` draft tokens costs in decode steps, learnt from the engine's own forwards.
+
+    :meth:`observe` takes the seconds of forwards of one decoding row with ``k`` draft tokens (0: a plain decode
+    step); each ``k`` keeps a moving average (weight ``1 - decay`` to the newest).  :meth:`costs` fits
+    ``cost(k) = 1 + slope * k`` through the averages of the ``k >= 1`` seen ``min_samples`` times or more, relative to
+    the decode step's (least squares through (0, 1); a slope below 0 counts as 0), for
+    :class:`~prefixcache.engine.draft.DraftLength`: a straight line, so that lengths never drafted get a cost too.
+    None until the decode step and one ``k`` were seen enough.  O(max_tokens)."""
+
+    __slots__ = ("decay", "max_tokens", "min_samples", "samples", "seconds")
+
+    def __init__(self, max_tokens: int, *, decay: float = 0.9, min_samples: int = 4) -> None:
+        self.max_tokens = max_tokens
+        self.decay = decay
+        self.min_samples = min_samples
+        self.seconds = [0.0] * (max_tokens + 1)
+        self.samples = [0] * (max_tokens + 1)
+
+    def observe(self, num_draft_tokens: int, seconds: float) -> None:
+        """A forward of one decoding row with ``num_draft_tokens`` draft tokens took ``seconds``.  O(1)."""
+        k = num_draft_tokens
+        if not 0 <= k <= self.max_tokens or not seconds > 0:
+            return
+        n = self.samples[k]
+        self.seconds[k] = seconds if n == 0 else self.decay * self.seconds[k] + (1 - self.decay) * seconds
+        self.samples[k] = n + 1
+
+    def costs(self) -> tuple[float, ...] | None:
+        """``cost[k]`` for ``k`` in ``0 .. max_tokens`` (``cost[0] == 1``), or None (not enough seen)."""
+        if self.samples[0] < self.min_samples:
+            return None
+        base = self.seconds[0]
+        seen = [k for k in range(1, self.max_tokens + 1) if self.samples[k] >= self.min_samples]
+        if not seen:
+            return None
+        slope = sum(k * (self.seconds[k] / base - 1) for k in seen) / sum(k * k for k in seen)
+        slope = max(slope, 0.0)
+        return tuple(1 + slope * k for k in range(self.max_tokens + 1))
+
+
 class TreeDrafts:
     """Drafts from the tokens already seen: a :class:`~prefixcache.engine.draft.Drafter` subscribed to ``cache``'s
     KV events (so it indexes the full blocks the tree holds, per namespace; a request drafts only from its own
     namespace), and per request a :class:`~prefixcache.engine.draft.DraftSession` (its context indexed once, then a
     token at a time; its adaptive :class:`~prefixcache.engine.draft.DraftLength` of at most ``max_draft_tokens``,
-    ``verify_cost`` as there) kept in ``request.draft_state`` across preemptions.
+    ``verify_cost`` as there, else learnt: :attr:`clock`) kept in ``request.draft_state`` across preemptions.
 
     One per runner (:meth:`~prefixcache.engine.runner.PrefixCachingRunner.tree_drafts`): cores stepping on several
     threads share it under its lock.  :meth:`close` unsubscribes it.  Cost: a lookup is O(n-gram sizes + k) dict
@@ -118,6 +170,9 @@ class TreeDrafts:
         self.verify_cost = None if verify_cost is None else tuple(verify_cost)
         DraftLength(max_draft_tokens, self.verify_cost)  # checks the cost table now rather than at the first draft
         self.cache = cache
+        self.clock = VerifyClock(max_draft_tokens)
+        """The cost of a verify as the engine measures it (:meth:`observe`); the draft lengths follow it where no
+        ``verify_cost`` was given."""
         self._lock = threading.Lock()
         self.proposed_by_source = {"context": 0, "tree": 0}
         """Draft tokens proposed, by where they came from (the request's own context, or the cache's blocks)."""
@@ -136,6 +191,10 @@ class TreeDrafts:
                 if seen < len(request.generated):
                     session.extend(request.generated[seen:])
                 session.namespace = request.namespace  # moved by a weight change while it waited to resume
+            if self.verify_cost is None:
+                costs = self.clock.costs()
+                if costs is not None and costs != session.length.costs:
+                    session.length.set_costs(costs)
             budget = min(session.length.next_budget(), max_tokens)
             proposal = self.drafter.lookup(session.index, session.namespace, budget) if budget > 0 else None
             if not proposal:
@@ -143,6 +202,11 @@ class TreeDrafts:
                 return ()
             self.proposed_by_source[proposal.source] += len(proposal)  # type: ignore[index]
             return proposal.tokens
+
+    def observe(self, num_draft_tokens: int, seconds: float) -> None:
+        """A forward of one decoding row with ``num_draft_tokens`` draft tokens took ``seconds`` (:attr:`clock`)."""
+        with self._lock:
+            self.clock.observe(num_draft_tokens, seconds)
 
     def verified(self, request: EngineRequest, num_proposed: int, num_accepted: int) -> None:
         """Tell the request's draft length controller how its draft fared."""

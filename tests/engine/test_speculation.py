@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from prefixcache import PrefixCachingRunner, SamplingParams
 from prefixcache.engine.batching import BatchEngine
 from prefixcache.engine.core import EngineCore
+from prefixcache.engine.draft import DraftLength
 from prefixcache.engine.request import EngineRequest
+from prefixcache.engine.speculation import VerifyClock
 from prefixcache.errors import InvalidArgumentError
 from prefixcache.models.llama import LlamaModel
 from prefixcache.testing import assert_quiescent
@@ -263,6 +265,7 @@ def test_the_real_drafter_accepts_tokens_on_a_repeated_prompt_and_changes_nothin
     assert results[1].usage.accepted_tokens > 0  # its answer is in the cache: the tree drafts it
     assert engine.core.accepted_tokens == sum(r.usage.accepted_tokens for r in results)
     assert runner.tree_drafts().proposed_by_source["tree"] > 0
+    assert runner.tree_drafts().clock.samples[0] > 0  # lone decode rows on the CPU were timed
     runner.tree_drafts().drafter.check_invariants()
     assert_quiescent(runner.cache)
 
@@ -360,3 +363,32 @@ def test_a_failing_or_out_of_vocabulary_draft_costs_the_step_its_draft_not_the_r
     assert done.usage.accepted_tokens == done.usage.drafted_tokens > 0  # the foreign id was cut before the verify
     assert drafts.calls >= 3
     assert_quiescent(runner.cache)
+
+
+def test_the_verify_clock_fits_a_cost_line_through_the_forwards_it_timed() -> None:
+    clock = VerifyClock(8, min_samples=2)
+    clock.observe(0, 0.010)
+    clock.observe(0, 0.010)
+    assert clock.costs() is None  # no verify seen enough yet
+    clock.observe(4, 0.030)
+    clock.observe(4, 0.030)
+    clock.observe(9, 1.0)  # beyond max_tokens: ignored
+    clock.observe(2, 0.0)  # not a duration: ignored
+    costs = clock.costs()
+    assert costs[0] == 1 and costs[4] == pytest.approx(3.0) and costs[8] == pytest.approx(5.0)
+    clock.observe(2, 0.001)
+    clock.observe(2, 0.001)  # cheaper than a decode step: the slope is fitted, never below 0
+    assert all(c >= 1 for c in clock.costs())
+
+
+def test_a_costly_verify_stops_drafts_that_are_rarely_accepted() -> None:
+    length = DraftLength(8)
+    for _ in range(6):
+        length.update(8, 0)
+    length.update(8, 1)
+    assert length.next_budget() > 0  # a verify as cheap as a decode step: any chance pays
+    length.set_costs([1 + 0.5 * k for k in range(9)])
+    assert length.next_budget() == 0
+    with pytest.raises(InvalidArgumentError):
+        length.set_costs([1, -1])
+    assert length.costs[1] == 1.5  # left as it was
