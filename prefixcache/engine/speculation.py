@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from prefixcache.cache.radix_cache import RadixCache
@@ -56,6 +57,12 @@ __all__ = [
     "draft_room",
     "speculates",
 ]
+
+PROBE_EVERY_STEPS = 16
+"""Steps a request's draft length controller may draft nothing before a short draft probes the acceptance again."""
+
+PROBE_TOKENS = 2
+"""The length of that probe."""
 
 SPECULATE_MODES = ("off", "tree")
 """``"off"``: one token a decode step.  ``"tree"``: greedy rows verify drafts from their context and the cache."""
@@ -146,12 +153,23 @@ class VerifyClock:
         return tuple(1 + slope * k for k in range(self.max_tokens + 1))
 
 
+@dataclass(slots=True, eq=False)
+class _Drafting:
+    """A request's drafting under :class:`TreeDrafts` (its ``draft_state``)."""
+
+    session: DraftSession
+    idle_steps: int = 0  # steps since its controller last gave it a budget
+
+
 class TreeDrafts:
     """Drafts from the tokens already seen: a :class:`~prefixcache.engine.draft.Drafter` subscribed to ``cache``'s
     KV events (so it indexes the full blocks the tree holds, per namespace; a request drafts only from its own
     namespace), and per request a :class:`~prefixcache.engine.draft.DraftSession` (its context indexed once, then a
     token at a time; its adaptive :class:`~prefixcache.engine.draft.DraftLength` of at most ``max_draft_tokens``,
     ``verify_cost`` as there, else learnt: :attr:`clock`) kept in ``request.draft_state`` across preemptions.
+    Where a request's controller drafts nothing (a verify costs more than the acceptance it expects brings), a draft
+    of :data:`PROBE_TOKENS` every :data:`PROBE_EVERY_STEPS` steps probes the acceptance again, so that an answer that
+    turns to copying is drafted for (else the estimate, never updated, only relaxes to its prior).
 
     One per runner (:meth:`~prefixcache.engine.runner.PrefixCachingRunner.tree_drafts`): cores stepping on several
     threads share it under its lock.  :meth:`close` unsubscribes it.  Cost: a lookup is O(n-gram sizes + k) dict
@@ -181,12 +199,13 @@ class TreeDrafts:
     def propose(self, request: EngineRequest, max_tokens: int) -> Sequence[int]:
         """The draft after ``request``'s known tokens, of at most ``max_tokens`` and its controller's budget."""
         with self._lock:
-            session = request.draft_state
-            if not isinstance(session, DraftSession):
+            state = request.draft_state
+            if not isinstance(state, _Drafting):
                 length = DraftLength(self.max_draft_tokens, self.verify_cost)
                 session = self.drafter.session(request.known_tokens(), request.namespace, length=length)
-                request.draft_state = session
+                state = request.draft_state = _Drafting(session)
             else:
+                session = state.session
                 seen = len(session.tokens) - len(request.prompt)
                 if seen < len(request.generated):
                     session.extend(request.generated[seen:])
@@ -196,11 +215,18 @@ class TreeDrafts:
                 if costs is not None and costs != session.length.costs:
                     session.length.set_costs(costs)
             budget = min(session.length.next_budget(), max_tokens)
+            if budget:
+                state.idle_steps = 0
+            else:
+                state.idle_steps += 1
+                if state.idle_steps >= PROBE_EVERY_STEPS:
+                    budget = min(PROBE_TOKENS, max_tokens)
             proposal = self.drafter.lookup(session.index, session.namespace, budget) if budget > 0 else None
             if not proposal:
                 session.length.update(0, 0)
                 return ()
             self.proposed_by_source[proposal.source] += len(proposal)  # type: ignore[index]
+            state.idle_steps = 0
             return proposal.tokens
 
     def observe(self, num_draft_tokens: int, seconds: float) -> None:
@@ -210,10 +236,10 @@ class TreeDrafts:
 
     def verified(self, request: EngineRequest, num_proposed: int, num_accepted: int) -> None:
         """Tell the request's draft length controller how its draft fared."""
-        session = request.draft_state
-        if isinstance(session, DraftSession):
+        state = request.draft_state
+        if isinstance(state, _Drafting):
             with self._lock:
-                session.length.update(num_proposed, num_accepted)
+                state.session.length.update(num_proposed, num_accepted)
 
     def close(self) -> None:
         """Stop following the cache's events: the drafter's block index then keeps what it had (stale as the cache

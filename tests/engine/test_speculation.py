@@ -392,3 +392,22 @@ def test_a_costly_verify_stops_drafts_that_are_rarely_accepted() -> None:
     with pytest.raises(InvalidArgumentError):
         length.set_costs([1, -1])
     assert length.costs[1] == 1.5  # left as it was
+
+
+def test_a_request_whose_verify_looks_too_costly_probes_and_then_drafts(tiny: LlamaModel) -> None:
+    from prefixcache.engine.speculation import PROBE_EVERY_STEPS, TreeDrafts
+
+    prompt = _ids(10, seed=11)
+    params = SamplingParams(max_new_tokens=PROBE_EVERY_STEPS + 24)
+    runner = PrefixCachingRunner(tiny, cache_tokens=1024, block_size=BLOCK)
+    # At the prior acceptance no draft pays for such a verify; once a probe is accepted, one does.
+    drafts = TreeDrafts(runner.cache, verify_cost=[1 + 0.55 * k for k in range(9)])
+    engine = BatchEngine(runner, speculate="tree", drafts=drafts)
+    results = []
+    for _ in range(2):
+        handle = engine.submit(prompt, params)
+        engine.run_until_idle()
+        results.append(handle.result())
+    assert results[0].token_ids == results[1].token_ids
+    assert results[1].usage.accepted_tokens > 2  # the probe, then the drafts it opened
+    assert_quiescent(runner.cache)
