@@ -21,7 +21,10 @@ context of :attr:`LlamaCppSetup.context` tokens).  Then, through their HTTP APIs
 Ratios are ours / llama.cpp: above 1 we are faster (tokens/s), below 1 we hold less (memory).  Where no
 ``llama-server`` is found (:mod:`prefixcache.bench.llamacpp_find`) the benchmark prints why and returns no table.
 The figures are wall time on a machine the two servers share with whatever else runs: the 1-minute load average
-before and after is printed with them.
+before and after is printed with them.  On a machine with more runnable threads than cores, ``--threads 1`` is the
+fair setting: llama.cpp's threads meet at a barrier after every operation, and one thread descheduled makes the other
+wait out its time slice (on this project's 2-core VM at load 4-5, SmolLM2 Q8_0 at 512 tokens of context decoded at
+45-54 tokens/s with one thread and 2.6-16 with two, in the same minute).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import contextlib
 import os
 import statistics
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -204,15 +207,21 @@ def run(
     model: str | os.PathLike[str] = "smollm2",
     precisions: tuple[str, ...] | None = None,
     cache_dir: Path | None = None,
+    threads: int | None = None,
 ) -> BenchResult:
     """Measure both servers at each of ``precisions`` (default :data:`DEFAULT_PRECISIONS`) on ``model``'s GGUF and
     tabulate; without a ``llama-server`` (``llama_server``, ``$LLAMA_SERVER``, ``PATH``) or ``llama-quantize``, print
-    why and return no table.  ``cache_dir``: where the GGUF of each class is made (:func:`gguf_of_type`).
+    why and return no table.  ``cache_dir``: where the GGUF of each class is made (:func:`gguf_of_type`);
+    ``threads``: of each server (default :attr:`LlamaCppSetup.threads`).
 
-    Raises InvalidArgumentError: an unknown precision, a model that is no GGUF, a server that does not start or a
-    request it refuses (both servers are stopped first)."""
+    Raises InvalidArgumentError: an unknown precision, threads below 1, a model that is no GGUF, a server that does
+    not start or a request it refuses (both servers are stopped first)."""
     chosen = tuple(parse_precision(name) for name in (precisions or DEFAULT_PRECISIONS))
     setup = QUICK if quick else FULL
+    if threads is not None:
+        if threads < 1:
+            raise InvalidArgumentError(f"threads must be >= 1, got {threads}")
+        setup = replace(setup, threads=threads)
     server = find_llama_server(llama_server)
     if server.path is None:
         return _skipped(server.reason)

@@ -59,6 +59,12 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
     bench.add_argument(
         "--model", default="smollm2", help="the llamacpp benchmark's GGUF: smollm2 (default) or a .gguf file"
     )
+    bench.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="threads of each server in the llamacpp benchmark (default 2; 1 on a machine busier than its cores)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -85,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
     if args.device != "cpu" or precisions:
         engine.check_device(args.device)  # before any benchmark runs
         extra["engine"] = partial(engine.run, device=args.device, precisions=precisions or ("float32",))
-    extra["llamacpp"] = partial(llamacpp.run, llama_server=args.llama_server, model=args.model, precisions=precisions)
+    extra["llamacpp"] = partial(
+        llamacpp.run, llama_server=args.llama_server, model=args.model, precisions=precisions, threads=args.threads
+    )
     if args.quick:
         print("quick run (--quick): small sizes for a smoke test; the figures are not judged against the goals\n")
     try:

@@ -51,7 +51,17 @@ def test_without_a_llama_server_the_benchmark_says_why_and_exits_0(no_llama, cap
 
 
 def test_a_given_path_that_is_no_program_is_named_in_the_skip(no_llama, capsys, tmp_path) -> None:
-    assert main(["bench", "llamacpp", "--llama-server", str(tmp_path / "nothing"), "--precision", "int8"]) == 0
+    command = [
+        "bench",
+        "llamacpp",
+        "--llama-server",
+        str(tmp_path / "nothing"),
+        "--precision",
+        "int8",
+        "--threads",
+        "1",
+    ]
+    assert main(command) == 0
     assert f"--llama-server '{tmp_path / 'nothing'}' is not an executable file" in capsys.readouterr().out
 
 
@@ -81,6 +91,13 @@ def test_an_unknown_precision_is_refused_by_the_command_line(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "llamacpp", "--precision", "int3"])
     assert "invalid choice: 'int3'" in capsys.readouterr().err
+
+
+def test_threads_below_one_are_refused() -> None:
+    from prefixcache.bench.llamacpp import run
+
+    with pytest.raises(InvalidArgumentError, match="threads must be >= 1"):
+        run(llama_server=sys.executable, threads=0)
 
 
 def test_the_command_line_knows_every_precision_and_benchmark() -> None:
