@@ -61,7 +61,7 @@ def test_readme_test_command_makes_the_venv_pins_torch_and_calls_its_pip_and_pyt
 
     assert steps[0] == "python3 -m venv .venv"
     assert steps[1] == ".venv/bin/pip install -q torch==2.13.0"
-    assert steps[-1] == ".venv/bin/pytest"
+    assert steps[-1] == ".venv/bin/pytest -n 2 --dist loadfile"  # two xdist workers; a file's tests share one
     # No bare pip or pytest: a new terminal has no venv active, and the global ones are not this clone's.
     assert all(step.startswith((".venv/bin/", "python3 -m venv")) for step in steps)
     subprocess.run(["bash", "-n", "-c", command], check=True)
