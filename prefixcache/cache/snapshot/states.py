@@ -11,9 +11,10 @@ index>.<position>.<name>``), under the same checksums as the K/V.  A state takes
 Capture holds the states themselves, not copies: a state is immutable once handed to the cache, so the writer reads
 its tensors (to the CPU) after the cache's mutex is released.  Restore rebuilds every state with the caller's
 ``state_loader(position, meta, tensors) -> state`` (the model's, putting the tensors on its device) *before* the cache
-is touched, so a state the model refuses leaves the cache as it was; a tensorless record comes back as a
-:class:`~prefixcache.cache.resume.StateMarker`.  The states of the nodes restored are put back within the budget
-(the least valuable evicted as usual); a cache that keeps no states ignores them.
+is touched, so a state the model refuses leaves the cache as it was, and a rebuilt state must measure the bytes its
+record says (the budget counts those); without a loader a tensorless record comes back as a
+:class:`~prefixcache.cache.resume.StateMarker` and the others are left out.  The states of the nodes restored are put
+back within the budget (the least valuable evicted as usual); a cache that keeps no states ignores them.
 """
 
 from __future__ import annotations
@@ -84,26 +85,41 @@ def check(manifest: dict[str, Any], tensor_names: set[str], where: str) -> None:
                 and entry["uses"] >= 1
                 and type(entry.get("meta")) is dict
                 and type(entry.get("tensors")) is list
-                and all(type(n) is str and n in tensor_names for n in entry["tensors"])
+                and all(_named(n, index, entry["position"]) and n in tensor_names for n in entry["tensors"])
             )
             if not ok:
                 raise SnapshotCorruptError(f"the snapshot {where}: node {index} holds a malformed state {entry!r:.200}")
 
 
+def _named(name: object, index: int, position: int) -> bool:
+    """Whether ``name`` is a tensor name :func:`capture_node` gives a state of node ``index`` at ``position``."""
+    prefix = f"{PREFIX}{index}.{position}."
+    return type(name) is str and name.startswith(prefix) and len(name) > len(prefix)
+
+
 def load(manifest: dict[str, Any], tensors: dict[str, Any], loader: StateLoader | None) -> dict[int, list[tuple]]:
-    """The saved states rebuilt, by node index: ``(position, state, nbytes, uses)``.  With no ``loader`` only the
-    tensorless ones come back (as markers).  Raises what the loader raises (before the cache is touched)."""
+    """The saved states rebuilt, by node index: ``(position, state, nbytes, uses)``.  With a ``loader`` every record
+    goes through it (a tensorless record too: the model refuses a state without its tensors, which a marker in its
+    place would fail the first request resuming it), and the state it rebuilds must measure the record's
+    ``nbytes`` (the budget counts them); with none only the tensorless ones come back (as markers).  Raises what the
+    loader raises, SnapshotCorruptError for a size that disagrees (before the cache is touched)."""
     out: dict[int, list[tuple]] = {}
     for index, record in enumerate(manifest["nodes"]):
         for entry in record.get("states", ()):
             names = entry["tensors"]
-            if not names:
+            if loader is None:
+                if names:
+                    continue
                 state = StateMarker(entry["nbytes"])
-            elif loader is None:
-                continue
             else:
                 local = {name.split(".", 3)[3]: tensors[name] for name in names}
                 state = loader(entry["position"], entry["meta"], local)
+                nbytes = getattr(state, "nbytes", None)
+                if nbytes != entry["nbytes"]:
+                    raise SnapshotCorruptError(
+                        f"the snapshot's state at {entry['position']} (node {index}) records {entry['nbytes']} bytes; "
+                        f"its tensors make {nbytes}"
+                    )
             out.setdefault(index, []).append((entry["position"], state, entry["nbytes"], entry["uses"]))
     return out
 
