@@ -59,7 +59,8 @@ from prefixcache.models.hf_state import (
     StateLayout,
     check_resume,
     new_live_cache,
-    probe_state_bytes,
+    probe_state,
+    state_kinds,
     take_state,
 )
 from prefixcache.models.hf_state import (
@@ -136,6 +137,7 @@ class HFCausalLM:
         """K/V between the pool and the live caches (:mod:`~prefixcache.models.hf_pool`)."""
         self.state_bytes = 0
         """Bytes of one recurrent-state snapshot (:meth:`take_state`); 0 for a model without recurrent layers."""
+        self._state_kinds: dict[str, Any] = {}
         # A model without attention (pure Mamba-2) has no position limit of its own: 2**20 tokens then.
         self.max_position = int(getattr(config, "max_position_embeddings", None) or UNBOUNDED_POSITIONS)
         self._fingerprint: str | None = None
@@ -147,7 +149,9 @@ class HFCausalLM:
         self._fingerprint_version: int | None = None
         self.fingerprint()  # every weight hashed now, never on a request's path (until the weights change)
         if self.layout.recurrent:
-            self.state_bytes = probe_state_bytes(self)
+            probe = probe_state(self)
+            self.state_bytes = probe.nbytes
+            self._state_kinds = state_kinds(probe)  # what a saved state's tensors must be (load_state)
             check_resume(self)
         if config.model_type not in TESTED_MODEL_TYPES:
             logger.warning(
@@ -236,8 +240,8 @@ class HFCausalLM:
     def load_state(self, position: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> RecurrentState:
         """A state a cache snapshot saved (:meth:`RecurrentState.snapshot_parts`), rebuilt on this model's device: what
         :meth:`RadixCache.restore`'s ``state_loader`` takes.  Raises SnapshotMismatchError for another model's state
-        (other state layers or size)."""
-        state = load_saved_state(self.layout, position, meta, tensors, self.device)
+        (other state layers, or a tensor of another shape or dtype)."""
+        state = load_saved_state(self.layout, position, meta, tensors, self.device, self._state_kinds)
         if state.nbytes != self.state_bytes:
             raise SnapshotMismatchError(
                 f"a saved recurrent state of {state.nbytes} bytes does not fit {self.name}: its states are "

@@ -28,9 +28,11 @@ __all__ = [
     "check_resume",
     "load_state",
     "new_live_cache",
+    "probe_state",
     "probe_state_bytes",
     "restore_state",
     "start_state",
+    "state_kinds",
     "take_state",
 ]
 
@@ -133,11 +135,18 @@ class RecurrentState:
 
 
 def load_state(
-    layout: StateLayout, position: int, meta: dict[str, Any], tensors: dict[str, torch.Tensor], device: Any
+    layout: StateLayout,
+    position: int,
+    meta: dict[str, Any],
+    tensors: dict[str, torch.Tensor],
+    device: Any,
+    kinds: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
 ) -> RecurrentState:
     """A state of a model with ``layout`` rebuilt from :meth:`RecurrentState.snapshot_parts` (tensors moved to
-    ``device``).  Raises SnapshotMismatchError when the parts name other layers than the layout's state layers, or
-    slots that are not there (another model's state)."""
+    ``device``).  ``kinds``: the shape and dtype of each tensor of the model's own states (:func:`state_kinds`), which
+    every saved tensor must have.  Raises SnapshotMismatchError when the parts name other layers than the layout's
+    state layers, slots that are not there, or a tensor of another shape or dtype (another model's state, or an edited
+    one: a tensor of the right size in bytes but the wrong shape would fail the first request resuming it)."""
     expected = {str(i) for i in (*layout.state_layers, *layout.minimax_layers)}
     if set(meta) != expected:
         raise SnapshotMismatchError(
@@ -158,7 +167,13 @@ def load_state(
             for slot in range(count):
                 tensor = tensors.get(f"{index}.{kind}.{slot}")
                 if tensor is not None:
-                    used.add(f"{index}.{kind}.{slot}")
+                    name = f"{index}.{kind}.{slot}"
+                    if kinds is not None and (tuple(tensor.shape), tensor.dtype) != kinds.get(name):
+                        raise SnapshotMismatchError(
+                            f"a saved recurrent state's tensor {name} is {tensor.dtype} {list(tensor.shape)}; the "
+                            f"model's is {kinds.get(name, 'absent')}"
+                        )
+                    used.add(name)
                     nbytes += tensor.numel() * tensor.element_size()
                     tensor = tensor.to(device)
                 group.append(tensor)
@@ -275,10 +290,21 @@ def _scratch_pool(model: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return kv, torch.zeros(1, dtype=torch.int32, device=model.device)
 
 
+def state_kinds(state: RecurrentState) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of each tensor of ``state`` by its :meth:`~RecurrentState.snapshot_parts` name: what
+    :func:`load_state` checks a saved state against.  O(layers)."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in state.snapshot_parts()[1].items()}
+
+
 def probe_state_bytes(model: Any) -> int:
     """Bytes of one state snapshot of the adapter ``model`` (an :class:`~prefixcache.models.hf.HFCausalLM` with
     recurrent layers), from a one-token forward into a one-block scratch pool.  Raises UnsupportedModelError when
     that forward fails (a model that cannot run one token with a cache cannot be served)."""
+    return probe_state(model).nbytes
+
+
+def probe_state(model: Any) -> RecurrentState:
+    """One state snapshot of the adapter ``model`` (see :func:`probe_state_bytes`), after a one-token forward."""
     kv, table = _scratch_pool(model)
     live = LiveKV()
     try:
@@ -288,7 +314,7 @@ def probe_state_bytes(model: Any) -> int:
             f"{type(model.model).__name__} failed a one-token forward into a cache of its recurrent and attention "
             f"layers: {type(error).__name__}: {error}"
         ) from error
-    return model.take_state(live).nbytes
+    return model.take_state(live)
 
 
 def check_resume(model: Any) -> None:

@@ -150,6 +150,13 @@ def test_a_saved_state_of_another_shape_is_refused(qwen3_next):
     first = next(iter(tensors))
     with pytest.raises(SnapshotMismatchError):
         qwen3_next.load_state(1, meta, {**tensors, first: tensors[first][..., :1]})
+    # Of the right size in bytes, but flattened, or of a wider dtype with half the values: the first request resuming
+    # it would fail inside the model's forward.
+    flat = tensors[first].reshape(-1)
+    with pytest.raises(SnapshotMismatchError, match=r"float32 \[\d+\]; the model's is"):
+        qwen3_next.load_state(1, meta, {**tensors, first: flat})
+    with pytest.raises(SnapshotMismatchError, match="float64"):
+        qwen3_next.load_state(1, meta, {**tensors, first: flat[: flat.numel() // 2].double()})
 
 
 def _one_token(model: HFCausalLM, live):
