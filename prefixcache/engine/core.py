@@ -478,8 +478,8 @@ class EngineCore:
             request.accepted_tokens += agrees
             self.accepted_tokens += agrees
             self._take(request, token, logits[i])
-            if not agrees or request.handle.future.done():
-                break
+            if not agrees or request.handle.future.done() or request.handle.cancelled:
+                break  # a cancel from a callback: no token after it (the next step drops the request)
         self.drafts.verified(request, len(draft), accepted)
         if not request.handle.future.done() and request.lease is not None:
             truncate_live(self.model, request.live, request.position)
