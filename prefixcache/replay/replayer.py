@@ -283,14 +283,22 @@ class Replayer:
         try:
             state = None
             if self.state_bytes is not None:
-                # As the engine core does: the prompt is inserted once prefilled, with the state after it.
+                # As the engine core does (tree_writes), in its order, which decides what a tight state budget
+                # evicts: the prefill keeps a state at each block boundary it passes (inserting the prompt so far)
+                # and branch mark, then the prompt goes in with the state after it, then the one before its last
+                # token (for a repeat).
                 state = StateMarker(self.state_bytes)
-                cache.insert_prefix(lease, request.prompt, state=state)
-                inner = {*self._inner_state_positions(lease.num_cached_tokens, len(request.prompt) - 1)}
-                inner.update(p for p in lease.state_points if p < len(request.prompt) - 1)  # the branch marks passed
-                for length in [*sorted(inner), len(request.prompt) - 1]:  # and before the last token, for a repeat
-                    if length > lease.num_cached_tokens:
+                last = len(request.prompt) - 1
+                boundaries = set(self._inner_state_positions(lease.num_cached_tokens, last))
+                marks = {p for p in lease.state_points if p < last}
+                for length in sorted(boundaries | marks):
+                    if length in boundaries:
+                        cache.insert_prefix(lease, request.prompt[:length], state=state)
+                    else:
                         cache.put_state(lease, length, state)
+                cache.insert_prefix(lease, request.prompt, state=state)
+                if last > lease.num_cached_tokens:
+                    cache.put_state(lease, last, state)
             cache.reserve(lease, len(request.prompt) + len(request.answer))
             cache.commit(lease, request.prompt + request.answer, state=state)
         except BaseException:

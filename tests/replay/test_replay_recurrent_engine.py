@@ -49,3 +49,36 @@ def test_the_no_model_replay_resumes_where_the_engine_does() -> None:
     # b finds no state inside the system prompt; c and g resume all of it (b marked 70); a's next turn resumes its
     # answer; the first edit resumes there too and marks the edit, the second resumes at the edit.
     assert engine == [0, 0, 70, a_turn, a_turn, a_turn + 8, 70]
+
+
+@pytest.fixture(scope="module")
+def qwen3_next():
+    return tiny_random_model("qwen3_next", max_positions=1024)
+
+
+@pytest.mark.parametrize(("block_size", "state_every", "budget_states"), [(16, 0, 4), (16, 2, 4), (4, 1, 6)])
+def test_under_a_tight_state_budget_the_no_model_replay_evicts_the_states_the_engine_does(
+    qwen3_next, block_size: int, state_every: int, budget_states: int
+) -> None:
+    # The budget evicts by value as states are put: the replay must put them in the engine's order (the states its
+    # prefill passes, then the prompt's end, then before its last token), or it keeps others.
+    from prefixcache.engine.runner import PrefixCachingRunner
+
+    model = qwen3_next
+    budget = budget_states * model.state_bytes
+    runner = PrefixCachingRunner(
+        model, cache_tokens=4096, block_size=block_size, state_interval_blocks=state_every, state_cache_memory=budget
+    )
+    engine = [runner.generate(r.prompt, forced_tokens=r.answer).usage.cached_tokens for r in REQUESTS]
+    modelled = cached_per_request(
+        Replayer(
+            None,
+            block_size=block_size,
+            cache_tokens=4096,
+            state_bytes=model.state_bytes,
+            state_every=state_every,
+            max_state_bytes=budget,
+        )
+    )
+    assert modelled == engine
+    assert any(engine)  # the budget keeps some: the order is what is tested
