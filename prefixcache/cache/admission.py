@@ -124,8 +124,6 @@ class Admission(Handover):
         state_points: tuple[int, ...] = ()
         if states is not None:
             resume_at, resume_state = states.deepest(match.node, num_matched)
-            if resume_at and counted:
-                states.resumed(match.node, resume_at)
             if resume_at < num_matched:
                 node = match.node
                 if num_matched < len(q) - 1 and (num_matched < node.end or node.children):
@@ -214,6 +212,8 @@ class Admission(Handover):
                 lease.state_points = state_points
                 if counted:
                     states.shortfall_tokens += shortfall
+                    if num_cached:  # a resume adds to the state's value once admitted (not on every refused retry)
+                        states.resumed(match.node, num_cached)
             if promotion is not None:
                 lease.num_host_tokens = promotion.host_tokens(num_cached)
             if counted:

@@ -312,6 +312,24 @@ def test_a_state_resumed_often_outlives_deeper_ones_nobody_resumes() -> None:
     assert cache.state_positions([1] + SEQ[:3]) == [4] and cache.stats().evicted_states == 1
 
 
+def test_a_request_refused_for_blocks_adds_nothing_to_the_value_of_the_state_it_would_resume() -> None:
+    from prefixcache.errors import OutOfBlocksError
+
+    # An engine retries a request that waits for blocks at every step: eight refusals are not eight resumes.
+    cache = make_cache(num_blocks=12, max_state_bytes=200)
+    put(cache, [1] + SEQ[:3], StateMarker(100))
+    hog = cache.acquire([9] * 28, num_tokens=28)  # 7 blocks: 4 left, the cached one locked by the request below
+    for _ in range(8):
+        with pytest.raises(OutOfBlocksError):
+            cache.acquire([1] + SEQ[:3] + [5, 5], num_tokens=24)
+    cache.release(hog)
+    assert cache.stats().rejected_requests == 8
+    put(cache, [2] + SEQ[:15], StateMarker(100))
+    put(cache, [3] + SEQ[:15], StateMarker(100))
+    assert cache.state_positions([1] + SEQ[:3]) == [] and cache.stats().evicted_states == 1
+    cache.check_invariants()
+
+
 def test_branch_marks_are_bounded_oldest_first_and_go_with_their_kv() -> None:
     cache = make_cache()
     put(cache, SEQ, StateMarker(1))
