@@ -13,6 +13,11 @@ so freed blocks stay in the heap for the next layer.  It is what vLLM's and Inte
 tcmalloc or jemalloc, done in process.  The cost is resident memory: the heap keeps up to ``trim_bytes`` of freed
 memory instead of returning it, so the process's RSS stays near its peak.  The ``prefixcache`` program calls it
 when it starts (``PREFIXCACHE_KEEP_FREED_MEMORY=0`` opts out); a program embedding the library may call it itself.
+
+What the heap keeps is meant for the next forward's activations, not for what loading a model left: the dense
+weights a quantization replaced, a GGUF file's dequantization temporaries.  :func:`release_freed_host_memory` (glibc's
+``malloc_trim``) hands every free page of the heap back once a model is loaded or quantized: SmolLM2-135M quantized
+to int8 went from 971 to 561 MiB resident in the engine process.
 """
 
 from __future__ import annotations
@@ -25,7 +30,13 @@ import sys
 
 from prefixcache.errors import InvalidArgumentError
 
-__all__ = ["MMAP_THRESHOLD_BYTES", "TRIM_THRESHOLD_BYTES", "OPT_OUT_VARIABLE", "keep_freed_host_memory"]
+__all__ = [
+    "MMAP_THRESHOLD_BYTES",
+    "TRIM_THRESHOLD_BYTES",
+    "OPT_OUT_VARIABLE",
+    "keep_freed_host_memory",
+    "release_freed_host_memory",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +86,39 @@ def keep_freed_host_memory_unless_opted_out() -> bool:
     return keep_freed_host_memory()
 
 
-def _glibc_mallopt():
-    """glibc's ``mallopt(int, int) -> int``, or None where this process's C library is not glibc."""
+def release_freed_host_memory() -> bool:
+    """Give the free pages of the C heap back to the kernel now (glibc's ``malloc_trim(0)``, which also releases
+    free pages in the middle of the heap), whatever the trim threshold; True when glibc released some.  False,
+    changing nothing, where the C library is not glibc.  O(heap size); call it after a one-off release of much
+    memory (a model loaded or quantized), not per step."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    trim = libc.malloc_trim
+    trim.argtypes = (ctypes.c_size_t,)
+    trim.restype = ctypes.c_int
+    return bool(trim(0))
+
+
+def _glibc():
+    """This process's C library if it is glibc (Linux), else None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         version = libc.gnu_get_libc_version  # glibc only: musl has no such symbol
-        mallopt = libc.mallopt
     except (OSError, AttributeError):
         return None
     version.restype = ctypes.c_char_p
+    return libc
+
+
+def _glibc_mallopt():
+    """glibc's ``mallopt(int, int) -> int``, or None where this process's C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return None
+    mallopt = libc.mallopt
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
     return mallopt

@@ -104,3 +104,27 @@ def test_the_program_path_honours_the_opt_out() -> None:
 @pytest.mark.skipif(GLIBC, reason="checks the no-op path of a C library other than glibc")
 def test_other_c_libraries_are_left_alone() -> None:
     assert keep_freed_host_memory() is False
+
+
+_RELEASE_PROBE = """
+import json, sys
+from prefixcache.host_allocator import keep_freed_host_memory, release_freed_host_memory
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+keep_freed_host_memory()  # as the program runs: freed blocks stay in the heap
+blocks = [bytearray(1 << 20) for _ in range(400)]  # 400 MiB written, each block below the mmap threshold
+del blocks
+kept = rss_mib()
+released = release_freed_host_memory()
+print(json.dumps({"released": released, "kept_mib": kept, "after_mib": rss_mib()}))
+"""
+
+
+@pytest.mark.skipif(not GLIBC, reason="malloc_trim is glibc's; elsewhere the call is a no-op")
+def test_memory_freed_after_loading_goes_back_to_the_kernel_despite_the_kept_thresholds() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _RELEASE_PROBE], capture_output=True, text=True, timeout=120, check=True
+    )
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["released"] is True
+    assert figures["kept_mib"] - figures["after_mib"] > 300, figures  # of the 400 MiB the heap kept

@@ -40,6 +40,7 @@ import torch
 import xxhash
 
 from prefixcache.errors import InvalidArgumentError, SnapshotMismatchError, UnsupportedModelError
+from prefixcache.host_allocator import release_freed_host_memory
 from prefixcache.models.base import (
     BatchRow,
     LiveKV,
@@ -282,6 +283,7 @@ class HFCausalLM:
         self.head.resolve()  # the head and the large layers it noted were replaced
         self._fingerprint = None
         self.fingerprint()
+        release_freed_host_memory()  # the dense weights just freed, kept by the heap otherwise
         return summary
 
     def fingerprint(self) -> str:

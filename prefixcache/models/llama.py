@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import xxhash
 
 from prefixcache.errors import InvalidArgumentError
+from prefixcache.host_allocator import release_freed_host_memory
 from prefixcache.models.base import (
     BatchRow,
     LiveKV,
@@ -202,6 +203,7 @@ class LlamaModel:
         self._config_fingerprint = f"{self._config_fingerprint}|quantized {summary.describe()}"
         self._fingerprint = None
         self._packs.clear()
+        release_freed_host_memory()  # the dense weights just freed, kept by the heap otherwise
         return summary
 
     def fingerprint(self) -> str:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from prefixcache.host_allocator import release_freed_host_memory
 from prefixcache.models.quantize import parse_quantize
 from prefixcache.models.sources import ModelSource, parse_dtype, resolve_model
 
@@ -43,7 +44,9 @@ def load_source(
     mode = parse_quantize(quantize)
     model = _load_dense(source, dtype, device)
     if mode != "none":
-        model.quantize(mode)
+        model.quantize(mode)  # gives the freed heap back itself
+    else:
+        release_freed_host_memory()  # what loading freed (a GGUF file's dequantization temporaries)
     return model
 
 
