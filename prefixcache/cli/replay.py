@@ -315,8 +315,12 @@ def _replay(args: argparse.Namespace) -> int:
         host_tier=args.host_cache_tokens is not None or args.host_cache_memory is not None,
     )
     check_outputs(args)
-    if args.speculate is None:
-        args.speculate = "tree" if args.no_model else "off"
+    if args.speculate is None:  # recurrent models never speculate: their state cannot be rolled back
+        args.speculate = "tree" if args.no_model and args.state_bytes is None else "off"
+    elif args.speculate != "off" and args.state_bytes is not None:
+        raise InvalidArgumentError(
+            "--speculate models drafts a recurrent model never verifies: drop it with --state-bytes"
+        )
     if args.verify_cost is not None and args.speculate == "off":
         raise InvalidArgumentError("--verify-cost needs --speculate context or tree")
     with piped_inputs_as_files(args):  # after the checks above: a long stdin is copied only for a run that goes on

@@ -117,7 +117,7 @@ def add_parser(commands: Any, parents: list[argparse.ArgumentParser]) -> None:
         "--snapshot-every",
         metavar="MIN",
         type=float,
-        help="also save the snapshot every MIN minutes (needs --snapshot)",
+        help="also save the snapshot every MIN minutes, a number of at least 0.1 (needs --snapshot)",
     )
 
 

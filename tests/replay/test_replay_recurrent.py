@@ -132,3 +132,16 @@ def test_cli_recurrent_replay_hits_at_most_full_attention(tmp_path: Path) -> Non
     assert (
         recurrent_report["cached_tokens"] + recurrent_report["resume_shortfall_tokens"] == full_report["cached_tokens"]
     )
+
+
+def test_cli_recurrent_replay_predicts_no_speculation_and_refuses_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    full, recurrent = tmp_path / "full.json", tmp_path / "recurrent.json"
+    assert cli(CHAT, "--no-model", "--json", full) == 0
+    assert cli(CHAT, "--no-model", "--state-bytes", "1MiB", "--json", recurrent) == 0
+    assert json.loads(full.read_text()).get("speculation")  # full attention: predicted by default
+    assert not json.loads(recurrent.read_text()).get("speculation")  # a recurrent model never speculates
+    capsys.readouterr()
+    assert cli(CHAT, "--no-model", "--state-bytes", "1MiB", "--speculate", "tree") == 2
+    assert "a recurrent model never verifies" in capsys.readouterr().err
