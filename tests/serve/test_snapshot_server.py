@@ -250,3 +250,30 @@ def test_a_save_failing_with_any_error_is_logged_and_the_periodic_saves_and_shut
     assert "KeyError" in caplog.text and "MemoryError" in caplog.text
     with pytest.raises(InvalidArgumentError, match="closed"):
         app.state.engine.submit([1, 2, 3])
+
+
+def test_a_restarted_server_with_a_hybrid_model_resumes_its_first_repeated_prompt(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="needs: pip install 'prefixcache[hf]'")
+    from prefixcache.models.hf import random_model_from_config
+    from prefixcache.models.hf_tiny import tiny_hf_config
+
+    folder = tmp_path / "tiny-mamba2"
+    tiny_hf_config("mamba2", max_position_embeddings=4096).save_pretrained(folder)
+    model = random_model_from_config(str(folder / "config.json"))
+    snapshot = tmp_path / "snap"
+    asked = [{"role": "system", "content": "You are a terse support agent for Acme."}]
+    asked.append({"role": "user", "content": "Where is order 12?"})
+
+    app = create_app(PrefixCachingRunner(model, cache_tokens=4096), model_name="tiny", snapshot_dir=snapshot)
+    cold_chat, warm_chat = list(asked), list(asked)
+    with start_background(app) as server:
+        cold = turn(server.url, cold_chat)
+    assert app.state.snapshots.last_saved.num_states > 0  # the recurrent states went to disk with the blocks
+
+    app = create_app(PrefixCachingRunner(model, cache_tokens=4096), model_name="tiny", snapshot_dir=snapshot)
+    with start_background(app) as server:
+        warm = turn(server.url, warm_chat)
+    assert warm_chat[-1]["content"] == cold_chat[-1]["content"]  # greedy, resumed from the restored state
+    assert cold["prompt_tokens_details"]["cached_tokens"] == 0
+    # All but the prompt's last token, which is always computed: the state kept before it was restored.
+    assert warm["prompt_tokens_details"]["cached_tokens"] == warm["prompt_tokens"] - 1
