@@ -8,6 +8,7 @@ between requests by reference counting instead of copying.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -341,9 +342,11 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """A zero tensor of ``shape`` whose host memory is committed as it is written, not at allocation.
 
     ``torch.zeros`` on the CPU writes every byte, so a pool sized for 32 full-context sessions is resident from the
-    start.  numpy's ``zeros`` takes memory from ``calloc``, whose large allocations are fresh zero pages mapped on
-    first touch: resident memory then follows the blocks written, as a CPU user expects of a preallocated pool.
-    Other devices use ``torch.zeros``.
+    start.  A private anonymous ``mmap`` gives fresh zero pages mapped on first touch, and unmaps them when the pool
+    goes: resident memory follows the blocks written, as a CPU user expects of a preallocated pool.  (Not ``calloc``:
+    with the program's allocator settings, :mod:`prefixcache.host_allocator`, a pool below the mmap threshold came
+    from freed heap memory, which ``calloc`` zeroes by writing it, so the whole pool was resident at once.)  Where
+    ``mmap`` has no private anonymous mappings, numpy's ``zeros`` (``calloc``); other devices use ``torch.zeros``.
 
     Raises:
         MemoryError: more bytes than the machine's physical memory (a lazily committed pool would be killed only when
@@ -357,7 +360,10 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
     if physical is not None and num_bytes > physical:  # committed lazily, it would be killed only when it fills
         raise MemoryError(f"cannot allocate {num_bytes:,} bytes of K/V: more than the machine's {physical:,}")
-    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+    if num_bytes == 0 or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+    mapping = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # unmapped with the last view
+    return torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

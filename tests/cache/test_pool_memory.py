@@ -51,3 +51,33 @@ def test_a_pool_larger_than_the_machines_memory_is_refused_at_creation() -> None
         KVBlockPool(num_blocks, 16, num_layers=1, num_kv_heads=8, head_dim=64, device="cpu")
     with pytest.raises(MemoryError):  # a size whose byte count overflows 64 bits is refused the same way
         zeroed((2**40, 2**30, 16), torch.float32, torch.device("cpu"))
+
+
+_PROGRAM_POOL = """
+import json
+from prefixcache.host_allocator import keep_freed_host_memory
+keep_freed_host_memory()  # as the prefixcache program starts: blocks below 256 MiB come from the heap
+import torch
+from prefixcache.cache.pool import KVBlockPool
+def resident_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+scratch = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB freed into the heap, as a prefill's activations are
+del scratch
+created = []
+for _ in range(2):  # the second pool may reuse the first's freed memory
+    before = resident_mib()
+    pool = KVBlockPool(1024, 16, num_layers=2, num_kv_heads=8, head_dim=64, device="cpu")  # 128 MiB
+    created.append(resident_mib() - before)
+    del pool
+print(json.dumps(created))
+"""
+
+
+def test_a_pool_below_the_programs_mmap_threshold_is_not_resident_either() -> None:
+    import json
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", _PROGRAM_POOL], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    created = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(mib < 16 for mib in created), f"MiB resident right after allocating 128 MiB pools: {created}"
