@@ -10,6 +10,7 @@ import torch
 
 from prefixcache.bench import memory, policy
 from prefixcache.bench.common import QUICK_NOT_JUDGED, verdict
+from prefixcache.cache.pool import zeroed
 
 
 def test_a_quick_run_leaves_every_goal_cell_empty() -> None:
@@ -28,8 +29,10 @@ def test_quick_memory_run_prints_no_verdict_and_says_why() -> None:
 
 @pytest.mark.skipif(memory.resident_bytes() is None, reason="needs /proc/self/statm (Linux)")
 def test_resident_memory_grows_by_what_a_filled_tensor_holds() -> None:
+    # Fresh pages (a private anonymous mapping, as the pool's): a torch.ones of 64 MiB may reuse heap memory that
+    # earlier tests in this process freed, which is already resident.
     before = memory.resident_bytes()
-    tensor = torch.ones(64 * 2**20 // 4, dtype=torch.float32)
+    tensor = zeroed((64 * 2**20 // 4,), torch.float32, torch.device("cpu")).fill_(1.0)
     grown = memory.resident_bytes() - before
 
     assert 0.95 * tensor.nbytes <= grown <= 1.05 * tensor.nbytes
