@@ -353,8 +353,9 @@ class EngineCore:
         if not speculates(request):
             return ()
         try:
-            proposal = tuple(map(operator.index, self.drafts.propose(request, min(max_tokens, draft_room(request)))))
-            draft = proposal[: min(max_tokens, draft_room(request))]
+            limit = min(max_tokens, draft_room(request))
+            proposal = tuple(map(operator.index, self.drafts.propose(request, limit)))
+            draft = proposal[:limit]  # a source may propose more than it was asked for
             vocab = self.model.vocab_size
             draft = draft[: next((i for i, token in enumerate(draft) if not 0 <= token < vocab), len(draft))]
             draft = draft[: request.picker.draft_prefix(draft)]
